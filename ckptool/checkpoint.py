@@ -1,0 +1,164 @@
+"""Checkpoint: a container, where the weights live in it, and how it was saved."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from . import keys as keys_
+from .errors import InputError, NothingToDoError
+from .refs import StorageRef, TensorRef
+from .tree import get_at, iter_tensors, map_tensors, replace_at
+
+# Where training code puts the weights, tried in order (first match wins).
+#   state_dict        Lightning, timm, many scripts          model_state_dict  the PyTorch tutorial's resumable dict
+#   model             this project's training/, fairseq, DETR module   DeepSpeed
+#   net / network     older research code                     ema/model_ema     EMA copies (after the live weights)
+WEIGHTS_KEYS = ("state_dict", "model_state_dict", "model", "module", "model_state", "net", "network",
+                "weights", "params", "model_ema", "ema", "state_dict_ema")
+LIGHTNING_MARKERS = ("pytorch-lightning_version", "hyper_parameters", "lightning_version")
+
+
+def is_state_dict(obj: Any) -> bool:
+    """A str-keyed mapping whose values are mostly tensors."""
+    if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
+        return False
+    tensors = sum(isinstance(v, TensorRef) for v in obj.values())
+    return tensors > 0 and tensors * 2 >= len(obj)
+
+
+def find_layout(container: Any) -> tuple[Any, ...] | None:
+    """The key path from the top-level object to the weights, or None if there are none.
+
+    Example:
+        >>> find_layout({"model": {"fc.weight": tensor}, "epoch": 3})   # doctest: +SKIP
+        ('model',)
+    """
+    if is_state_dict(container):
+        return ()
+    node: Any = container
+    path: tuple[Any, ...] = ()
+    for _ in range(4):
+        if not isinstance(node, dict):
+            break
+        for key in WEIGHTS_KEYS:
+            if is_state_dict(node.get(key)):
+                return path + (key,)
+        nested = [key for key in WEIGHTS_KEYS if isinstance(node.get(key), dict)]
+        if not nested:
+            break
+        node, path = node[nested[0]], path + (nested[0],)
+    if isinstance(container, dict):
+        candidates = [(sum(1 for _ in iter_tensors(v)), k) for k, v in container.items() if is_state_dict(v)]
+        if candidates:
+            return (max(candidates)[1],)
+    return None
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint as read: the unpickled container with lazy tensors, and where the weights are.
+
+    Attributes:
+        path: the file or directory read.
+        format: ``torch-zip``, ``torch-legacy``, ``safetensors``, ``safetensors-sharded`` or ``dcp``.
+        container: the top-level object (dicts, lists and :class:`~ckptool.refs.TensorRef` leaves).
+        layout: key path to the weights inside ``container`` (``()`` for a bare state_dict).
+        globals: every pickle global used, with counts (empty for safetensors).
+        metadata: safetensors metadata (string to string).
+        archive_name: the zip folder name (torch-zip).
+        files: every file the checkpoint spans.
+
+    Example:
+        >>> ckpt = ckptool.load("ddp.pt")                      # doctest: +SKIP
+        >>> ckpt.prefix, ckpt.layout                           # doctest: +SKIP
+        ('module.', ('model',))
+        >>> ckptool.save(ckpt.strip_prefix(), "model.pt")     # doctest: +SKIP
+    """
+
+    path: Path
+    format: str
+    container: Any
+    layout: tuple[Any, ...] | None
+    globals: dict[str, int] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    archive_name: str = "archive"
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    # views ----------------------------------------------------------------------------------
+    @property
+    def has_weights(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def state_dict(self) -> dict:
+        """The weights mapping inside the container."""
+        if self.layout is None:
+            raise InputError("holds no weights (no mapping of names to tensors) — is this a checkpoint?", path=self.path)
+        return get_at(self.container, self.layout)
+
+    @property
+    def tensors(self) -> dict[str, TensorRef]:
+        """The weights: name -> tensor (non-tensor entries left out)."""
+        return {k: v for k, v in self.state_dict.items() if isinstance(v, TensorRef)}
+
+    @property
+    def is_lightning(self) -> bool:
+        return isinstance(self.container, dict) and any(marker in self.container for marker in LIGHTNING_MARKERS)
+
+    @property
+    def prefix(self) -> str:
+        """The wrapper stack every weight key carries ("" if none)."""
+        if self.layout is None:
+            return ""
+        return keys_.detect_prefix(self.tensors, lightning=self.is_lightning)
+
+    def storages(self) -> list[StorageRef]:
+        """Every distinct storage in the whole container (weights, optimizer state...)."""
+        seen: dict[int, StorageRef] = {}
+        for _, tensor in iter_tensors(self.container):
+            seen.setdefault(id(tensor.storage), tensor.storage)
+        return list(seen.values())
+
+    def saved_devices(self) -> dict[str, int]:
+        """Location tags as saved: ``{"cuda:1": n_storages}``."""
+        return dict(Counter(storage.location for storage in self.storages()))
+
+    # transforms (pure: a new Checkpoint shares what did not change) ---------------------------
+    def with_state_dict(self, state_dict: dict) -> Checkpoint:
+        return replace(self, container=replace_at(self.container, self.layout or (), state_dict),
+                       layout=self.layout if self.layout is not None else ())
+
+    def strip_prefix(self, prefix: str | None = None) -> Checkpoint:
+        """Remove ``prefix`` (default: the detected wrapper stack) from the weight keys."""
+        prefix = self.prefix if prefix is None else prefix
+        if not prefix:
+            raise NothingToDoError("no wrapper prefix (module., _orig_mod., model.) on the weight keys — nothing to strip",
+                                   path=self.path)
+        return self.with_state_dict(keys_.strip_prefix(self.state_dict, prefix))
+
+    def add_prefix(self, prefix: str = keys_.DDP_PREFIX) -> Checkpoint:
+        """Put ``prefix`` in front of every weight key."""
+        return self.with_state_dict(keys_.add_prefix(self.state_dict, prefix))
+
+    def remap(self, mapper: Callable[[str], str]) -> Checkpoint:
+        """Rewrite every storage's location tag with ``mapper`` (no tensor moves; no GPU needed)."""
+        new_storages: dict[int, StorageRef] = {}
+
+        def retag(tensor: TensorRef) -> TensorRef:
+            storage = tensor.storage
+            if id(storage) not in new_storages:
+                new_storages[id(storage)] = replace(storage, location=mapper(storage.location))
+            return replace(tensor, storage=new_storages[id(storage)])
+
+        return replace(self, container=map_tensors(self.container, retag))
+
+    def entries(self) -> dict[str, Any]:
+        """The top-level entries other than the weights (epoch, optimizer, config...)."""
+        if not isinstance(self.container, dict) or not self.layout:
+            return {}
+        return {k: v for k, v in self.container.items() if k != self.layout[0]}

@@ -1,0 +1,69 @@
+"""Dtype names: one canonical spelling (safetensors') for every dtype a checkpoint can hold.
+
+Torch-free on purpose: the reader maps pickle globals (``torch.FloatStorage``, ``torch.float32``)
+and safetensors header strings onto these names without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DType:
+    """A tensor element type: canonical name, byte size, torch attribute name, floating or not."""
+
+    name: str  # safetensors spelling, e.g. "F32"
+    itemsize: int
+    torch_name: str  # attribute of the torch module, e.g. "float32"
+    storage_class: str | None  # legacy typed-storage class name in pickles, e.g. "FloatStorage"
+    is_floating: bool
+
+
+_ALL = (
+    DType("F64", 8, "float64", "DoubleStorage", True),
+    DType("F32", 4, "float32", "FloatStorage", True),
+    DType("F16", 2, "float16", "HalfStorage", True),
+    DType("BF16", 2, "bfloat16", "BFloat16Storage", True),
+    DType("F8_E4M3", 1, "float8_e4m3fn", None, True),
+    DType("F8_E5M2", 1, "float8_e5m2", None, True),
+    DType("F8_E4M3FNUZ", 1, "float8_e4m3fnuz", None, True),
+    DType("F8_E5M2FNUZ", 1, "float8_e5m2fnuz", None, True),
+    DType("C64", 8, "complex64", "ComplexFloatStorage", False),
+    DType("C128", 16, "complex128", "ComplexDoubleStorage", False),
+    DType("I64", 8, "int64", "LongStorage", False),
+    DType("I32", 4, "int32", "IntStorage", False),
+    DType("I16", 2, "int16", "ShortStorage", False),
+    DType("I8", 1, "int8", "CharStorage", False),
+    DType("U64", 8, "uint64", None, False),
+    DType("U32", 4, "uint32", None, False),
+    DType("U16", 2, "uint16", None, False),
+    DType("U8", 1, "uint8", "ByteStorage", False),
+    DType("BOOL", 1, "bool", "BoolStorage", False),
+)
+
+BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
+BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in _ALL}
+BY_STORAGE_CLASS: dict[str, DType] = {d.storage_class: d for d in _ALL if d.storage_class}
+# torch also accepts these aliases as attributes (torch.float == torch.float32 ...)
+BY_TORCH_NAME.update(
+    {
+        "float": BY_NAME["F32"],
+        "double": BY_NAME["F64"],
+        "half": BY_NAME["F16"],
+        "long": BY_NAME["I64"],
+        "int": BY_NAME["I32"],
+        "short": BY_NAME["I16"],
+        "cfloat": BY_NAME["C64"],
+        "cdouble": BY_NAME["C128"],
+    }
+)
+FLOATING = frozenset(d.name for d in _ALL if d.is_floating)
+ALIASES = {"fp32": "F32", "float32": "F32", "fp16": "F16", "float16": "F16", "half": "F16",
+           "bf16": "BF16", "bfloat16": "BF16", "fp64": "F64", "float64": "F64"}
+
+
+def by_name(name: str) -> DType:
+    """Look up a canonical name (``"F32"``) or a friendly alias (``"bf16"``)."""
+    key = ALIASES.get(name.lower(), name.upper())
+    return BY_NAME[key]

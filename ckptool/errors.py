@@ -1,0 +1,62 @@
+"""ckptool's exceptions: each message names the file or key, the cause, and the next step.
+
+The CLI turns a :class:`CkptError` into one line on stderr and its ``exit_code``; anything
+else escaping a command is a bug.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CkptError(Exception):
+    """Base class: an expected failure with an actionable one-line message."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, path: Path | str | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.message = message
+        super().__init__(f"{self.path}: {message}" if self.path is not None else message)
+
+
+class InputError(CkptError):
+    """The input cannot be read: missing, unreadable, truncated, corrupt or not a checkpoint."""
+
+
+class UnsafeCheckpointError(InputError):
+    """The pickle references a global outside the allowlist; nothing was executed."""
+
+    def __init__(self, message: str, *, path: Path | str | None = None, globals_: list[str] | None = None) -> None:
+        super().__init__(message, path=path)
+        self.globals = list(globals_ or [])
+
+
+class UnsupportedFormatError(InputError):
+    """The file is readable but is not a checkpoint ckptool handles (TorchScript, archives, images...)."""
+
+
+class OutputError(CkptError):
+    """The output cannot be written: exists without --force, is the input, disk full, read-only."""
+
+
+class KeyCollisionError(CkptError):
+    """A key rewrite would map two keys onto one name."""
+
+
+class NothingToDoError(CkptError):
+    """The requested change would leave the checkpoint as it is (e.g. no key carries the prefix)."""
+
+    exit_code = 1
+
+
+class FingerprintMismatchError(CkptError):
+    """A written file did not read back with the weights' fingerprint; it was deleted."""
+
+    exit_code = 1
+
+
+class UsageError(CkptError):
+    """The arguments contradict each other or name something that does not exist."""
+
+    exit_code = 2

@@ -1,0 +1,35 @@
+"""The content fingerprint: one hash for the same weights in any format.
+
+sha256 over the weights sorted by key; for each: a length-prefixed JSON header
+``[key, dtype, shape]`` then the length-prefixed C-order bytes. Tied tensors count under each key.
+The .pt, safetensors and sharded copies of the same weights hash alike; any changed byte,
+key, dtype or shape changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from .refs import TensorRef
+
+PREFIX = "sha256:"
+
+
+def header_bytes(key: str, tensor: TensorRef) -> bytes:
+    return json.dumps([key, tensor.dtype.name, list(tensor.shape)], separators=(",", ":")).encode("utf-8")
+
+
+def fingerprint(tensors: Mapping[str, TensorRef]) -> str:
+    """The fingerprint of a weights mapping (non-tensor values are skipped)."""
+    digest = hashlib.sha256()
+    for key in sorted(k for k, v in tensors.items() if isinstance(v, TensorRef)):
+        tensor = tensors[key]
+        header = header_bytes(key, tensor)
+        digest.update(len(header).to_bytes(8, "little"))
+        digest.update(header)
+        digest.update(tensor.nbytes.to_bytes(8, "little"))
+        for chunk in tensor.iter_bytes():
+            digest.update(chunk)
+    return PREFIX + digest.hexdigest()

@@ -1,0 +1,301 @@
+"""safetensors, single file or sharded (``*.safetensors.index.json``), read and written by hand.
+
+Reading parses and validates the header only (length, JSON, dtypes, shapes, offsets that tile
+the data section exactly); tensors stay on disk as byte ranges. Writing puts the header first and
+streams each tensor's bytes from wherever they lie, so memory stays flat in the file size.
+
+Tied tensors: safetensors has no aliases, so ckptool stores a tied group once and records the
+other names in the metadata entry ``ckptool.aliases`` (JSON ``{alias: stored_name}``); ckptool's
+reader re-ties them onto one storage. Stock readers see every stored tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from .. import dtypes
+from ..errors import InputError, UsageError
+from ..refs import ByteRange, StorageRef, TensorRef
+from .zipio import _copy_range
+
+FORMAT = "safetensors"
+SHARDED_FORMAT = "safetensors-sharded"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+ALIASES_KEY = "ckptool.aliases"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
+
+
+@dataclass
+class SafetensorsContents:
+    tensors: dict[str, TensorRef]
+    metadata: dict[str, str] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+
+
+def looks_like_safetensors(head: bytes) -> bool:
+    """A safetensors file starts with a u64 header length then ``{``."""
+    return len(head) >= 9 and head[8:9] == b"{"
+
+
+def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
+    """The validated header dict and the absolute offset where the data section starts."""
+    file_size = os.fstat(handle.fileno()).st_size
+    handle.seek(0)
+    prefix = handle.read(8)
+    if len(prefix) != 8:
+        raise InputError("is too short to be a safetensors file — the file is truncated", path=path)
+    (length,) = struct.unpack("<Q", prefix)
+    if length < 2:
+        raise InputError(f"safetensors header length is {length} — the file is corrupt", path=path)
+    if length > MAX_HEADER_BYTES:
+        raise InputError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES}) — refused", path=path)
+    if 8 + length > file_size:
+        raise InputError(f"safetensors header claims {length} bytes but the file has {file_size} — truncated", path=path)
+    raw = handle.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputError(f"safetensors header is not valid UTF-8 JSON ({type(e).__name__}) — the file is corrupt", path=path) from e
+    if not isinstance(header, dict):
+        raise InputError("safetensors header is not a JSON object — the file is corrupt", path=path)
+    return header, 8 + length
+
+
+def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
+    """Read one safetensors file's tensors as lazy references."""
+    header, data_start = read_header(path, handle)
+    file_size = os.fstat(handle.fileno()).st_size
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
+    spans: list[tuple[int, int, str]] = []
+    tensors: dict[str, TensorRef] = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise InputError(f"safetensors entry {name[:80]!r} is malformed — the file is corrupt", path=path)
+        dtype = dtypes.BY_NAME.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(entry['dtype'])[:20]!r}", path=path)
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+            raise InputError(f"tensor {name[:80]!r} has an invalid shape — the file is corrupt", path=path)
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+            raise InputError(f"tensor {name[:80]!r} has invalid data offsets — the file is corrupt", path=path)
+        begin, end = offsets
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise InputError(
+                f"tensor {name[:80]!r} needs {nbytes} bytes but its offsets span {end - begin} — the file is corrupt",
+                path=path,
+            )
+        spans.append((begin, end, name))
+        storage = StorageRef(key=name, dtype=dtype, numel=math.prod(shape), location="cpu",
+                             data=ByteRange(path, data_start + begin, nbytes))
+        tensors[name] = TensorRef(storage=storage, dtype=dtype, shape=tuple(shape), stride=_contiguous_stride(shape))
+    # the data section must be tiled exactly: no gaps, no overlaps, nothing trailing
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            cause = "overlaps another tensor" if begin < position else "leaves a gap before it"
+            raise InputError(f"tensor {name[:80]!r} {cause} in the data section — the file is corrupt", path=path)
+        position = end
+    if data_start + position != file_size:
+        cause = "ends before" if data_start + position > file_size else "has trailing bytes after"
+        raise InputError(f"safetensors data section {cause} the last tensor — the file is corrupt or truncated", path=path)
+    contents = SafetensorsContents(tensors=tensors, metadata=dict(metadata), files=[path])
+    _retie(contents, path)
+    return contents
+
+
+def _retie(contents: SafetensorsContents, path: Path) -> None:
+    raw = contents.metadata.get(ALIASES_KEY)
+    if raw is None:
+        return
+    try:
+        aliases = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InputError(f"metadata {ALIASES_KEY} is not JSON — the file is corrupt", path=path) from e
+    if not isinstance(aliases, dict):
+        raise InputError(f"metadata {ALIASES_KEY} is not a JSON object — the file is corrupt", path=path)
+    for alias, target in aliases.items():
+        stored = contents.tensors.get(target)
+        if stored is None or alias in contents.tensors:
+            raise InputError(f"alias {alias!r} points at {target!r}, which is not stored — the file is corrupt", path=path)
+        contents.tensors[alias] = TensorRef(storage=stored.storage, dtype=stored.dtype, shape=stored.shape,
+                                            stride=stored.stride)
+    # keep the names in sorted order, as they would read from a file without aliases
+    contents.tensors = dict(sorted(contents.tensors.items()))
+
+
+def read_index(index_path: Path) -> SafetensorsContents:
+    """Read a sharded checkpoint through its ``*.safetensors.index.json``."""
+    try:
+        raw = index_path.read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read ({e.strerror}) — check the path and permissions", path=index_path) from e
+    if len(raw) > MAX_HEADER_BYTES:
+        raise InputError("index file is larger than any real index — refused", path=index_path)
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputError("index is not valid UTF-8 JSON — the file is corrupt", path=index_path) from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError("index has no weight_map of key -> shard file — not a sharded safetensors index", path=index_path)
+    shard_names = sorted(set(weight_map.values()))
+    for shard in shard_names:
+        if not _SHARD_NAME.match(shard) or shard in (".", ".."):
+            raise InputError(f"index names shard {shard[:80]!r}, which is not a file beside it — refused", path=index_path)
+    contents = SafetensorsContents(tensors={})
+    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    directory = index_path.parent
+    for shard in shard_names:
+        shard_path = directory / shard
+        try:
+            with open(shard_path, "rb") as handle:
+                shard_contents = read_file(shard_path, handle)
+        except FileNotFoundError as e:
+            raise InputError(f"shard {shard} named by the index is missing — copy every shard", path=index_path) from e
+        except IsADirectoryError as e:
+            raise InputError(f"shard {shard} named by the index is a directory", path=index_path) from e
+        for name, tensor in shard_contents.tensors.items():
+            if name in contents.tensors:
+                raise InputError(f"tensor {name!r} is stored in two shards — the checkpoint is inconsistent", path=index_path)
+            contents.tensors[name] = tensor
+        contents.files.append(shard_path)
+        contents.metadata.update(shard_contents.metadata)
+    missing = [key for key, shard in weight_map.items() if key not in contents.tensors]
+    if missing:
+        raise InputError(f"index lists {len(missing)} tensors no shard holds (e.g. {missing[0]!r})", path=index_path)
+    contents.metadata.update({str(k): str(v) for k, v in metadata.items() if k != "total_size"})
+    contents.tensors = dict(sorted(contents.tensors.items()))
+    return contents
+
+
+def find_index(directory: Path) -> Path | None:
+    """The sharded index inside ``directory``, or its single safetensors file."""
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if len(indexes) == 1:
+        return indexes[0]
+    if len(indexes) > 1:
+        preferred = directory / INDEX_NAME
+        if preferred in indexes:
+            return preferred
+        raise InputError(f"holds {len(indexes)} safetensors indexes — name the one to read", path=directory)
+    singles = sorted(directory.glob("*.safetensors"))
+    if len(singles) == 1:
+        return singles[0]
+    return None
+
+
+def _contiguous_stride(shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912 (Hugging Face's units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"size {text!r} is not like 500MB, 2GB or 1GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    size = int(number * base**power)
+    if size <= 0:
+        raise UsageError(f"size {text!r} must be positive")
+    return size
+
+
+def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
+    """Tied tensors (same storage, offset, shape, stride, dtype): ``{alias: stored_name}``."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if tensor.numel == 0:
+            continue
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        if identity in first:
+            aliases[name] = first[identity]
+        else:
+            first[identity] = name
+    return aliases
+
+
+def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str]) -> None:
+    # larger element types first keeps every tensor aligned to its element size (as safetensors does)
+    order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    position = 0
+    for name in order:
+        tensor = tensors[name]
+        header[name] = {"dtype": tensor.dtype.name, "shape": list(tensor.shape),
+                        "data_offsets": [position, position + tensor.nbytes]}
+        position += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    handle.write(struct.pack("<Q", len(encoded)) + encoded)
+    handle.flush()
+    out_offset = 8 + len(encoded)
+    for name in order:
+        tensor = tensors[name]
+        span = tensor.contiguous_byte_range()
+        if span is not None and span.length:
+            _copy_range(span.path, span.offset, span.length, handle, out_offset)
+            handle.seek(out_offset + span.length)
+        elif tensor.nbytes:
+            handle.seek(out_offset)
+            for chunk in tensor.iter_bytes():
+                handle.write(chunk)
+            handle.flush()
+        out_offset += tensor.nbytes
+    handle.seek(out_offset)
+    handle.truncate()
+
+
+def write_file(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
+               *, duplicate_tied: bool = False) -> dict[str, str]:
+    """Write one safetensors file; returns the aliases recorded (empty with ``duplicate_tied``)."""
+    aliases = {} if duplicate_tied else plan_aliases(tensors)
+    stored = {name: tensor for name, tensor in tensors.items() if name not in aliases}
+    metadata = dict(metadata)
+    if aliases:
+        metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    _write_one(handle, stored, metadata)
+    return aliases
+
+
+def plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int) -> list[list[str]]:
+    """Split names in order into shards of at most ``max_shard_size`` bytes (a larger tensor stands alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += tensor.nbytes
+    return [shard for shard in shards if shard] or [[]]
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"

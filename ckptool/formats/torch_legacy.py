@@ -1,0 +1,101 @@
+"""PyTorch's legacy stream format (``_use_new_zipfile_serialization=False``, torch < 1.6).
+
+A file of consecutive pickles — magic number, protocol version, system info, the object tree,
+the list of storage keys — followed by each storage as an 8-byte element count and raw bytes.
+Read-only: ckptool writes the zip format (and says so).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .. import pickles
+from ..errors import InputError, UnsupportedFormatError
+from ..refs import ByteRange, StorageRef
+
+FORMAT = "torch-legacy"
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+
+
+@dataclass
+class LegacyContents:
+    container: Any
+    storages: dict[str, StorageRef]
+
+
+def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> LegacyContents:
+    """Read a legacy checkpoint; the first pickle must be torch's magic number."""
+    handle.seek(0)
+    plain = pickles.GlobalResolver()  # the preamble pickles hold plain values only
+    magic = pickles.loads(handle, plain)
+    if magic != MAGIC_NUMBER:
+        raise UnsupportedFormatError(
+            "is a plain pickle, not a PyTorch checkpoint (no torch magic number) — ckptool reads torch.save files",
+            path=path,
+        )
+    if pickles.loads(handle, plain) != PROTOCOL_VERSION:
+        raise UnsupportedFormatError("is a legacy torch file with an unknown protocol version", path=path)
+    sys_info = pickles.loads(handle, plain)
+    if not isinstance(sys_info, dict) or sys_info.get("little_endian") is not True:
+        raise UnsupportedFormatError("was saved big-endian or without system info; not supported", path=path)
+    storages: dict[str, StorageRef] = {}
+
+    def persistent_load(pid: Any) -> StorageRef:
+        if isinstance(pid, tuple) and pid and pid[0] == "module":
+            raise UnsupportedFormatError(
+                "pickles a whole nn.Module object, not weights — load it where its code lives and save "
+                "model.state_dict() instead",
+                path=path,
+            )
+        if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
+            raise InputError(f"unexpected persistent record {str(pid)[:80]} — not a weights checkpoint", path=path)
+        _, storage_type, key, location, numel, view_metadata = pid
+        if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
+                or not isinstance(location, str) or type(numel) is not int or numel < 0:
+            raise InputError(f"malformed storage record for key {str(key)[:40]!r} — the file is corrupt", path=path)
+        if view_metadata is not None:
+            raise UnsupportedFormatError(
+                "uses storage views from before torch 0.4 — load and re-save it with a torch of that era", path=path
+            )
+        cached = storages.get(key)
+        if cached is None:
+            cached = storages[key] = StorageRef(
+                key=key, dtype=storage_type.dtype, numel=numel, location=location,
+                type_global=f"{storage_type.module}.{storage_type.name}",
+            )
+        return cached
+
+    container = pickles.loads(handle, resolver, persistent_load)
+    keys = pickles.loads(handle, plain)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InputError("legacy storage key list is malformed — the file is corrupt", path=path)
+    file_size = os.fstat(handle.fileno()).st_size
+    position = handle.tell()
+    for key in keys:
+        storage = storages.get(key)
+        if storage is None:
+            raise InputError(f"legacy storage {key!r} is listed but never used — the file is corrupt", path=path)
+        header = handle.read(8)
+        if len(header) != 8:
+            raise InputError(f"legacy storage {key!r} is missing — the file is truncated", path=path)
+        (numel,) = struct.unpack("<q", header)
+        if numel != storage.numel:
+            raise InputError(
+                f"legacy storage {key!r} holds {numel} elements but the pickle says {storage.numel} — corrupt file",
+                path=path,
+            )
+        start = position + 8
+        if start + storage.nbytes > file_size:
+            raise InputError(f"legacy storage {key!r} ends past the end of the file — the file is truncated", path=path)
+        storage.data = ByteRange(path, start, storage.nbytes)
+        position = start + storage.nbytes
+        handle.seek(position)
+    missing = [key for key, storage in storages.items() if storage.data is None]
+    if missing:
+        raise InputError(f"legacy storages {missing[:3]} have no data — the file is truncated", path=path)
+    return LegacyContents(container=container, storages=storages)

@@ -1,0 +1,118 @@
+"""PyTorch's zip format (``torch.save`` since 1.6): ``<archive>/data.pkl`` + ``<archive>/data/<key>``.
+
+Reading validates the archive and unpickles ``data.pkl`` through the restricted unpickler; tensor
+bytes stay where they are. Writing re-emits the pickle and copies every storage's bytes raw — a
+key or location rewrite never deserializes a tensor.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .. import pickles
+from ..errors import InputError, UnsupportedFormatError
+from ..refs import ByteRange, StorageRef
+from . import zipio
+
+FORMAT = "torch-zip"
+
+
+@dataclass
+class ZipContents:
+    container: Any
+    archive_name: str
+    storages: dict[str, StorageRef]
+    pickle_bytes: bytes
+
+
+def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
+    """The archive's single top-level folder (torch names it after the file; any name is valid)."""
+    tops = {name.split("/", 1)[0] for name in members}
+    if len(tops) != 1 or not all("/" in name for name in members):
+        raise UnsupportedFormatError(
+            "is a zip archive but not a PyTorch checkpoint (no single folder holding data.pkl)", path=path
+        )
+    return tops.pop()
+
+
+def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipContents:
+    """Read a torch zip checkpoint's object tree with lazy storages."""
+    members = zipio.read_members(path, handle)
+    if not members:
+        raise UnsupportedFormatError("is an empty zip archive, not a PyTorch checkpoint", path=path)
+    top = archive_folder(path, members)
+    if f"{top}/constants.pkl" in members or any(name.startswith(f"{top}/code/") for name in members):
+        raise UnsupportedFormatError(
+            "is a TorchScript archive (torch.jit.save), not a checkpoint — load it with torch.jit.load, "
+            "or save the model's state_dict() with torch.save",
+            path=path,
+        )
+    pickle_member = members.get(f"{top}/data.pkl")
+    if pickle_member is None:
+        raise UnsupportedFormatError("is a zip archive but not a PyTorch checkpoint (no data.pkl)", path=path)
+    byteorder = members.get(f"{top}/byteorder")
+    if byteorder is not None and zipio.read_member(path, handle, byteorder, limit=16).strip() != b"little":
+        raise UnsupportedFormatError("was saved big-endian; ckptool reads little-endian checkpoints only", path=path)
+    data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
+    storages: dict[str, StorageRef] = {}
+
+    def persistent_load(pid: Any) -> StorageRef:
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise InputError(f"unexpected persistent record {str(pid)[:80]} — not a weights checkpoint", path=path)
+        _, storage_type, key, location, numel = pid
+        if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
+                or not isinstance(location, str) or type(numel) is not int or numel < 0:
+            raise InputError(f"malformed storage record for key {str(key)[:40]!r} — the file is corrupt", path=path)
+        cached = storages.get(key)
+        if cached is not None:
+            return cached
+        member = members.get(f"{top}/data/{key}")
+        if member is None:
+            raise InputError(f"storage {key!r} is missing from the archive — the file is truncated or corrupt", path=path)
+        if member.compressed:
+            raise InputError(
+                f"storage {key!r} is compressed; PyTorch writes storages uncompressed — re-save with torch.save",
+                path=path,
+            )
+        nbytes = numel * storage_type.dtype.itemsize
+        if member.size < nbytes:
+            raise InputError(
+                f"storage {key!r} declares {nbytes} bytes but the archive holds {member.size} — the file is corrupt",
+                path=path,
+            )
+        storage = StorageRef(
+            key=key,
+            dtype=storage_type.dtype,
+            numel=numel,
+            location=location,
+            data=ByteRange(path, member.data_offset, nbytes, member.crc32 if member.size == nbytes else None),
+            type_global=f"{storage_type.module}.{storage_type.name}",
+        )
+        storages[key] = storage
+        return storage
+
+    container = pickles.loads(data, resolver, persistent_load)
+    return ZipContents(container=container, archive_name=top, storages=storages, pickle_bytes=data)
+
+
+def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive") -> None:
+    """Write ``container`` as torch.save would: pickle first, storages raw, torch's bookkeeping records.
+
+    Storages are renumbered 0..n-1 in order of first appearance; bytes of a storage read from a zip
+    member are copied by the kernel with their CRC kept, others are streamed and summed.
+    """
+    pickle_bytes, storages = pickles.dump(container, renumber_storages=True)
+    writer = zipio.ZipWriter(handle)
+    writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)
+    writer.add_bytes(f"{archive_name}/.format_version", b"1")
+    writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
+    writer.add_bytes(f"{archive_name}/byteorder", b"little")
+    for key, storage in storages:
+        source = storage.byte_range()
+        writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes, source.crc32)
+    writer.add_bytes(f"{archive_name}/version", b"3\n")
+    writer.add_bytes(f"{archive_name}/.data/serialization_id", str(secrets.randbelow(10**40)).zfill(40).encode())
+    writer.close()

@@ -1,0 +1,232 @@
+"""A minimal, validating zip layer for torch archives: read the directory, write stored members.
+
+Python's ``zipfile`` parses the central directory; this module adds what a checkpoint reader
+needs on top — the exact offset of each member's bytes (so storages are copied raw), checks
+against zip tricks (path traversal, duplicate names, a local header naming another file,
+encryption) — and a writer that aligns member data to 64 bytes as torch does (so loaders can
+mmap storages) and copies storage bytes with ``copy_file_range``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import InputError
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIG = 0x04034B50
+_CENTRAL_SIG = 0x02014B50
+ALIGNMENT = 64
+_PADDING_ID = 0x4246  # "FB": the extra-field id torch's writer pads with
+_ZIP64_ID = 0x0001
+
+
+@dataclass(frozen=True)
+class Member:
+    """One stored zip member: where its bytes lie in the file."""
+
+    name: str
+    data_offset: int
+    size: int
+    crc32: int
+    compressed: bool
+
+
+def read_members(path: Path, handle: BinaryIO) -> dict[str, Member]:
+    """Validate the archive's directory and return its members by name."""
+    try:
+        archive = zipfile.ZipFile(handle)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as e:
+        raise InputError(f"zip archive is corrupt ({e}) — re-save or re-download the checkpoint", path=path) from e
+    file_size = os.fstat(handle.fileno()).st_size
+    members: dict[str, Member] = {}
+    for info in archive.infolist():
+        name = info.filename
+        if name in members:
+            raise InputError(f"zip archive names {name!r} twice — refusing an ambiguous archive", path=path)
+        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name.split("/")[0]:
+            raise InputError(f"zip member name {name!r} escapes the archive — refused", path=path)
+        if info.flag_bits & 0x1:
+            raise InputError(f"zip member {name!r} is encrypted — not a PyTorch checkpoint", path=path)
+        if info.header_offset + _LOCAL_HEADER.size > file_size:
+            raise InputError(f"zip member {name!r} lies past the end of the file — the file is truncated", path=path)
+        handle.seek(info.header_offset)
+        header = handle.read(_LOCAL_HEADER.size)
+        fields = _LOCAL_HEADER.unpack(header)
+        if fields[0] != _LOCAL_SIG:
+            raise InputError(f"zip member {name!r} has no local header — the archive is corrupt", path=path)
+        name_length, extra_length = fields[9], fields[10]
+        local_name = handle.read(name_length)
+        if local_name.decode("utf-8", "replace") != name and local_name.decode("cp437", "replace") != name:
+            raise InputError(
+                f"zip member {name!r} is called {local_name[:80]!r} in its local header — refusing a disguised archive",
+                path=path,
+            )
+        data_offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        if data_offset + info.compress_size > file_size:
+            raise InputError(f"zip member {name!r} ends past the end of the file — the file is truncated", path=path)
+        members[name] = Member(
+            name=name,
+            data_offset=data_offset,
+            size=info.file_size,
+            crc32=info.CRC,
+            compressed=info.compress_type != zipfile.ZIP_STORED,
+        )
+    archive.close()
+    return members
+
+
+def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> bytes:
+    """A small member's bytes, CRC-checked; compressed members are inflated with a size cap."""
+    if member.size > limit:
+        raise InputError(f"zip member {member.name!r} is {member.size} bytes, over the {limit}-byte limit — refused", path=path)
+    handle.seek(member.data_offset)
+    if member.compressed:
+        archive = zipfile.ZipFile(handle)
+        try:
+            with archive.open(member.name) as stream:
+                data = stream.read(limit + 1)
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError) as e:
+            raise InputError(f"zip member {member.name!r} cannot be inflated ({e})", path=path) from e
+        if len(data) > limit:
+            raise InputError(f"zip member {member.name!r} inflates past {limit} bytes — refused", path=path)
+    else:
+        data = handle.read(member.size)
+    if len(data) != member.size:
+        raise InputError(f"zip member {member.name!r} is truncated", path=path)
+    if zlib.crc32(data) != member.crc32:
+        raise InputError(f"zip member {member.name!r} fails its CRC check — the file is corrupt", path=path)
+    return data
+
+
+class ZipWriter:
+    """Write stored (uncompressed) members with 64-byte-aligned data, zip64 where needed."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
+        self.position = handle.tell()
+
+    def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
+        zip64 = size >= 0xFFFFFFFF
+        extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
+        start = self.position + _LOCAL_HEADER.size + len(name) + len(extra)
+        if start % ALIGNMENT:
+            padding = (-(start + 4)) % ALIGNMENT
+            extra += struct.pack("<HH", _PADDING_ID, padding) + b"Z" * padding
+        stored = 0xFFFFFFFF if zip64 else size
+        version = 45 if zip64 else 20
+        return _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)) + name + extra
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        """Add a member from memory."""
+        encoded = name.encode("utf-8")
+        crc = zlib.crc32(data)
+        header = self._local_header(encoded, len(data), crc)
+        self.entries.append((encoded, self.position, len(data), crc))
+        self.handle.write(header)
+        self.handle.write(data)
+        self.position += len(header) + len(data)
+
+    def add_copy(self, name: str, source: Path, offset: int, size: int, crc: int | None) -> None:
+        """Add a member whose bytes are ``size`` bytes of ``source`` at ``offset``.
+
+        With a known ``crc`` (the bytes are a zip member copied unchanged) the kernel copies them
+        (``copy_file_range``) and nothing is checksummed; otherwise they are streamed and summed.
+        """
+        encoded = name.encode("utf-8")
+        header_offset = self.position
+        header = self._local_header(encoded, size, crc or 0)
+        self.handle.write(header)
+        self.handle.flush()
+        data_start = self.position + len(header)
+        if crc is not None:
+            _copy_range(source, offset, size, self.handle, data_start)
+        else:
+            crc = _stream_with_crc(source, offset, size, self.handle)
+            self.handle.seek(header_offset + 14)
+            self.handle.write(struct.pack("<I", crc))
+        self.handle.seek(data_start + size)
+        self.entries.append((encoded, header_offset, size, crc))
+        self.position = data_start + size
+
+    def close(self) -> None:
+        """Write the central directory (zip64 records when sizes, offsets or counts need them)."""
+        central_start = self.position
+        needs_zip64 = len(self.entries) >= 0xFFFF
+        for name, offset, size, crc in self.entries:
+            extra_values = []
+            if size >= 0xFFFFFFFF:
+                extra_values += [size, size]
+            if offset >= 0xFFFFFFFF:
+                extra_values.append(offset)
+            extra = struct.pack(f"<HH{len(extra_values)}Q", _ZIP64_ID, 8 * len(extra_values), *extra_values) if extra_values else b""
+            needs_zip64 = needs_zip64 or bool(extra_values)
+            stored_size = 0xFFFFFFFF if size >= 0xFFFFFFFF else size
+            stored_offset = 0xFFFFFFFF if offset >= 0xFFFFFFFF else offset
+            version = 45 if extra_values else 20
+            record = struct.pack(
+                "<IHHHHHHIIIHHHHHII", _CENTRAL_SIG, version, version, 0x0800, 0, 0, 0x21, crc, stored_size,
+                stored_size, len(name), len(extra), 0, 0, 0, 0, stored_offset,
+            )
+            self.handle.write(record + name + extra)
+            self.position += len(record) + len(name) + len(extra)
+        central_size = self.position - central_start
+        count = len(self.entries)
+        if needs_zip64 or central_start >= 0xFFFFFFFF:
+            zip64_end = self.position
+            self.handle.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, central_size, central_start))
+            self.handle.write(struct.pack("<IIQI", 0x07064B50, 0, zip64_end, 1))
+            self.handle.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+        else:
+            self.handle.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, central_size, central_start, 0))
+        self.handle.flush()
+
+
+def _copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int) -> None:
+    out.flush()
+    with open(source, "rb") as src:
+        in_fd, out_fd = src.fileno(), out.fileno()
+        copied = 0
+        try:
+            while copied < size:
+                n = os.copy_file_range(in_fd, out_fd, min(size - copied, 1 << 30), offset + copied, out_offset + copied)
+                if n == 0:
+                    raise InputError("file is truncated: storage bytes end early", path=source)
+                copied += n
+            return
+        except (AttributeError, OSError) as e:
+            if copied or (isinstance(e, OSError) and e.errno not in (18, 38, 95, 22, 1)):  # EXDEV ENOSYS EOPNOTSUPP EINVAL EPERM
+                raise
+        out.seek(out_offset)
+        src.seek(offset)
+        remaining = size
+        while remaining:
+            chunk = src.read(min(remaining, 8 << 20))
+            if not chunk:
+                raise InputError("file is truncated: storage bytes end early", path=source)
+            out.write(chunk)
+            remaining -= len(chunk)
+
+
+def _stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO) -> int:
+    crc = 0
+    buffer = bytearray(min(size, 8 << 20) or 1)
+    view = memoryview(buffer)
+    with open(source, "rb", buffering=0) as src:
+        src.seek(offset)
+        remaining = size
+        while remaining:
+            n = src.readinto(view[: min(remaining, len(buffer))])
+            if not n:
+                raise InputError("file is truncated: tensor bytes end early", path=source)
+            crc = zlib.crc32(view[:n], crc)
+            out.write(view[:n])
+            remaining -= n
+    return crc

@@ -1,0 +1,106 @@
+"""Wrapper prefixes on state_dict keys: detect, strip, add. Pure: state_dict in -> state_dict out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import KeyCollisionError, NothingToDoError, UsageError
+from .tree import copy_mapping
+
+DDP_PREFIX = "module."  # nn.DataParallel / DistributedDataParallel: model.state_dict() of the wrapper
+COMPILE_PREFIX = "_orig_mod."  # torch.compile: the OptimizedModule keeps the model as _orig_mod
+LIGHTNING_PREFIX = "model."  # Lightning convention: the LightningModule holds the network as self.model
+WRAPPER_PREFIXES = (DDP_PREFIX, COMPILE_PREFIX, LIGHTNING_PREFIX)
+
+
+def detect_prefix(keys: Iterable[str], *, lightning: bool = False) -> str:
+    """The stack of wrapper prefixes every key carries, e.g. ``"module._orig_mod."``.
+
+    ``model.`` is a common real module name, so it counts only in a Lightning-style checkpoint
+    (``lightning=True``) or when another wrapper prefix follows it (``model._orig_mod.``).
+
+    Example:
+        >>> detect_prefix(["module._orig_mod.fc.weight", "module._orig_mod.fc.bias"])
+        'module._orig_mod.'
+    """
+    remaining = [key for key in keys if isinstance(key, str)]
+    if not remaining:
+        return ""
+    stack = ""
+    while True:
+        for prefix in WRAPPER_PREFIXES:
+            if not all(key.startswith(prefix) and len(key) > len(prefix) for key in remaining):
+                continue
+            stripped = [key[len(prefix) :] for key in remaining]
+            if prefix == LIGHTNING_PREFIX and not lightning and not any(
+                all(key.startswith(p) for key in stripped) for p in (DDP_PREFIX, COMPILE_PREFIX)
+            ):
+                continue
+            stack += prefix
+            remaining = stripped
+            break
+        else:
+            return stack
+
+
+def _rename_metadata(state_dict: Mapping[str, Any], rename) -> dict | None:
+    metadata = getattr(state_dict, "_metadata", None)
+    if not isinstance(metadata, dict):
+        return None
+    renamed = copy_mapping(metadata, items=[])
+    for key, value in metadata.items():
+        renamed[rename(key) if isinstance(key, str) else key] = value
+    return renamed
+
+
+def _with_keys(state_dict: Mapping[str, Any], items: list[tuple[Any, Any]], metadata: dict | None) -> dict:
+    result = copy_mapping(state_dict, items=items) if isinstance(state_dict, dict) else dict(items)
+    if metadata is not None:
+        result._metadata = metadata  # type: ignore[attr-defined]
+    return result
+
+
+def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
+    """Remove ``prefix`` from every key that carries it; other keys stay as they are.
+
+    Raises:
+        NothingToDoError: no key carries the prefix.
+        KeyCollisionError: two keys would become one.
+    """
+    if not prefix:
+        raise UsageError("the prefix to strip is empty — pass --prefix, e.g. --prefix module.")
+    if not any(isinstance(key, str) and key.startswith(prefix) for key in state_dict):
+        raise NothingToDoError(f'no key starts with "{prefix}" — nothing to strip')
+    items: list[tuple[Any, Any]] = []
+    seen: dict[Any, Any] = {}
+    for key, value in state_dict.items():
+        new_key = key[len(prefix) :] if isinstance(key, str) and key.startswith(prefix) else key
+        if new_key in seen:
+            raise KeyCollisionError(
+                f'stripping "{prefix}" maps both {seen[new_key]!r} and {key!r} to {new_key!r} — '
+                "strip a different prefix or rename one key first"
+            )
+        seen[new_key] = key
+        items.append((new_key, value))
+    head = prefix[:-1] if prefix.endswith(".") else prefix
+
+    def rename(meta_key: str) -> str:
+        if meta_key == head:
+            return ""
+        return meta_key[len(prefix) :] if meta_key.startswith(prefix) else meta_key
+
+    return _with_keys(state_dict, items, _rename_metadata(state_dict, rename))
+
+
+def add_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
+    """Put ``prefix`` in front of every key (e.g. to resume a DDP run from plain weights)."""
+    if not prefix:
+        raise UsageError("the prefix to add is empty — pass --prefix, e.g. --prefix module.")
+    items = [(prefix + key if isinstance(key, str) else key, value) for key, value in state_dict.items()]
+    head = prefix[:-1] if prefix.endswith(".") else prefix
+
+    def rename(meta_key: str) -> str:
+        return head if meta_key == "" else prefix + meta_key
+
+    return _with_keys(state_dict, items, _rename_metadata(state_dict, rename))

@@ -1,0 +1,209 @@
+"""Lazy references to tensors and the bytes behind them.
+
+The reader never materializes tensor data: it yields :class:`TensorRef` objects (dtype, shape,
+stride, storage offset) pointing at a :class:`StorageRef` (saved location tag, size, and the
+:class:`ByteRange` of the file where its bytes lie). Commands that only describe a checkpoint stop
+there; commands that move bytes stream them from the :class:`ByteRange`; only verification builds
+real tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .dtypes import DType
+from .errors import InputError
+
+CHUNK_SIZE = 8 * 1024 * 1024
+
+
+@dataclass
+class ByteRange:
+    """``length`` bytes of ``path`` starting at ``offset``; ``crc32`` when the container recorded one."""
+
+    path: Path
+    offset: int
+    length: int
+    crc32: int | None = None
+
+    def read(self, start: int = 0, size: int | None = None) -> bytes:
+        """Read ``size`` bytes at ``start`` within the range (the whole range by default)."""
+        size = self.length - start if size is None else size
+        if start < 0 or size < 0 or start + size > self.length:
+            raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset + start)
+            data = handle.read(size)
+        if len(data) != size:
+            raise InputError("file is truncated: tensor bytes end before the data they promise", path=self.path)
+        return data
+
+    def iter_chunks(self, start: int = 0, size: int | None = None, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+        """Stream ``size`` bytes at ``start`` in chunks (bounded memory)."""
+        size = self.length - start if size is None else size
+        if start < 0 or size < 0 or start + size > self.length:
+            raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(self.offset + start)
+            remaining = size
+            while remaining:
+                data = handle.read(min(chunk_size, remaining))
+                if not data:
+                    raise InputError("file is truncated: tensor bytes end before the data they promise", path=self.path)
+                remaining -= len(data)
+                yield data
+
+
+@dataclass(eq=False)
+class StorageRef:
+    """One saved storage: the unit of sharing (tied tensors point at the same StorageRef).
+
+    Attributes:
+        key: the storage's name inside its file (zip record name, legacy key, safetensors tensor name).
+        dtype: element type the storage was saved with (``U8`` for untyped storages).
+        numel: number of ``dtype`` elements as saved.
+        location: the saved location tag, e.g. ``"cpu"`` or ``"cuda:1"``.
+        data: where the bytes lie; ``None`` until a legacy file's data section has been located.
+        type_global: the pickle global naming the storage class (kept to re-emit the pickle unchanged).
+    """
+
+    key: str
+    dtype: DType
+    numel: int
+    location: str
+    data: ByteRange | None = None
+    type_global: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def byte_range(self) -> ByteRange:
+        if self.data is None:
+            raise InputError(f"storage {self.key!r} has no data in the file")
+        return self.data
+
+
+@dataclass(eq=False)
+class TensorRef:
+    """A tensor as saved: a strided view of ``storage``. No bytes are read until asked.
+
+    Attributes:
+        rebuild: the pickle global that rebuilds it (``torch._utils._rebuild_tensor_v2``...).
+        extra: trailing rebuild arguments kept verbatim (tensor metadata), so a rewrite re-emits them.
+        parameter: ``None`` for a plain tensor; for an ``nn.Parameter``, the arguments that wrapped it.
+    """
+
+    storage: StorageRef
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int = 0
+    requires_grad: bool = False
+    rebuild: str = "torch._utils._rebuild_tensor_v2"
+    extra: tuple = ()
+    backward_hooks: object = None
+    parameter: tuple | None = field(default=None)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def location(self) -> str:
+        return self.storage.location
+
+    def is_contiguous(self) -> bool:
+        """C-contiguous in its storage (size-1 dimensions may carry any stride)."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def validate(self, *, path: Path | None = None, name: str = "") -> None:
+        """Check shape, strides and offset against the storage's bytes; raise InputError if they lie."""
+        where = f"tensor {name!r}: " if name else "tensor: "
+        if len(self.shape) != len(self.stride):
+            raise InputError(f"{where}shape {self.shape} and stride {self.stride} differ in length — the file is corrupt", path=path)
+        if any(type(v) is not int or v < 0 for v in (*self.shape, *self.stride, self.offset)):
+            raise InputError(f"{where}negative or non-integer shape/stride/offset — the file is corrupt", path=path)
+        if self.numel == 0:
+            return
+        last = self.offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        if self.storage.dtype.itemsize * self.storage.numel < (last + 1) * self.dtype.itemsize:
+            raise InputError(
+                f"{where}needs {(last + 1) * self.dtype.itemsize} bytes but its storage holds "
+                f"{self.storage.nbytes} — the file is corrupt or truncated",
+                path=path,
+            )
+
+    def contiguous_byte_range(self) -> ByteRange | None:
+        """The exact bytes of the tensor when it is C-contiguous in its storage, else None."""
+        if not self.is_contiguous():
+            return None
+        base = self.storage.byte_range()
+        start = self.offset * self.dtype.itemsize
+        return ByteRange(base.path, base.offset + start, self.nbytes)
+
+    def iter_bytes(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+        """The tensor's bytes in C order, streamed (a non-contiguous tensor is gathered once)."""
+        if self.numel == 0:
+            return
+        span = self.contiguous_byte_range()
+        if span is not None:
+            yield from span.iter_chunks(chunk_size=chunk_size)
+            return
+        yield self._gather()
+
+    def read_bytes(self) -> bytes:
+        """All of the tensor's bytes in C order."""
+        return b"".join(self.iter_bytes())
+
+    def _gather(self) -> bytes:
+        import numpy as np
+
+        base = self.storage.byte_range()
+        item = self.dtype.itemsize
+        unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
+        last = self.offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        length = (last + 1) * item
+        if os.path.getsize(base.path) < base.offset + length:
+            raise InputError("file is truncated: tensor bytes end before the data they promise", path=base.path)
+        flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,))
+        elements = flat.view(unit)
+        view = np.lib.stride_tricks.as_strided(
+            elements[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.stride), writeable=False
+        )
+        return np.ascontiguousarray(view).tobytes()
+
+
+@dataclass(frozen=True)
+class DeviceRef:
+    """A ``torch.device`` found in a pickle, kept as its constructor arguments."""
+
+    args: tuple
+
+    def __str__(self) -> str:
+        return ":".join(str(a) for a in self.args)
+
+
+@dataclass(frozen=True)
+class DTypeRef:
+    """A ``torch.<dtype>`` global found in a pickle (e.g. an optimizer's saved dtype)."""
+
+    module: str
+    name: str
+
+
+class SizeRef(tuple):
+    """A ``torch.Size`` found in a pickle: a tuple that re-emits as torch.Size."""

@@ -1,0 +1,154 @@
+"""Walking and rewriting the object tree a checkpoint unpickles to.
+
+Hostile pickles can build cycles, shared sub-trees repeated a billion times over, and deep
+nesting; every walk here is iterative and visits each container once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .pickles import OpaqueObject
+from .refs import TensorRef
+
+Path_ = tuple[Any, ...]
+
+
+def _children(obj: Any) -> list[tuple[Any, Any]]:
+    if isinstance(obj, dict):
+        return list(obj.items())
+    if isinstance(obj, list | tuple):
+        return list(enumerate(obj))
+    if isinstance(obj, OpaqueObject):
+        kids: list[tuple[Any, Any]] = [("args", obj._args), ("items", obj._items), ("state", obj._state)]
+        kids += [(("setitem", i), value) for i, (_, value) in enumerate(obj._setitems)]
+        return kids
+    return []
+
+
+def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
+    """Every TensorRef reachable from ``obj`` with the key path to its first occurrence."""
+    seen: set[int] = set()
+    stack: list[tuple[Path_, Any]] = [((), obj)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, TensorRef):
+            if id(node) not in seen:
+                seen.add(id(node))
+                yield path, node
+            continue
+        if id(node) in seen:
+            continue
+        kids = _children(node)
+        if kids:
+            seen.add(id(node))
+            stack.extend((path + (key,), value) for key, value in reversed(kids))
+
+
+def get_at(container: Any, layout: Path_) -> Any:
+    node = container
+    for key in layout:
+        node = node[key]
+    return node
+
+
+def replace_at(container: Any, layout: Path_, value: Any) -> Any:
+    """A copy of ``container`` with the node at ``layout`` replaced; untouched branches are shared."""
+    if not layout:
+        return value
+    head, rest = layout[0], layout[1:]
+    child = replace_at(container[head], rest, value)
+    if isinstance(container, dict):
+        copy = copy_mapping(container)
+        copy[head] = child
+        return copy
+    if isinstance(container, list):
+        copy_list = list(container)
+        copy_list[head] = child
+        return copy_list
+    if isinstance(container, tuple):
+        return container[:head] + (child,) + container[head + 1 :]
+    raise TypeError(f"cannot replace inside a {type(container).__name__}")
+
+
+def copy_mapping(mapping: dict, items: list[tuple[Any, Any]] | None = None) -> dict:
+    """A shallow copy keeping the mapping's type and attributes (a state_dict's ``_metadata``)."""
+    copy = type(mapping)() if isinstance(mapping, OrderedDict) else {}
+    for key, value in mapping.items() if items is None else items:
+        copy[key] = value
+    state = getattr(mapping, "__dict__", None)
+    if state:
+        copy.__dict__.update(state)
+    return copy
+
+
+def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
+    """Rebuild ``obj`` with every tensor replaced by ``fn(tensor)``; sharing and types are kept.
+
+    Containers holding no tensors are returned as they are; each tensor is mapped once, so tensors
+    that were one object stay one object.
+    """
+    memo: dict[int, Any] = {}
+    has_tensor: dict[int, bool] = {}
+
+    def contains(node: Any) -> bool:
+        # iterative post-order: does the sub-tree hold a tensor?
+        stack = [(node, False)]
+        while stack:
+            item, done = stack.pop()
+            key = id(item)
+            if isinstance(item, TensorRef):
+                has_tensor[key] = True
+                continue
+            if key in has_tensor and not done:
+                continue
+            kids = _children(item)
+            if not done:
+                has_tensor[key] = False  # provisional: breaks cycles
+                stack.append((item, True))
+                stack.extend((child, False) for _, child in kids)
+            else:
+                has_tensor[key] = any(has_tensor.get(id(child), isinstance(child, TensorRef)) for _, child in kids)
+        return has_tensor[id(node)]
+
+    contains(obj)
+
+    def rebuild(node: Any, depth: int = 0) -> Any:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if isinstance(node, TensorRef):
+            memo[key] = fn(node)
+            return memo[key]
+        if not has_tensor.get(key, False):
+            return node
+        if isinstance(node, dict):
+            copy = copy_mapping(node, items=[])
+            memo[key] = copy
+            for k, v in node.items():
+                copy[k] = rebuild(v, depth + 1)
+            return copy
+        if isinstance(node, list):
+            copy_list: list = []
+            memo[key] = copy_list
+            copy_list.extend(rebuild(v, depth + 1) for v in node)
+            return copy_list
+        if isinstance(node, tuple):
+            result = type(node)(rebuild(v, depth + 1) for v in node) if type(node) is tuple else \
+                type(node)([rebuild(v, depth + 1) for v in node])
+            memo[key] = result
+            return result
+        if isinstance(node, OpaqueObject):
+            copy_obj = object.__new__(type(node))
+            memo[key] = copy_obj
+            copy_obj._mode = node._mode
+            copy_obj._args = tuple(rebuild(v, depth + 1) for v in node._args)
+            copy_obj._items = [rebuild(v, depth + 1) for v in node._items]
+            copy_obj._setitems = [(k, rebuild(v, depth + 1)) for k, v in node._setitems]
+            copy_obj._state = rebuild(node._state, depth + 1)
+            return copy_obj
+        return node
+
+    return rebuild(obj)

@@ -1,0 +1,30 @@
+# ckptool: `make demo` runs the main job, `make test` the tests; both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEMO := demo-out
+
+.PHONY: venv demo test bench fixtures clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	bash scripts/demo.sh
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) -m bench
+
+fixtures: venv
+	$(PY) fixtures/make_fixtures.py
+
+clean:
+	rm -rf $(DEMO) build *.egg-info

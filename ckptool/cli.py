@@ -1,0 +1,296 @@
+"""The ckptool command line: parse, call one library function, render text or --json.
+
+Exit codes: 0 ok; 1 a check found a problem (verify, diff, scan) or there was nothing to do;
+2 usage; 3 input unreadable, unsafe or refused, or output refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import CkptError
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INPUT = 0, 1, 2, 3
+
+
+def _fail(error: CkptError) -> None:
+    click.echo(f"ckptool: error: {error}", err=True)
+    sys.exit(error.exit_code)
+
+
+def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn library errors into one stderr line and their exit code; never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except CkptError as e:
+            _fail(e)
+        except KeyboardInterrupt:
+            click.echo("ckptool: interrupted — nothing was written", err=True)
+            sys.exit(130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
+            if os.environ.get("CKPTOOL_DEBUG"):
+                raise
+            click.echo(f"ckptool: internal error: {type(e).__name__}: {e} (rerun with CKPTOOL_DEBUG=1 and report it)",
+                       err=True)
+            sys.exit(EXIT_INPUT)
+
+    return wrapper
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _human_bytes(size: int) -> str:
+    from .summary import _human_bytes as human
+
+    return human(size)
+
+
+allow_global_option = click.option(
+    "--allow-global", "allow_globals", multiple=True, metavar="MODULE.NAME",
+    help="Accept one more pickle global by name (repeatable); it is recorded, never imported.",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
+force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+in_place_option = click.option("--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="ckptool")
+def main() -> None:
+    """Make any PyTorch checkpoint portable, and prove it.
+
+    Reads .pt/.pth/.bin/.ckpt (zip or legacy), safetensors (single or sharded) without running
+    pickle code. Exit codes: 0 ok, 1 a check found a problem, 2 usage, 3 unreadable/unsafe input.
+    """
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+
+
+def _render_summary(summary: Any) -> None:
+    echo = click.echo
+    echo(f"{summary.path}")
+    echo(f"  format         {summary.format}  ({_human_bytes(summary.file_bytes)} on disk)")
+    layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
+                                                          " -> ".join(repr(k) for k in summary.layout))
+    echo(f"  weights at     {layout}")
+    echo(f"  wrapper prefix {summary.prefix or '(none)'}")
+    dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
+    echo(f"  tensors        {summary.tensors}  ({summary.parameters:,} parameters, {_human_bytes(summary.bytes)}; {dtypes})")
+    devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
+    echo(f"  saved devices  {devices}  (storages per location tag)")
+    if summary.tied:
+        echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
+    for key, description in summary.entries.items():
+        echo(f"  entry          {key}: {description}")
+    if summary.globals:
+        echo(f"  pickle globals {', '.join(summary.globals)}")
+    for key, value in summary.metadata.items():
+        shown = value if len(value) <= 70 else value[:67] + "..."
+        echo(f"  metadata       {key} = {shown}")
+    if summary.fingerprint:
+        echo(f"  fingerprint    {summary.fingerprint}")
+    for note in summary.notes:
+        echo(f"  note           {note}")
+    if summary.tensor_list is not None:
+        echo("")
+        width = max((len(t.name) for t in summary.tensor_list), default=4)
+        for tensor in summary.tensor_list:
+            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<5} {str(tensor.shape):<20} {tensor.device}")
+    if summary.hints:
+        echo("")
+        for hint in summary.hints:
+            echo(f"  ! {hint.problem}")
+            echo(f"    fix: {hint.fix}")
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(path_type=Path))
+@json_option
+@click.option("--tensors", "list_tensors", is_flag=True, help="List every weight tensor.")
+@click.option("--fingerprint", "with_fingerprint", is_flag=True,
+              help="Also hash the weights (reads every byte; the same value in any format).")
+@allow_global_option
+@handle_errors
+def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...]) -> None:
+    """Describe a checkpoint: format, where the weights are, wrapper prefix, devices, entries.
+
+    Reads no tensor bytes (unless --fingerprint) and runs no pickle code.
+
+    Example: ckptool inspect ddp.pt --json
+    """
+    from .summary import inspect as inspect_
+
+    summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors)
+    if as_json:
+        _emit_json(summary.to_json())
+    else:
+        _render_summary(summary)
+
+
+# ------------------------------------------------------------------------------------------------ scan
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(path_type=Path))
+@json_option
+@allow_global_option
+@handle_errors
+def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
+    """List every pickle global and opcode without executing anything; judge safe or unsafe.
+
+    Exit 0 safe, 1 unsafe globals found, 3 unreadable or not a checkpoint.
+
+    Example: ckptool scan downloaded.pt --json
+    """
+    from .safety import scan as scan_
+
+    report = scan_(ckpt, allow_globals=allow_globals)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        verdict = "safe" if report.safe else "UNSAFE"
+        click.echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
+                   f"{sum(report.opcodes.values())} opcodes)")
+        for name, count in report.globals.items():
+            mark = "  " if name not in report.unsafe else "! "
+            click.echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
+        for problem in report.problems:
+            click.echo(f"  note: {problem}")
+        if report.unsafe:
+            click.echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
+                       "ckptool refuses to load this file")
+    sys.exit(EXIT_OK if report.safe else EXIT_PROBLEM)
+
+
+# ------------------------------------------------------------------------------------------------ rewrites
+
+
+def _resolve_out(ckpt: Path, out: Path | None, in_place: bool) -> Path:
+    from .errors import UsageError
+
+    if out is None:
+        if in_place:
+            return ckpt
+        raise UsageError("missing -o OUT (or --in-place to rewrite the input)")
+    return out
+
+
+def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: str) -> None:
+    data = {"output": str(report.path), "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
+            "fingerprint": report.fingerprint, "files": [str(f) for f in report.files], "notes": report.notes, **extra}
+    if as_json:
+        _emit_json(data)
+        return
+    click.echo(message)
+    click.echo(f"  fingerprint {report.fingerprint} (re-read and checked)")
+    for note in report.notes:
+        click.echo(f"  note: {note}")
+
+
+def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed([
+        click.argument("ckpt", type=click.Path(path_type=Path)),
+        click.option("-o", "--out", type=click.Path(path_type=Path), help="Output path (same format as the input)."),
+        force_option, in_place_option, json_option, allow_global_option,
+    ]):
+        command = option(command)
+    return command
+
+
+def _same_format_target(ckpt: Any) -> str:
+    return "safetensors" if ckpt.format.startswith("safetensors") else "pt"
+
+
+@main.command()
+@_rewrite_options
+@click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
+@handle_errors
+def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
+          prefix: str | None) -> None:
+    """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
+
+    By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
+    container (optimizer, epoch, ...) is kept as it is. Exit 1 if no key carries the prefix.
+
+    Example: ckptool strip ddp.pt -o model.pt
+    """
+    from .reader import load
+    from .writer import save
+
+    checkpoint = load(ckpt, allow_globals=allow_globals)
+    target = _resolve_out(ckpt, out, in_place)
+    used = prefix if prefix is not None else checkpoint.prefix
+    stripped = checkpoint.strip_prefix(prefix)
+    renamed = sum(1 for key in checkpoint.state_dict if isinstance(key, str) and key.startswith(used))
+    report = save(stripped, target, to=_same_format_target(checkpoint), force=force, in_place=in_place)
+    _report_write(report, {"input": str(ckpt), "prefix": used, "renamed": renamed}, as_json,
+                  f'stripped "{used}" from {renamed} keys: {ckpt} -> {target}')
+
+
+@main.command("add-prefix")
+@_rewrite_options
+@click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
+@handle_errors
+def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
+               allow_globals: tuple[str, ...], prefix: str) -> None:
+    """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
+
+    Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
+    """
+    from .reader import load
+    from .writer import save
+
+    checkpoint = load(ckpt, allow_globals=allow_globals)
+    target = _resolve_out(ckpt, out, in_place)
+    prefixed = checkpoint.add_prefix(prefix)
+    report = save(prefixed, target, to=_same_format_target(checkpoint), force=force, in_place=in_place)
+    _report_write(report, {"input": str(ckpt), "prefix": prefix, "renamed": len(checkpoint.state_dict)}, as_json,
+                  f'added "{prefix}" to {len(checkpoint.state_dict)} keys: {ckpt} -> {target}')
+
+
+@main.command()
+@_rewrite_options
+@click.option("--to", "to_device", default=None, metavar="DEVICE", help="Send every storage to DEVICE (cpu, cuda:0...).")
+@click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
+@handle_errors
+def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
+          to_device: str | None, mapping: tuple[str, ...]) -> None:
+    """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
+
+    Tensors are not moved: only the tags torch.load restores them onto change.
+
+    Example: ckptool remap gpu.pt -o cpu.pt --to cpu
+    """
+    from .devices import location_mapper
+    from .errors import UsageError
+    from .reader import load
+    from .writer import save
+
+    mapper = location_mapper(to_device, mapping)
+    checkpoint = load(ckpt, allow_globals=allow_globals)
+    if checkpoint.format.startswith("safetensors"):
+        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
+    target = _resolve_out(ckpt, out, in_place)
+    before = checkpoint.saved_devices()
+    remapped = checkpoint.remap(mapper)
+    after = remapped.saved_devices()
+    report = save(remapped, target, to="pt", force=force, in_place=in_place)
+    _report_write(report, {"input": str(ckpt), "devices_before": before, "devices_after": after}, as_json,
+                  f"remapped {ckpt} -> {target}: {before} -> {after}")

@@ -1,0 +1,188 @@
+"""scan: every global and opcode a checkpoint's pickles use, found without executing anything.
+
+Two passes per pickle. A static pass walks the opcodes (``pickletools.genops``), resolving
+``STACK_GLOBAL`` operands from the strings and memo before it. A dry run feeds the pickle to the
+restricted unpickler in permissive mode, where every global becomes an inert placeholder — so the
+globals a real load would import are listed exactly, even when hidden behind memo tricks.
+A checkpoint is safe when every global is on the allowlist ckptool loads with.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import pickles
+from .errors import CkptError, InputError, UnsupportedFormatError
+from .formats import safetensors, zipio
+
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+
+
+@dataclass
+class ScanReport:
+    """The verdict and what it rests on; ``asdict`` gives the --json object."""
+
+    path: str
+    format: str
+    safe: bool
+    unsafe: list[str]
+    globals: dict[str, int]
+    opcodes: dict[str, int]
+    pickles: list[str]
+    problems: list[str] = field(default_factory=list)
+    readable: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
+    """Globals named by GLOBAL/INST/STACK_GLOBAL and opcode counts; stops at STOP or a bad opcode."""
+    found: list[str] = []
+    opcodes: Counter = Counter()
+    strings: list[str] = []
+    memo: dict[int, str] = {}
+    error = None
+    try:
+        for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
+            opcodes[opcode.name] += 1
+            name = opcode.name
+            if name in ("GLOBAL", "INST"):
+                found.append(str(arg).replace(" ", ".", 1))
+            elif name == "STACK_GLOBAL":
+                if len(strings) >= 2:
+                    found.append(f"{strings[-2]}.{strings[-1]}")
+                else:
+                    found.append("<unresolved STACK_GLOBAL>")
+            elif name in _STRING_OPS:
+                strings.append(arg.decode("latin1") if isinstance(arg, bytes) else str(arg))
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT") and strings:
+                memo[int(arg)] = strings[-1]
+            elif name == "MEMOIZE" and strings:
+                memo[len(memo)] = strings[-1]
+            elif name in ("BINGET", "LONG_BINGET", "GET") and int(arg) in memo:
+                strings.append(memo[int(arg)])
+    except Exception as e:  # genops raises ValueError and friends on malformed input
+        error = f"{type(e).__name__}: {str(e)[:120]}"
+    return found, opcodes, error
+
+
+def dry_run_globals(data: bytes, allow_globals: tuple[str, ...]) -> tuple[dict[str, int], str | None]:
+    """Globals a load would import, found by unpickling with inert placeholders for everything."""
+    resolver = pickles.GlobalResolver(allow_globals, permissive=True)
+
+    def persistent_load(pid: Any) -> Any:
+        return None
+
+    error = None
+    try:
+        pickles.loads(data, resolver, persistent_load)
+    except CkptError as e:
+        error = e.message
+    except pickles.RefusedGlobal as e:  # not raised in permissive mode, kept for safety
+        error = e.name
+    return dict(resolver.seen), error
+
+
+def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
+    """The pickles inside a file: zip members ending .pkl, or a stream of consecutive pickles."""
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+        if not head:
+            raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
+        if head.startswith(b"PK\x03\x04"):
+            members = zipio.read_members(path, handle)
+            blobs = [(name, zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES))
+                     for name, member in members.items() if name.endswith(".pkl")]
+            if any(name.endswith("/constants.pkl") for name, _ in blobs):
+                return "torchscript", blobs
+            return "torch-zip", blobs
+        if safetensors.looks_like_safetensors(head):
+            return "safetensors", []
+        handle.seek(0)
+        data = handle.read(pickles.MAX_PICKLE_BYTES)
+    blobs = []
+    offset = 0
+    # a legacy checkpoint is five pickles then raw bytes; a plain pickle file is one
+    for index in range(5):
+        if offset >= len(data) or data[offset] not in b"\x80(cSVIJKLFGN]}l)dtq.":
+            break
+        end = _pickle_end(data, offset)
+        blobs.append((f"pickle {index}", data[offset:end]))
+        if end <= offset:
+            break
+        offset = end
+    return "pickle", blobs
+
+
+def _pickle_end(data: bytes, offset: int) -> int:
+    try:
+        for opcode, _, position in pickletools.genops(io.BytesIO(data[offset:])):
+            if opcode.name == "STOP":
+                return offset + position + 1
+    except Exception:
+        pass
+    return len(data)
+
+
+def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport:
+    """List a checkpoint's pickle globals and opcodes and judge them, running nothing.
+
+    Raises:
+        InputError: the file is missing, unreadable, or holds no pickle to judge.
+
+    Example:
+        >>> report = ckptool.scan("model.pt")      # doctest: +SKIP
+        >>> report.safe, report.unsafe              # doctest: +SKIP
+        (True, [])
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError("does not exist — check the path", path=path)
+    if path.is_dir():
+        from .reader import load
+
+        checkpoint = load(path, allow_globals=allow_globals)
+        return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
+                          pickles=[])
+    try:
+        kind, blobs = _pickle_blobs(path)
+    except PermissionError as e:
+        raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
+    except OSError as e:
+        raise InputError(f"cannot be read ({e.strerror})", path=path) from e
+    resolver = pickles.GlobalResolver(allow_globals)
+    globals_: Counter = Counter()
+    opcodes: Counter = Counter()
+    problems: list[str] = []
+    for name, data in blobs:
+        static, ops, static_error = static_globals(data)
+        dynamic, dynamic_error = dry_run_globals(data, allow_globals)
+        opcodes.update(ops)
+        globals_.update(dynamic)
+        for full_name in static:
+            if full_name not in dynamic:
+                globals_[full_name] += 1
+        if static_error and dynamic_error:
+            problems.append(f"{name}: {dynamic_error}")
+    unsafe = sorted(g for g in globals_ if not resolver.is_allowed(g))
+    report = ScanReport(path=str(path), format=kind, safe=not unsafe, unsafe=unsafe, globals=dict(sorted(globals_.items())),
+                        opcodes=dict(sorted(opcodes.items())), pickles=[name for name, _ in blobs], problems=problems)
+    if unsafe:
+        return report
+    # no dangerous global: the verdict "safe" also needs the file to be a checkpoint ckptool can read
+    from .reader import load
+
+    try:
+        checkpoint = load(path, allow_globals=allow_globals)
+    except UnsupportedFormatError:
+        raise
+    except InputError:
+        raise
+    report.format = checkpoint.format
+    return report

@@ -1,0 +1,181 @@
+"""inspect: what a checkpoint holds, as plain data (rendered by the CLI). Reads no tensor bytes."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .fingerprint import fingerprint
+from .pickles import OpaqueObject
+from .reader import load
+from .refs import DeviceRef, SizeRef, TensorRef
+from .tree import iter_tensors
+
+_WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
+
+
+@dataclass
+class Hint:
+    """A problem found in the checkpoint and the command that fixes it."""
+
+    problem: str
+    fix: str
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    device: str
+
+
+@dataclass
+class Summary:
+    """Everything ``ckptool inspect`` reports; ``asdict`` gives the --json object."""
+
+    path: str
+    format: str
+    layout: list[Any] | None
+    prefix: str
+    tensors: int
+    parameters: int
+    bytes: int
+    dtypes: dict[str, int]
+    saved_devices: dict[str, int]
+    tied: list[list[str]]
+    entries: dict[str, str]
+    globals: list[str]
+    file_bytes: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    hints: list[Hint] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    fingerprint: str | None = None
+    tensor_list: list[TensorInfo] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.tensor_list is None:
+            data.pop("tensor_list")
+        if self.fingerprint is None:
+            data.pop("fingerprint")
+        return data
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{size} B"
+
+
+def describe_entry(value: Any) -> str:
+    """A one-line description of a container entry that is not the weights."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, TensorRef):
+        return f"tensor {value.dtype.name}{list(value.shape)}"
+    if isinstance(value, DeviceRef):
+        return f"device {value}"
+    if isinstance(value, SizeRef):
+        return f"torch.Size({list(value)})"
+    tensors = list(iter_tensors(value))
+    if isinstance(value, dict) and "state" in value and "param_groups" in value:
+        nbytes = sum(t.nbytes for _, t in tensors)
+        return f"optimizer state: {len(value.get('state') or {})} params, {len(tensors)} tensors, {_human_bytes(nbytes)}"
+    if tensors:
+        return f"{type(value).__name__} with {len(tensors)} tensors, {_human_bytes(sum(t.nbytes for _, t in tensors))}"
+    if isinstance(value, OpaqueObject):
+        return f"{value.global_name} object"
+    if isinstance(value, dict):
+        text = repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in value.values()) else ""
+        return text if text and len(text) <= 80 else f"dict with {len(value)} entries"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
+    """Groups (≥2) of weight names that share one storage."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in tensors.items():
+        groups.setdefault(id(tensor.storage), []).append(name)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
+
+
+def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
+    name = checkpoint.path.name
+    stem = checkpoint.path.name.split(".")[0]
+    hints: list[Hint] = []
+    if summary.prefix:
+        wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
+        hints.append(Hint(f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys',
+                          f"ckptool strip {name} -o {stem}.stripped.pt"))
+    gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
+    if gpu:
+        hints.append(Hint(f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU",
+                          f"ckptool remap {name} -o {stem}.cpu.pt --to cpu"))
+    extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
+    if extra:
+        hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
+                          f"ckptool convert {name} -o {stem}.safetensors"))
+    if checkpoint.layout is None:
+        hints.append(Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint"))
+    return hints
+
+
+def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False) -> Summary:
+    """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
+    tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    dtype_counts = Counter(t.dtype.name for t in tensors.values())
+    file_bytes = 0
+    for file in checkpoint.files:
+        try:
+            file_bytes += os.path.getsize(file)
+        except OSError:
+            pass
+    summary = Summary(
+        path=str(checkpoint.path),
+        format=checkpoint.format,
+        layout=list(checkpoint.layout) if checkpoint.layout is not None else None,
+        prefix=checkpoint.prefix,
+        tensors=len(tensors),
+        parameters=sum(t.numel for t in tensors.values()),
+        bytes=sum(t.nbytes for t in tensors.values()),
+        dtypes=dict(sorted(dtype_counts.items())),
+        saved_devices=dict(sorted(checkpoint.saved_devices().items())),
+        tied=tied_groups(tensors),
+        entries={str(k): describe_entry(v) for k, v in checkpoint.entries().items()},
+        globals=sorted(checkpoint.globals),
+        file_bytes=file_bytes,
+        metadata=dict(checkpoint.metadata),
+        notes=list(checkpoint.notes),
+    )
+    summary.hints = _hints(checkpoint, summary)
+    if with_fingerprint:
+        summary.fingerprint = fingerprint(tensors)
+    if with_tensors:
+        summary.tensor_list = [TensorInfo(name, t.dtype.name, list(t.shape), t.nbytes, t.location)
+                               for name, t in tensors.items()]
+    return summary
+
+
+def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
+            tensors: bool = False) -> Summary:
+    """Describe any checkpoint without running its code or reading its tensor bytes.
+
+    Example:
+        >>> s = ckptool.inspect("ddp.pt")        # doctest: +SKIP
+        >>> s.format, s.layout, s.prefix, s.saved_devices   # doctest: +SKIP
+        ('torch-zip', ['model'], 'module.', {'cpu': 10})
+    """
+    checkpoint = load(path, allow_globals=allow_globals)
+    return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors)

@@ -294,3 +294,115 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     report = save(remapped, target, to="pt", force=force, in_place=in_place)
     _report_write(report, {"input": str(ckpt), "devices_before": before, "devices_after": after}, as_json,
                   f"remapped {ckpt} -> {target}: {before} -> {after}")
+
+
+# ------------------------------------------------------------------------------------------------ convert
+
+
+@main.command()
+@click.argument("ckpts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path),
+              help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
+@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Convert many inputs into this directory (name kept, suffix from --to).")
+@click.option("--to", "to_format", type=click.Choice(["safetensors", "pt"]), default=None,
+              help="Target format (default: from OUT's suffix; safetensors with --out-dir).")
+@click.option("--strip", "strip_wrappers", is_flag=True, help="Also strip the detected wrapper prefix from the keys.")
+@click.option("--max-shard-size", default=None, metavar="SIZE", help="Shard safetensors output, e.g. 5GB or 500MB.")
+@click.option("--duplicate-tied", is_flag=True, help="Store tied tensors as full copies (for readers without aliases).")
+@click.option("--nest", type=click.Choice(["model", "state_dict"]), default=None,
+              help="For .pt output from safetensors: wrap the weights as {NEST: weights}.")
+@click.option("--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched).")
+@force_option
+@json_option
+@allow_global_option
+@handle_errors
+def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
+            strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
+            dtype: str | None, force: bool, as_json: bool, allow_globals: tuple[str, ...]) -> None:
+    """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
+
+    Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
+    container's plain entries (epoch, config, metrics) go into the safetensors metadata.
+
+    Example: ckptool convert ddp.pt -o model.safetensors --strip
+    """
+    from .errors import UsageError
+    from .formats.safetensors import parse_size
+
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    if (out is None) == (out_dir is None):
+        raise UsageError("give exactly one of -o OUT (one input) or --out-dir DIR (any number of inputs)")
+    if out is not None and len(ckpts) != 1:
+        raise UsageError("-o takes one input; use --out-dir DIR to convert several")
+    jobs: list[tuple[Path, Path]]
+    if out is not None:
+        jobs = [(ckpts[0], out)]
+    else:
+        assert out_dir is not None
+        if not out_dir.is_dir():
+            raise UsageError(f"--out-dir {out_dir} is not an existing directory — create it first")
+        suffix = ".pt" if to_format == "pt" else ".safetensors"
+        jobs = [(path, out_dir / (path.name.split(".")[0] + suffix)) for path in ckpts]
+    results: list[dict[str, Any]] = []
+    failures: list[Any] = []
+    show_progress = len(jobs) > 1 and not as_json
+    with click.progressbar(jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
+            _null_progress(jobs) as bar:
+        for source, target in bar:
+            try:
+                results.append(_convert_one(source, target, to_format, strip_wrappers, shard_bytes, duplicate_tied,
+                                            nest, dtype, force, allow_globals))
+            except CkptError as e:
+                if len(jobs) == 1:
+                    raise
+                failures.append(e)
+    if as_json:
+        _emit_json(results[0] if out is not None else {"converted": results, "failed": [str(e) for e in failures]})
+    else:
+        for result in results:
+            click.echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
+                       f"{_human_bytes(result['bytes'])})")
+            click.echo(f"  fingerprint {result['fingerprint']} (re-read and checked)")
+            for note in result["notes"]:
+                click.echo(f"  note: {note}")
+    for failure in failures:
+        click.echo(f"ckptool: error: {failure}", err=True)
+    if failures:
+        sys.exit(max(f.exit_code for f in failures))
+
+
+class _null_progress:
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __enter__(self) -> list:
+        return self.items
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappers: bool, shard_bytes: int | None,
+                 duplicate_tied: bool, nest: str | None, dtype: str | None, force: bool,
+                 allow_globals: tuple[str, ...]) -> dict[str, Any]:
+    from .reader import load
+    from .writer import save
+
+    checkpoint = load(source, allow_globals=allow_globals)
+    notes: list[str] = []
+    if strip_wrappers and checkpoint.prefix:
+        notes.append(f'stripped "{checkpoint.prefix}" from the keys')
+        checkpoint = checkpoint.strip_prefix()
+    if dtype is not None:
+        from .cast import cast_weights
+
+        checkpoint = cast_weights(checkpoint, dtype)
+        notes.append(f"cast floating weights to {dtype}")
+    report = save(checkpoint, target, to=to_format, force=force, max_shard_size=shard_bytes,
+                  duplicate_tied=duplicate_tied, nest=nest)
+    if report.aliases:
+        notes.append(f"{len(report.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
+    return {"input": str(source), "output": str(report.path), "format": report.format, "tensors": report.tensors,
+            "bytes": report.bytes, "fingerprint": report.fingerprint, "files": [str(f) for f in report.files],
+            "aliases": report.aliases, "notes": notes + report.notes}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +77,7 @@ class StorageRef:
     location: str
     data: ByteRange | None = None
     type_global: str = ""
+    producer: Callable[[], bytes] | None = None  # bytes computed on demand (a dtype cast), else None
 
     @property
     def nbytes(self) -> int:
@@ -149,7 +150,7 @@ class TensorRef:
 
     def contiguous_byte_range(self) -> ByteRange | None:
         """The exact bytes of the tensor when it is C-contiguous in its storage, else None."""
-        if not self.is_contiguous():
+        if not self.is_contiguous() or self.storage.producer is not None:
             return None
         base = self.storage.byte_range()
         start = self.offset * self.dtype.itemsize
@@ -158,6 +159,10 @@ class TensorRef:
     def iter_bytes(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
         """The tensor's bytes in C order, streamed (a non-contiguous tensor is gathered once)."""
         if self.numel == 0:
+            return
+        if self.storage.producer is not None:
+            start = self.offset * self.dtype.itemsize
+            yield self.storage.producer()[start : start + self.nbytes]
             return
         span = self.contiguous_byte_range()
         if span is not None:

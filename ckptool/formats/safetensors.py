@@ -111,7 +111,8 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     if data_start + position != file_size:
         cause = "ends before" if data_start + position > file_size else "has trailing bytes after"
         raise InputError(f"safetensors data section {cause} the last tensor — the file is corrupt or truncated", path=path)
-    contents = SafetensorsContents(tensors=tensors, metadata=dict(metadata), files=[path])
+    # names in sorted order, as the safetensors library lists them
+    contents = SafetensorsContents(tensors=dict(sorted(tensors.items())), metadata=dict(metadata), files=[path])
     _retie(contents, path)
     return contents
 

@@ -111,6 +111,9 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive") ->
     writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
     writer.add_bytes(f"{archive_name}/byteorder", b"little")
     for key, storage in storages:
+        if storage.producer is not None:
+            writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
+            continue
         source = storage.byte_range()
         writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes, source.crc32)
     writer.add_bytes(f"{archive_name}/version", b"3\n")

@@ -17,6 +17,8 @@ from .checkpoint import Checkpoint
 from .errors import CkptError, InputError, OutputError, UnsafeCheckpointError, UnsupportedFormatError
 from .fingerprint import fingerprint
 from .reader import load
+from .safety import ScanReport, scan
+from .summary import Summary, inspect
 from .writer import SaveReport, save
 
 __all__ = [
@@ -28,7 +30,11 @@ __all__ = [
     "UnsupportedFormatError",
     "__version__",
     "fingerprint",
+    "inspect",
     "load",
+    "scan",
+    "ScanReport",
+    "Summary",
     "save",
     "SaveReport",
 ]

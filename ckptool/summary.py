@@ -151,7 +151,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         parameters=sum(t.numel for t in tensors.values()),
         bytes=sum(t.nbytes for t in tensors.values()),
         dtypes=dict(sorted(dtype_counts.items())),
-        saved_devices=dict(sorted(checkpoint.saved_devices().items())),
+        # safetensors stores no location tags: everything loads where the reader asks
+        saved_devices={} if checkpoint.format.startswith("safetensors") else dict(sorted(checkpoint.saved_devices().items())),
         tied=tied_groups(tensors),
         entries={str(k): describe_entry(v) for k, v in checkpoint.entries().items()},
         globals=sorted(checkpoint.globals),

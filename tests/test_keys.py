@@ -1,0 +1,50 @@
+"""keys.py: wrapper detection and pure prefix rewrites."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+
+from ckptool.errors import KeyCollisionError, NothingToDoError
+from ckptool.keys import add_prefix, detect_prefix, strip_prefix
+
+
+@pytest.mark.parametrize(
+    ("keys", "lightning", "expected"),
+    [
+        (["module.fc.weight", "module.fc.bias"], False, "module."),
+        (["module.module.fc.weight"], False, "module.module."),
+        (["_orig_mod.module.fc.weight", "_orig_mod.module.fc.bias"], False, "_orig_mod.module."),
+        (["model._orig_mod.fc.weight"], False, "model._orig_mod."),
+        (["model.fc.weight", "model.fc.bias"], False, ""),  # a real submodule called model
+        (["model.fc.weight", "model.fc.bias"], True, "model."),
+        (["module.fc.weight", "fc.bias"], False, ""),
+        (["fc.weight"], False, ""),
+        ([], False, ""),
+    ],
+)
+def test_detect_prefix(keys: list[str], lightning: bool, expected: str) -> None:
+    assert detect_prefix(keys, lightning=lightning) == expected
+
+
+def test_strip_keeps_order_type_and_metadata() -> None:
+    state_dict = OrderedDict([("module.b", 1), ("module.a", 2)])
+    state_dict._metadata = OrderedDict([("", {"version": 1}), ("module", {"version": 1}), ("module.a", {"v": 2})])
+    stripped = strip_prefix(state_dict, "module.")
+    assert isinstance(stripped, OrderedDict)
+    assert list(stripped.items()) == [("b", 1), ("a", 2)]
+    assert list(stripped._metadata) == ["", "a"]  # "" and "module" both become the root entry
+    assert list(state_dict) == ["module.b", "module.a"], "input must not change"
+
+
+def test_strip_errors() -> None:
+    with pytest.raises(NothingToDoError):
+        strip_prefix({"fc.weight": 1}, "module.")
+    with pytest.raises(KeyCollisionError, match="'module.fc' and 'fc'"):
+        strip_prefix({"module.fc": 1, "fc": 2}, "module.")
+
+
+def test_add_then_strip_round_trips() -> None:
+    state_dict = {"fc.weight": 1, "fc.bias": 2}
+    assert strip_prefix(add_prefix(state_dict, "module."), "module.") == state_dict

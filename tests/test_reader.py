@@ -1,0 +1,93 @@
+"""The reader against the fixtures' ground truth (fixtures/manifest.json, computed with torch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptool
+from ckptool.summary import summarize
+
+MANIFEST = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "manifest.json").read_text())
+ENTRIES = MANIFEST["fixtures"] if isinstance(MANIFEST, dict) else MANIFEST
+CHECKPOINTS = [e for e in ENTRIES if e["format"] != "torchscript"]
+
+
+@pytest.mark.parametrize("entry", CHECKPOINTS, ids=lambda e: e["file"])
+def test_fixture_described_truly(entry: dict, fixtures_dir: Path) -> None:
+    checkpoint = ckptool.load(fixtures_dir / entry["file"])
+    summary = summarize(checkpoint, with_fingerprint=True)
+    assert summary.format == entry["format"]
+    assert summary.layout == entry["layout"]
+    assert summary.prefix == entry["prefix"]
+    assert summary.tensors == entry["tensors"]
+    assert summary.parameters == entry["parameters"]
+    assert summary.bytes == entry["bytes"]
+    assert summary.dtypes == entry["dtypes"]
+    assert summary.saved_devices == entry["saved_devices"]
+    assert summary.tied == entry["tied"]
+    assert sorted(summary.entries) == entry["entries"]
+    assert summary.fingerprint == entry["fingerprint"]
+
+
+def test_torchscript_refused(fixtures_dir: Path) -> None:
+    with pytest.raises(ckptool.UnsupportedFormatError, match="TorchScript"):
+        ckptool.load(fixtures_dir / "torchscript_mlp.pt")
+
+
+def test_inspect_imports_no_torch(fixtures_dir: Path) -> None:
+    import subprocess
+
+    code = ("import sys, ckptool; ckptool.inspect(sys.argv[1]); ckptool.scan(sys.argv[1]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code, str(fixtures_dir / "ddp_lenet_wrapped.pt")], check=True)
+
+
+def test_tensor_bytes_match_torch(tmp_path: Path) -> None:
+    path = tmp_path / "views.pt"
+    base = torch.arange(24, dtype=torch.float32)
+    state = {"q": base[0:8], "k": base[8:16].view(2, 4), "t": base.view(4, 6).t(), "bf": torch.ones(3, dtype=torch.bfloat16),
+             "u16": torch.arange(5).to(torch.uint16), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)}
+    torch.save(state, path)
+    tensors = ckptool.load(path).tensors
+    for name, tensor in state.items():
+        expected = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert tensors[name].read_bytes() == expected, name
+        assert list(tensors[name].shape) == list(tensor.shape)
+    assert tensors["q"].storage is tensors["t"].storage
+
+
+def test_legacy_and_zip_agree(tmp_path: Path) -> None:
+    state = torch.nn.Linear(3, 2).state_dict()
+    torch.save(state, tmp_path / "zip.pt")
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    zip_ckpt, legacy_ckpt = ckptool.load(tmp_path / "zip.pt"), ckptool.load(tmp_path / "legacy.pt")
+    assert (zip_ckpt.format, legacy_ckpt.format) == ("torch-zip", "torch-legacy")
+    assert ckptool.fingerprint(zip_ckpt.tensors) == ckptool.fingerprint(legacy_ckpt.tensors)
+
+
+def test_unsafe_global_refused_naming_flag(tmp_path: Path) -> None:
+    import argparse
+    import collections
+
+    path = tmp_path / "custom.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "counter": collections.deque([1])}, path)
+    with pytest.raises(ckptool.UnsafeCheckpointError, match=r"collections\.deque.*--allow-global collections\.deque"):
+        ckptool.load(path)
+    checkpoint = ckptool.load(path, allow_globals=("collections.deque",))
+    assert list(checkpoint.tensors) == ["w"]
+    # argparse.Namespace is allowed by default (training scripts save their args)
+    torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)}, tmp_path / "args.pt")
+    assert ckptool.load(tmp_path / "args.pt").layout == ("model",)
+
+
+def test_missing_and_empty_inputs(tmp_path: Path) -> None:
+    with pytest.raises(ckptool.InputError, match="does not exist"):
+        ckptool.load(tmp_path / "nope.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(ckptool.InputError, match="empty"):
+        ckptool.load(tmp_path / "empty.pt")

@@ -1,0 +1,163 @@
+"""Rewrites and conversions: what is written loads in torch, and the weights are unchanged."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptool
+from ckptool.errors import NothingToDoError, OutputError
+from ckptool.writer import save
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from training.models import build_model  # noqa: E402
+
+MANIFEST = json.loads((REPO / "fixtures" / "manifest.json").read_text())
+ENTRIES = MANIFEST["fixtures"] if isinstance(MANIFEST, dict) else MANIFEST
+CHECKPOINTS = [e for e in ENTRIES if e["format"] != "torchscript"]
+WRAPPED = [e for e in CHECKPOINTS if e["prefix"] and e["model"] in ("lenet", "mlp")]
+
+
+def _torch_weights(path: Path, layout: list) -> dict:
+    obj = torch.load(path, weights_only=True, map_location="cpu")
+    for key in layout:
+        obj = obj[key]
+    return obj
+
+
+@pytest.mark.parametrize("entry", WRAPPED, ids=lambda e: e["file"])
+def test_strip_loads_strictly_into_bare_model(entry: dict, fixtures_dir: Path, tmp_path: Path) -> None:
+    source = fixtures_dir / entry["file"]
+    out = tmp_path / "stripped.pt"
+    save(ckptool.load(source).strip_prefix(), out)
+    stripped = _torch_weights(out, entry["layout"])
+    original = _torch_weights(source, entry["layout"])
+    model = build_model(entry["model"])
+    model.load_state_dict(stripped, strict=True)
+    for key, value in original.items():
+        assert torch.equal(stripped[key[len(entry["prefix"]):]], value)
+    # the rest of the container is kept
+    full = torch.load(out, weights_only=True, map_location="cpu")
+    if entry["layout"]:
+        assert sorted(k for k in full if k != entry["layout"][0]) == entry["entries"]
+
+
+def test_add_prefix_round_trips(fixtures_dir: Path, tmp_path: Path) -> None:
+    source = ckptool.load(fixtures_dir / "single_lenet.pt")
+    save(source.add_prefix("module."), tmp_path / "ddp.pt")
+    wrapped = ckptool.load(tmp_path / "ddp.pt")
+    assert wrapped.prefix == "module."
+    save(wrapped.strip_prefix(), tmp_path / "back.pt")
+    assert ckptool.fingerprint(ckptool.load(tmp_path / "back.pt").tensors) == ckptool.fingerprint(source.tensors)
+    ddp_like = torch.nn.DataParallel(build_model("lenet"))
+    ddp_like.load_state_dict(_torch_weights(tmp_path / "ddp.pt", ["model"]), strict=True)
+
+
+def test_strip_without_prefix_is_nothing_to_do(fixtures_dir: Path) -> None:
+    with pytest.raises(NothingToDoError):
+        ckptool.load(fixtures_dir / "single_lenet.pt").strip_prefix()
+
+
+def test_remap_cuda_to_cpu_loads_with_plain_torch_load(fixtures_dir: Path, tmp_path: Path) -> None:
+    from ckptool.devices import location_mapper
+
+    source = fixtures_dir / "gpu_cuda1_ddp_lenet.pt"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(source, weights_only=True)
+    save(ckptool.load(source).remap(location_mapper(to="cpu")), tmp_path / "cpu.pt")
+    loaded = torch.load(tmp_path / "cpu.pt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in loaded["model"].values())
+    save(ckptool.load(source).remap(location_mapper(mapping=["cuda:1=cuda:0"])), tmp_path / "cuda0.pt")
+    assert set(ckptool.load(tmp_path / "cuda0.pt").saved_devices()) <= {"cpu", "cuda:0"}
+    assert "cuda:0" in ckptool.load(tmp_path / "cuda0.pt").saved_devices()
+
+
+@pytest.mark.parametrize("entry", CHECKPOINTS, ids=lambda e: e["file"])
+def test_convert_round_trip_keeps_fingerprint(entry: dict, fixtures_dir: Path, tmp_path: Path) -> None:
+    source = ckptool.load(fixtures_dir / entry["file"])
+    st = save(source, tmp_path / "w.safetensors")
+    assert st.fingerprint == entry["fingerprint"]
+    back = save(ckptool.load(tmp_path / "w.safetensors"), tmp_path / "w.pt")
+    assert back.fingerprint == entry["fingerprint"]
+    reloaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    stock = load_file(tmp_path / "w.safetensors")
+    aliases = set(st.aliases)
+    for key, value in reloaded.items():
+        if key not in aliases:
+            assert torch.equal(stock[key], value), key
+    # tied tensors (one storage, the same view) come back tied in torch; views of one storage
+    # that differ (q/k/v slices of a fused weight) are stored as separate tensors
+    tensors = source.tensors
+    for group in entry["tied"]:
+        views = {(tensors[k].offset, tensors[k].shape, tensors[k].stride) for k in group}
+        pointers = {reloaded[k].untyped_storage().data_ptr() for k in group}
+        assert len(pointers) == (1 if len(views) == 1 else len(group)), group
+
+
+def test_tied_weights_stored_once_and_retied(fixtures_dir: Path, tmp_path: Path) -> None:
+    report = save(ckptool.load(fixtures_dir / "tied_lm.pt"), tmp_path / "tied.safetensors")
+    assert len(report.aliases) == 1
+    retied = ckptool.load(tmp_path / "tied.safetensors").tensors
+    first, second = sorted(retied)
+    assert retied[first].storage is retied[second].storage
+    duplicated = save(ckptool.load(fixtures_dir / "tied_lm.pt"), tmp_path / "dup.safetensors", duplicate_tied=True)
+    assert duplicated.aliases == {}
+    assert set(load_file(tmp_path / "dup.safetensors")) == set(retied)
+
+
+def test_sharded_output_matches_index_layout(fixtures_dir: Path, tmp_path: Path) -> None:
+    source = ckptool.load(fixtures_dir / "single_lenet.pt")
+    out = tmp_path / "shards"
+    report = save(source, out, max_shard_size=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in source.tensors.values())
+    merged = {}
+    for shard in shards:
+        merged.update(load_file(out / shard))
+    assert set(merged) == set(index["weight_map"])
+    assert ckptool.fingerprint(ckptool.load(out).tensors) == report.fingerprint
+    assert ckptool.fingerprint(ckptool.load(out / "model.safetensors.index.json").tensors) == report.fingerprint
+
+
+def test_dtype_cast_touches_floats_only(fixtures_dir: Path, tmp_path: Path) -> None:
+    from ckptool.cast import cast_weights
+
+    source = ckptool.load(fixtures_dir / "views.pt")
+    save(cast_weights(source, "bf16"), tmp_path / "bf16.safetensors")
+    cast = load_file(tmp_path / "bf16.safetensors")
+    original = _torch_weights(fixtures_dir / "views.pt", [])
+    for key, value in original.items():
+        if value.is_floating_point():
+            assert cast[key].dtype == torch.bfloat16
+            assert torch.equal(cast[key], value.to(torch.bfloat16)), key
+        else:
+            assert torch.equal(cast[key], value), key
+
+
+def test_existing_output_and_input_are_protected(fixtures_dir: Path, tmp_path: Path) -> None:
+    source_path = tmp_path / "in.pt"
+    source_path.write_bytes((fixtures_dir / "ddp_lenet_wrapped.pt").read_bytes())
+    before = source_path.read_bytes()
+    checkpoint = ckptool.load(source_path).strip_prefix()
+    with pytest.raises(OutputError, match="is the input"):
+        save(checkpoint, source_path)
+    (tmp_path / "link.pt").symlink_to(source_path)
+    with pytest.raises(OutputError, match="is the input"):
+        save(checkpoint, tmp_path / "link.pt")
+    (tmp_path / "taken.pt").write_bytes(b"keep me")
+    with pytest.raises(OutputError, match="--force"):
+        save(checkpoint, tmp_path / "taken.pt")
+    assert (tmp_path / "taken.pt").read_bytes() == b"keep me"
+    assert source_path.read_bytes() == before
+    save(checkpoint, source_path, in_place=True)
+    assert ckptool.load(source_path).prefix == ""
+    assert not list(tmp_path.glob(".ckptool-tmp-*"))

@@ -1,0 +1,41 @@
+"""Shared pytest fixtures: where the repository and its checkpoint fixtures are, how to run training."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # `pytest` as well as `python -m pytest` imports ckptool and training
+# torchrun's variables: a test process must not look like a torchrun worker to python -m training
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root (the directory holding ckptool/, training/, fixtures/)."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(repo_root: Path) -> Path:
+    """The committed checkpoint fixtures (see fixtures/README.md)."""
+    return repo_root / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def subprocess_env(repo_root: Path) -> dict[str, str]:
+    """Environment for ``python -m training`` / torchrun subprocesses: repo importable, no torchrun leftovers."""
+    environment = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), environment.get("PYTHONPATH")]))
+    return environment
+
+
+@pytest.fixture(scope="session")
+def python_executable() -> str:
+    """The interpreter running the tests (the project's venv); torchrun is ``python -m torch.distributed.run``."""
+    return sys.executable

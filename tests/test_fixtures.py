@@ -1,0 +1,321 @@
+"""fixtures/: the committed checkpoints, their manifest, and the script that regenerates them.
+
+The manifest is what ckptool's own tests trust, so it is checked here against torch's reading of
+every file, recomputed independently of make_fixtures.py (its own dtype table, storage grouping
+and fingerprint), and the script is re-run to prove the committed tensors are what it makes.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import warnings
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from training.models import MODELS, build_model
+
+# independent of ckptool.dtypes on purpose: the manifest is checked, not assumed
+DTYPE_NAMES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+# fields that may differ between two regenerations: legacy pickles hold storage addresses as keys,
+# TorchScript archives a random serialization id and hash-ordered code
+BYTE_FIELDS = {"sha256", "shard_sha256", "file_bytes"}
+MAX_FIXTURE_BYTES = 2 * 1024 * 1024
+KNOWN_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+MANIFEST = json.loads((FIXTURES_DIR / "manifest.json").read_text())
+ENTRIES = {entry["file"]: entry for entry in MANIFEST["fixtures"]}
+CHECKPOINT_ENTRIES = [name for name, entry in ENTRIES.items() if entry["format"] != "torchscript"]
+TORCH_ENTRIES = [name for name, entry in ENTRIES.items() if entry["format"] in ("torch-zip", "torch-legacy")]
+CUDA_ENTRIES = [name for name, entry in ENTRIES.items() if any(tag.startswith("cuda") for tag in (entry["saved_devices"] or {}))]
+
+
+def same_environment() -> bool:
+    """Trained tensors are bit-reproducible only with the torch build and CPU kernels that made them."""
+    generated = MANIFEST["environment"]
+    return generated == {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        tensor = state_dict[key].detach().cpu()
+        header = json.dumps([key, DTYPE_NAMES[tensor.dtype], list(tensor.shape)], separators=(",", ":")).encode()
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        for part in (header, data):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return "sha256:" + digest.hexdigest()
+
+
+def load_any(directory: Path, entry: dict) -> object:
+    """The whole object of a fixture, on the CPU: torch.load, safetensors (merged shards) or a TorchScript state_dict."""
+    path = directory / entry["file"]
+    if entry["format"] == "safetensors":
+        return safetensors.torch.load_file(str(path))
+    if entry["format"] == "safetensors-sharded":
+        merged: dict[str, torch.Tensor] = {}
+        for shard in entry["shards"]:
+            merged.update(safetensors.torch.load_file(str(path.parent / shard)))
+        return merged
+    if entry["format"] == "torchscript":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit.load is deprecated, still what such archives need
+            return dict(torch.jit.load(str(path), map_location="cpu").state_dict())
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def leaves(obj: object, path: tuple = ()) -> Iterator[tuple[tuple, object]]:
+    """Every leaf (tensor or plain value) of nested dicts/lists/tuples, with its key path."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from leaves(value, (*path, key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from leaves(value, (*path, index))
+    else:
+        yield path, obj
+
+
+def weights_of(obj: object, layout: list[str]) -> dict[str, torch.Tensor]:
+    for key in layout:
+        obj = obj[key]  # type: ignore[index]
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[str, str], repo_root: Path, python_executable: str) -> Path:
+    """The fixtures made afresh by ``python fixtures/make_fixtures.py --out TMP``."""
+    out = tmp_path_factory.mktemp("regenerated")
+    completed = subprocess.run(
+        [python_executable, str(repo_root / "fixtures" / "make_fixtures.py"), "--out", str(out)],
+        cwd=out, env=subprocess_env, capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the committed files and the manifest
+
+
+def test_manifest_covers_every_fixture_file(fixtures_dir: Path) -> None:
+    on_disk = {str(p.relative_to(fixtures_dir)) for p in fixtures_dir.rglob("*") if p.is_file()}
+    on_disk -= {"make_fixtures.py", "manifest.json", "README.md"}
+    on_disk = {name for name in on_disk if "__pycache__" not in name}
+    listed = set(ENTRIES)
+    for entry in ENTRIES.values():
+        listed |= {str(Path(entry["file"]).parent / shard) for shard in entry.get("shards", [])}
+    assert on_disk == listed
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_committed_file_matches_manifest_sha256_and_is_small(name: str, fixtures_dir: Path) -> None:
+    entry = ENTRIES[name]
+    path = fixtures_dir / name
+    assert sha256_of(path) == entry["sha256"]
+    for shard, digest in entry.get("shard_sha256", {}).items():
+        assert sha256_of(path.parent / shard) == digest
+        assert (path.parent / shard).stat().st_size < MAX_FIXTURE_BYTES
+    assert path.stat().st_size < MAX_FIXTURE_BYTES
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_ENTRIES)
+def test_manifest_agrees_with_torchs_view(name: str, fixtures_dir: Path) -> None:
+    entry = ENTRIES[name]
+    path = fixtures_dir / name
+    locations: dict[int, str] = {}
+    if entry["format"] in ("torch-zip", "torch-legacy"):
+
+        def record(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+            locations[storage.data_ptr()] = location
+            return storage
+
+        obj = torch.load(path, weights_only=True, map_location=record)
+        assert entry["saved_devices"] == dict(collections.Counter(locations.values()))
+        expected_entries = sorted(key for key in obj if key != entry["layout"][0]) if entry["layout"] else []
+        assert entry["entries"] == expected_entries
+    else:
+        obj = load_any(fixtures_dir, entry)
+        assert entry["saved_devices"] == {} and entry["entries"] == []
+    weights = weights_of(obj, entry["layout"])
+
+    assert all(isinstance(value, torch.Tensor) for value in weights.values())
+    assert all(key.startswith(entry["prefix"]) for key in weights)
+    # the prefix is the whole wrapper stack: what is left are the model's own keys
+    stripped = {key.removeprefix(entry["prefix"]): tensor for key, tensor in weights.items()}
+    assert not any(key.startswith(KNOWN_PREFIXES) for key in stripped), "an undeclared wrapper prefix"
+    if entry["model"] in MODELS:
+        build_model(entry["model"]).load_state_dict(stripped, strict=True)
+    assert entry["tensors"] == len(weights)
+    assert entry["parameters"] == sum(t.numel() for t in weights.values())
+    assert entry["bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
+    assert entry["dtypes"] == dict(collections.Counter(DTYPE_NAMES[t.dtype] for t in weights.values()))
+    assert entry["fingerprint"] == fingerprint(weights)
+
+    groups = collections.defaultdict(list)
+    for key, tensor in weights.items():
+        groups[tensor.untyped_storage().data_ptr()].append(key)
+    assert entry["tied"] == sorted(sorted(keys) for keys in groups.values() if len(keys) > 1)
+    if locations:
+        assert entry["weights_saved_devices"] == dict(collections.Counter(locations[ptr] for ptr in groups))
+
+
+@pytest.mark.parametrize("name", TORCH_ENTRIES + ["torchscript_mlp.pt"])
+def test_plain_torch_load_behaves_as_the_manifest_says(name: str, fixtures_dir: Path) -> None:
+    entry = ENTRIES[name]
+    if entry["loads_with_plain_torch_load"]:
+        torch.load(fixtures_dir / name, weights_only=True)
+        return
+    if name in CUDA_ENTRIES and torch.cuda.is_available():
+        pytest.skip("a CUDA machine can load cuda-tagged storages")
+    with pytest.raises(RuntimeError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns before refusing a TorchScript archive
+        torch.load(fixtures_dir / name, weights_only=True)
+    assert str(raised.value).strip().splitlines()[0] == entry["plain_torch_load_error"]
+
+
+# --------------------------------------------------------------------------------------------
+# the special fixtures
+
+
+@pytest.mark.parametrize("name", CUDA_ENTRIES)
+def test_gpu_fixtures_raise_the_real_cuda_error_on_cpu(name: str, fixtures_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a CPU-only machine")
+    with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device but torch.cuda.is_available.. is False"):
+        torch.load(fixtures_dir / name, weights_only=True)
+    checkpoint = torch.load(fixtures_dir / name, weights_only=True, map_location="cpu")
+    assert all(t.device.type == "cpu" for t in checkpoint["model"].values())
+
+
+def test_gpu_fixture_tags_are_what_a_gpu_run_writes(fixtures_dir: Path) -> None:
+    # the weights and Adam moments live on the GPU; Adam's step counters stay on the CPU
+    assert ENTRIES["gpu_cuda0_lenet.pt"]["weights_saved_devices"] == {"cuda:0": 8}
+    assert ENTRIES["gpu_cuda1_ddp_lenet.pt"]["weights_saved_devices"] == {"cuda:1": 8}
+    assert ENTRIES["gpu_cuda1_ddp_lenet.pt"]["saved_devices"] == {"cpu": 8, "cuda:1": 24}
+    # same weights as the checkpoints they were re-saved from
+    assert ENTRIES["gpu_cuda0_lenet.pt"]["fingerprint"] == ENTRIES["single_lenet.pt"]["fingerprint"]
+    assert ENTRIES["gpu_cuda1_ddp_lenet.pt"]["fingerprint"] == ENTRIES["ddp_lenet_wrapped.pt"]["fingerprint"]
+
+
+def test_location_tagger_is_registered_only_inside_the_block(repo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("make_fixtures", repo_root / "fixtures" / "make_fixtures.py")
+    make_fixtures = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "make_fixtures", make_fixtures)  # its dataclasses look themselves up there
+    spec.loader.exec_module(make_fixtures)  # type: ignore[union-attr]
+    registry_before = list(torch.serialization._package_registry)
+
+    with pytest.raises(KeyError), make_fixtures.saved_locations(lambda storage: "cuda:3"):
+        torch.save({"w": torch.ones(2)}, tmp_path / "tagged.pt")
+        raise KeyError("an error inside the block must still unregister the tagger")
+    assert torch.serialization._package_registry == registry_before
+
+    seen: list[str] = []
+    torch.load(tmp_path / "tagged.pt", weights_only=True, map_location=lambda storage, location: seen.append(location) or storage)
+    assert seen == ["cuda:3"]
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    torch.load(tmp_path / "plain.pt", weights_only=True, map_location=lambda storage, location: seen.append(location) or storage)
+    assert seen == ["cuda:3", "cpu"]
+
+
+def test_torchscript_fixture_is_an_archive_not_a_checkpoint(fixtures_dir: Path) -> None:
+    path = fixtures_dir / "torchscript_mlp.pt"
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+    assert any("/code/" in name for name in names) and any(name.endswith("/constants.pkl") for name in names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated, still what loads such archives
+        module = torch.jit.load(str(path))
+    assert isinstance(module, torch.jit.ScriptModule)
+    assert module(torch.zeros(1, 1, 28, 28)).shape == (1, 10)
+
+
+def test_legacy_fixture_is_not_a_zip(fixtures_dir: Path) -> None:
+    assert not zipfile.is_zipfile(fixtures_dir / "legacy_mlp.pt")
+    assert zipfile.is_zipfile(fixtures_dir / "single_lenet.pt")
+
+
+def test_views_fixture_keeps_offsets_strides_and_dtypes(fixtures_dir: Path) -> None:
+    state_dict = torch.load(fixtures_dir / "views.pt", weights_only=True)
+    assert [state_dict[f"attn.{n}_proj.weight"].storage_offset() for n in "qkv"] == [0, 256, 512]
+    assert not state_dict["attn.out_proj.weight"].is_contiguous()
+    assert state_dict["embed_tokens.weight"].dtype == torch.bfloat16
+    assert state_dict["norm.num_batches_tracked"].dim() == 0
+    assert state_dict["position_ids"].dtype == torch.int64
+
+
+def test_tied_fixture_shares_one_storage(fixtures_dir: Path) -> None:
+    state_dict = torch.load(fixtures_dir / "tied_lm.pt", weights_only=True)
+    assert set(state_dict) == {"embed.weight", "head.weight"}
+    assert state_dict["embed.weight"].data_ptr() == state_dict["head.weight"].data_ptr()
+
+
+def test_sharded_index_describes_its_shards(fixtures_dir: Path) -> None:
+    directory = fixtures_dir / "sharded"
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        for key, tensor in safetensors.torch.load_file(str(directory / shard)).items():
+            assert index["weight_map"][key] == shard
+            tensors[key] = tensor
+    assert set(tensors) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    single = torch.load(fixtures_dir / "single_lenet.pt", weights_only=True)["model"]
+    assert all(torch.equal(single[key], tensors[key]) for key in single)
+
+
+def test_readme_table_lists_every_fixture_with_its_sha256(fixtures_dir: Path) -> None:
+    readme = (fixtures_dir / "README.md").read_text()
+    assert "make_fixtures.py" in readme
+    for name, entry in ENTRIES.items():
+        assert f"| `{name}` |" in readme and entry["sha256"] in readme
+
+
+# --------------------------------------------------------------------------------------------
+# regeneration
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_regenerated_fixture_has_the_same_tensors(name: str, regenerated: Path, fixtures_dir: Path) -> None:
+    entry = ENTRIES[name]
+    committed = dict(leaves(load_any(fixtures_dir, entry)))
+    fresh = dict(leaves(load_any(regenerated, entry)))
+    assert committed.keys() == fresh.keys()
+    exact = same_environment()
+    for path, value in committed.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == fresh[path].dtype and value.shape == fresh[path].shape, path
+            if exact:
+                assert torch.equal(value, fresh[path]), path
+            else:  # another CPU or torch build: kernels may round differently
+                torch.testing.assert_close(fresh[path], value, rtol=1e-3, atol=1e-4, msg=str(path))
+        else:
+            assert value == fresh[path], path
+
+
+def test_regenerated_manifest_matches(regenerated: Path) -> None:
+    fresh = json.loads((regenerated / "manifest.json").read_text())
+    fresh_entries = {entry["file"]: entry for entry in fresh["fixtures"]}
+    assert fresh_entries.keys() == ENTRIES.keys()
+    ignored = BYTE_FIELDS if same_environment() else BYTE_FIELDS | {"fingerprint"}
+    for name, entry in ENTRIES.items():
+        for field, value in entry.items():
+            if field not in ignored:
+                assert fresh_entries[name][field] == value, (name, field)

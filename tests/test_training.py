@@ -1,0 +1,285 @@
+"""training/: real single, DataParallel and 2-process gloo DDP runs through the CLI, and their checkpoints.
+
+Accuracy is checked once per mode on the default 6000/1000 synthetic split; the other runs use small
+splits because only what they save matters.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from training import UsageError
+from training.data import class_prototypes, load_dataset, synthetic_digits
+from training.loop import ProcessInfo, process_info, strip_wrapper_prefix
+from training.models import INPUT_SHAPE, MODELS, build_model
+
+CONTAINER_KEYS = {"model", "optimizer", "epoch", "config", "metrics"}
+SMALL = ["--train-size", "512", "--test-size", "128"]
+CONFIG_TYPES = (str, int, float, bool, type(None))
+
+
+def run_training(args: list[str], *, env: dict[str, str], cwd: Path, python: str, torchrun: bool = False, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [python]
+    return subprocess.run([*launcher, "-m", "training", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def train(subprocess_env: dict[str, str], repo_root: Path, python_executable: str):
+    """Run ``python -m training ARGS`` (or under torchrun); fail the test with its stderr if it fails."""
+
+    def _train(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess[str]:
+        completed = run_training(list(args), env=subprocess_env, cwd=repo_root, python=python_executable, torchrun=torchrun)
+        assert completed.returncode == 0, completed.stderr[-4000:]
+        return completed
+
+    return _train
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def assert_training_container(checkpoint: dict, *, epoch: int) -> None:
+    assert set(checkpoint) == CONTAINER_KEYS
+    assert checkpoint["epoch"] == epoch
+    assert all(isinstance(value, CONFIG_TYPES) for value in checkpoint["config"].values()), checkpoint["config"]
+    assert set(checkpoint["metrics"]) == {"test_accuracy", "train_loss"}
+    assert checkpoint["optimizer"]["state"], "optimizer state is empty: no step was taken"
+
+
+def assert_loads_strictly(state_dict: dict[str, torch.Tensor], model_name: str) -> None:
+    model = build_model(model_name)
+    model.load_state_dict(state_dict, strict=True)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state_dict[key]), key
+
+
+# --------------------------------------------------------------------------------------------
+# the three modes, for real
+
+
+def test_single_lenet_trains_to_accuracy_and_saves_plain_keys(train, tmp_path: Path) -> None:
+    out = tmp_path / "single.pt"
+    completed = train("--mode", "single", "--model", "lenet", "--epochs", "2", "--out", str(out))
+
+    checkpoint = load_checkpoint(out)
+    assert_training_container(checkpoint, epoch=2)
+    assert checkpoint["metrics"]["test_accuracy"] >= 0.8
+    assert checkpoint["config"]["mode"] == "single"
+    assert not any(key.startswith("module.") for key in checkpoint["model"])
+    assert_loads_strictly(checkpoint["model"], "lenet")
+    assert "epoch 2/2" in completed.stdout and "final test_accuracy" in completed.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["single.pt"], "the atomic save left a temp file behind"
+
+
+def test_dp_wrapped_keeps_module_prefix(train, tmp_path: Path) -> None:
+    out = tmp_path / "dp.pt"
+    train("--mode", "dp", "--model", "mlp", "--epochs", "2", "--save-style", "wrapped", "--out", str(out))
+
+    checkpoint = load_checkpoint(out)
+    assert_training_container(checkpoint, epoch=2)
+    assert checkpoint["metrics"]["test_accuracy"] >= 0.8
+    assert checkpoint["model"] and all(key.startswith("module.") for key in checkpoint["model"])
+    assert_loads_strictly(strip_wrapper_prefix(checkpoint["model"]), "mlp")
+
+
+def test_real_two_process_ddp_wrapped_and_unwrapped(train, tmp_path: Path) -> None:
+    wrapped, unwrapped = tmp_path / "wrapped.pt", tmp_path / "unwrapped.pt"
+    args = ["--mode", "ddp", "--model", "lenet", "--epochs", "2"]
+    completed = train(*args, "--save-style", "wrapped", "--out", str(wrapped), torchrun=True)
+    train(*args, "--save-style", "unwrapped", "--out", str(unwrapped), torchrun=True)
+
+    wrapped_checkpoint = load_checkpoint(wrapped)
+    assert_training_container(wrapped_checkpoint, epoch=2)
+    assert wrapped_checkpoint["config"]["world_size"] == 2
+    assert wrapped_checkpoint["metrics"]["test_accuracy"] >= 0.8
+    assert all(key.startswith("module.") for key in wrapped_checkpoint["model"])
+    assert completed.stdout.count("final test_accuracy") == 1, "only rank 0 may log and save"
+
+    unwrapped_checkpoint = load_checkpoint(unwrapped)
+    assert_training_container(unwrapped_checkpoint, epoch=2)
+    assert not any(key.startswith("module.") for key in unwrapped_checkpoint["model"])
+    assert_loads_strictly(unwrapped_checkpoint["model"], "lenet")
+    # same seed, same run: the two saves differ only by the wrapper prefix (DDP over gloo is deterministic)
+    assert_loads_strictly(strip_wrapper_prefix(wrapped_checkpoint["model"]), "lenet")
+    for key, tensor in unwrapped_checkpoint["model"].items():
+        assert torch.equal(tensor, wrapped_checkpoint["model"]["module." + key]), key
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def test_multi_node_flags_two_agents(subprocess_env: dict[str, str], repo_root: Path, python_executable: str, tmp_path: Path) -> None:
+    """Two torchrun agents ("nodes") of one process each rendezvous over c10d, as on two machines."""
+    out = tmp_path / "multinode.pt"
+    endpoint = f"localhost:{free_port()}"
+    environment = dict(subprocess_env, OMP_NUM_THREADS="1")
+    agents = [
+        subprocess.Popen(
+            [python_executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+             "-m", "training", "--mode", "ddp", "--model", "mlp", "--epochs", "1", *SMALL, "--out", str(out)],
+            cwd=repo_root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node_rank in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=180) for agent in agents]
+    for agent, (_stdout, stderr) in zip(agents, outputs):
+        assert agent.returncode == 0, stderr[-4000:]
+    checkpoint = load_checkpoint(out)
+    assert checkpoint["config"]["world_size"] == 2
+    assert_loads_strictly(checkpoint["model"], "mlp")
+
+
+# --------------------------------------------------------------------------------------------
+# resume and weights-only
+
+
+def test_resume_continues_exactly_where_it_stopped(train, tmp_path: Path) -> None:
+    first, resumed, straight = tmp_path / "first.pt", tmp_path / "resumed.pt", tmp_path / "straight.pt"
+    args = ["--mode", "dp", "--model", "mlp", "--save-style", "wrapped", *SMALL]
+    train(*args, "--epochs", "1", "--out", str(first))
+    train(*args, "--epochs", "1", "--resume", str(first), "--out", str(resumed))
+    train(*args, "--epochs", "2", "--out", str(straight))
+
+    first_checkpoint, resumed_checkpoint = load_checkpoint(first), load_checkpoint(resumed)
+    assert first_checkpoint["epoch"] == 1
+    assert_training_container(resumed_checkpoint, epoch=2)
+    assert resumed_checkpoint["config"]["resumed_from_epoch"] == 1
+    assert not torch.equal(first_checkpoint["model"]["module.fc1.weight"], resumed_checkpoint["model"]["module.fc1.weight"])
+    # model, Adam moments and the (seed, epoch) shuffle all restored: 1 + 1 epochs == 2 epochs, bit for bit
+    straight_model = load_checkpoint(straight)["model"]
+    for key, tensor in straight_model.items():
+        assert torch.equal(tensor, resumed_checkpoint["model"][key]), key
+
+
+def test_weights_only_saves_the_bare_state_dict(train, tmp_path: Path) -> None:
+    out = tmp_path / "weights.pt"
+    train("--mode", "single", "--model", "lenet", "--epochs", "1", "--weights-only", *SMALL, "--out", str(out))
+
+    state_dict = load_checkpoint(out)
+    assert set(state_dict) == set(build_model("lenet").state_dict())
+    assert_loads_strictly(state_dict, "lenet")
+
+
+def write_idx(path: Path, array: torch.Tensor) -> None:
+    """An MNIST idx file: magic (0, 0, ubyte=0x08, ndim), big-endian dims, the bytes."""
+    header = bytes([0, 0, 0x08, array.dim()]) + b"".join(size.to_bytes(4, "big") for size in array.shape)
+    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
+
+
+def test_mnist_is_read_from_a_local_directory(train, tmp_path: Path) -> None:
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, count in (("train", 300), ("t10k", 100)):
+        images, labels = synthetic_digits(count, seed=0, train=prefix == "train").tensors
+        pixels = (images.squeeze(1) * 0.3081 + 0.1307).clamp(0, 1).mul(255).round()
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", pixels)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    out = tmp_path / "mnist.pt"
+    train("--model", "mlp", "--epochs", "1", "--data", "mnist", "--data-dir", str(tmp_path / "data"), "--out", str(out))
+
+    checkpoint = load_checkpoint(out)
+    assert checkpoint["config"]["data"] == "mnist"
+    assert (checkpoint["config"]["train_size"], checkpoint["config"]["test_size"]) == (300, 100)
+
+
+# --------------------------------------------------------------------------------------------
+# errors: one line, exit code, no traceback, nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model", "vgg"], "invalid choice: 'vgg'"),
+        (["--mode", "ddp"], "needs the torchrun environment"),
+        (["--data", "mnist", "--data-dir", "{tmp}"], "no MNIST found under"),
+        (["--data", "mnist"], "--data mnist needs --data-dir"),
+    ],
+    ids=["unknown-model", "ddp-without-torchrun", "missing-mnist", "mnist-without-dir"],
+)
+def test_bad_arguments_fail_in_one_line(args: list[str], expected: str, subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
+    out = tmp_path / "never.pt"
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    completed = run_training([*args, "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable)
+    assert_one_line_error(completed, expected, exit_code=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nonexistent_output_directory_fails_before_training(subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
+    out = tmp_path / "missing" / "model.pt"
+    completed = run_training(["--epochs", "50", "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable, timeout=60)
+    assert_one_line_error(completed, "does not exist", exit_code=2)
+    assert "epoch" not in completed.stdout, "it trained before checking --out"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_from_weights_only_file_is_refused(train, subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
+    weights = tmp_path / "weights.pt"
+    train("--model", "mlp", "--epochs", "1", "--weights-only", *SMALL, "--out", str(weights))
+    out = tmp_path / "resumed.pt"
+    completed = run_training(["--model", "mlp", "--resume", str(weights), "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable)
+    assert_one_line_error(completed, "not a full training checkpoint", exit_code=1)
+    assert not out.exists()
+
+
+def assert_one_line_error(completed: subprocess.CompletedProcess[str], expected: str, *, exit_code: int) -> None:
+    lines = completed.stderr.strip().splitlines()
+    assert completed.returncode == exit_code, completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert len(lines) == 1, completed.stderr
+    assert lines[0].startswith("training: error: ") and expected in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# library pieces
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_maps_28x28_grayscale_to_10_logits(name: str) -> None:
+    model = build_model(name).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(2, *INPUT_SHAPE)).shape == (2, 10)
+
+
+def test_resnet18_stem_is_adapted_to_small_grayscale_images() -> None:
+    model = build_model("resnet18")
+    assert model.conv1.in_channels == 1 and model.conv1.stride == (1, 1) and model.conv1.kernel_size == (3, 3)
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    assert "layer4.1.bn2.running_var" in model.state_dict(), "torchvision's key names must be kept"
+
+
+def test_unknown_model_is_a_value_error_listing_the_choices() -> None:
+    with pytest.raises(ValueError, match="lenet, mlp, resnet18"):
+        build_model("vgg")
+
+
+def test_synthetic_data_is_deterministic_and_splits_differ() -> None:
+    first = synthetic_digits(200, seed=3, train=True).tensors
+    again = synthetic_digits(200, seed=3, train=True).tensors
+    test_split = synthetic_digits(200, seed=3, train=False).tensors
+    other_seed = synthetic_digits(200, seed=4, train=True).tensors
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], test_split[0])
+    assert not torch.equal(first[0], other_seed[0])
+    assert set(first[1].tolist()) == set(range(10))
+    # every split and seed is drawn around the same ten classes
+    assert torch.equal(class_prototypes(), class_prototypes())
+    assert len(load_dataset("synthetic", data_dir=None, train=True, seed=0)) == 6000
+
+
+def test_process_info_reads_torchrun_and_refuses_mismatches() -> None:
+    assert process_info("single", {}) == ProcessInfo(rank=0, local_rank=0, world_size=1)
+    assert process_info("ddp", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == ProcessInfo(3, 1, 4)
+    with pytest.raises(UsageError, match="LOCAL_RANK"):
+        process_info("ddp", {"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(UsageError, match="--mode single launched as 2 torchrun workers"):
+        process_info("single", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})

@@ -44,6 +44,12 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
             return
     if in_place:
         raise OutputError("--in-place given but the output is not the input — drop --in-place", path=out)
+    if out.is_dir():  # replacing a directory deletes what is in it
+        root = out.resolve()
+        for source in inputs:
+            if root in Path(source).resolve().parents:
+                raise OutputError(f"is a directory holding the input {source} — replacing it would delete the input; "
+                                  "choose another -o", path=out)
     if out.exists() and not force:
         raise OutputError("already exists — pass --force to overwrite it, or choose another -o", path=out)
     parent = out.parent if str(out.parent) else Path(".")
@@ -122,7 +128,10 @@ def atomic_directory(out: Path) -> Iterator[Path]:
             os.rmdir(old)
             os.replace(out, old)
             os.replace(tmp, out)
-            _rmtree_quietly(old)
+            if old.is_dir() and not old.is_symlink():
+                _rmtree_quietly(old)
+            else:  # the output was a file or a link: remove it, not what it points to
+                _unlink_quietly(old)
         else:
             os.replace(tmp, out)
         fsync_dir(parent)

@@ -7,16 +7,8 @@ from dataclasses import replace
 from . import dtypes
 from .checkpoint import Checkpoint
 from .errors import UsageError
-from .refs import StorageRef, TensorRef
+from .refs import StorageRef, TensorRef, contiguous_stride
 from .tree import map_tensors
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
 
 
 def _cast_bytes(tensor: TensorRef, target: dtypes.DType) -> bytes:
@@ -57,7 +49,7 @@ def cast_weights(checkpoint: Checkpoint, dtype: str) -> Checkpoint:
             rebuild = "torch._utils._rebuild_tensor_v2" if target.storage_class else "torch._utils._rebuild_tensor_v3"
             if not target.storage_class:
                 storage = replace(storage, dtype=dtypes.BY_NAME["U8"], numel=tensor.numel * target.itemsize)
-            memo[identity] = replace(tensor, storage=storage, dtype=target, stride=_contiguous_stride(tensor.shape),
+            memo[identity] = replace(tensor, storage=storage, dtype=target, stride=contiguous_stride(tensor.shape),
                                      offset=0, rebuild=rebuild)
         return memo[identity]
 

@@ -406,3 +406,207 @@ def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappe
     return {"input": str(source), "output": str(report.path), "format": report.format, "tensors": report.tensors,
             "bytes": report.bytes, "fingerprint": report.fingerprint, "files": [str(f) for f in report.files],
             "aliases": report.aliases, "notes": notes + report.notes}
+
+
+# ------------------------------------------------------------------------------------------------ verify, diff
+# (verify.py, diff.py, materialize.py, models.py)
+
+
+def _fmt_err(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _fmt_fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _key_groups(groups: dict[str, list[str]]) -> str:
+    shown = [f"{module} ({len(keys)})" for module, keys in list(groups.items())[:8]]
+    return ", ".join(shown) + (", ..." if len(groups) > 8 else "")
+
+
+def _render_diagnosis(diagnosis: dict[str, Any]) -> None:
+    echo = click.echo
+    echo(f"  load     FAILED: {diagnosis['problem']}")
+    echo(f"           fix: {diagnosis['fix']}")
+    for label, groups in (("missing", diagnosis["missing"]), ("unexpected", diagnosis["unexpected"])):
+        if groups:
+            count = sum(len(keys) for keys in groups.values())
+            echo(f"           {label} ({count} keys, by module): {_key_groups(groups)}")
+    for mismatch in diagnosis["mismatched"][:5]:
+        echo(f"           shape differs: {mismatch['key']} {mismatch['checkpoint_shape']} in the checkpoint, "
+             f"{mismatch['model_shape']} in the model")
+    after = diagnosis["after_rewrite"]
+    if diagnosis["rewrite"] and (after["missing"] or after["unexpected"] or after["mismatched"]):
+        echo(f"           after {diagnosis['rewrite']}: {after['matched']} of {diagnosis['model_keys']} keys fit")
+
+
+def _render_verify(report: Any) -> None:
+    echo = click.echo
+    head = f"verify {report.path} ({report.format})"
+    if report.model:
+        head += f" with {report.model} ({report.model_class})"
+        if report.input_shape:
+            head += f", input {'x'.join(map(str, report.input_shape))}"
+        if report.dtype:
+            head += f", {report.dtype} atol {report.atol:g} rtol {report.rtol:g}"
+    echo(head)
+    load = report.load
+    if not load.get("ok"):
+        _render_diagnosis(load["diagnosis"])
+    else:
+        keys = load.get("rewrite") or "keys as stored"
+        count = load.get("matched", load.get("tensors"))
+        echo(f"  load     ok — {count} tensors, {keys}")
+    if report.devices:
+        echo(f"  {'device':<9}{'result':<8}{'weights':<11}{'max abs err':<13}{'max rel err':<13}{'argmax':<8}accuracy")
+        for row in report.devices:
+            weights = "identical" if row.weights_identical else ("-" if row.error and not row.differing_weights
+                                                                  else "CHANGED")
+            echo(f"  {row.device:<9}{'ok' if row.ok else 'FAILED':<8}{weights:<11}{_fmt_err(row.max_abs_err):<13}"
+                 f"{_fmt_err(row.max_rel_err):<13}{_fmt_fraction(row.argmax_agreement):<8}"
+                 f"{_fmt_fraction(row.accuracy)}")
+            if row.differing_weights:
+                echo(f"           changed on {row.device}: {', '.join(row.differing_weights[:5])}")
+            if row.error:
+                echo(f"           error on {row.device}: {row.error}")
+            for name, counts in list(row.nonfinite.items())[:5]:
+                echo(f"           {name}: {counts['nan']} NaN, {counts['inf']} Inf")
+    against = report.against
+    if against is not None:
+        weights = against.diff
+        if weights.identical:
+            text = f"weights identical ({weights.byte_identical} of {weights.compared} tensors byte-identical)"
+        else:
+            text = (f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
+                    f"{len(weights.only_in_b)} only there")
+        if against.within_tolerance is not None:
+            text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + \
+                ("" if against.within_tolerance else " (beyond tolerance)")
+        echo(f"  against  {against.path} ({against.format}): {text}")
+        for change in weights.changed[:5]:
+            echo(f"           {change.name}: {' and '.join(change.kinds)}"
+                 + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else ""))
+        if against.error:
+            echo(f"           {against.error}")
+        for note in weights.notes:
+            echo(f"           note: {note}")
+    for note in report.notes:
+        echo(f"  note     {note}")
+    if report.ok:
+        where = ", ".join(row.device for row in report.devices)
+        echo(f"verified: ok on {where}" + (" and against " + report.against.path if report.against else ""))
+    else:
+        echo("verify FAILED")
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.option("--model", "model_spec", default=None, metavar="SPEC",
+              help="torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory — the "
+                   "last imports and runs YOUR code on purpose (never the checkpoint's).")
+@click.option("--model-arg", "model_args", multiple=True, metavar="K=V",
+              help="Keyword argument for the model builder, e.g. num_classes=10 (repeatable).")
+@click.option("--devices", default="all", show_default=True, metavar="all|cpu,cuda:0,...",
+              help="Devices to evaluate on; the CPU run is always the reference.")
+@click.option("--against", type=click.Path(path_type=Path), default=None, metavar="OTHER",
+              help="A second checkpoint (any format) that must hold the same weights (and outputs, with --model).")
+@click.option("--input-shape", default=None, metavar="1,3,224,224",
+              help="Shape of the seeded input (default: 1,1,28,28 for training:, 1,3,224,224 for torchvision:).")
+@click.option("--atol", type=float, default=None, help="Absolute output tolerance (default by dtype: fp32 1e-5).")
+@click.option("--rtol", type=float, default=None, help="Relative output tolerance (default by dtype: fp32 1e-4).")
+@json_option
+@allow_global_option
+@handle_errors
+def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devices: str, against: Path | None,
+           input_shape: str | None, atol: float | None, rtol: float | None, as_json: bool,
+           allow_globals: tuple[str, ...]) -> None:
+    """Prove the weights load strictly and evaluate identically on CPU and every device.
+
+    With --model: strict load (a wrong prefix or architecture is diagnosed with its fix), then
+    eval on a seeded input under deterministic settings; per device the weights must be
+    bit-identical after the transfer and the outputs within tolerance of the CPU run. Without
+    --model: every weight is materialized on each device and NaN/Inf are counted. Exit 0 ok,
+    1 a check failed, 2 bad arguments, 3 unreadable input.
+
+    Example: ckptool verify model.pt --model training:lenet
+    """
+    from .verify import verify as verify_
+
+    report = verify_(ckpt, model_spec=model_spec, model_args=model_args, devices=devices, against=against,
+                     input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        _render_verify(report)
+    if not report.ok:
+        click.echo(f"ckptool: verify failed: {report.failure}", err=True)
+    sys.exit(EXIT_OK if report.ok else EXIT_PROBLEM)
+
+
+def _render_diff(report: Any) -> None:
+    echo = click.echo
+    echo(f"A  {report.a} ({report.a_format}, {report.a_tensors} tensors)")
+    echo(f"B  {report.b} ({report.b_format}, {report.b_tensors} tensors)")
+    for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
+        if names:
+            echo(f"  {label:<10} {len(names)}: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+    for change in report.changed:
+        parts = []
+        if "dtype" in change.kinds:
+            parts.append(f"dtype {change.a_dtype} -> {change.b_dtype}")
+        if "shape" in change.kinds:
+            parts.append(f"shape {list(change.a_shape)} -> {list(change.b_shape)}")
+        if change.max_abs_diff is not None and change.differing:
+            parts.append(f"max abs diff {_fmt_err(change.max_abs_diff)} ({change.beyond_atol} of "
+                         f"{_numel(change.a_shape)} elements beyond atol {report.atol:g})")
+        echo(f"  changed    {change.name}: {'; '.join(parts)}")
+    if report.compared:
+        echo(f"  same       {report.byte_identical} of {report.compared} common tensors byte-identical"
+             + (f"; max abs diff {_fmt_err(report.max_abs_diff)}" if report.max_abs_diff else ""))
+    for note in report.notes:
+        echo(f"  note       {note}")
+    if report.identical:
+        echo(f"identical: {report.compared} tensors" + (" byte for byte" if report.byte_identical == report.compared
+                                                          else f" within atol {report.atol:g}"))
+    else:
+        echo(f"different: {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
+             f"{len(report.only_in_b)} only in B")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--atol", type=float, default=0.0, show_default=True,
+              help="Value differences up to this are not changes (0: every bit counts).")
+@json_option
+@allow_global_option
+@handle_errors
+def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...]) -> None:
+    """Compare the weights of two checkpoints in any formats: keys, dtypes, shapes, values.
+
+    Keys are compared as stored (a module. prefix on one side is named, with the strip command).
+    Values are streamed chunk by chunk; a tensor whose bytes differ gets its max abs difference.
+    Exit 0 identical, 1 different, 3 unreadable input.
+
+    Example: ckptool diff model.pt model.safetensors
+    """
+    from .diff import diff as diff_
+
+    report = diff_(a, b, atol=atol, allow_globals=allow_globals)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        _render_diff(report)
+    sys.exit(EXIT_OK if report.identical else EXIT_PROBLEM)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
+import reprlib
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -26,6 +28,40 @@ from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 
 # The ceiling on one pickle's size: real checkpoints' pickles are a few MB even with 100k tensors.
 MAX_PICKLE_BYTES = 1 << 30
+# What a pickle may make the unpickler allocate (estimated before it runs): a 10-byte pickle can
+# otherwise ask for a 64 GiB memo, and 1 MB of EMPTY_SET opcodes builds 200 MB of sets.
+MAX_UNPICKLED_BYTES = 4 << 30
+# Nesting of the object tree: every walk over it (ours, json, repr, the writer) must fit the stack.
+MAX_NESTING = 100
+# One dict key or set element: hashing a tuple visits every element of every nested tuple.
+MAX_KEY_NODES = 1000
+# Distinct keys of one dict/set sharing one hash (ints, floats and tuples of them hash predictably,
+# so a pickle can make every insertion collide and the load quadratic).
+MAX_HASH_COLLISIONS = 16
+# Objects the tree would hold if every shared reference were copied (json.dumps, repr, str do
+# copy them): a list doubled 60 times by memo references is 60 objects and 2**60 when walked.
+MAX_EXPANDED_NODES = 10_000_000
+
+class _BriefRepr(reprlib.Repr):
+    """reprlib bounds lists, tuples, dicts and strings; other objects get their type name only
+    (a dataclass's own repr would walk every field, however large)."""
+
+    def repr_instance(self, obj: Any, level: int) -> str:  # noqa: D102
+        if type(obj) in (float, complex, bool, type(None)):
+            return repr(obj)
+        return f"<{type(obj).__name__}>"
+
+
+_brief_repr = _BriefRepr()
+_brief_repr.maxlevel, _brief_repr.maxstring, _brief_repr.maxother, _brief_repr.maxlong = 3, 60, 60, 40
+
+
+def brief(value: Any) -> str:
+    """A short repr for error messages: bounded in time and length whatever ``value`` holds."""
+    try:
+        return _brief_repr.repr(value)
+    except Exception:  # a placeholder whose repr fails still gets a message
+        return f"<{type(value).__name__}>"
 
 
 class RefusedGlobal(Exception):
@@ -36,6 +72,10 @@ class RefusedGlobal(Exception):
         self.name = name
 
 
+def _refuse_build(state: Any) -> None:
+    raise InputError("pickle sets state (BUILD) on an allowlisted global — torch never writes that; refused")
+
+
 class StorageTypeRef:
     """A storage class global (``torch.FloatStorage``, ``torch.storage.UntypedStorage``)."""
 
@@ -43,6 +83,9 @@ class StorageTypeRef:
 
     def __init__(self, module: str, name: str, dtype: DType) -> None:
         self.module, self.name, self.dtype = module, name, dtype
+
+    def __setstate__(self, state: Any) -> None:  # one instance per class is shared by every load
+        _refuse_build(state)
 
 
 class OpaqueObject:
@@ -107,9 +150,14 @@ def opaque_type(full_name: str) -> type:
 # tensor rebuild placeholders
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _check_int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
-        raise InputError(f"tensor {what} is {value!r}, not a non-negative integer — the file is corrupt")
+        raise InputError(f"tensor {what} is {brief(value)}, not a non-negative integer — the file is corrupt")
+    if value > _INT64_MAX:
+        raise InputError(f"tensor {what} {value} does not fit in 64 bits — the file is corrupt")
     return value
 
 
@@ -153,7 +201,7 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any) -> Tensor
 def _rebuild_tensor_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any,
                        dtype: Any, *extra: Any) -> TensorRef:
     if not isinstance(dtype, DTypeRef) or dtype.name not in dtypes.BY_TORCH_NAME:
-        raise InputError(f"tensor dtype {dtype!r} is not one ckptool knows — the file is corrupt or too new")
+        raise InputError(f"tensor dtype {brief(dtype)} is not one ckptool knows — the file is corrupt or too new")
     return _make_tensor("torch._utils._rebuild_tensor_v3", storage, offset, size, stride, requires_grad,
                         backward_hooks, dtype=dtypes.BY_TORCH_NAME[dtype.name], extra=extra)
 
@@ -181,7 +229,7 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
 
 def _torch_device(*args: Any) -> DeviceRef:
     if not args or not all(isinstance(a, str | int) for a in args) or len(args) > 2:
-        raise InputError(f"torch.device{args!r} is malformed — the file is corrupt")
+        raise InputError(f"torch.device{brief(args)} is malformed — the file is corrupt")
     return DeviceRef(tuple(args))
 
 
@@ -190,6 +238,9 @@ def _torch_size(values: Any = ()) -> SizeRef:
 
 
 def _builtin_set(items: Any = ()) -> set:
+    if not isinstance(items, list | tuple | set | frozenset):
+        raise InputError("set built from something that is not a list — refused")
+    _check_keys(items)
     return set(items)
 
 
@@ -206,6 +257,10 @@ def _builtin_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 
 def _ordered_dict(items: Any = ()) -> OrderedDict:
+    if isinstance(items, list | tuple) and items:
+        if not all(isinstance(item, tuple | list) and len(item) == 2 for item in items):
+            raise InputError("OrderedDict built from something that is not key-value pairs — refused")
+        _check_keys([key for key, _ in items])
     return OrderedDict(items) if isinstance(items, list | tuple | dict) and items else OrderedDict()
 
 
@@ -235,6 +290,10 @@ def _build_torch_globals() -> dict[str, Any]:
         table[f"torch.{storage_class}"] = StorageTypeRef("torch", storage_class, dtype)
     for torch_name in dtypes.BY_TORCH_NAME:
         table[f"torch.{torch_name}"] = DTypeRef("torch", torch_name)
+    for value in table.values():
+        if callable(value) and not isinstance(value, type):
+            # BUILD on a function would set its __defaults__ for every later load in this process
+            value.__setstate__ = _refuse_build
     return table
 
 
@@ -306,10 +365,25 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
           persistent_load: Callable[[Any], Any] | None = None) -> Any:
-    """Unpickle ``data`` through ``resolver``; errors surface as RefusedGlobal or InputError."""
-    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    """Unpickle ``data`` through ``resolver``; errors surface as RefusedGlobal or InputError.
+
+    ``data`` is one whole pickle (bytes after its STOP are refused), or a stream positioned at a
+    pickle, which is left just after that pickle's STOP. Before the C unpickler runs, :func:`guard`
+    walks the opcodes once and refuses what would make it hang or exhaust memory; after, the
+    object tree's nesting and sharing are checked (:func:`check_tree`).
+    """
+    if isinstance(data, bytes | bytearray | memoryview):
+        blob = bytes(data)
+        if len(blob) > MAX_PICKLE_BYTES:
+            raise InputError(f"pickle is {len(blob)} bytes, over the {MAX_PICKLE_BYTES}-byte limit — refused")
+        size = guard(blob)
+        if size != len(blob):
+            raise InputError(f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
+                             "torch never writes that; refused")
+    else:
+        blob = read_pickle(data)
     try:
-        return RestrictedUnpickler(stream, resolver, persistent_load).load()
+        obj = RestrictedUnpickler(io.BytesIO(blob), resolver, persistent_load).load()
     except (RefusedGlobal, InputError):
         raise
     except RecursionError as e:
@@ -318,11 +392,543 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
         raise InputError("pickle would need more memory than is available to read") from e
     except Exception as e:  # any malformed-pickle error from the C unpickler
         raise InputError(f"pickle is corrupt or truncated ({type(e).__name__}: {_short(e)})") from e
+    check_tree(obj)
+    return obj
 
 
 def _short(error: BaseException) -> str:
     text = str(error).splitlines()[0] if str(error) else ""
     return text[:160]
+
+
+# ---------------------------------------------------------------------------------------------
+# the guard: what the C unpickler would do, in one linear pass, before it does it
+#
+# find_class keeps every callable inert, but the C unpickler itself can still be made to hang or
+# to allocate without bound by a few bytes of opcodes: hashing a dict key that is a tuple of
+# tuples shared through the memo (2**60 steps), keys whose hashes all collide (quadratic), a
+# PUT at memo index 2**32 (a 64 GiB memo table), or BUILD setting attributes on a placeholder
+# after it was validated. The guard mirrors the unpickler's stack and memo with small records of
+# what each value is, and refuses those pickles; it never builds the values themselves.
+
+
+class _Truncated(InputError):
+    """The pickle runs past the end of the bytes given (the stream reader then reads more)."""
+
+    def __init__(self) -> None:
+        super().__init__("pickle is truncated (it ends before its STOP opcode)")
+
+
+_OPAQUE_VALUE = object()  # the guard does not know the value (salted hash, or not hashable)
+
+
+class _Value:
+    """The guard's record of one stack or memo value (never the value itself)."""
+
+    __slots__ = ("kind", "name", "nodes", "hashable", "value", "buckets")
+
+    def __init__(self, kind: str, name: str | None = None, nodes: int = 1, hashable: bool = False,
+                 value: Any = _OPAQUE_VALUE) -> None:
+        self.kind = kind  # str, literal, bytes, tuple, global, object, container, other
+        self.name = name  # a str's text; the global a global or object came from
+        self.nodes = nodes  # what hashing it visits (tuples: every element, recursively)
+        self.hashable = hashable
+        self.value = value  # ints, floats, None and tuples of them: hashes a pickle can predict
+        self.buckets: dict[int, set] | None = None  # for a dict/set: predictable keys by hash
+
+
+_STR = _Value("str", hashable=True)
+_BYTES = _Value("bytes", hashable=True)
+_OTHER = _Value("other")
+_EMPTY_TUPLE = _Value("tuple", hashable=True, value=())
+_LITERALS = {value: _Value("literal", hashable=True, value=value) for value in (None, True, False)}
+_BYTE_INTS = [_Value("literal", hashable=True, value=value) for value in range(256)]
+_PLACEHOLDER_COST = 512  # a TensorRef, StorageRef or OpaqueObject record
+_TUPLE_SIZES = {0x85: 1, 0x86: 2, 0x87: 3}
+_CANONICAL_INT = re.compile(rb"-?(0|[1-9][0-9]*)")
+_DIGITS = re.compile(rb"[0-9]+")
+# opcodes with nothing to check: their argument length (-1: a newline-terminated line)
+_SKIP_ARG = {0x80: 1, 0x95: 8}
+
+
+def _refuse(message: str) -> InputError:
+    return InputError(f"pickle {message} — refused, nothing was executed")
+
+
+def guard(data: bytes) -> int:
+    """Walk one pickle's opcodes as the unpickler would, refusing what would hang it or blow it up.
+
+    Returns the pickle's length (up to and including STOP); raises :class:`_Truncated` if ``data``
+    ends first. Refused: BUILD on anything but an OrderedDict or an allowed object placeholder;
+    dict keys and set elements that are not plain hashable values, nest over MAX_KEY_NODES values,
+    cost more hashing in all than the pickle's length allows, or collide (over MAX_HASH_COLLISIONS
+    distinct keys with one hash in one dict); memo indices no pickler writes; over
+    MAX_UNPICKLED_BYTES of objects (estimated). Arguments must be in the form Python's pickler
+    writes them (``INT 010`` is 8 to the C unpickler and 10 to Python's ``int``: refused).
+    """
+    end = len(data)
+    stack: list[_Value] = []
+    marks: list[int] = []
+    memo: dict[int, _Value] = {}
+    fence = 0
+    ops = hashing = memory = 0
+    i = 0
+
+    def pop_mark() -> list[_Value]:
+        nonlocal fence
+        if not marks:
+            raise _refuse("has no MARK where one is needed (corrupt)")
+        index = marks.pop()
+        fence = marks[-1] if marks else 0
+        items = stack[index:]
+        del stack[index:]
+        return items
+
+    def line() -> bytes:
+        nonlocal i
+        newline = data.find(b"\n", i)
+        if newline < 0:
+            raise _Truncated()
+        text, i = data[i:newline], newline + 1
+        return text
+
+    def add_keys(target: _Value, keys: list[_Value]) -> None:
+        nonlocal hashing
+        if target.kind not in ("container", "object"):
+            raise _refuse(f"adds items to a {target.kind}, which holds none (corrupt)")
+        for key in keys:
+            if not key.hashable:
+                raise _refuse(f"uses a {key.kind} {key.name or ''} as a dict key or set element")
+            if key.nodes > MAX_KEY_NODES:
+                raise _refuse(f"uses a dict key or set element of {key.nodes}+ nested values (a hashing bomb)")
+            hashing += key.nodes
+            if key.value is not _OPAQUE_VALUE:
+                if target.buckets is None:
+                    target.buckets = {}
+                bucket = target.buckets.setdefault(hash(key.value), set())
+                bucket.add(key.value)
+                if len(bucket) > MAX_HASH_COLLISIONS:
+                    raise _refuse(f"puts {len(bucket)} distinct keys with one hash into a dict or set "
+                                  "(a hash-collision flood)")
+        if hashing > 8 * ops + 100_000:
+            raise _refuse("hashes more nested keys than its size allows (a hashing bomb)")
+
+    def new_tuple(items: list[_Value]) -> _Value:
+        if not items:
+            return _EMPTY_TUPLE
+        nodes = 1
+        hashable = predictable = True
+        for item in items:
+            nodes += item.nodes
+            if not item.hashable:
+                hashable = False
+            if item.value is _OPAQUE_VALUE:
+                predictable = False
+        value = tuple(item.value for item in items) if predictable and hashable else _OPAQUE_VALUE
+        return _Value("tuple", nodes=min(nodes, MAX_KEY_NODES + 1), hashable=hashable, value=value)
+
+    def made_by(callable_: _Value) -> _Value:
+        name = callable_.name if callable_.kind == "global" else None
+        # a placeholder object hashes by identity; _codecs.encode gives bytes (salted hash)
+        return _Value("object", name=name, hashable=name is not None and (
+            name == "_codecs.encode" or name not in TORCH_GLOBALS))
+
+    def text(raw: bytes) -> _Value:
+        if len(raw) > 256:
+            return _STR
+        try:
+            return _Value("str", name=raw.decode("utf-8"), hashable=True)
+        except UnicodeDecodeError:
+            return _STR
+
+    def literal(value: Any) -> _Value:
+        return _Value("literal", hashable=True, value=value)
+
+    def counted(width: int, signed: bool = False) -> int:
+        nonlocal i
+        size = int.from_bytes(data[i:i + width], "little", signed=signed)
+        i += width
+        if size < 0 or i + size > end:
+            raise _Truncated()
+        return size
+
+    try:
+        while True:
+            if i >= end:
+                raise _Truncated()
+            code = data[i]
+            i += 1
+            ops += 1
+            if code == 0x71 or code == 0x72 or code == 0x94 or code == 0x70:  # BINPUT LONG_BINPUT MEMOIZE PUT
+                if code == 0x71:
+                    index = data[i]
+                    i += 1
+                elif code == 0x72:
+                    index = int.from_bytes(data[i:i + 4], "little")
+                    i += 4
+                    if i > end:
+                        raise _Truncated()
+                elif code == 0x94:
+                    index = len(memo)
+                else:
+                    raw = line()
+                    if not _DIGITS.fullmatch(raw):
+                        raise _refuse(f"has a malformed PUT index {raw[:20]!r}")
+                    index = int(raw)
+                if index > ops:
+                    raise _refuse(f"stores memo index {index}, which no pickler writes (a memory bomb)")
+                if len(stack) <= fence:
+                    raise _refuse("stores a value below its stack (corrupt)")
+                memo[index] = stack[-1]
+                memory += 16
+            elif code == 0x68 or code == 0x6A or code == 0x67:  # BINGET LONG_BINGET GET
+                if code == 0x68:
+                    index = data[i]
+                    i += 1
+                elif code == 0x6A:
+                    index = int.from_bytes(data[i:i + 4], "little")
+                    i += 4
+                    if i > end:
+                        raise _Truncated()
+                else:
+                    raw = line()
+                    index = int(raw) if _DIGITS.fullmatch(raw) else -1
+                value = memo.get(index)
+                if value is None:
+                    raise _refuse(f"reads memo index {index}, which was never stored (corrupt)")
+                stack.append(value)
+                memory += 8
+            elif code == 0x28:  # MARK
+                marks.append(len(stack))
+                fence = len(stack)
+                memory += 8
+            elif code == 0x58 or code == 0x8C or code == 0x8D:  # BINUNICODE SHORT_BINUNICODE BINUNICODE8
+                size = counted({0x58: 4, 0x8C: 1, 0x8D: 8}[code])
+                stack.append(text(data[i:i + size]) if size <= 256 else _STR)
+                i += size
+                memory += 56 + size
+            elif code == 0x4B:  # BININT1
+                stack.append(_BYTE_INTS[data[i]])
+                i += 1
+            elif code == 0x4D or code == 0x4A:  # BININT2 BININT
+                width = 2 if code == 0x4D else 4
+                stack.append(literal(int.from_bytes(data[i:i + width], "little", signed=code == 0x4A)))
+                i += width
+                memory += 40
+                if i > end:
+                    raise _Truncated()
+            elif code == 0x74 or code == 0x29 or code in _TUPLE_SIZES:  # TUPLE EMPTY_TUPLE TUPLE1-3
+                if code == 0x74:
+                    items = pop_mark()
+                elif code == 0x29:
+                    items = []
+                else:
+                    count = _TUPLE_SIZES[code]
+                    if len(stack) - count < fence:
+                        raise _refuse("builds a tuple from below its stack (corrupt)")
+                    items = stack[-count:]
+                    del stack[-count:]
+                stack.append(new_tuple(items))
+                memory += 56 + 8 * len(items)
+            elif code == 0x52 or code == 0x81 or code == 0x92:  # REDUCE NEWOBJ NEWOBJ_EX
+                count = {0x52: 2, 0x81: 2, 0x92: 3}[code]
+                if len(stack) - count < fence:
+                    raise _refuse("calls with too few values on its stack (corrupt)")
+                callable_ = stack[-count]
+                del stack[-count:]
+                stack.append(made_by(callable_))
+                memory += _PLACEHOLDER_COST
+            elif code == 0x62:  # BUILD
+                if len(stack) - 2 < fence:
+                    raise _refuse("sets state with too few values on its stack (corrupt)")
+                stack.pop()
+                target = stack[-1]
+                if target.kind != "object" or target.name is None or \
+                        (target.name in TORCH_GLOBALS and target.name != "collections.OrderedDict"):
+                    raise _refuse(f"sets state (BUILD) on {target.name or 'a ' + target.kind}, "
+                                  "which torch's loader never does")
+                memory += 64
+            elif code == 0x88 or code == 0x89 or code == 0x4E:  # NEWTRUE NEWFALSE NONE
+                stack.append(_LITERALS[{0x88: True, 0x89: False, 0x4E: None}[code]])
+                memory += 8
+            elif code == 0x51:  # BINPERSID
+                if len(stack) <= fence:
+                    raise _refuse("has BINPERSID without an id (corrupt)")
+                stack[-1] = _OTHER
+                memory += _PLACEHOLDER_COST
+            elif code == 0x7D or code == 0x5D or code == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
+                stack.append(_Value("container"))
+                memory += 216 if code == 0x8F else 64
+            elif code == 0x75 or code == 0x73 or code == 0x90:  # SETITEMS SETITEM ADDITEMS
+                if code == 0x73:
+                    if len(stack) - 2 < fence:
+                        raise _refuse("has SETITEM without a key and value (corrupt)")
+                    keys = [stack[-2]]
+                    del stack[-2:]
+                else:
+                    items = pop_mark()
+                    if code == 0x75 and len(items) % 2:
+                        raise _refuse("has an odd number of items for SETITEMS (corrupt)")
+                    keys = items[::2] if code == 0x75 else items
+                if len(stack) <= fence:
+                    raise _refuse("adds items with no dict or set below them (corrupt)")
+                add_keys(stack[-1], keys)
+                memory += 100 * len(keys)
+            elif code == 0x61 or code == 0x65:  # APPEND APPENDS
+                if code == 0x61:
+                    if len(stack) - 1 <= fence:
+                        raise _refuse("has APPEND without a list (corrupt)")
+                    stack.pop()
+                    memory += 16
+                else:
+                    memory += 16 * len(pop_mark())
+                    if len(stack) <= fence:
+                        raise _refuse("has APPENDS without a list (corrupt)")
+            elif code == 0x63 or code == 0x69:  # GLOBAL INST
+                module, attribute = line(), line()
+                try:
+                    full_name = f"{module.decode('utf-8')}.{attribute.decode('utf-8')}"
+                except UnicodeDecodeError:
+                    raise _refuse("names a global that is not UTF-8") from None
+                if code == 0x69:
+                    pop_mark()
+                    stack.append(_Value("object", name=full_name, hashable=full_name not in TORCH_GLOBALS))
+                    memory += _PLACEHOLDER_COST
+                else:
+                    stack.append(_Value("global", name=full_name, hashable=True))
+            elif code == 0x93:  # STACK_GLOBAL
+                if len(stack) - 2 < fence:
+                    raise _refuse("has STACK_GLOBAL without a module and name (corrupt)")
+                module, attribute = stack[-2], stack[-1]
+                del stack[-2:]
+                known = module.kind == attribute.kind == "str" and None not in (module.name, attribute.name)
+                stack.append(_Value("global", name=f"{module.name}.{attribute.name}" if known else None,
+                                    hashable=True))
+            elif code == 0x6F:  # OBJ
+                items = pop_mark()
+                if not items:
+                    raise _refuse("has OBJ without a class (corrupt)")
+                stack.append(made_by(items[0]))
+                memory += _PLACEHOLDER_COST
+            elif code == 0x64 or code == 0x91 or code == 0x6C:  # DICT FROZENSET LIST
+                items = pop_mark()
+                container = _Value("container")
+                if code == 0x64:
+                    if len(items) % 2:
+                        raise _refuse("has an odd number of items for DICT (corrupt)")
+                    add_keys(container, items[::2])
+                elif code == 0x91:
+                    add_keys(container, items)
+                stack.append(container)
+                memory += 216 + 100 * len(items)
+            elif code == 0x30:  # POP
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                    fence = marks[-1] if marks else 0
+                elif len(stack) <= fence:
+                    raise _refuse("pops below its stack (corrupt)")
+                else:
+                    stack.pop()
+            elif code == 0x31:  # POP_MARK
+                pop_mark()
+            elif code == 0x32:  # DUP
+                if len(stack) <= fence:
+                    raise _refuse("has DUP on an empty stack (corrupt)")
+                stack.append(stack[-1])
+                memory += 8
+            elif code == 0x2E:  # STOP
+                if len(stack) <= fence:
+                    raise _refuse("stops with nothing on its stack (corrupt)")
+                break
+            elif code in _SKIP_ARG:  # PROTO FRAME
+                i += _SKIP_ARG[code]
+                if i > end:
+                    raise _Truncated()
+            elif code == 0x47:  # BINFLOAT
+                stack.append(literal(struct.unpack(">d", data[i:i + 8])[0]))
+                i += 8
+                memory += 32
+            elif code == 0x8A or code == 0x8B:  # LONG1 LONG4
+                size = counted(1 if code == 0x8A else 4, signed=code == 0x8B)
+                stack.append(literal(int.from_bytes(data[i:i + size], "little", signed=True)))
+                i += size
+                memory += 32 + size
+            elif code == 0x49 or code == 0x4C:  # INT LONG (text)
+                raw = line()
+                if code == 0x4C and raw.endswith(b"L"):
+                    raw = raw[:-1]
+                if code == 0x49 and raw in (b"00", b"01"):
+                    value: Any = raw == b"01"
+                elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= 4300:
+                    value = int(raw)
+                else:
+                    raise _refuse(f"has an integer {raw[:20]!r} not written the way Python's pickler writes it")
+                stack.append(literal(value))
+                memory += 32 + len(raw)
+            elif code == 0x46:  # FLOAT (text)
+                raw = line()
+                try:
+                    value = float(raw)
+                except ValueError:
+                    raise _refuse(f"has a malformed float {raw[:20]!r}") from None
+                stack.append(literal(value))
+                memory += 32
+            elif code in (0x42, 0x43, 0x8E, 0x96, 0x54, 0x55):  # BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8
+                # BINSTRING SHORT_BINSTRING (py2 str, decoded as UTF-8 here)
+                width = {0x42: 4, 0x43: 1, 0x8E: 8, 0x96: 8, 0x54: 4, 0x55: 1}[code]
+                size = counted(width, signed=code == 0x54)
+                if code in (0x54, 0x55):
+                    stack.append(text(data[i:i + size]) if size <= 256 else _STR)
+                else:
+                    stack.append(_BYTES if code != 0x96 else _Value("container"))
+                i += size
+                memory += 56 + size
+            elif code == 0x53 or code == 0x56:  # STRING UNICODE (text)
+                raw = line()
+                if code == 0x53:
+                    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[:1] in (b"'", b'"')
+                    stack.append(text(raw[1:-1]) if quoted and b"\\" not in raw else _STR)
+                else:
+                    stack.append(text(raw) if b"\\" not in raw else _STR)
+                memory += 56 + len(raw)
+            elif code == 0x50:  # PERSID
+                line()
+                stack.append(_OTHER)
+                memory += _PLACEHOLDER_COST
+            elif code in (0x82, 0x83, 0x84):  # EXT1 EXT2 EXT4
+                i += {0x82: 1, 0x83: 2, 0x84: 4}[code]
+                if i > end:
+                    raise _Truncated()
+                stack.append(_Value("global", hashable=True))
+            elif code == 0x98:  # READONLY_BUFFER
+                if len(stack) <= fence:
+                    raise _refuse("has READONLY_BUFFER on an empty stack (corrupt)")
+            else:  # NEXT_BUFFER (out-of-band data a file cannot carry) and bytes that are no opcode
+                raise _refuse(f"has byte 0x{code:02x} at offset {i - 1}, which is not an opcode ckptool reads")
+            if memory > MAX_UNPICKLED_BYTES:
+                raise _refuse(f"would build over {MAX_UNPICKLED_BYTES} bytes of objects (a memory bomb)")
+    except IndexError:
+        raise _Truncated() from None
+    except struct.error:
+        raise _Truncated() from None
+    return i
+
+
+def read_pickle(stream: Any) -> bytes:
+    """Read the one pickle at ``stream``'s position (checked by :func:`guard`); leave the stream after it."""
+    start = stream.tell()
+    chunk = 1 << 20
+    while True:
+        stream.seek(start)
+        blob = stream.read(chunk)
+        try:
+            size = guard(blob)
+        except _Truncated:
+            if len(blob) < chunk:
+                raise
+            if chunk > MAX_PICKLE_BYTES:
+                raise InputError(f"pickle is over the {MAX_PICKLE_BYTES}-byte limit — refused") from None
+            chunk *= 4
+            continue
+        stream.seek(start + size)
+        return blob[:size]
+
+
+def _key_nodes(key: Any) -> tuple[int, bool]:
+    """What hashing ``key`` visits (tuples expanded, counted once per path) and whether its hash is predictable."""
+    memo: dict[int, tuple[int, bool]] = {}
+    stack: list[tuple[Any, bool]] = [(key, False)]
+    while stack:
+        node, done = stack.pop()
+        if type(node) is not tuple and not isinstance(node, tuple):
+            memo[id(node)] = (1, type(node) in (int, float, bool, type(None)))
+            continue
+        if not done:
+            stack.append((node, True))
+            stack.extend((item, False) for item in node if id(item) not in memo)
+            continue
+        nodes, predictable = 1, True
+        for item in node:
+            item_nodes, item_predictable = memo[id(item)]
+            nodes += item_nodes
+            predictable = predictable and item_predictable
+        memo[id(node)] = (min(nodes, MAX_KEY_NODES + 1), predictable)
+        if nodes > MAX_KEY_NODES:
+            return nodes, predictable
+    return memo[id(key)]
+
+
+def _check_keys(keys: Any) -> None:
+    """The guard's key rules for keys an allowlisted callable hashes (``set(items)``, ``OrderedDict(pairs)``)."""
+    buckets: dict[int, set] = {}
+    hashing = 0
+    for key in keys:
+        nodes, predictable = _key_nodes(key)
+        if nodes > MAX_KEY_NODES:
+            raise _refuse(f"uses a dict key or set element of {nodes}+ nested values (a hashing bomb)")
+        hashing += nodes
+        if predictable:
+            bucket = buckets.setdefault(hash(key), set())
+            bucket.add(key)
+            if len(bucket) > MAX_HASH_COLLISIONS:
+                raise _refuse(f"puts {len(bucket)} distinct keys with one hash into a set (a hash-collision flood)")
+    if hashing > 8 * len(keys) + 100_000:
+        raise _refuse("hashes more nested keys than its size allows (a hashing bomb)")
+
+
+def _tree_children(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        kids = [*obj.keys(), *obj.values()]
+        state = getattr(obj, "__dict__", None)
+        return kids + list(state.values()) if state else kids
+    if isinstance(obj, list | tuple | set | frozenset):
+        return list(obj)
+    if isinstance(obj, OpaqueObject):
+        return [obj._args, obj._items, obj._state, *(value for pair in obj._setitems for value in pair)]
+    if isinstance(obj, TensorRef):
+        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ())]
+    if isinstance(obj, DeviceRef):
+        return [obj.args]
+    return []
+
+
+def check_tree(root: Any) -> None:
+    """Refuse an unpickled tree nested over MAX_NESTING deep, or whose shared references would expand
+    it past MAX_EXPANDED_NODES objects (and 16-fold) when copied by a naive walk (json, repr, str)."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (height, expanded size)
+    on_path: set[int] = set()
+    edges = 0
+    stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
+    while stack:
+        obj, kids = stack[-1]
+        key = id(obj)
+        if kids is None:
+            if key in done:
+                stack.pop()
+                continue
+            kids = _tree_children(obj)
+            if not kids:
+                done[key] = (1, 1)
+                stack.pop()
+                continue
+            edges += len(kids)
+            on_path.add(key)
+            stack[-1] = (obj, kids)
+            stack.extend((kid, None) for kid in kids if id(kid) not in done and id(kid) not in on_path)
+            continue
+        stack.pop()
+        on_path.discard(key)
+        height, size = 1, 1
+        for kid in kids:
+            kid_height, kid_size = done.get(id(kid), (1, 1))  # a cycle back to an ancestor counts as a leaf
+            height = max(height, kid_height + 1)
+            size += kid_size
+        if height > MAX_NESTING:
+            raise _refuse(f"nests its objects over {MAX_NESTING} levels deep")
+        if size > MAX_EXPANDED_NODES and size > 16 * (edges + 1):
+            raise _refuse(f"shares sub-objects so that walking it visits over {MAX_EXPANDED_NODES} objects "
+                          "(a memo expansion bomb)")
+        done[key] = (height, min(size, MAX_EXPANDED_NODES + 1))
 
 
 # ---------------------------------------------------------------------------------------------

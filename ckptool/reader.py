@@ -76,13 +76,11 @@ def _load(path: Path, resolver: pickles.GlobalResolver) -> Checkpoint:
         raise InputError("does not exist — check the path", path=path)
     if path.is_dir():
         if (path / ".metadata").is_file():
-            raise UnsupportedFormatError(
-                "is a torch.distributed.checkpoint (DCP) directory; reading DCP is not supported yet — "
-                "consolidate it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
-                path=path,
-            )
+            from .formats import dcp
+
+            return dcp.read(path, resolver)
         target = safetensors.find_index(path)
-        if target is None:
+        if target is None or not target.is_file():
             raise UnsupportedFormatError(
                 "is a directory without a checkpoint (no *.safetensors, *.safetensors.index.json or .metadata)",
                 path=path,
@@ -90,6 +88,8 @@ def _load(path: Path, resolver: pickles.GlobalResolver) -> Checkpoint:
         checkpoint = _load(target, resolver)
         checkpoint.path = path
         return checkpoint
+    if not path.is_file():  # opening a FIFO would wait forever for a writer; a device never ends
+        raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
     try:
         handle = open(path, "rb")
     except PermissionError as e:

@@ -21,6 +21,15 @@ from .errors import InputError
 CHUNK_SIZE = 8 * 1024 * 1024
 
 
+def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Strides (in elements) of a C-contiguous tensor of ``shape``."""
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
 @dataclass
 class ByteRange:
     """``length`` bytes of ``path`` starting at ``offset``; ``crc32`` when the container recorded one."""

@@ -89,6 +89,32 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...]) -> tuple[dict[s
     return dict(resolver.seen), error
 
 
+_PICKLE_FIRST_BYTES = b"\x80(cSVIJKLFGN]}l)dtq."
+_UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
+
+
+def _split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes]]:
+    """Up to ``limit`` consecutive pickles from ``stream``'s position (a pickle may hide another after STOP)."""
+    blobs: list[tuple[str, bytes]] = []
+    for index in range(limit):
+        start = stream.tell()
+        first = stream.read(1)
+        if not first or first[0] not in _PICKLE_FIRST_BYTES:
+            break
+        stream.seek(start)
+        try:
+            data = pickles.read_pickle(stream)
+        except InputError:  # refused or malformed: list what its opcodes name anyway, from a bounded prefix
+            stream.seek(start)
+            data = stream.read(_UNCHECKED_PICKLE_BYTES)
+            data = data[: _pickle_end(data, 0)]
+            stream.seek(start + len(data))
+        blobs.append((label if index == 0 else f"{label} (after STOP, pickle {index + 1})", data))
+        if not data:
+            break
+    return blobs
+
+
 def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
     """The pickles inside a file: zip members ending .pkl, or a stream of consecutive pickles."""
     with open(path, "rb") as handle:
@@ -97,27 +123,20 @@ def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
         if head.startswith(b"PK\x03\x04"):
             members = zipio.read_members(path, handle)
-            blobs = [(name, zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES))
-                     for name, member in members.items() if name.endswith(".pkl")]
+            blobs = []
+            for name, member in members.items():
+                if name.endswith(".pkl"):
+                    data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
+                    blobs += _split_pickles(io.BytesIO(data), name, 5)
             if any(name.endswith("/constants.pkl") for name, _ in blobs):
                 return "torchscript", blobs
             return "torch-zip", blobs
         if safetensors.looks_like_safetensors(head):
             return "safetensors", []
         handle.seek(0)
-        data = handle.read(pickles.MAX_PICKLE_BYTES)
-    blobs = []
-    offset = 0
-    # a legacy checkpoint is five pickles then raw bytes; a plain pickle file is one
-    for index in range(5):
-        if offset >= len(data) or data[offset] not in b"\x80(cSVIJKLFGN]}l)dtq.":
-            break
-        end = _pickle_end(data, offset)
-        blobs.append((f"pickle {index}", data[offset:end]))
-        if end <= offset:
-            break
-        offset = end
-    return "pickle", blobs
+        # a legacy checkpoint is five pickles then raw bytes; a plain pickle file is one
+        blobs = _split_pickles(handle, "pickle", 5)
+    return "pickle", [(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)]
 
 
 def _pickle_end(data: bytes, offset: int) -> int:
@@ -144,19 +163,25 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     path = Path(path)
     if not path.exists():
         raise InputError("does not exist — check the path", path=path)
-    if path.is_dir():
+    from .formats import dcp
+
+    if not path.is_dir() and not path.is_file():  # opening a FIFO would wait forever for a writer
+        raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
+    if path.is_dir() and not dcp.is_dcp(path):
         from .reader import load
 
         checkpoint = load(path, allow_globals=allow_globals)
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
                           pickles=[])
     try:
-        kind, blobs = _pickle_blobs(path)
+        kind, blobs = ("dcp", dcp.pickle_blobs(path, allow_globals)) if path.is_dir() else _pickle_blobs(path)
     except PermissionError as e:
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:
         raise InputError(f"cannot be read ({e.strerror})", path=path) from e
     resolver = pickles.GlobalResolver(allow_globals)
+    if kind == "dcp":  # DCP's metadata classes are read as inert placeholders too
+        resolver = dcp.MetadataResolver(resolver)
     globals_: Counter = Counter()
     opcodes: Counter = Counter()
     problems: list[str] = []

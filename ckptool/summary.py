@@ -114,17 +114,22 @@ def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
 def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     name = checkpoint.path.name
     stem = checkpoint.path.name.split(".")[0]
+    # strip keeps the input's format, so the suggested output keeps its suffix
+    suffix = ".safetensors" if checkpoint.format.startswith("safetensors") else ".pt"
     hints: list[Hint] = []
     if summary.prefix:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
         hints.append(Hint(f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys',
-                          f"ckptool strip {name} -o {stem}.stripped.pt"))
+                          f"ckptool strip {name} -o {stem}.stripped{suffix}"))
     gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
     if gpu:
         hints.append(Hint(f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU",
                           f"ckptool remap {name} -o {stem}.cpu.pt --to cpu"))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
-    if extra:
+    if checkpoint.format == "dcp":  # its .metadata classes are DCP's own, read as inert records
+        hints.append(Hint("a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
+                          f"ckptool convert {name} -o {stem}.safetensors"))
+    elif extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
                           f"ckptool convert {name} -o {stem}.safetensors"))
     if checkpoint.layout is None:

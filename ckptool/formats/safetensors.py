@@ -29,6 +29,7 @@ from .zipio import _copy_range
 FORMAT = "safetensors"
 SHARDED_FORMAT = "safetensors-sharded"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+_INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
@@ -63,7 +64,7 @@ def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
     raw = handle.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a 5000-digit number, deep nesting
         raise InputError(f"safetensors header is not valid UTF-8 JSON ({type(e).__name__}) — the file is corrupt", path=path) from e
     if not isinstance(header, dict):
         raise InputError("safetensors header is not a JSON object — the file is corrupt", path=path)
@@ -86,7 +87,8 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
         if dtype is None:
             raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(entry['dtype'])[:20]!r}", path=path)
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+        if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape) \
+                or math.prod(shape) > _INT64_MAX:
             raise InputError(f"tensor {name[:80]!r} has an invalid shape — the file is corrupt", path=path)
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
             raise InputError(f"tensor {name[:80]!r} has invalid data offsets — the file is corrupt", path=path)
@@ -123,14 +125,15 @@ def _retie(contents: SafetensorsContents, path: Path) -> None:
         return
     try:
         aliases = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
         raise InputError(f"metadata {ALIASES_KEY} is not JSON — the file is corrupt", path=path) from e
-    if not isinstance(aliases, dict):
-        raise InputError(f"metadata {ALIASES_KEY} is not a JSON object — the file is corrupt", path=path)
+    if not isinstance(aliases, dict) or not all(isinstance(target, str) for target in aliases.values()):
+        raise InputError(f"metadata {ALIASES_KEY} is not a JSON object of names — the file is corrupt", path=path)
     for alias, target in aliases.items():
         stored = contents.tensors.get(target)
         if stored is None or alias in contents.tensors:
-            raise InputError(f"alias {alias!r} points at {target!r}, which is not stored — the file is corrupt", path=path)
+            raise InputError(f"alias {alias[:80]!r} points at {target[:80]!r}, which is not stored — the file is corrupt",
+                             path=path)
         contents.tensors[alias] = TensorRef(storage=stored.storage, dtype=stored.dtype, shape=stored.shape,
                                             stride=stored.stride)
     # keep the names in sorted order, as they would read from a file without aliases
@@ -140,14 +143,15 @@ def _retie(contents: SafetensorsContents, path: Path) -> None:
 def read_index(index_path: Path) -> SafetensorsContents:
     """Read a sharded checkpoint through its ``*.safetensors.index.json``."""
     try:
-        raw = index_path.read_bytes()
+        with open(index_path, "rb") as handle:
+            raw = handle.read(MAX_HEADER_BYTES + 1)
     except OSError as e:
         raise InputError(f"cannot read ({e.strerror}) — check the path and permissions", path=index_path) from e
     if len(raw) > MAX_HEADER_BYTES:
         raise InputError("index file is larger than any real index — refused", path=index_path)
     try:
         index = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:
         raise InputError("index is not valid UTF-8 JSON — the file is corrupt", path=index_path) from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -168,6 +172,8 @@ def read_index(index_path: Path) -> SafetensorsContents:
             raise InputError(f"shard {shard} named by the index is missing — copy every shard", path=index_path) from e
         except IsADirectoryError as e:
             raise InputError(f"shard {shard} named by the index is a directory", path=index_path) from e
+        except OSError as e:
+            raise InputError(f"shard {shard} named by the index cannot be read ({e.strerror})", path=index_path) from e
         for name, tensor in shard_contents.tensors.items():
             if name in contents.tensors:
                 raise InputError(f"tensor {name!r} is stored in two shards — the checkpoint is inconsistent", path=index_path)

@@ -53,11 +53,11 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
                 path=path,
             )
         if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
-            raise InputError(f"unexpected persistent record {str(pid)[:80]} — not a weights checkpoint", path=path)
+            raise InputError(f"unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path)
         _, storage_type, key, location, numel, view_metadata = pid
         if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
                 or not isinstance(location, str) or type(numel) is not int or numel < 0:
-            raise InputError(f"malformed storage record for key {str(key)[:40]!r} — the file is corrupt", path=path)
+            raise InputError(f"malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path)
         if view_metadata is not None:
             raise UnsupportedFormatError(
                 "uses storage views from before torch 0.4 — load and re-save it with a torch of that era", path=path
@@ -79,19 +79,19 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
     for key in keys:
         storage = storages.get(key)
         if storage is None:
-            raise InputError(f"legacy storage {key!r} is listed but never used — the file is corrupt", path=path)
+            raise InputError(f"legacy storage {pickles.brief(key)} is listed but never used — the file is corrupt", path=path)
         header = handle.read(8)
         if len(header) != 8:
-            raise InputError(f"legacy storage {key!r} is missing — the file is truncated", path=path)
+            raise InputError(f"legacy storage {pickles.brief(key)} is missing — the file is truncated", path=path)
         (numel,) = struct.unpack("<q", header)
         if numel != storage.numel:
             raise InputError(
-                f"legacy storage {key!r} holds {numel} elements but the pickle says {storage.numel} — corrupt file",
+                f"legacy storage {pickles.brief(key)} holds {numel} elements but the pickle says {storage.numel} — corrupt file",
                 path=path,
             )
         start = position + 8
         if start + storage.nbytes > file_size:
-            raise InputError(f"legacy storage {key!r} ends past the end of the file — the file is truncated", path=path)
+            raise InputError(f"legacy storage {pickles.brief(key)} ends past the end of the file — the file is truncated", path=path)
         storage.data = ByteRange(path, start, storage.nbytes)
         position = start + storage.nbytes
         handle.seek(position)

@@ -61,26 +61,26 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipC
 
     def persistent_load(pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise InputError(f"unexpected persistent record {str(pid)[:80]} — not a weights checkpoint", path=path)
+            raise InputError(f"unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path)
         _, storage_type, key, location, numel = pid
         if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
                 or not isinstance(location, str) or type(numel) is not int or numel < 0:
-            raise InputError(f"malformed storage record for key {str(key)[:40]!r} — the file is corrupt", path=path)
+            raise InputError(f"malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path)
         cached = storages.get(key)
         if cached is not None:
             return cached
         member = members.get(f"{top}/data/{key}")
         if member is None:
-            raise InputError(f"storage {key!r} is missing from the archive — the file is truncated or corrupt", path=path)
+            raise InputError(f"storage {pickles.brief(key)} is missing from the archive — the file is truncated or corrupt", path=path)
         if member.compressed:
             raise InputError(
-                f"storage {key!r} is compressed; PyTorch writes storages uncompressed — re-save with torch.save",
+                f"storage {pickles.brief(key)} is compressed; PyTorch writes storages uncompressed — re-save with torch.save",
                 path=path,
             )
         nbytes = numel * storage_type.dtype.itemsize
         if member.size < nbytes:
             raise InputError(
-                f"storage {key!r} declares {nbytes} bytes but the archive holds {member.size} — the file is corrupt",
+                f"storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds {member.size} — the file is corrupt",
                 path=path,
             )
         storage = StorageRef(

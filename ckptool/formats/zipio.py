@@ -23,6 +23,7 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
 _CENTRAL_SIG = 0x02014B50
 ALIGNMENT = 64
+MAX_COMPRESSION_RATIO = 100  # deflate reaches ~1000:1 on zeros; real pickles compress 3-10:1
 _PADDING_ID = 0x4246  # "FB": the extra-field id torch's writer pads with
 _ZIP64_ID = 0x0001
 
@@ -36,16 +37,23 @@ class Member:
     size: int
     crc32: int
     compressed: bool
+    stored_size: int = -1  # bytes in the archive (less than ``size`` when compressed)
 
 
-def read_members(path: Path, handle: BinaryIO) -> dict[str, Member]:
-    """Validate the archive's directory and return its members by name."""
+def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> dict[str, Member]:
+    """Validate the archive's directory and return its members by name.
+
+    ``size`` is the archive's length when ``handle`` is a window onto part of a file (a DCP chunk)
+    rather than a whole file; member offsets are then relative to the window.
+    """
     try:
         archive = zipfile.ZipFile(handle)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as e:
-        raise InputError(f"zip archive is corrupt ({e}) — re-save or re-download the checkpoint", path=path) from e
-    file_size = os.fstat(handle.fileno()).st_size
+    except Exception as e:  # zipfile parses hostile bytes: OverflowError, KeyError... all mean "corrupt"
+        raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
+                         path=path) from e
+    file_size = size if size is not None else os.fstat(handle.fileno()).st_size
     members: dict[str, Member] = {}
+    spans: list[tuple[int, int, str]] = []
     for info in archive.infolist():
         name = info.filename
         if name in members:
@@ -54,8 +62,8 @@ def read_members(path: Path, handle: BinaryIO) -> dict[str, Member]:
             raise InputError(f"zip member name {name!r} escapes the archive — refused", path=path)
         if info.flag_bits & 0x1:
             raise InputError(f"zip member {name!r} is encrypted — not a PyTorch checkpoint", path=path)
-        if info.header_offset + _LOCAL_HEADER.size > file_size:
-            raise InputError(f"zip member {name!r} lies past the end of the file — the file is truncated", path=path)
+        if info.header_offset < 0 or info.header_offset + _LOCAL_HEADER.size > file_size:
+            raise InputError(f"zip member {name!r} lies outside the file — the file is truncated or corrupt", path=path)
         handle.seek(info.header_offset)
         header = handle.read(_LOCAL_HEADER.size)
         fields = _LOCAL_HEADER.unpack(header)
@@ -69,17 +77,37 @@ def read_members(path: Path, handle: BinaryIO) -> dict[str, Member]:
                 path=path,
             )
         data_offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        compressed = info.compress_type != zipfile.ZIP_STORED
+        if not compressed and info.compress_size != info.file_size:
+            # readers copy a stored member's file_size bytes: a larger claim would reach into other members
+            raise InputError(f"zip member {name!r} is stored but claims {info.file_size} bytes in "
+                             f"{info.compress_size} — the archive is corrupt", path=path)
         if data_offset + info.compress_size > file_size:
             raise InputError(f"zip member {name!r} ends past the end of the file — the file is truncated", path=path)
+        spans.append((info.header_offset, data_offset + info.compress_size, name))
         members[name] = Member(
             name=name,
             data_offset=data_offset,
             size=info.file_size,
             crc32=info.CRC,
-            compressed=info.compress_type != zipfile.ZIP_STORED,
+            compressed=compressed,
+            stored_size=info.compress_size,
         )
+    # members sharing bytes are how small zips inflate to terabytes; torch never writes them
+    spans.sort()
+    for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
+        if start < previous_end:
+            raise InputError(f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb", path=path)
+    if spans and spans[-1][1] > archive.start_dir:
+        raise InputError(f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is corrupt",
+                         path=path)
     archive.close()
     return members
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text[:160]
 
 
 def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> bytes:
@@ -88,14 +116,16 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
         raise InputError(f"zip member {member.name!r} is {member.size} bytes, over the {limit}-byte limit — refused", path=path)
     handle.seek(member.data_offset)
     if member.compressed:
-        archive = zipfile.ZipFile(handle)
+        # torch writes every record stored; a compressed one is allowed, but not a bomb
+        if member.size > max(MAX_COMPRESSION_RATIO * member.stored_size, 1 << 20):
+            raise InputError(f"zip member {member.name!r} would inflate {member.stored_size} bytes to {member.size} "
+                             "— refusing a zip bomb", path=path)
         try:
+            archive = zipfile.ZipFile(handle)
             with archive.open(member.name) as stream:
-                data = stream.read(limit + 1)
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError) as e:
-            raise InputError(f"zip member {member.name!r} cannot be inflated ({e})", path=path) from e
-        if len(data) > limit:
-            raise InputError(f"zip member {member.name!r} inflates past {limit} bytes — refused", path=path)
+                data = stream.read(member.size + 1)
+        except Exception as e:  # zlib.error, LZMAError, BadZipFile, RuntimeError...: all mean "corrupt"
+            raise InputError(f"zip member {member.name!r} cannot be inflated ({_short(e)})", path=path) from e
     else:
         data = handle.read(member.size)
     if len(data) != member.size:

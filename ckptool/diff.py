@@ -1,0 +1,274 @@
+"""diff: what differs between the weights of two checkpoints, in any formats.
+
+Keys are compared as stored (a ``module.`` prefix on one side shows as keys only in A / only in
+B, with a note naming the prefix). For tensors both hold, bytes are streamed pairwise chunk by
+chunk: equal chunks cost a comparison, and only a chunk whose bytes differ is decoded (numpy; bf16
+by bit shifting, float8 through torch) to find its largest absolute difference. Memory stays
+bounded by one chunk per side, never a whole tensor or file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .dtypes import DType
+from .keys import detect_prefix
+from .reader import load
+from .refs import CHUNK_SIZE, TensorRef
+
+
+@dataclass
+class TensorChange:
+    """One tensor both checkpoints hold that differs.
+
+    Attributes:
+        kinds: what changed: ``dtype``, ``shape`` and/or ``values``.
+        max_abs_diff: the largest element-wise absolute difference (None when shapes differ);
+            ``inf`` when one side has NaN or Inf where the other does not.
+        differing: elements whose values differ at all; beyond_atol: those differing by more than ``atol``.
+    """
+
+    name: str
+    kinds: list[str]
+    a_dtype: str
+    b_dtype: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    max_abs_diff: float | None = None
+    differing: int = 0
+    beyond_atol: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kinds": list(self.kinds), "a_dtype": self.a_dtype, "b_dtype": self.b_dtype,
+                "a_shape": list(self.a_shape), "b_shape": list(self.b_shape),
+                "max_abs_diff": json_float(self.max_abs_diff), "differing": self.differing,
+                "beyond_atol": self.beyond_atol}
+
+
+@dataclass
+class DiffReport:
+    """The result of :func:`diff`; ``identical`` when no key, dtype, shape or value (beyond ``atol``) differs.
+
+    Attributes:
+        only_in_a / only_in_b: weight keys one side lacks.
+        changed: tensors that differ (dtype, shape, or values beyond ``atol``).
+        compared: tensors both hold; byte_identical: those equal byte for byte.
+        max_abs_diff: the largest difference over all compared tensors of equal shape.
+        aligned: the wrapper prefixes stripped from A and B before comparing (``align_prefixes``).
+    """
+
+    a: str
+    b: str
+    a_format: str
+    b_format: str
+    a_tensors: int
+    b_tensors: int
+    atol: float
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    changed: list[TensorChange] = field(default_factory=list)
+    compared: int = 0
+    byte_identical: int = 0
+    max_abs_diff: float = 0.0
+    aligned: tuple[str, str] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.only_in_a and not self.only_in_b and not self.changed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "identical": self.identical,
+            "a": {"path": self.a, "format": self.a_format, "tensors": self.a_tensors},
+            "b": {"path": self.b, "format": self.b_format, "tensors": self.b_tensors},
+            "atol": self.atol,
+            "only_in_a": list(self.only_in_a),
+            "only_in_b": list(self.only_in_b),
+            "changed": [change.to_json() for change in self.changed],
+            "compared": self.compared,
+            "byte_identical": self.byte_identical,
+            "max_abs_diff": json_float(self.max_abs_diff),
+            "aligned_prefixes": list(self.aligned) if self.aligned else None,
+            "notes": list(self.notes),
+        }
+
+
+def json_float(value: float | None) -> float | str | None:
+    """A float JSON can carry: ``inf``/``nan`` become strings (strict JSON has no Infinity)."""
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+def element_chunks(tensor: TensorRef, elements: int) -> Iterator[bytes]:
+    """The tensor's C-order bytes in pieces of ``elements`` elements (the last may be shorter)."""
+    size = elements * tensor.dtype.itemsize
+    pending = b""
+    for chunk in tensor.iter_bytes(chunk_size=size):
+        if not pending and len(chunk) == size:  # the usual case: contiguous bytes come in exactly this size
+            yield chunk
+            continue
+        pending += chunk
+        start = 0
+        while len(pending) - start >= size:
+            yield pending[start:start + size]
+            start += size
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
+def decode(raw: memoryview | bytes, dtype: DType) -> Any:
+    """Raw little-endian bytes of ``dtype`` as a numpy array of float64 (complex128 for complex)."""
+    import numpy as np
+
+    simple = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+              "BOOL": np.uint8, "C64": np.complex64, "C128": np.complex128}
+    if dtype.name in simple:
+        values = np.frombuffer(raw, dtype=np.dtype(simple[dtype.name]).newbyteorder("<"))
+        return values.astype(np.complex128 if dtype.name.startswith("C") else np.float64)
+    if dtype.name == "BF16":  # bfloat16 is the top half of a float32
+        halves = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        return halves.view(np.float32).astype(np.float64)
+    import torch  # float8 and anything newer: let torch decode it
+
+    from .materialize import torch_dtype
+
+    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype(dtype))
+    return tensor.to(torch.float64).numpy()
+
+
+def abs_diff(a: Any, b: Any) -> Any:
+    """Element-wise ``|a - b|`` where equal values (and NaN against NaN) count 0 and a NaN against a number counts inf."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        difference = np.abs(a - b)
+        difference = np.where(a == b, 0.0, difference)
+        both_nan = np.isnan(a) & np.isnan(b)
+        difference = np.where(both_nan, 0.0, difference)
+        return np.where(np.isnan(difference), np.inf, difference)
+
+
+def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0) -> tuple[bool, float, int, int]:
+    """Stream two equal-shape tensors: ``(byte_identical, max_abs_diff, differing, beyond_atol)``."""
+    elements = max(1, CHUNK_SIZE // max(a.dtype.itemsize, b.dtype.itemsize))
+    same_dtype = a.dtype == b.dtype
+    byte_identical = same_dtype
+    max_diff = 0.0
+    differing = beyond = 0
+    for raw_a, raw_b in zip(element_chunks(a, elements), element_chunks(b, elements), strict=True):
+        if same_dtype and raw_a == raw_b:
+            continue
+        byte_identical = False
+        difference = abs_diff(decode(raw_a, a.dtype), decode(raw_b, b.dtype))
+        if difference.size:
+            max_diff = max(max_diff, float(difference.max()))
+            differing += int((difference > 0).sum())
+            beyond += int((difference > atol).sum())
+    return byte_identical, max_diff, differing, beyond
+
+
+# ---------------------------------------------------------------------------------------------- diff
+
+
+def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str]) -> Checkpoint:
+    return path if isinstance(path, Checkpoint) else load(path, allow_globals=allow_globals)
+
+
+def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef]:
+    return {(key[len(prefix):] if prefix and key.startswith(prefix) else key): value for key, value in tensors.items()}
+
+
+def _strip_command(checkpoint: Checkpoint, prefix: str) -> str:
+    suffix = ".safetensors" if checkpoint.format.startswith("safetensors") else ".pt"
+    stem = checkpoint.path.name.split(".")[0] or "checkpoint"
+    command = f"ckptool strip {checkpoint.path} -o {checkpoint.path.with_name(stem + '.stripped' + suffix)}"
+    return command if prefix == checkpoint.prefix else f"{command} --prefix {prefix}"
+
+
+def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
+    """``(prefix_a, prefix_b)`` when the two key sets differ only by wrapper prefixes, else None."""
+    a_keys, b_keys = a.tensors, b.tensors
+    if set(a_keys) == set(b_keys):
+        return None
+    prefix_a = detect_prefix(a_keys, lightning=True)
+    prefix_b = detect_prefix(b_keys, lightning=True)
+    if prefix_a == prefix_b:
+        return None
+    if set(_strip(a_keys, prefix_a)) != set(_strip(b_keys, prefix_b)):
+        return None
+    return prefix_a, prefix_b
+
+
+def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float = 0.0,
+         allow_globals: tuple[str, ...] | list[str] = (), align_prefixes: bool = False) -> DiffReport:
+    """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
+
+    Works across formats (.pt against .safetensors or a sharded directory). Values are compared
+    by streaming bytes; a tensor whose bytes differ is reported with its largest absolute
+    difference, and counts as changed when that exceeds ``atol``.
+
+    Args:
+        a, b: checkpoints (paths or loaded :class:`~ckptool.Checkpoint`).
+        atol: value differences up to this are not changes (0: every bit counts, except -0.0 vs 0.0).
+        allow_globals: extra pickle globals to accept by name.
+        align_prefixes: when the keys differ only by wrapper prefixes (``module.``...), strip them
+            and compare the tensors (``report.aligned`` says which).
+
+    Example:
+        >>> report = ckptool.diff("model.pt", "model.safetensors")   # doctest: +SKIP
+        >>> report.identical, report.byte_identical                 # doctest: +SKIP
+        (True, 8)
+    """
+    left, right = _open(a, allow_globals), _open(b, allow_globals)
+    a_tensors, b_tensors = left.tensors, right.tensors
+    report = DiffReport(a=str(left.path), b=str(right.path), a_format=left.format, b_format=right.format,
+                        a_tensors=len(a_tensors), b_tensors=len(b_tensors), atol=atol)
+    prefixes = prefix_note(left, right)
+    if prefixes is not None and align_prefixes:
+        report.aligned = prefixes
+        a_tensors, b_tensors = _strip(a_tensors, prefixes[0]), _strip(b_tensors, prefixes[1])
+        report.notes.append(f'keys compared without their wrapper prefixes (A: "{prefixes[0]}", B: "{prefixes[1]}")')
+    elif prefixes is not None:
+        sides = [(side, prefix, checkpoint) for side, prefix, checkpoint in (("A", prefixes[0], left),
+                                                                            ("B", prefixes[1], right)) if prefix]
+        which = " and ".join(f'"{prefix}" on {side}' for side, prefix, _ in sides)
+        commands = " && ".join(_strip_command(checkpoint, prefix) for _, prefix, checkpoint in sides)
+        noun = "prefix" if len(sides) == 1 else "prefixes"
+        report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
+    report.only_in_a = [key for key in a_tensors if key not in b_tensors]
+    report.only_in_b = [key for key in b_tensors if key not in a_tensors]
+    for name, tensor_a in a_tensors.items():
+        tensor_b = b_tensors.get(name)
+        if tensor_b is None:
+            continue
+        report.compared += 1
+        change = TensorChange(name, [], tensor_a.dtype.name, tensor_b.dtype.name, tuple(tensor_a.shape),
+                              tuple(tensor_b.shape))
+        if tensor_a.dtype != tensor_b.dtype:
+            change.kinds.append("dtype")
+        if tuple(tensor_a.shape) != tuple(tensor_b.shape):
+            change.kinds.append("shape")
+        else:
+            identical, max_diff, differing, beyond = compare_values(tensor_a, tensor_b, atol=atol)
+            report.byte_identical += identical
+            report.max_abs_diff = max(report.max_abs_diff, max_diff)
+            change.max_abs_diff, change.differing, change.beyond_atol = max_diff, differing, beyond
+            if beyond:
+                change.kinds.append("values")
+            elif not identical and not change.kinds and differing == 0:
+                report.notes.append(f"{name}: bytes differ but every value is equal (-0.0 against 0.0 or NaN payloads)")
+        if change.kinds:
+            report.changed.append(change)
+    return report

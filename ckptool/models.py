@@ -1,0 +1,254 @@
+"""Model SPECs: the network ``ckptool verify --model`` loads a checkpoint into.
+
+Three families:
+
+- ``torchvision:NAME`` — any torchvision model builder, randomly initialised (weights are never
+  downloaded: the checkpoint provides them), e.g. ``torchvision:resnet18?num_classes=10``.
+- ``training:NAME`` — this project's ``training.models`` (``lenet``, ``mlp``, ``resnet18``).
+- ``package.module:factory`` — the user's own code: the module is imported (from the current
+  directory or the installed packages) and ``factory(**kwargs)`` is called. That runs the user's
+  code on purpose; the checkpoint itself is still never unpickled.
+
+Keyword arguments follow ``?`` (``?num_classes=10&dropout=0.1``) or come from ``--model-arg k=v``;
+values are parsed as int, float, bool or None when they look like one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from torch import nn
+
+FAMILIES = ("torchvision", "training")
+TRAINING_INPUT_SHAPE = (1, 1, 28, 28)
+# torchvision builders by module: the input shape they are usually called with
+TORCHVISION_INPUT_SHAPES = {
+    "torchvision.models.video": (1, 3, 16, 112, 112),
+    "torchvision.models.segmentation": (1, 3, 224, 224),
+    "torchvision.models": (1, 3, 224, 224),  # classification
+}
+# builders that take a list of images or image pairs, not one tensor
+UNSUPPORTED_TORCHVISION = ("torchvision.models.detection", "torchvision.models.optical_flow",
+                           "torchvision.models.quantization")
+# builder arguments that would download pretrained weights
+DOWNLOAD_ARGUMENTS = ("weights", "weights_backbone", "pretrained", "pretrained_backbone")
+_PYTHON_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+HELP = ("torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory "
+        "(your own code, imported and called on purpose)")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed ``--model`` SPEC: which family, which builder, which keyword arguments.
+
+    Attributes:
+        text: the SPEC as given.
+        family: ``torchvision``, ``training`` or ``python``.
+        name: the builder's name (``resnet18``) or ``module:factory`` for user code.
+        kwargs: keyword arguments for the builder.
+        default_input_shape: the input the family's models take (None: ask for ``--input-shape``).
+
+    Example:
+        >>> spec = parse_model_spec("torchvision:resnet18?num_classes=10")
+        >>> spec.family, spec.name, spec.kwargs, spec.default_input_shape
+        ('torchvision', 'resnet18', {'num_classes': 10}, (1, 3, 224, 224))
+    """
+
+    text: str
+    family: str
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    default_input_shape: tuple[int, ...] | None = None
+
+    def build(self) -> nn.Module:
+        """A fresh model, on CPU (initialisation follows torch's global RNG).
+
+        Raises:
+            UsageError: the builder is unknown, rejects the arguments, or does not return a module.
+        """
+        if self.family == "training":
+            model = _build_training(self)
+        elif self.family == "torchvision":
+            model = _build_torchvision(self)
+        else:
+            model = _build_python(self)
+        from torch import nn
+
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--model {self.text}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+
+def parse_value(text: str) -> Any:
+    """``"10"`` -> 10, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, anything else stays text."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_kwargs(pairs: Iterable[str], *, where: str) -> dict[str, Any]:
+    """``["num_classes=10", "dropout=0.1"]`` -> ``{"num_classes": 10, "dropout": 0.1}``."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        if not pair:
+            continue
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"{where} {pair!r} is not NAME=VALUE, e.g. num_classes=10")
+        kwargs[key] = parse_value(value)
+    return kwargs
+
+
+def parse_input_shape(text: str) -> tuple[int, ...]:
+    """``"1,3,224,224"`` (or ``1x3x224x224``) -> ``(1, 3, 224, 224)``."""
+    parts = [p.strip() for p in re.split(r"[,x×]", text.strip()) if p.strip()]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(d <= 0 for d in shape):
+        raise UsageError(f"--input-shape {text!r} is not a list of positive sizes, e.g. 1,3,224,224")
+    return shape
+
+
+def parse_model_spec(spec: str, model_args: Iterable[str] = ()) -> ModelSpec:
+    """Parse and check a ``--model`` SPEC (nothing is built; user code is imported only by ``build``).
+
+    Raises:
+        UsageError: the SPEC is malformed or names a model that does not exist.
+    """
+    text = spec.strip()
+    head, _, query = text.partition("?")
+    family, sep, name = head.partition(":")
+    family, name = family.strip(), name.strip()
+    if not sep or not family or not name:
+        raise UsageError(f"--model {spec!r} is not a model SPEC — use {HELP}")
+    kwargs = parse_kwargs(query.split("&") if query else [], where=f"--model {spec!r}: argument")
+    kwargs.update(parse_kwargs(model_args, where="--model-arg"))
+    if family == "training":
+        return _training_spec(text, name, kwargs)
+    if family == "torchvision":
+        return _torchvision_spec(text, name, kwargs)
+    if not _PYTHON_NAME.match(family) or not _PYTHON_NAME.match(name):
+        raise UsageError(f"--model {spec!r}: {family}:{name} is not package.module:factory — use {HELP}")
+    return ModelSpec(text=text, family="python", name=f"{family}:{name}", kwargs=kwargs)
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+def _training_models() -> Any:
+    try:
+        return importlib.import_module("training.models")
+    except ImportError as e:
+        raise UsageError(f"training: models need this project's training package, which is not importable ({e}) "
+                         "— run from the ckptool repository or install it") from e
+
+
+def _training_spec(text: str, name: str, kwargs: dict[str, Any]) -> ModelSpec:
+    models = _training_models()
+    if name not in models.MODELS:
+        raise UsageError(f"--model {text}: unknown training model {name!r} — choose one of: {', '.join(models.MODELS)}")
+    if kwargs:
+        raise UsageError(f"--model {text}: training models take no arguments (got {', '.join(kwargs)})")
+    return ModelSpec(text=text, family="training", name=name, kwargs={},
+                     default_input_shape=(1, *models.INPUT_SHAPE))
+
+
+def _build_training(spec: ModelSpec) -> nn.Module:
+    return _training_models().build_model(spec.name)
+
+
+# ------------------------------------------------------------------------------------------- torchvision
+
+
+def _torchvision_builder(text: str, name: str) -> Any:
+    try:
+        from torchvision import models
+    except ImportError as e:
+        raise UsageError(f"--model {text}: torchvision is not installed — pip install torchvision") from e
+    try:
+        return models.get_model_builder(name)
+    except ValueError:
+        close = difflib.get_close_matches(name, models.list_models(), n=3)
+        hint = f" — did you mean {', '.join(close)}?" if close else " — see torchvision.models.list_models()"
+        raise UsageError(f"--model {text}: torchvision has no model {name!r}{hint}") from None
+
+
+def _torchvision_spec(text: str, name: str, kwargs: dict[str, Any]) -> ModelSpec:
+    builder = _torchvision_builder(text, name)
+    module = builder.__module__
+    if module.startswith(UNSUPPORTED_TORCHVISION):
+        raise UsageError(f"--model {text}: {module.split('.')[2]} models take lists of images, not one tensor — "
+                         "verify supports models called with one input tensor")
+    downloads = [key for key in DOWNLOAD_ARGUMENTS if kwargs.get(key) not in (None, False)]
+    if downloads:
+        raise UsageError(f"--model {text}: {downloads[0]}= would download weights — the checkpoint provides them; "
+                         f"drop {downloads[0]}")
+    shape = next(shape for prefix, shape in TORCHVISION_INPUT_SHAPES.items() if module.startswith(prefix))
+    return ModelSpec(text=text, family="torchvision", name=name, kwargs=kwargs, default_input_shape=shape)
+
+
+def _build_torchvision(spec: ModelSpec) -> nn.Module:
+    builder = _torchvision_builder(spec.text, spec.name)
+    parameters = inspect.signature(builder).parameters
+    kwargs = dict(spec.kwargs)
+    for key in DOWNLOAD_ARGUMENTS:
+        if key in parameters:
+            kwargs.setdefault(key, None)  # never download: random init, the checkpoint fills it
+    try:
+        return builder(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--model {spec.text}: torchvision's {spec.name} rejected the arguments ({e})") from e
+
+
+# ------------------------------------------------------------------------------------------- user code
+
+
+def _build_python(spec: ModelSpec) -> nn.Module:
+    module_name, _, attribute = spec.name.partition(":")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:  # `ckptool` is a console script: make the user's own package importable from where they are
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"--model {spec.text}: cannot import {module_name} ({e}) — run from the directory "
+                         "holding it or install it") from e
+    except Exception as e:  # the user's module failed while importing
+        raise UsageError(f"--model {spec.text}: importing {module_name} failed: {type(e).__name__}: {e}") from e
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    factory: Any = module
+    for part in attribute.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UsageError(f"--model {spec.text}: {module_name} has no {attribute}")
+    if not callable(factory):
+        raise UsageError(f"--model {spec.text}: {module_name}.{attribute} is not callable")
+    try:
+        return factory(**spec.kwargs)
+    except Exception as e:
+        raise UsageError(f"--model {spec.text}: {attribute}(...) failed: {type(e).__name__}: {e}") from e

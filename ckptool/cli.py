@@ -68,6 +68,10 @@ allow_global_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
 force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 in_place_option = click.option("--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file).")
+fingerprint_write_option = click.option(
+    "--fingerprint", "with_fingerprint", is_flag=True,
+    help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -192,14 +196,22 @@ def _resolve_out(ckpt: Path, out: Path | None, in_place: bool) -> Path:
     return out
 
 
+def _check_line(checked: int, fingerprint: str | None) -> str:
+    line = f"  checked: all {checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
+    if fingerprint:
+        line += f"\n  fingerprint {fingerprint}"
+    return line
+
+
 def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: str) -> None:
     data = {"output": str(report.path), "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
-            "fingerprint": report.fingerprint, "files": [str(f) for f in report.files], "notes": report.notes, **extra}
+            "checked": report.checked, "fingerprint": report.fingerprint, "files": [str(f) for f in report.files],
+            "notes": report.notes, **extra}
     if as_json:
         _emit_json(data)
         return
     click.echo(message)
-    click.echo(f"  fingerprint {report.fingerprint} (re-read and checked)")
+    click.echo(_check_line(report.checked, report.fingerprint))
     for note in report.notes:
         click.echo(f"  note: {note}")
 
@@ -208,7 +220,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed([
         click.argument("ckpt", type=click.Path(path_type=Path)),
         click.option("-o", "--out", type=click.Path(path_type=Path), help="Output path (same format as the input)."),
-        force_option, in_place_option, json_option, allow_global_option,
+        force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option,
     ]):
         command = option(command)
     return command
@@ -223,7 +235,7 @@ def _same_format_target(ckpt: Any) -> str:
 @click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          prefix: str | None) -> None:
+          with_fingerprint: bool, prefix: str | None) -> None:
     """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
 
     By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
@@ -239,7 +251,8 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(prefix)
     renamed = sum(1 for key in checkpoint.state_dict if isinstance(key, str) and key.startswith(used))
-    report = save(stripped, target, to=_same_format_target(checkpoint), force=force, in_place=in_place)
+    report = save(stripped, target, to=_same_format_target(checkpoint), force=force, in_place=in_place,
+                  fingerprint=with_fingerprint)
     _report_write(report, {"input": str(ckpt), "prefix": used, "renamed": renamed}, as_json,
                   f'stripped "{used}" from {renamed} keys: {ckpt} -> {target}')
 
@@ -249,7 +262,7 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
 @handle_errors
 def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
-               allow_globals: tuple[str, ...], prefix: str) -> None:
+               allow_globals: tuple[str, ...], with_fingerprint: bool, prefix: str) -> None:
     """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
@@ -260,7 +273,8 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     checkpoint = load(ckpt, allow_globals=allow_globals)
     target = _resolve_out(ckpt, out, in_place)
     prefixed = checkpoint.add_prefix(prefix)
-    report = save(prefixed, target, to=_same_format_target(checkpoint), force=force, in_place=in_place)
+    report = save(prefixed, target, to=_same_format_target(checkpoint), force=force, in_place=in_place,
+                  fingerprint=with_fingerprint)
     _report_write(report, {"input": str(ckpt), "prefix": prefix, "renamed": len(checkpoint.state_dict)}, as_json,
                   f'added "{prefix}" to {len(checkpoint.state_dict)} keys: {ckpt} -> {target}')
 
@@ -271,7 +285,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
 @handle_errors
 def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          to_device: str | None, mapping: tuple[str, ...]) -> None:
+          with_fingerprint: bool, to_device: str | None, mapping: tuple[str, ...]) -> None:
     """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
 
     Tensors are not moved: only the tags torch.load restores them onto change.
@@ -291,7 +305,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
-    report = save(remapped, target, to="pt", force=force, in_place=in_place)
+    report = save(remapped, target, to="pt", force=force, in_place=in_place, fingerprint=with_fingerprint)
     _report_write(report, {"input": str(ckpt), "devices_before": before, "devices_after": after}, as_json,
                   f"remapped {ckpt} -> {target}: {before} -> {after}")
 
@@ -316,10 +330,12 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @force_option
 @json_option
 @allow_global_option
+@fingerprint_write_option
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
-            dtype: str | None, force: bool, as_json: bool, allow_globals: tuple[str, ...]) -> None:
+            dtype: str | None, force: bool, as_json: bool, allow_globals: tuple[str, ...],
+            with_fingerprint: bool) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
 
     Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
@@ -352,7 +368,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
         for source, target in bar:
             try:
                 results.append(_convert_one(source, target, to_format, strip_wrappers, shard_bytes, duplicate_tied,
-                                            nest, dtype, force, allow_globals))
+                                            nest, dtype, force, allow_globals, with_fingerprint))
             except CkptError as e:
                 if len(jobs) == 1:
                     raise
@@ -363,7 +379,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
         for result in results:
             click.echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
                        f"{_human_bytes(result['bytes'])})")
-            click.echo(f"  fingerprint {result['fingerprint']} (re-read and checked)")
+            click.echo(_check_line(result["checked"], result["fingerprint"]))
             for note in result["notes"]:
                 click.echo(f"  note: {note}")
     for failure in failures:
@@ -385,7 +401,7 @@ class _null_progress:
 
 def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappers: bool, shard_bytes: int | None,
                  duplicate_tied: bool, nest: str | None, dtype: str | None, force: bool,
-                 allow_globals: tuple[str, ...]) -> dict[str, Any]:
+                 allow_globals: tuple[str, ...], with_fingerprint: bool) -> dict[str, Any]:
     from .reader import load
     from .writer import save
 
@@ -400,11 +416,12 @@ def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappe
         checkpoint = cast_weights(checkpoint, dtype)
         notes.append(f"cast floating weights to {dtype}")
     report = save(checkpoint, target, to=to_format, force=force, max_shard_size=shard_bytes,
-                  duplicate_tied=duplicate_tied, nest=nest)
+                  duplicate_tied=duplicate_tied, nest=nest, fingerprint=with_fingerprint)
     if report.aliases:
         notes.append(f"{len(report.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     return {"input": str(source), "output": str(report.path), "format": report.format, "tensors": report.tensors,
-            "bytes": report.bytes, "fingerprint": report.fingerprint, "files": [str(f) for f in report.files],
+            "bytes": report.bytes, "checked": report.checked, "fingerprint": report.fingerprint,
+            "files": [str(f) for f in report.files],
             "aliases": report.aliases, "notes": notes + report.notes}
 
 

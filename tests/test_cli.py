@@ -67,7 +67,7 @@ def test_scan_verdicts(fixtures_dir: Path, tmp_path: Path) -> None:
 
 def test_strip_cli_json_and_exit_codes(fixtures_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "model.pt"
-    code, stdout, _ = run("strip", fixtures_dir / "ddp_lenet_wrapped.pt", "-o", out, "--json")
+    code, stdout, _ = run("strip", fixtures_dir / "ddp_lenet_wrapped.pt", "-o", out, "--json", "--fingerprint")
     assert code == 0
     data = json.loads(stdout)
     assert data["prefix"] == "module." and data["renamed"] == 8 and data["fingerprint"].startswith("sha256:")

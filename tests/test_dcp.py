@@ -175,13 +175,13 @@ def test_ddp_checkpoint_converts_to_safetensors_and_pt(written: Path, tmp_path: 
 
     expected = reference(written, "ddp")
     checkpoint = ckptool.load(written / "ddp")
-    report = ckptool.save(checkpoint, tmp_path / "m.safetensors")
+    report = ckptool.save(checkpoint, tmp_path / "m.safetensors", fingerprint=True)
     assert report.fingerprint == torch_fingerprint(expected)
     loaded = load_file(tmp_path / "m.safetensors")
     assert sorted(loaded) == sorted(expected)
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
 
-    report = ckptool.save(checkpoint, tmp_path / "m.pt")
+    report = ckptool.save(checkpoint, tmp_path / "m.pt", fingerprint=True)
     assert report.fingerprint == torch_fingerprint(expected)
     whole = torch.load(tmp_path / "m.pt", weights_only=True)
     assert set(whole) == {"model", "optim", "epoch"} and whole["epoch"] == 1
@@ -204,7 +204,7 @@ def test_sharded_tensors_are_assembled_from_their_chunks(written: Path, tmp_path
     assert ckptool.fingerprint(tensors) == torch_fingerprint(expected)
 
     for name in ("s.safetensors", "s.pt"):
-        report = ckptool.save(checkpoint, tmp_path / name)
+        report = ckptool.save(checkpoint, tmp_path / name, fingerprint=True)
         assert report.fingerprint == torch_fingerprint(expected)
     loaded = load_file(tmp_path / "s.safetensors")
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)

@@ -81,9 +81,9 @@ def test_remap_cuda_to_cpu_loads_with_plain_torch_load(fixtures_dir: Path, tmp_p
 @pytest.mark.parametrize("entry", CHECKPOINTS, ids=lambda e: e["file"])
 def test_convert_round_trip_keeps_fingerprint(entry: dict, fixtures_dir: Path, tmp_path: Path) -> None:
     source = ckptool.load(fixtures_dir / entry["file"])
-    st = save(source, tmp_path / "w.safetensors")
+    st = save(source, tmp_path / "w.safetensors", fingerprint=True)
     assert st.fingerprint == entry["fingerprint"]
-    back = save(ckptool.load(tmp_path / "w.safetensors"), tmp_path / "w.pt")
+    back = save(ckptool.load(tmp_path / "w.safetensors"), tmp_path / "w.pt", fingerprint=True)
     assert back.fingerprint == entry["fingerprint"]
     reloaded = torch.load(tmp_path / "w.pt", weights_only=True)
     stock = load_file(tmp_path / "w.safetensors")
@@ -114,7 +114,7 @@ def test_tied_weights_stored_once_and_retied(fixtures_dir: Path, tmp_path: Path)
 def test_sharded_output_matches_index_layout(fixtures_dir: Path, tmp_path: Path) -> None:
     source = ckptool.load(fixtures_dir / "single_lenet.pt")
     out = tmp_path / "shards"
-    report = save(source, out, max_shard_size=100_000)
+    report = save(source, out, max_shard_size=100_000, fingerprint=True)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
@@ -124,7 +124,8 @@ def test_sharded_output_matches_index_layout(fixtures_dir: Path, tmp_path: Path)
     for shard in shards:
         merged.update(load_file(out / shard))
     assert set(merged) == set(index["weight_map"])
-    assert ckptool.fingerprint(ckptool.load(out).tensors) == report.fingerprint
+    assert ckptool.fingerprint(ckptool.load(out).tensors) == report.fingerprint == ckptool.fingerprint(source.tensors)
+    assert index["metadata"]["ckptool.fingerprint"] == report.fingerprint
     assert ckptool.fingerprint(ckptool.load(out / "model.safetensors.index.json").tensors) == report.fingerprint
 
 
@@ -161,3 +162,38 @@ def test_existing_output_and_input_are_protected(fixtures_dir: Path, tmp_path: P
     save(checkpoint, source_path, in_place=True)
     assert ckptool.load(source_path).prefix == ""
     assert not list(tmp_path.glob(".ckptool-tmp-*"))
+
+
+def test_fingerprint_recorded_in_safetensors_metadata_only_when_asked(fixtures_dir: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    source = ckptool.load(fixtures_dir / "single_lenet.pt")
+    plain = save(source, tmp_path / "plain.safetensors")
+    assert plain.fingerprint is None and plain.checked == len(source.tensors)
+    with safe_open(tmp_path / "plain.safetensors", "pt") as handle:
+        metadata = handle.metadata()
+    assert "ckptool.fingerprint" not in metadata
+    assert json.loads(metadata["ckptool.entries"])["epoch"] == 1
+    hashed = save(source, tmp_path / "hashed.safetensors", fingerprint=True)
+    with safe_open(tmp_path / "hashed.safetensors", "pt") as handle:
+        assert handle.metadata()["ckptool.fingerprint"] == hashed.fingerprint == ckptool.fingerprint(source.tensors)
+
+
+def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Corrupt one byte between copy and check: the content check must refuse and delete the output."""
+    from ckptool import writer
+    from ckptool.errors import FingerprintMismatchError
+
+    real_verify = writer._verify
+
+    def corrupting_verify(written, *args, **kwargs):
+        data = bytearray(written.read_bytes())
+        data[-200] ^= 0xFF  # inside the last storage of the zip, before the central directory
+        written.write_bytes(bytes(data))
+        return real_verify(written, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "_verify", corrupting_verify)
+    with pytest.raises(FingerprintMismatchError, match="reads back different"):
+        save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / "out.safetensors")
+    assert not list(tmp_path.iterdir())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from .. import pickles
@@ -98,14 +99,15 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipC
     return ZipContents(container=container, archive_name=top, storages=storages, pickle_bytes=data)
 
 
-def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive") -> None:
+def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
+          on_data: Callable[[int, int], None] | None = None) -> None:
     """Write ``container`` as torch.save would: pickle first, storages raw, torch's bookkeeping records.
 
     Storages are renumbered 0..n-1 in order of first appearance; bytes of a storage read from a zip
     member are copied by the kernel with their CRC kept, others are streamed and summed.
     """
     pickle_bytes, storages = pickles.dump(container, renumber_storages=True)
-    writer = zipio.ZipWriter(handle)
+    writer = zipio.ZipWriter(handle, on_data)
     writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)
     writer.add_bytes(f"{archive_name}/.format_version", b"1")
     writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")

@@ -415,8 +415,9 @@ def _short(error: BaseException) -> str:
 class _Truncated(InputError):
     """The pickle runs past the end of the bytes given (the stream reader then reads more)."""
 
-    def __init__(self) -> None:
-        super().__init__("pickle is truncated (it ends before its STOP opcode)")
+    def __init__(self, message: str = "pickle is truncated (it ends before its STOP opcode)", *,
+                 path: object = None) -> None:
+        super().__init__(message, path=path)  # type: ignore[arg-type]
 
 
 _OPAQUE_VALUE = object()  # the guard does not know the value (salted hash, or not hashable)
@@ -548,7 +549,11 @@ def guard(data: bytes) -> int:
         nonlocal i
         size = int.from_bytes(data[i:i + width], "little", signed=signed)
         i += width
-        if size < 0 or i + size > end:
+        if size < 0:
+            raise _refuse(f"has a negative length {size} at offset {i - width} (corrupt)")
+        if i + size > MAX_PICKLE_BYTES:
+            raise _refuse(f"has a {size}-byte value, over the {MAX_PICKLE_BYTES}-byte pickle limit")
+        if i + size > end:
             raise _Truncated()
         return size
 
@@ -828,7 +833,7 @@ def read_pickle(stream: Any) -> bytes:
                 raise
             if chunk > MAX_PICKLE_BYTES:
                 raise InputError(f"pickle is over the {MAX_PICKLE_BYTES}-byte limit — refused") from None
-            chunk *= 4
+            chunk = min(chunk * 4, MAX_PICKLE_BYTES + 1)
             continue
         stream.seek(start + size)
         return blob[:size]

@@ -16,7 +16,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -87,8 +87,8 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
         if dtype is None:
             raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(entry['dtype'])[:20]!r}", path=path)
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape) \
-                or math.prod(shape) > _INT64_MAX:
+        if not isinstance(shape, list) or len(shape) > 64 \
+                or not all(type(d) is int and 0 <= d <= _INT64_MAX for d in shape) or math.prod(shape) > _INT64_MAX:
             raise InputError(f"tensor {name[:80]!r} has an invalid shape — the file is corrupt", path=path)
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
             raise InputError(f"tensor {name[:80]!r} has invalid data offsets — the file is corrupt", path=path)
@@ -248,7 +248,8 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     return aliases
 
 
-def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str]) -> None:
+def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
+               on_data: Callable[[int, int], None] | None = None) -> None:
     # larger element types first keeps every tensor aligned to its element size (as safetensors does)
     order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -274,20 +275,22 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
             for chunk in tensor.iter_bytes():
                 handle.write(chunk)
             handle.flush()
+        if on_data is not None and tensor.nbytes:
+            on_data(out_offset, tensor.nbytes)
         out_offset += tensor.nbytes
     handle.seek(out_offset)
     handle.truncate()
 
 
 def write_file(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
-               *, duplicate_tied: bool = False) -> dict[str, str]:
+               *, duplicate_tied: bool = False, on_data: Callable[[int, int], None] | None = None) -> dict[str, str]:
     """Write one safetensors file; returns the aliases recorded (empty with ``duplicate_tied``)."""
     aliases = {} if duplicate_tied else plan_aliases(tensors)
     stored = {name: tensor for name, tensor in tensors.items() if name not in aliases}
     metadata = dict(metadata)
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    _write_one(handle, stored, metadata)
+    _write_one(handle, stored, metadata, on_data)
     return aliases
 
 

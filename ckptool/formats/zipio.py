@@ -13,6 +13,7 @@ import os
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -138,10 +139,17 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
 class ZipWriter:
     """Write stored (uncompressed) members with 64-byte-aligned data, zip64 where needed."""
 
-    def __init__(self, handle: BinaryIO) -> None:
+    def __init__(self, handle: BinaryIO, on_data: Callable[[int, int], None] | None = None) -> None:
+        """``on_data(offset, length)`` is told of each member's data once it is in the file (and flushed)."""
         self.handle = handle
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
         self.position = handle.tell()
+        self.on_data = on_data
+
+    def _written(self, offset: int, length: int) -> None:
+        if self.on_data is not None:
+            self.handle.flush()
+            self.on_data(offset, length)
 
     def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
         zip64 = size >= 0xFFFFFFFF
@@ -162,6 +170,7 @@ class ZipWriter:
         self.entries.append((encoded, self.position, len(data), crc))
         self.handle.write(header)
         self.handle.write(data)
+        self._written(self.position + len(header), len(data))
         self.position += len(header) + len(data)
 
     def add_copy(self, name: str, source: Path, offset: int, size: int, crc: int | None) -> None:
@@ -184,6 +193,7 @@ class ZipWriter:
             self.handle.write(struct.pack("<I", crc))
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
+        self._written(data_start, size)
         self.position = data_start + size
 
     def close(self) -> None:

@@ -1,0 +1,179 @@
+"""Fuzzing: mutated real checkpoints in, only ckptool's own errors out — never another exception, never a hang.
+
+Seeds are small real checkpoints made with torch (zip, legacy, safetensors) and ckptool's own
+hostile corpus cases for the pickle layer; mutations are bit flips, truncations, splices (within a
+file and across seeds), insertions and overwrites. Each example goes through ``ckptool.load``,
+``inspect``, ``scan`` and, when it loads, through every tensor's bytes and the fingerprint.
+
+A short run by default (CI); a long one with ``CKPTOOL_FUZZ_EXAMPLES=20000 pytest tests/test_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptool
+from ckptool import pickles
+from ckptool.errors import CkptError, InputError
+from ckptool.safety import scan
+from ckptool.summary import inspect
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hostile  # noqa: E402
+
+EXAMPLES = int(os.environ.get("CKPTOOL_FUZZ_EXAMPLES", "300"))
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=timedelta(seconds=2),  # a hang or a bomb fails the example
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=EXAMPLES <= 300,  # CI runs the same examples every time; long runs explore
+    database=None,
+)
+
+
+def _make_seeds() -> dict[str, bytes]:
+    import io
+
+    import torch
+    from safetensors.torch import save as save_safetensors
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    container = {"model": {f"module.{k}": v for k, v in model.state_dict().items()},
+                 "optimizer": optimizer.state_dict(), "epoch": 3, "tied": [model[0].weight, model[0].weight[1:]]}
+    seeds = {}
+    buffer = io.BytesIO()
+    torch.save(container, buffer)
+    seeds["zip"] = buffer.getvalue()
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer, _use_new_zipfile_serialization=False)
+    seeds["legacy"] = buffer.getvalue()
+    seeds["safetensors"] = save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()},
+                                            metadata={"format": "pt"})
+    seeds["hand_zip"] = hostile.good_zip()
+    seeds["hand_legacy"] = hostile.good_legacy()
+    return seeds
+
+
+SEEDS = _make_seeds()
+NAMES = sorted(SEEDS)
+WORK = Path(tempfile.mkdtemp(prefix="ckptool-fuzz-"))
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> tuple[str, bytes]:
+    name = draw(st.sampled_from(NAMES))
+    data = bytearray(SEEDS[name])
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "flip", "byte", "truncate", "splice", "insert", "delete", "donor"]))
+        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "flip" and data:
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "byte" and data:
+            data[at] = draw(st.sampled_from([0x00, 0xFF, 0x7F, 0x80, ord("("), ord("."), ord("b"), ord("R")]))
+        elif kind == "truncate":
+            del data[at:]
+        elif kind == "splice" and data:
+            start = draw(st.integers(0, len(data) - 1))
+            data[at:at] = data[start : start + draw(st.integers(1, 256))]
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=16))
+        elif kind == "delete":
+            del data[at : at + draw(st.integers(1, 64))]
+        elif kind == "donor":  # a chunk of another seed: structures that parse, in the wrong place
+            donor = SEEDS[draw(st.sampled_from(NAMES))]
+            start = draw(st.integers(0, len(donor) - 1))
+            data[at : at + draw(st.integers(0, 64))] = donor[start : start + draw(st.integers(1, 512))]
+    return name, bytes(data)
+
+
+def exercise(path: Path) -> None:
+    """Everything a command does with an input, minus writing it: only CkptError may come out."""
+    for function in (inspect, scan):
+        try:
+            function(path)
+        except CkptError:
+            pass
+    try:
+        checkpoint = ckptool.load(path)
+    except CkptError:
+        return
+    size = path.stat().st_size
+    tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    for tensor in tensors.values():
+        # a stride-0 view may legally describe more bytes than the file holds; reading those is not a reader question
+        if tensor.nbytes <= 16 * size + (1 << 20):
+            try:
+                tensor.read_bytes()
+            except CkptError:
+                pass
+    if all(t.nbytes <= 16 * size + (1 << 20) for t in tensors.values()):
+        try:
+            ckptool.fingerprint(tensors)
+        except CkptError:
+            pass
+
+
+@FUZZ_SETTINGS
+@given(mutated())
+def test_mutated_checkpoints_raise_only_ckpt_errors(example: tuple[str, bytes]) -> None:
+    name, data = example
+    path = WORK / f"mutated-{name}.bin"
+    path.write_bytes(data)
+    exercise(path)
+
+
+PICKLE_PIECES = [
+    hostile.PROTO2, b"(", b")", b"]", b"}", b"t", b"\x85", b"\x86", b"l", b"d", b"e", b"a", b"s", b"u", b"R", b"b", b"0",
+    b"2", b"1", b"N", b"\x88", b"\x89", b"K\x01", b"J\xff\xff\xff\xff", b"q\x00", b"q\x01", b"h\x00", b"h\x01",
+    b"r\x00\x00\x00\x00", b"\x94", b"\x8f", b"\x90", b"\x91", b"\x93", b"\x81", b"Q", hostile.text("storage"),
+    hostile.text("os"), hostile.text("system"), hostile.glob("collections", "OrderedDict"),
+    hostile.glob("torch._utils", "_rebuild_tensor_v2"), hostile.glob("torch", "FloatStorage"),
+    hostile.glob("torch", "Size"), hostile.glob("torch", "device"), hostile.glob("builtins", "set"),
+    hostile.glob("argparse", "Namespace"), hostile.glob("_codecs", "encode"), hostile.glob("os", "system"),
+    hostile.storage_pid(4), hostile.rebuild(), b".",
+]
+
+
+@FUZZ_SETTINGS
+@given(st.lists(st.sampled_from(PICKLE_PIECES), max_size=40), st.booleans())
+def test_random_opcode_streams_raise_only_input_errors(pieces: list[bytes], permissive: bool) -> None:
+    """The guard and the restricted unpickler on opcode soup (as scan's dry run and a load see it)."""
+    from ckptool.refs import StorageRef
+
+    storages: dict[str, StorageRef] = {}
+
+    def persistent_load(pid: object) -> StorageRef:
+        if not isinstance(pid, tuple) or len(pid) != 5 or not isinstance(pid[1], pickles.StorageTypeRef):
+            raise InputError("not a storage record")
+        return storages.setdefault(str(pid[2]), StorageRef(str(pid[2]), pid[1].dtype, 4, "cpu"))
+
+    resolver = pickles.GlobalResolver(permissive=permissive)
+    try:
+        pickles.loads(b"".join(pieces) + b".", resolver, persistent_load)
+    except (InputError, pickles.RefusedGlobal):
+        pass
+
+
+def test_fuzz_settings_are_documented() -> None:
+    security = Path(__file__).resolve().parent.parent / "SECURITY.md"
+    assert "CKPTOOL_FUZZ_EXAMPLES" in security.read_text()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clean_work_dir():
+    yield
+    for path in WORK.iterdir():
+        path.unlink()
+    WORK.rmdir()

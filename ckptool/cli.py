@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,12 +77,19 @@ fingerprint_write_option = click.option(
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ckptool")
-def main() -> None:
+def main() -> None:  # noqa: D401 — click uses the docstring as help
     """Make any PyTorch checkpoint portable, and prove it.
 
     Reads .pt/.pth/.bin/.ckpt (zip or legacy), safetensors (single or sharded) without running
     pickle code. Exit codes: 0 ok, 1 a check found a problem, 2 usage, 3 unreadable/unsafe input.
     """
+    # a polite kill (SIGTERM) unwinds like Ctrl-C, so half-written temp files are removed
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    click.echo("ckptool: terminated — nothing was written", err=True)
+    raise SystemExit(128 + signum)
 
 
 # ------------------------------------------------------------------------------------------------ inspect

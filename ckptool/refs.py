@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .dtypes import DType
 from .errors import InputError
@@ -177,28 +178,59 @@ class TensorRef:
         if span is not None:
             yield from span.iter_chunks(chunk_size=chunk_size)
             return
-        yield self._gather()
+        yield from self._gather(chunk_size)
 
     def read_bytes(self) -> bytes:
         """All of the tensor's bytes in C order."""
         return b"".join(self.iter_bytes())
 
-    def _gather(self) -> bytes:
+    def _gather(self, chunk_size: int) -> Iterator[bytes]:
         import numpy as np
 
         base = self.storage.byte_range()
         item = self.dtype.itemsize
-        unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
         last = self.offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
         length = (last + 1) * item
+        # a stride-0 view (expand) can promise far more bytes than it stores: bound what it may grow to
+        if self.nbytes > max(MAX_EXPANSION * length, MAX_EXPANDED_BYTES):
+            raise InputError(
+                f"a tensor of shape {list(self.shape)} expands {length} stored bytes to {self.nbytes} "
+                "(stride 0) — refusing to materialize it; re-save it with .contiguous() if it is real",
+                path=base.path,
+            )
         if os.path.getsize(base.path) < base.offset + length:
             raise InputError("file is truncated: tensor bytes end before the data they promise", path=base.path)
+        unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
         flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,))
-        elements = flat.view(unit)
         view = np.lib.stride_tricks.as_strided(
-            elements[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.stride), writeable=False
+            flat.view(unit)[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.stride),
+            writeable=False,
         )
-        return np.ascontiguousarray(view).tobytes()
+        yield from _gather_chunks(view, chunk_size)
+
+
+# how far a strided view may expand its stored bytes before ckptool refuses to materialize it
+MAX_EXPANSION = 16
+MAX_EXPANDED_BYTES = 256 * 1024 * 1024
+
+
+def _gather_chunks(view: Any, chunk_size: int) -> Iterator[bytes]:
+    """C-order bytes of a strided numpy view, a block of leading rows at a time (bounded memory)."""
+    import numpy as np
+
+    if view.ndim == 0 or view.nbytes <= chunk_size:
+        yield np.ascontiguousarray(view).tobytes()
+        return
+    row = view[0].nbytes if view.shape[0] else 0
+    if row == 0:
+        return
+    if row <= chunk_size:
+        step = max(1, chunk_size // row)
+        for start in range(0, view.shape[0], step):
+            yield np.ascontiguousarray(view[start : start + step]).tobytes()
+    else:
+        for index in range(view.shape[0]):
+            yield from _gather_chunks(view[index], chunk_size)
 
 
 @dataclass(frozen=True)

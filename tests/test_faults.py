@@ -123,12 +123,14 @@ def test_kill_9_mid_write_keeps_input_and_previous_output(big_input: Path, tmp_p
     assert sha256(big_input) == before_input
 
 
-def test_ctrl_c_mid_write_cleans_up(big_input: Path, tmp_path: Path, ckptool_process) -> None:
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_mid_write_cleans_up(big_input: Path, tmp_path: Path, ckptool_process, signum: int,
+                                       exit_code: int) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     process = ckptool_process("strip", big_input, "-o", out_dir / "model.pt")
-    interrupt_mid_write(process, out_dir, signal.SIGINT)
-    assert process.returncode == 130, process.returncode
+    interrupt_mid_write(process, out_dir, signum)
+    assert process.returncode == exit_code, process.returncode
     assert list(out_dir.iterdir()) == []
 
 

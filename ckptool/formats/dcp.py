@@ -57,7 +57,7 @@ def _get_layout(name: Any = None) -> str:
 def _mem_format(value: Any = None) -> int:
     # _MEM_FORMAT_ENCODING(n): 0 contiguous, 1 channels_last, 2 preserve
     if type(value) is not int or value not in (0, 1, 2):
-        raise InputError(f"DCP metadata has memory format {str(value)[:40]!r} — the file is corrupt")
+        raise InputError(f"DCP metadata has memory format {pickles.brief(value)} — the file is corrupt")
     return value
 
 
@@ -187,13 +187,13 @@ def _record(obj: Any, cls: str, directory: Path, what: str) -> dict[str, Any]:
 def _ints(value: Any, directory: Path, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or len(value) > _MAX_DIMS \
             or not all(type(v) is int and v >= 0 for v in value):
-        raise _corrupt(f"{what} is {str(value)[:60]}, not a tuple of non-negative integers", directory)
+        raise _corrupt(f"{what} is {pickles.brief(value)}, not a tuple of non-negative integers", directory)
     return tuple(value)
 
 
 def _int(value: Any, directory: Path, what: str) -> int:
     if type(value) is not int or value < 0:
-        raise _corrupt(f"{what} is {str(value)[:40]!r}, not a non-negative integer", directory)
+        raise _corrupt(f"{what} is {pickles.brief(value)}, not a non-negative integer", directory)
     return value
 
 
@@ -475,7 +475,7 @@ def _read_archive(files: _Files, storage: _Storage, resolver: pickles.GlobalReso
 
     def persistent_load(pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise InputError(f"DCP entry {what}: unexpected persistent record {str(pid)[:80]}", path=directory)
+            raise InputError(f"DCP entry {what}: unexpected persistent record {pickles.brief(pid)}", path=directory)
         _, storage_type, key, location, numel = pid
         if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
                 or not isinstance(location, str) or type(numel) is not int or numel < 0:

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 from .. import dtypes, pickles
 from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import ByteRange, DTypeRef, StorageRef, TensorRef
+from ..refs import ByteRange, DTypeRef, StorageRef, TensorRef, contiguous_stride
 from . import torch_zip, zipio
 
 FORMAT = "dcp"
@@ -472,45 +472,13 @@ def _read_archive(files: _Files, storage: _Storage, resolver: pickles.GlobalReso
     where = Path(f"{storage.file}@{storage.offset}")
     data = _pickle_bytes(window, members, top, where)
     storages: dict[str, StorageRef] = {}
-
-    def persistent_load(pid: Any) -> StorageRef:
-        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise InputError(f"DCP entry {what}: unexpected persistent record {pickles.brief(pid)}", path=directory)
-        _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
-                or not isinstance(location, str) or type(numel) is not int or numel < 0:
-            raise InputError(f"DCP entry {what}: malformed storage record", path=directory)
-        if key in storages:
-            return storages[key]
-        member = members.get(f"{top}/data/{key}")
-        if member is None or member.compressed:
-            raise InputError(f"DCP entry {what}: storage {key!r} is missing or compressed — the checkpoint is corrupt",
-                             path=directory)
-        nbytes = numel * storage_type.dtype.itemsize
-        if member.size < nbytes:
-            raise InputError(f"DCP entry {what}: storage {key!r} declares {nbytes} bytes but holds {member.size}",
-                             path=directory)
-        storages[key] = StorageRef(
-            key=key, dtype=storage_type.dtype, numel=numel, location=location,
-            data=ByteRange(storage.file, storage.offset + member.data_offset, nbytes,
-                           member.crc32 if member.size == nbytes else None),
-            type_global=f"{storage_type.module}.{storage_type.name}",
-        )
-        return storages[key]
-
+    persistent_load = torch_zip.storage_loader(directory, members, top, storages, data_file=storage.file,
+                                               base_offset=storage.offset, context=f"DCP entry {what}: ")
     return pickles.loads(data, resolver, persistent_load)
 
 
 # ---------------------------------------------------------------------------------------------
 # tensors
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
 
 
 def _assembler(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> Callable[[], bytes]:
@@ -558,7 +526,7 @@ def _tensor(entry: _TensorEntry, files: _Files, resolver: pickles.GlobalResolver
                              location="cpu", type_global="torch.storage.UntypedStorage",
                              producer=_assembler(entry, parts))
         rebuild = "torch._utils._rebuild_tensor_v3"
-    return TensorRef(storage=storage, dtype=entry.dtype, shape=entry.size, stride=_contiguous_stride(entry.size),
+    return TensorRef(storage=storage, dtype=entry.dtype, shape=entry.size, stride=contiguous_stride(entry.size),
                      rebuild=rebuild)
 
 

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 from .. import dtypes
 from ..errors import InputError, UsageError
-from ..refs import ByteRange, StorageRef, TensorRef
+from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 from .zipio import _copy_range
 
 FORMAT = "safetensors"
@@ -102,7 +102,7 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
         spans.append((begin, end, name))
         storage = StorageRef(key=name, dtype=dtype, numel=math.prod(shape), location="cpu",
                              data=ByteRange(path, data_start + begin, nbytes))
-        tensors[name] = TensorRef(storage=storage, dtype=dtype, shape=tuple(shape), stride=_contiguous_stride(shape))
+        tensors[name] = TensorRef(storage=storage, dtype=dtype, shape=tuple(shape), stride=contiguous_stride(shape))
     # the data section must be tiled exactly: no gaps, no overlaps, nothing trailing
     position = 0
     for begin, end, name in sorted(spans):
@@ -202,14 +202,6 @@ def find_index(directory: Path) -> Path | None:
     if len(singles) == 1:
         return singles[0]
     return None
-
-
-def _contiguous_stride(shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
 
 
 # ---------------------------------------------------------------------------------------------

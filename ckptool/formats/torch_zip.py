@@ -59,44 +59,57 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipC
         raise UnsupportedFormatError("was saved big-endian; ckptool reads little-endian checkpoints only", path=path)
     data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
     storages: dict[str, StorageRef] = {}
+    persistent_load = storage_loader(path, members, top, storages)
+    container = pickles.loads(data, resolver, persistent_load)
+    return ZipContents(container=container, archive_name=top, storages=storages, pickle_bytes=data)
+
+
+def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, storages: dict[str, StorageRef], *,
+                   data_file: Path | None = None, base_offset: int = 0, context: str = "") -> Callable[[Any], StorageRef]:
+    """The unpickler's ``persistent_load`` for a torch archive: each storage record becomes a StorageRef
+    over the bytes of ``<top>/data/<key>``, validated against the archive.
+
+    ``data_file``/``base_offset`` locate an archive embedded in a larger file (DCP's ``.distcp``);
+    ``context`` prefixes error messages (e.g. which DCP entry).
+    """
+    source = data_file or path
 
     def persistent_load(pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise InputError(f"unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path)
+            raise InputError(f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint",
+                             path=path)
         _, storage_type, key, location, numel = pid
         if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
                 or not isinstance(location, str) or type(numel) is not int or numel < 0:
-            raise InputError(f"malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path)
+            raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt",
+                             path=path)
         cached = storages.get(key)
         if cached is not None:
             return cached
         member = members.get(f"{top}/data/{key}")
         if member is None:
-            raise InputError(f"storage {pickles.brief(key)} is missing from the archive — the file is truncated or corrupt", path=path)
+            raise InputError(f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
+                             "truncated or corrupt", path=path)
         if member.compressed:
-            raise InputError(
-                f"storage {pickles.brief(key)} is compressed; PyTorch writes storages uncompressed — re-save with torch.save",
-                path=path,
-            )
+            raise InputError(f"{context}storage {pickles.brief(key)} is compressed; PyTorch writes storages "
+                             "uncompressed — re-save with torch.save", path=path)
         nbytes = numel * storage_type.dtype.itemsize
         if member.size < nbytes:
-            raise InputError(
-                f"storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds {member.size} — the file is corrupt",
-                path=path,
-            )
+            raise InputError(f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
+                             f"{member.size} — the file is corrupt", path=path)
         storage = StorageRef(
             key=key,
             dtype=storage_type.dtype,
             numel=numel,
             location=location,
-            data=ByteRange(path, member.data_offset, nbytes, member.crc32 if member.size == nbytes else None),
+            data=ByteRange(source, base_offset + member.data_offset, nbytes,
+                           member.crc32 if member.size == nbytes else None),
             type_global=f"{storage_type.module}.{storage_type.name}",
         )
         storages[key] = storage
         return storage
 
-    container = pickles.loads(data, resolver, persistent_load)
-    return ZipContents(container=container, archive_name=top, storages=storages, pickle_bytes=data)
+    return persistent_load
 
 
 def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",

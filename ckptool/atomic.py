@@ -38,7 +38,7 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
         if out.exists() and same_file(out, source):
             if not in_place:
                 raise OutputError(
-                    f"is the input file; refusing to overwrite it — write elsewhere with -o, or pass --in-place",
+                    "is the input file; refusing to overwrite it — write elsewhere with -o, or pass --in-place",
                     path=out,
                 )
             return

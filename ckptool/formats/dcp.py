@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 from .. import dtypes, pickles
 from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import ByteRange, DTypeRef, StorageRef, TensorRef, contiguous_stride
+from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride
 from . import torch_zip, zipio
 
 FORMAT = "dcp"

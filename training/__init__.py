@@ -1,14 +1,17 @@
-"""Real training runs that save checkpoints the ways people do (single process, DataParallel, DDP).
+"""Real training runs that save checkpoints the ways people do (single process, DataParallel, DDP, FSDP).
 
 ckptool's tests and fixtures need checkpoints made by real training code, with every circumstance
 that leaks into a checkpoint: ``module.`` prefixes from DataParallel/DDP, training containers with
-optimizer state, checkpoints saved by rank 0 of a multi-process run. Run it with
-``python -m training --help``; the run commands are in ``training/__main__.py``.
+optimizer state, checkpoints saved by rank 0 of a multi-process run, sharded DCP directories
+written by every rank. Run it with ``python -m training --help``; the run commands are in
+``training/__main__.py``.
 
 Modules:
     models: ``lenet``, ``mlp``, ``resnet18`` for 1x28x28 inputs and 10 classes.
     data: a learnable synthetic 10-class dataset (offline, seeded) and MNIST from a local directory.
-    loop: the Trainer (single / dp / ddp), checkpoint saving and resuming.
+    loop: the Trainer (single / dp / ddp / fsdp), what each mode saves, and resuming.
+    checkpoints: the two save formats (one torch.save file, a DCP directory) written atomically, and
+        reading a DCP directory back safely.
 """
 
 from __future__ import annotations

@@ -17,16 +17,39 @@ DDP across 2 nodes (run on each node; R is 0 on the master node, 1 on the other;
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank R --rdzv-backend c10d \\
         --rdzv-endpoint MASTER_HOST:29500 -m training --mode ddp --model lenet --out ddp.pt
 
-Resume a full training checkpoint (runs --epochs more epochs; "epoch" counts completed epochs):
+FSDP2 (``fully_shard``; gloo on CPU, nccl with one GPU per process), saved as a sharded DCP directory:
+
+    torchrun --standalone --nproc-per-node 2 -m training --mode fsdp --model lenet --save-format dcp --out fsdp.dcp
+
+Any mode saves a DCP directory (``.metadata`` + one ``__<rank>_0.distcp`` per rank) with
+``--save-format dcp``; DDP across 2 nodes this way needs --out on a filesystem both nodes see:
+
+    torchrun --standalone --nproc-per-node 2 -m training --mode ddp --model lenet --save-format dcp --out ddp.dcp
+
+Resume a full training checkpoint, a file or a DCP directory (runs --epochs more epochs; "epoch"
+counts completed epochs). DCP reshards, so a directory saved by 2 DDP ranks resumes under FSDP or
+in one process:
 
     python -m training --mode single --model lenet --epochs 1 --resume lenet.pt --out lenet_3.pt
+    python -m training --mode single --model lenet --epochs 1 --resume ddp.dcp --out lenet_from_dcp.pt
 
 The default save is a full training checkpoint that loads with ``torch.load(path, weights_only=True)``:
 ``{"model": state_dict, "optimizer": ..., "epoch": int, "config": {...}, "metrics": {"test_accuracy",
 "train_loss"}}``; ``--weights-only`` saves the bare state_dict. ``--save-style wrapped`` saves the
 DataParallel/DDP wrapper's state_dict (every key starts with ``module.``), ``unwrapped`` (default)
-the inner model's. Data: ``--data synthetic`` (default, generated offline from --seed) or
-``--data mnist --data-dir DIR`` (torchvision's MNIST layout under DIR; nothing is downloaded).
+the inner model's (FSDP has no wrapper: plain keys either way). Under FSDP ``--save-format torch``
+gathers the full state dict onto rank 0 (CPU tensors) and numbers the optimizer state like
+``optimizer.state_dict()``, so the file loads into an unsharded model and Adam.
+
+``--save-format dcp`` writes ``{"model", "optim", "extra": {"epoch", "config", "metrics"}}`` from
+every rank into a temp directory beside --out that rank 0 renames into place once all have
+written; it holds the model's own keys (``get_state_dict``), so it takes no ``--save-style wrapped``.
+An existing --out file (torch) or DCP directory (dcp) is replaced; any other directory is refused.
+Resuming a DCP directory unpickles its ``.metadata`` through an allowlist and its plain values with
+``weights_only=True``.
+
+Data: ``--data synthetic`` (default, generated offline from --seed) or ``--data mnist --data-dir DIR``
+(torchvision's MNIST layout under DIR; nothing is downloaded).
 
 Exit codes: 0 saved; 2 bad arguments, launch environment or missing dataset; 1 any other expected
 failure (e.g. a --resume checkpoint that does not fit). Errors are one line on stderr, nothing is written.
@@ -41,6 +64,7 @@ from typing import NoReturn
 
 from training import TrainingError
 from training.data import DATASETS
+from training.checkpoints import SAVE_FORMATS
 from training.loop import MODES, SAVE_STYLES, RunConfig, run
 from training.models import MODELS
 
@@ -59,25 +83,38 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
     parser = OneLineArgumentParser(
         prog=PROG,
-        description="Train lenet/mlp/resnet18 (single, DataParallel or DDP) and save a checkpoint.",
+        description="Train lenet/mlp/resnet18 (single, DataParallel, DDP or FSDP) and save a checkpoint.",
         epilog="Examples: python -m training --mode single --model lenet --out lenet.pt ; "
-        "torchrun --standalone --nproc-per-node 2 -m training --mode ddp --out ddp.pt",
+        "torchrun --standalone --nproc-per-node 2 -m training --mode ddp --out ddp.pt ; "
+        "torchrun --standalone --nproc-per-node 2 -m training --mode fsdp --save-format dcp --out fsdp.dcp",
     )
-    parser.add_argument("--mode", choices=MODES, default=defaults.mode, help="single process, nn.DataParallel, or DDP under torchrun")
+    parser.add_argument(
+        "--mode", choices=MODES, default=defaults.mode, help="single process, nn.DataParallel, or DDP / FSDP2 under torchrun"
+    )
     parser.add_argument("--model", choices=list(MODELS), default=defaults.model)
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs to run (more after --resume)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seeds the model init, data and shuffling")
-    parser.add_argument("--out", type=Path, required=True, help="checkpoint path (its directory must exist)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="checkpoint file, or directory for --save-format dcp (its parent must exist)"
+    )
     parser.add_argument(
         "--save-style",
         choices=SAVE_STYLES,
         default=defaults.save_style,
         help="wrapped: the DP/DDP wrapper's state_dict ('module.' keys); unwrapped: the inner model's",
     )
+    parser.add_argument(
+        "--save-format",
+        choices=SAVE_FORMATS,
+        default=defaults.save_format,
+        help="torch: one torch.save file from rank 0; dcp: a torch.distributed.checkpoint directory from every rank",
+    )
     parser.add_argument("--weights-only", action="store_true", help="save the bare state_dict, not the training checkpoint")
-    parser.add_argument("--resume", type=Path, default=None, help="continue from a full training checkpoint")
+    parser.add_argument(
+        "--resume", type=Path, default=None, help="continue from a full training checkpoint (a torch file or a DCP directory)"
+    )
     parser.add_argument("--data", choices=DATASETS, default=defaults.data)
     parser.add_argument("--data-dir", type=Path, default=None, help="where MNIST lies (torchvision layout)")
     parser.add_argument("--train-size", type=int, default=None, help="training samples (default 6000 synthetic / all MNIST)")
@@ -97,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         out=args.out,
         save_style=args.save_style,
+        save_format=args.save_format,
         weights_only=args.weights_only,
         resume=args.resume,
         data=args.data,

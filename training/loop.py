@@ -1,12 +1,15 @@
-"""One Trainer for single-process, DataParallel and DistributedDataParallel runs, and how they save.
+"""One Trainer for single-process, DataParallel, DDP and FSDP runs, and how they save and resume.
 
 The shape follows pytorch/examples' ``distributed/ddp-tutorial-series``: the same Trainer runs every
 mode; only the wrapper around the model, the process group and who saves differ. Every mode draws
-batches through a ``DistributedSampler`` (one replica outside DDP) so shuffling depends only on
+batches through a ``DistributedSampler`` (one replica outside DDP/FSDP) so shuffling depends only on
 ``(seed, epoch)`` and a resumed run sees the batches an uninterrupted one would.
 
 Nothing here assumes a single node: devices come from ``LOCAL_RANK``, rank-0 duties (logging,
-evaluating, saving) from ``RANK``.
+evaluating, saving) from ``RANK``. FSDP (``torch.distributed.fsdp.fully_shard``, FSDP2) runs on gloo
+as well as nccl: each rank holds a shard of every parameter and of the Adam moments, so every rank
+takes part in each forward (evaluation included), and a save either goes through DCP (each rank
+writes its shards) or gathers the full state dict onto rank 0 for ``--save-format torch``.
 
 Example:
     >>> result = run(RunConfig(mode="single", model="mlp", epochs=1, out=Path("mlp.pt")))
@@ -33,24 +36,30 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ckptool.atomic import atomic_output
-from ckptool.errors import OutputError
 from training import TrainingError, UsageError
+from training.checkpoints import (
+    CONFIG_KEY,
+    EPOCH_KEY,
+    METRICS_KEY,
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    SAVE_FORMATS,
+    check_dcp_output,
+    save_torch,
+)
 from training.data import DATASETS, load_dataset
 from training.models import MODELS, build_model
 
-MODES = ("single", "dp", "ddp")
+MODES = ("single", "dp", "ddp", "fsdp")
+# Modes that run as torchrun workers in one process group.
+DISTRIBUTED_MODES = ("ddp", "fsdp")
 SAVE_STYLES = ("unwrapped", "wrapped")
 # Prefix nn.DataParallel and DistributedDataParallel put on every key of their own state_dict().
 WRAPPER_PREFIX = "module."
-# Keys of the full training checkpoint (the default save); "model" holds the weights.
-MODEL_KEY = "model"
-OPTIMIZER_KEY = "optimizer"
-EPOCH_KEY = "epoch"
-CONFIG_KEY = "config"
-METRICS_KEY = "metrics"
 # torchrun sets these for every worker; their absence means the script was not launched by torchrun.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+# training.dcp_io (torch.distributed.checkpoint) and torchvision are imported where first needed:
+# each adds about a second to the start of every process, and most runs need neither.
 
 ConfigValue = str | int | float | bool | None
 
@@ -67,8 +76,9 @@ class RunConfig:
     seed: int = 0
     out: Path = Path("checkpoint.pt")
     save_style: str = "unwrapped"
+    save_format: str = "torch"
     weights_only: bool = False
-    resume: Path | None = None
+    resume: Path | None = None  # a --save-format torch file or a DCP directory
     data: str = "synthetic"
     data_dir: Path | None = None
     train_size: int | None = None
@@ -104,16 +114,16 @@ def process_info(mode: str, environ: Mapping[str, str]) -> ProcessInfo:
     """Read the rank layout from torchrun's environment.
 
     Raises:
-        UsageError: ``ddp`` without torchrun's variables, or ``single``/``dp`` launched as several
+        UsageError: ``ddp``/``fsdp`` without torchrun's variables, or ``single``/``dp`` launched as several
             torchrun workers (each would train alone and overwrite the others' output).
     """
     present = [name for name in TORCHRUN_ENV if name in environ]
-    if mode == "ddp":
+    if mode in DISTRIBUTED_MODES:
         missing = [name for name in TORCHRUN_ENV if name not in environ]
         if missing:
             raise UsageError(
-                f"--mode ddp needs the torchrun environment ({', '.join(missing)} not set) — launch with: "
-                "torchrun --standalone --nproc-per-node 2 -m training --mode ddp ..."
+                f"--mode {mode} needs the torchrun environment ({', '.join(missing)} not set) — launch with: "
+                f"torchrun --standalone --nproc-per-node 2 -m training --mode {mode} ..."
             )
     elif not present:
         return ProcessInfo()
@@ -125,9 +135,9 @@ def process_info(mode: str, environ: Mapping[str, str]) -> ProcessInfo:
         )
     except ValueError as e:
         raise UsageError(f"torchrun environment is not numeric ({e}) — launch with torchrun") from e
-    if mode != "ddp" and info.world_size > 1:
+    if mode not in DISTRIBUTED_MODES and info.world_size > 1:
         raise UsageError(
-            f"--mode {mode} launched as {info.world_size} torchrun workers — use --mode ddp, "
+            f"--mode {mode} launched as {info.world_size} torchrun workers — use --mode ddp or fsdp, "
             "or run it with plain python"
         )
     return info
@@ -148,23 +158,29 @@ def seed_everything(seed: int) -> None:
 
 
 def select_device(mode: str, info: ProcessInfo) -> torch.device:
-    """cuda:LOCAL_RANK for a DDP worker, cuda:0 otherwise when CUDA is available, else the CPU."""
+    """cuda:LOCAL_RANK for a DDP/FSDP worker, cuda:0 otherwise when CUDA is available, else the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    index = info.local_rank if mode == "ddp" else 0
+    index = info.local_rank if mode in DISTRIBUTED_MODES else 0
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
-def check_output_writable(out: Path) -> None:
+def check_output_writable(out: Path, save_format: str = "torch") -> None:
     """Fail before training when ``out`` could not be written.
 
     Raises:
-        UsageError: the directory is missing, not a directory, or not writable, or ``out`` is a directory.
+        UsageError: the directory is missing, not a directory, or not writable; or ``out`` is a directory
+            (``torch``), or a file or a directory other than a DCP checkpoint (``dcp``).
     """
     directory = out.parent
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory — give a file path such as {out / 'checkpoint.pt'}")
+    if save_format == "dcp":
+        check_dcp_output(out)
+    elif out.is_dir():
+        raise UsageError(
+            f"--out {out} is a directory — give a file path such as {out / 'checkpoint.pt'}, "
+            "or --save-format dcp to write a DCP directory"
+        )
     if not directory.is_dir():
         raise UsageError(f"--out {out}: directory {directory} does not exist — create it first")
     try:
@@ -178,14 +194,40 @@ def check_output_writable(out: Path) -> None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside a DataParallel/DDP wrapper (the model itself when unwrapped)."""
+    """The user's model inside a DataParallel/DDP wrapper (the model itself when unwrapped).
+
+    ``fully_shard`` wraps nothing: it turns the model itself into an ``FSDPModule`` with the same keys.
+    """
     if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
         return model.module
     return model
 
 
-def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
-    """Wrap the model for the mode: nothing (single), DataParallel (dp), DistributedDataParallel (ddp)."""
+def shard_model(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
+    """Shard ``model`` in place with FSDP2's ``fully_shard`` over all ranks; return it.
+
+    Each direct child that holds parameters (a layer of lenet/mlp, a stage of resnet18) becomes its
+    own FSDP unit, so only one unit's full parameters exist at a time in forward and backward; the
+    root unit takes what is left. Parameters become DTensors sharded on dim 0 across the ranks.
+    Every rank must hold the same initial weights (the run's seed sees to that): unlike DDP,
+    ``fully_shard`` does not broadcast them.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # the mesh's device type picks the collectives: "cpu" runs them on gloo, "cuda" on nccl
+    mesh = init_device_mesh(device.type, (world_size,))
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def wrap_model(model: nn.Module, mode: str, device: torch.device, world_size: int = 1) -> nn.Module:
+    """Wrap the model for the mode: nothing (single), DataParallel (dp), DDP (ddp), or shard it (fsdp)."""
+    if mode == "fsdp":
+        return shard_model(model, device, world_size)
     if mode == "dp":
         # on a CPU-only machine DataParallel has no devices and just calls the module; its
         # state_dict() still carries the "module." prefix, which is the point of this mode here
@@ -204,14 +246,14 @@ def strip_wrapper_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, to
 
 
 def load_training_checkpoint(path: Path) -> dict:
-    """Load a full training checkpoint to resume from (``weights_only=True``, onto the CPU).
+    """Load a full ``--save-format torch`` training checkpoint to resume from (``weights_only=True``, onto the CPU).
 
     Raises:
         UsageError: the file does not exist.
         TrainingError: it cannot be loaded safely, or is not a full training checkpoint.
     """
     if not path.is_file():
-        raise UsageError(f"--resume {path}: no such file — give a checkpoint saved by python -m training")
+        raise UsageError(f"--resume {path}: no such file or DCP directory — give a checkpoint saved by python -m training")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
@@ -238,16 +280,19 @@ def make_loader(dataset: TensorDataset, *, batch_size: int, info: ProcessInfo, s
 
 
 class Trainer:
-    """Trains a (possibly wrapped) model; the same code path for single, dp and ddp.
+    """Trains a (possibly wrapped) model; the same code path for single, dp, ddp and fsdp.
 
     Args:
-        model: the model as trained: plain, ``nn.DataParallel`` or ``DistributedDataParallel``.
+        model: the model as trained: plain, ``nn.DataParallel``, ``DistributedDataParallel`` or sharded
+            by ``fully_shard``.
         optimizer: over the parameters of the unwrapped model.
         train_loader: yields this process's shard; its sampler must be a ``DistributedSampler``.
-        test_loader: the whole test set; only rank 0 evaluates.
+        test_loader: the whole test set; only rank 0 evaluates, unless ``evaluate_on_every_rank``.
         device: where batches go.
         info: this process's rank layout.
         log: called with one line per epoch on rank 0.
+        evaluate_on_every_rank: every rank runs the evaluation (rank 0 still logs): needed under
+            FSDP, whose every forward all-gathers parameters from all ranks.
     """
 
     def __init__(
@@ -260,6 +305,7 @@ class Trainer:
         device: torch.device,
         info: ProcessInfo,
         log: Callable[[str], None] = print,
+        evaluate_on_every_rank: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -268,6 +314,7 @@ class Trainer:
         self.device = device
         self.info = info
         self.log = log
+        self.evaluate_on_every_rank = evaluate_on_every_rank
         self.train_loss = float("nan")
         self.test_accuracy: float | None = None
 
@@ -292,7 +339,7 @@ class Trainer:
             totals[0] += loss.double() * labels.numel()
             totals[1] += labels.numel()
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # for logging only; DDP already synced grads
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # for logging only; DDP/FSDP already synced grads
         return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
@@ -300,7 +347,8 @@ class Trainer:
         """Accuracy of the unwrapped model on the whole test set.
 
         The unwrapped model, because a DDP forward may broadcast buffers, a collective the
-        other ranks (which do not evaluate) would never join.
+        other ranks (which do not evaluate) would never join. An FSDP model cannot be unwrapped:
+        there every rank evaluates the same batches, so their all-gathers pair up.
         """
         model = unwrap(self.model)
         model.eval()
@@ -319,8 +367,9 @@ class Trainer:
         for epoch in range(first_epoch + 1, last_epoch + 1):
             started = time.perf_counter()
             self.train_loss = self._run_epoch(epoch)
-            if self.info.is_main:
+            if self.info.is_main or self.evaluate_on_every_rank:
                 self.test_accuracy = self.evaluate()
+            if self.info.is_main:
                 seconds = time.perf_counter() - started
                 self.log(
                     f"epoch {epoch}/{last_epoch}  train_loss {self.train_loss:.4f}  "
@@ -342,7 +391,8 @@ def model_state_dict(model: nn.Module, save_style: str) -> dict[str, torch.Tenso
 def run_settings(config: RunConfig, info: ProcessInfo, *, train_size: int, test_size: int, resumed_from: int | None) -> dict[str, ConfigValue]:
     """The run's settings as a plain dict (str/int/float/bool/None only, so weights_only loads it).
 
-    Paths are left out: they describe the machine, not the run.
+    Paths are left out: they describe the machine, not the run. So is the save format: a file or a
+    DCP directory says it by itself.
     """
     return {
         "mode": config.mode,
@@ -360,19 +410,6 @@ def run_settings(config: RunConfig, info: ProcessInfo, *, train_size: int, test_
     }
 
 
-def save_atomically(obj: object, out: Path) -> None:
-    """``torch.save`` to a temp file beside ``out``, fsync, rename into place.
-
-    Raises:
-        TrainingError: the file could not be written (nothing is left behind).
-    """
-    try:
-        with atomic_output(out) as (handle, _temp_path):
-            torch.save(obj, handle)
-    except OutputError as e:
-        raise TrainingError(f"--out {out}: {e.message}") from e
-
-
 def validate(config: RunConfig) -> None:
     """Check the arguments that need no data, model or process group.
 
@@ -387,6 +424,13 @@ def validate(config: RunConfig) -> None:
         raise UsageError(f"unknown dataset {config.data!r} — choose one of: {', '.join(DATASETS)}")
     if config.save_style not in SAVE_STYLES:
         raise UsageError(f"unknown save style {config.save_style!r} — choose one of: {', '.join(SAVE_STYLES)}")
+    if config.save_format not in SAVE_FORMATS:
+        raise UsageError(f"unknown save format {config.save_format!r} — choose one of: {', '.join(SAVE_FORMATS)}")
+    if config.save_format == "dcp" and config.save_style == "wrapped":
+        # get_state_dict names parameters as the model does, whatever wraps it: no "module." to keep
+        raise UsageError(
+            "--save-style wrapped needs --save-format torch — a DCP checkpoint always holds the model's own keys"
+        )
     for name in ("epochs", "batch_size", "train_size", "test_size"):
         value = getattr(config, name)
         if value is not None and value <= 0:
@@ -395,13 +439,149 @@ def validate(config: RunConfig) -> None:
         raise UsageError(f"--lr must be positive, got {config.lr}")
 
 
+@dataclass(frozen=True)
+class ResumeSource:
+    """A checked ``--resume``: a torch file loaded onto the CPU, or a DCP directory read when the model exists."""
+
+    path: Path
+    checkpoint: dict | None  # the loaded --save-format torch checkpoint; None for a DCP directory
+
+    @property
+    def is_dcp(self) -> bool:
+        """The checkpoint is a DCP directory, loaded in place once the model is built (and sharded)."""
+        return self.checkpoint is None
+
+
+def open_resume(path: Path, model_name: str) -> ResumeSource:
+    """Check ``--resume`` before any training: load a torch file, or read a DCP directory's metadata.
+
+    A DCP directory is checked against a fresh ``model_name`` now, so a wrong ``--model`` fails before
+    the data is loaded rather than after the process group is up.
+
+    Raises:
+        UsageError: nothing at ``path``, or a directory that is not a DCP checkpoint.
+        TrainingError: not a full training checkpoint, not loadable safely, or (DCP) not for ``model_name``.
+    """
+    if path.is_dir():
+        from training.dcp_io import check_dcp_training_checkpoint
+
+        check_dcp_training_checkpoint(path, build_model(model_name).state_dict(), model_name=model_name)
+        return ResumeSource(path, None)
+    return ResumeSource(path, load_training_checkpoint(path))
+
+
+def load_torch_weights(model: nn.Module, checkpoint: dict, *, path: Path, model_name: str) -> None:
+    """Load a torch checkpoint's weights into the unwrapped, unsharded model.
+
+    Raises:
+        TrainingError: they do not fit the model (another --model).
+    """
+    try:
+        model.load_state_dict(strip_wrapper_prefix(checkpoint[MODEL_KEY]))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise _does_not_fit(path, model_name, e) from e
+
+
+def load_torch_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: dict, *, path: Path, model_name: str, sharded: bool) -> None:
+    """Load a torch checkpoint's ``optimizer.state_dict()`` into ``optimizer``.
+
+    Under FSDP the saved state is whole while the optimizer holds shards: it is keyed by parameter
+    name and handed to ``set_optimizer_state_dict``, which keeps each rank's shard of it.
+
+    Raises:
+        TrainingError: the state does not fit the optimizer (another --model).
+    """
+    try:
+        if sharded:
+            from training.dcp_io import load_full_optimizer_state
+
+            load_full_optimizer_state(model, optimizer, checkpoint[OPTIMIZER_KEY])
+        else:
+            optimizer.load_state_dict(checkpoint[OPTIMIZER_KEY])
+    except (RuntimeError, ValueError, KeyError, IndexError) as e:
+        raise _does_not_fit(path, model_name, e) from e
+
+
+def _does_not_fit(path: Path, model_name: str, error: Exception) -> TrainingError:
+    # torch's first line is a header ("Error(s) in loading state_dict for X:"); the cause follows
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    cause = lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
+    cause = cause if len(cause) <= 160 else cause[:157] + "..."
+    return TrainingError(
+        f"--resume {path}: does not fit --model {model_name} ({cause}) — pass the --model the checkpoint was trained with"
+    )
+
+
+def save_checkpoint(
+    wrapped: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: RunConfig,
+    info: ProcessInfo,
+    *,
+    extra: dict[str, object],
+) -> None:
+    """Save as ``--save-format`` says; every rank of a DDP/FSDP run must call this.
+
+    ``torch``: rank 0 writes one file (under FSDP after all ranks gather the shards onto it); DP/DDP
+    keep the wrapped/unwrapped choice. ``dcp``: every rank writes its part of one directory.
+
+    Args:
+        wrapped: the model as trained.
+        optimizer: its optimizer.
+        config: the run's settings (format, style, weights-only, out).
+        info: this process's rank layout.
+        extra: ``{"epoch", "config", "metrics"}``, rank 0's values.
+
+    Raises:
+        TrainingError: the save failed.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    model = unwrap(wrapped)
+    if config.mode == "fsdp":
+        # FSDP shards parameters only: each rank's BatchNorm running stats followed its own batches.
+        # Rank 0's (the ones it evaluated with, and what DDP would keep) go into either format.
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    if config.save_format == "dcp":
+        from training.dcp_io import dcp_state_dict, save_dcp
+
+        if distributed:
+            # DCP keeps one copy of a value every rank holds; rank 0 alone measured the accuracy under DDP
+            holder = [extra]
+            dist.broadcast_object_list(holder, src=0)
+            extra = holder[0]
+        state_dict = dcp_state_dict(model, optimizer, extra, weights_only=config.weights_only)
+        save_dcp(state_dict, config.out, is_main=info.is_main, distributed=distributed)
+        return
+
+    if config.mode == "fsdp":
+        from training.dcp_io import gather_full_state
+
+        # a collective: every rank sends its shards, rank 0 receives whole CPU tensors
+        model_state, optimizer_state = gather_full_state(model, optimizer, weights_only=config.weights_only)
+        if not info.is_main:
+            return
+    else:
+        if not info.is_main:
+            return
+        model_state = model_state_dict(wrapped, config.save_style)
+        optimizer_state = optimizer.state_dict()
+    saved: object = model_state if config.weights_only else {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state, **extra}
+    save_torch(saved, config.out)
+
+
+def save_atomically(obj: object, out: Path) -> None:
+    """``torch.save`` to a temp file beside ``out``, fsync, rename into place (see :func:`training.checkpoints.save_torch`)."""
+    save_torch(obj, out)
+
+
 def run(
     config: RunConfig,
     *,
     environ: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
 ) -> RunResult:
-    """Train as configured and save the checkpoint (rank 0 only).
+    """Train as configured and save the checkpoint (rank 0, or every rank for DCP).
 
     Args:
         config: the run's settings.
@@ -420,35 +600,35 @@ def run(
     validate(config)
     info = process_info(config.mode, os.environ if environ is None else environ)
     if info.is_main:
-        check_output_writable(config.out)
-    resume_from = load_training_checkpoint(config.resume) if config.resume is not None else None
+        check_output_writable(config.out, config.save_format)
+    resume = open_resume(config.resume, config.model) if config.resume is not None else None
     train_set = load_dataset(config.data, data_dir=config.data_dir, train=True, seed=config.seed, size=config.train_size)
     test_set = load_dataset(config.data, data_dir=config.data_dir, train=False, seed=config.seed, size=config.test_size)
 
     seed_everything(config.seed)
     device = select_device(config.mode, info)
-    if config.mode == "ddp":
+    distributed = config.mode in DISTRIBUTED_MODES
+    if distributed:
         # env:// rendezvous from torchrun; gloo runs anywhere, nccl needs a GPU per process
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     try:
         model = build_model(config.model).to(device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+        if resume is not None and not resume.is_dcp:
+            # before wrapping: DDP broadcasts these weights, fully_shard shards them
+            load_torch_weights(model, resume.checkpoint, path=resume.path, model_name=config.model)
+        wrapped = wrap_model(model, config.mode, device, info.world_size)
+        # after wrapping: under FSDP the optimizer must hold the sharded parameters
+        optimizer = torch.optim.Adam(unwrap(wrapped).parameters(), lr=config.lr)
         first_epoch = 0
-        if resume_from is not None:
-            try:
-                model.load_state_dict(strip_wrapper_prefix(resume_from[MODEL_KEY]))
-                optimizer.load_state_dict(resume_from[OPTIMIZER_KEY])
-            except (RuntimeError, ValueError, KeyError) as e:
-                # torch's first line is a header ("Error(s) in loading state_dict for X:"); the cause follows
-                lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-                cause = lines[1] if len(lines) > 1 else lines[0] if lines else type(e).__name__
-                cause = cause if len(cause) <= 160 else cause[:157] + "..."
-                raise TrainingError(
-                    f"--resume {config.resume}: does not fit --model {config.model} ({cause}) — "
-                    "pass the --model the checkpoint was trained with"
-                ) from e
-            first_epoch = int(resume_from[EPOCH_KEY])
-        wrapped = wrap_model(model, config.mode, device)
+        if resume is not None and resume.is_dcp:
+            from training.dcp_io import load_dcp
+
+            first_epoch = load_dcp(resume.path, unwrap(wrapped), optimizer, model_name=config.model, distributed=distributed)
+        elif resume is not None:
+            load_torch_optimizer(
+                unwrap(wrapped), optimizer, resume.checkpoint, path=resume.path, model_name=config.model, sharded=config.mode == "fsdp"
+            )
+            first_epoch = int(resume.checkpoint[EPOCH_KEY])
         trainer = Trainer(
             wrapped,
             optimizer,
@@ -457,33 +637,36 @@ def run(
             device=device,
             info=info,
             log=log,
+            evaluate_on_every_rank=config.mode == "fsdp",
         )
         last_epoch = trainer.train(first_epoch=first_epoch, epochs=config.epochs)
 
+        extra = {
+            EPOCH_KEY: last_epoch,
+            CONFIG_KEY: run_settings(
+                config,
+                info,
+                train_size=len(train_set),
+                test_size=len(test_set),
+                resumed_from=first_epoch if resume is not None else None,
+            ),
+            METRICS_KEY: {
+                "test_accuracy": None if trainer.test_accuracy is None else float(trainer.test_accuracy),
+                "train_loss": trainer.train_loss,
+            },
+        }
+        save_checkpoint(wrapped, optimizer, config, info, extra=extra)
+        if distributed:
+            # gloo's barrier waits for this rank's outstanding collectives too (the FSDP gather sends
+            # shards that rank 1 never reads back): tearing the group down under one aborts the process
+            dist.barrier()
         if not info.is_main:
             return RunResult(None, last_epoch, None, trainer.train_loss, time.perf_counter() - started)
-        state_dict = model_state_dict(wrapped, config.save_style)
-        if config.weights_only:
-            saved: object = state_dict
-        else:
-            saved = {
-                MODEL_KEY: state_dict,
-                OPTIMIZER_KEY: optimizer.state_dict(),
-                EPOCH_KEY: last_epoch,
-                CONFIG_KEY: run_settings(
-                    config,
-                    info,
-                    train_size=len(train_set),
-                    test_size=len(test_set),
-                    resumed_from=first_epoch if resume_from is not None else None,
-                ),
-                METRICS_KEY: {"test_accuracy": float(trainer.test_accuracy), "train_loss": trainer.train_loss},
-            }
-        save_atomically(saved, config.out)
         seconds = time.perf_counter() - started
         what = "weights" if config.weights_only else "training checkpoint"
+        style = "DCP" if config.save_format == "dcp" else config.save_style
         log(
-            f"final test_accuracy {trainer.test_accuracy:.4f} — saved {config.save_style} {what} "
+            f"final test_accuracy {trainer.test_accuracy:.4f} — saved {style} {what} "
             f"(epoch {last_epoch}) to {config.out} in {seconds:.1f}s"
         )
         return RunResult(config.out, last_epoch, trainer.test_accuracy, trainer.train_loss, seconds)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torchvision
 from torch import nn
 
 from training import UsageError
@@ -80,6 +79,8 @@ def resnet18() -> nn.Module:
     1-channel 3x3 stride-1 conv and ``maxpool`` an ``Identity``, so the blocks see 28x28 -> 4x4.
     Every other key is torchvision's, so checkpoints keep torchvision's key names.
     """
+    import torchvision  # here, not at the top: it adds about a second to every lenet/mlp process's start
+
     model = torchvision.models.resnet18(num_classes=NUM_CLASSES)
     model.conv1 = nn.Conv2d(INPUT_SHAPE[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()

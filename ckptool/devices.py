@@ -7,7 +7,9 @@ error. Rewriting tags is string work — it needs no GPU.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 
 from .errors import UsageError
@@ -50,8 +52,18 @@ def location_mapper(to: str | None = None, mapping: Iterable[str] = ()) -> Calla
     return remap
 
 
+def _accelerator_possible() -> bool:
+    """Cheap check before importing torch (~1.5 s): is there any GPU driver on this machine at all?"""
+    if sys.platform == "darwin":  # MPS
+        return True
+    markers = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    return any(os.path.exists(marker) for marker in markers)
+
+
 def available_devices() -> list[str]:
     """CPU plus every visible CUDA device (and MPS). Tests substitute this function."""
+    if not _accelerator_possible():
+        return ["cpu"]
     import torch
 
     devices = ["cpu"]

@@ -383,3 +383,25 @@ def test_model_options_need_a_model(lenet_pt: Path) -> None:
     result = invoke("verify", lenet_pt, "--input-shape", "1,1,28,28", "--devices", "cpu")
     assert result.exit_code == 2
     assert result.stderr == "ckptool: error: --input-shape needs --model SPEC\n"
+
+
+def test_weights_only_cpu_verify_streams_without_torch(tmp_path: Path) -> None:
+    """The pipeline check (verify --against, CPU) reads bytes and never imports torch."""
+    import subprocess
+    import sys
+
+    import torch
+
+    state = {"w": torch.tensor([1.0, float("nan"), float("inf")]), "b": torch.tensor([float("-inf")]).bfloat16(),
+             "h": torch.tensor([float("nan"), 2.0]).half(), "i": torch.arange(3)}
+    torch.save(state, tmp_path / "a.pt")
+    torch.save(state, tmp_path / "b.pt")
+    code = (
+        "import sys, ckptool\n"
+        "r = ckptool.verify(sys.argv[1], devices='cpu', against=sys.argv[2])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(r.ok, sorted((k, v['nan'], v['inf']) for k, v in r.devices[0].nonfinite.items()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.pt"), str(tmp_path / "b.pt")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True [('b', 0, 1), ('h', 1, 0), ('w', 1, 1)]"

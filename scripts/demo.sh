@@ -21,8 +21,8 @@ step "3. verify against the bare model: fails, and names the fix (exit 1 expecte
 step "4. strip the DDP prefix (optimizer, epoch, config and metrics kept)"
 "$BIN/ckptool" strip "$OUT/ddp.pt" -o "$OUT/model.pt"
 
-step "5. convert to safetensors (no pickle; re-read and fingerprint-checked)"
-"$BIN/ckptool" convert "$OUT/model.pt" -o "$OUT/model.safetensors"
+step "5. convert to safetensors (no pickle; re-read and checked; sha256 fingerprint of the weights)"
+"$BIN/ckptool" convert "$OUT/model.pt" -o "$OUT/model.safetensors" --fingerprint
 
 step "6. verify: loads strictly, evaluates identically on every device, matches its source"
 "$BIN/ckptool" verify "$OUT/model.safetensors" --model training:lenet --against "$OUT/model.pt"

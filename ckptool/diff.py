@@ -110,10 +110,13 @@ def json_float(value: float | None) -> float | str | None:
 
 
 def element_chunks(tensor: TensorRef, elements: int) -> Iterator[bytes]:
-    """The tensor's C-order bytes in pieces of ``elements`` elements (the last may be shorter)."""
+    """The tensor's C-order bytes in pieces of ``elements`` elements (the last may be shorter).
+
+    A piece may be a reused buffer: compare or decode it before asking for the next.
+    """
     size = elements * tensor.dtype.itemsize
     pending = b""
-    for chunk in tensor.iter_bytes(chunk_size=size):
+    for chunk in tensor.iter_reused(chunk_size=size):
         if not pending and len(chunk) == size:  # the usual case: contiguous bytes come in exactly this size
             yield chunk
             continue

@@ -30,6 +30,6 @@ def fingerprint(tensors: Mapping[str, TensorRef]) -> str:
         digest.update(len(header).to_bytes(8, "little"))
         digest.update(header)
         digest.update(tensor.nbytes.to_bytes(8, "little"))
-        for chunk in tensor.iter_bytes():
+        for chunk in tensor.iter_reused():
             digest.update(chunk)
     return PREFIX + digest.hexdigest()

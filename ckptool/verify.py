@@ -563,7 +563,7 @@ def _nonfinite_on_cpu(tensor: TensorRef) -> dict[str, int] | None:
     if name not in ("F64", "F32", "F16", "BF16"):
         return None
     nan = inf = 0
-    for chunk in tensor.iter_bytes():
+    for chunk in tensor.iter_reused():
         if name == "BF16":  # no numpy bf16: an all-ones exponent is NaN (mantissa set) or Inf
             bits = np.frombuffer(chunk, dtype=np.uint16)
             special = (bits & 0x7F80) == 0x7F80
@@ -588,7 +588,7 @@ def _check_cpu_weights(tensors: Mapping[str, TensorRef]) -> DeviceResult:
         if counts:
             result.nonfinite[name] = counts
         elif counts is None:
-            for _ in tensor.iter_bytes():  # other dtypes: still prove the bytes are there
+            for _ in tensor.iter_reused():  # other dtypes: still prove the bytes are there
                 pass
     return result
 

@@ -179,7 +179,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
                 crc = known.get((str(span.path), span.offset, span.length))
         if crc is None:
             crc = 0
-            for chunk in tensor.iter_bytes():
+            for chunk in tensor.iter_reused():
                 crc = zlib.crc32(chunk, crc)
         by_storage[identity] = crc
         checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc)

@@ -179,21 +179,29 @@ def test_fingerprint_recorded_in_safetensors_metadata_only_when_asked(fixtures_d
         assert handle.metadata()["ckptool.fingerprint"] == hashed.fingerprint == ckptool.fingerprint(source.tensors)
 
 
-def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: Path, tmp_path: Path, suffix: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Corrupt one byte between copy and check: the content check must refuse and delete the output."""
-    from ckptool import writer
+    """A copy that lands one wrong byte (a writer bug, a bad disk): the re-read check refuses and deletes it."""
+    import os as os_
+
     from ckptool.errors import FingerprintMismatchError
+    from ckptool.formats import safetensors as safetensors_format
+    from ckptool.formats import zipio
 
-    real_verify = writer._verify
+    real_copy = zipio._copy_range
+    calls = {"n": 0}
 
-    def corrupting_verify(written, *args, **kwargs):
-        data = bytearray(written.read_bytes())
-        data[-200] ^= 0xFF  # inside the last storage of the zip, before the central directory
-        written.write_bytes(bytes(data))
-        return real_verify(written, *args, **kwargs)
+    def corrupting_copy(source, offset, size, out, out_offset):
+        real_copy(source, offset, size, out, out_offset)
+        calls["n"] += 1
+        if calls["n"] == 2 and size:  # the second tensor's first byte
+            byte = os_.pread(out.fileno(), 1, out_offset)
+            os_.pwrite(out.fileno(), bytes([byte[0] ^ 0xFF]), out_offset)
 
-    monkeypatch.setattr(writer, "_verify", corrupting_verify)
+    monkeypatch.setattr(zipio, "_copy_range", corrupting_copy)
+    monkeypatch.setattr(safetensors_format, "_copy_range", corrupting_copy)
     with pytest.raises(FingerprintMismatchError, match="reads back different"):
-        save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / "out.safetensors")
+        save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / f"out{suffix}")
+    assert calls["n"] >= 2
     assert not list(tmp_path.iterdir())

@@ -13,38 +13,60 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .checkpoint import Checkpoint
-from .diff import DiffReport, diff
-from .errors import CkptError, InputError, OutputError, UnsafeCheckpointError, UnsupportedFormatError
-from .fingerprint import fingerprint
-from .materialize import LoadMismatchError, LoadReport, load_into
-from .reader import load
-from .safety import ScanReport, scan
-from .summary import Summary, inspect
-from .verify import VerifyReport, verify
-from .writer import SaveReport, save
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Checkpoint",
-    "DiffReport",
-    "CkptError",
-    "InputError",
-    "LoadMismatchError",
-    "LoadReport",
-    "OutputError",
-    "UnsafeCheckpointError",
-    "UnsupportedFormatError",
-    "__version__",
-    "diff",
-    "fingerprint",
-    "inspect",
-    "load",
-    "load_into",
-    "scan",
-    "ScanReport",
-    "Summary",
-    "save",
-    "SaveReport",
-    "verify",
-    "VerifyReport",
-]
+# public name -> the module that defines it; imported on first use, so `ckptool inspect` pays
+# only for what it runs (start-up is part of every command's time)
+_EXPORTS = {
+    "Checkpoint": "checkpoint",
+    "CkptError": "errors",
+    "InputError": "errors",
+    "OutputError": "errors",
+    "UnsafeCheckpointError": "errors",
+    "UnsupportedFormatError": "errors",
+    "DiffReport": "comparison",
+    "diff": "comparison",
+    "fingerprint": "digest",
+    "LoadMismatchError": "materialize",
+    "LoadReport": "materialize",
+    "load_into": "materialize",
+    "load": "reader",
+    "ScanReport": "safety",
+    "scan": "safety",
+    "Summary": "summary",
+    "inspect": "summary",
+    "VerifyReport": "verification",
+    "verify": "verification",
+    "SaveReport": "writer",
+    "save": "writer",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'ckptool' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from .checkpoint import Checkpoint
+    from .comparison import DiffReport, diff
+    from .errors import CkptError, InputError, OutputError, UnsafeCheckpointError, UnsupportedFormatError
+    from .digest import fingerprint
+    from .materialize import LoadMismatchError, LoadReport, load_into
+    from .reader import load
+    from .safety import ScanReport, scan
+    from .summary import Summary, inspect
+    from .verification import VerifyReport, verify
+    from .writer import SaveReport, save

@@ -560,7 +560,7 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 
     Example: ckptool verify model.pt --model training:lenet
     """
-    from .verify import verify as verify_
+    from .verification import verify as verify_
 
     report = verify_(ckpt, model_spec=model_spec, model_args=model_args, devices=devices, against=against,
                      input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals)
@@ -627,7 +627,7 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
 
     Example: ckptool diff model.pt model.safetensors
     """
-    from .diff import diff as diff_
+    from .comparison import diff as diff_
 
     report = diff_(a, b, atol=atol, allow_globals=allow_globals)
     if as_json:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .fingerprint import fingerprint
+from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
 from .refs import DeviceRef, SizeRef, TensorRef

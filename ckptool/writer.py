@@ -30,7 +30,7 @@ from . import dtypes
 from .atomic import atomic_directory, atomic_output, check_output
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, UsageError
-from .fingerprint import PREFIX, fingerprint
+from .digest import PREFIX, fingerprint
 from .formats import safetensors, torch_zip
 from .refs import StorageRef, TensorRef
 from .tree import map_tensors

@@ -17,8 +17,8 @@ from ckptool.cli import main
 from ckptool.dtypes import by_name
 from training.models import LeNet
 
-# `ckptool.diff` is the function (re-exported in ckptool/__init__); the module is this one
-diff_module = importlib.import_module("ckptool.diff")
+# the module behind `ckptool.diff` (the function)
+diff_module = importlib.import_module("ckptool.comparison")
 diff = diff_module.diff
 
 

@@ -1,4 +1,4 @@
-"""verify.py and `ckptool verify`: strict load with diagnosis, per-device evaluation, --against, model SPECs."""
+"""verification.py and `ckptool verify`: strict load with diagnosis, per-device evaluation, --against, model SPECs."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ckptool.errors import UsageError
 from ckptool.models import parse_input_shape, parse_model_spec
 from training.models import LeNet, build_model
 
-# `ckptool.verify` is the function (re-exported in ckptool/__init__); the module is this one
-verify_module = importlib.import_module("ckptool.verify")
+# the module behind `ckptool.verify` (the function)
+verify_module = importlib.import_module("ckptool.verification")
 devices_module = importlib.import_module("ckptool.devices")
 
 FAKE_DEVICES = ["cpu", "cuda:0", "cuda:1"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import devices as devices_
 from .checkpoint import Checkpoint
-from .diff import DiffReport, diff, json_float
+from .comparison import DiffReport, diff, json_float
 from .errors import UsageError
 from .materialize import LoadMismatchError, load_into, to_state_dict
 from .models import ModelSpec, parse_model_spec

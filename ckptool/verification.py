@@ -567,11 +567,15 @@ def _nonfinite_on_cpu(tensor: TensorRef) -> dict[str, int] | None:
         if name == "BF16":  # no numpy bf16: an all-ones exponent is NaN (mantissa set) or Inf
             bits = np.frombuffer(chunk, dtype=np.uint16)
             special = (bits & 0x7F80) == 0x7F80
+            if not special.any():  # the usual case: one cheap pass
+                continue
             mantissa = (bits & 0x007F) != 0
             nan += int(np.count_nonzero(special & mantissa))
             inf += int(np.count_nonzero(special & ~mantissa))
         else:
             values = np.frombuffer(chunk, dtype={"F64": np.float64, "F32": np.float32, "F16": np.float16}[name])
+            if np.isfinite(values).all():  # the usual case: one cheap pass
+                continue
             nan += int(np.count_nonzero(np.isnan(values)))
             inf += int(np.count_nonzero(np.isinf(values)))
     return {"nan": nan, "inf": inf} if nan or inf else None

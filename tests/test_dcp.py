@@ -90,6 +90,8 @@ WORKER = textwrap.dedent('''
     dcp.save({"model": sharded}, checkpoint_id=out / "sharded")
     if rank == 0:
         torch.save(full, out / "sharded_ref.pt")
+    # leave together: a rank tearing gloo down while the other still works aborts the process
+    dist.barrier()
     dist.destroy_process_group()
 ''')
 
@@ -103,10 +105,20 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               str(out)]
+    for _ in range(3):
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        # gloo sometimes aborts a rank at interpreter exit under load ("terminate called without an
+        # active exception", SIGABRT) after all the work is done; that is torch's teardown, not the
+        # checkpoint under test, so the run is repeated from scratch
+        if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
+            break
+        for child in out.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child)
+            elif child.name != "worker.py":
+                child.unlink()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 

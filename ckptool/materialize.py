@@ -78,7 +78,8 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
     import torch
 
     if storage.producer is not None:  # computed bytes: a cast, or DCP chunks assembled
-        raw = bytearray(storage.producer())
+        produced = storage.producer()
+        raw = produced if isinstance(produced, bytearray) else bytearray(produced)
         return torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if raw else torch.UntypedStorage(0)
     span = storage.byte_range()
     if span.length == 0:

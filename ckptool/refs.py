@@ -117,7 +117,9 @@ class StorageRef:
     location: str
     data: ByteRange | None = None
     type_global: str = ""
-    producer: Callable[[], bytes] | None = None  # bytes computed on demand (a dtype cast), else None
+    producer: Callable[[], bytes | bytearray] | None = None  # bytes computed on demand (a cast, DCP chunks)
+    # bytes that lie in several places, end to end (DCP row shards): streamed piece by piece, no assembly
+    pieces: tuple[ByteRange, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -200,9 +202,15 @@ class TensorRef:
         """The tensor's bytes in C order, streamed (a non-contiguous tensor is gathered once)."""
         if self.numel == 0:
             return
+        if self.storage.pieces is not None and self.offset == 0 and self.nbytes == self.storage.nbytes:
+            for piece in self.storage.pieces:
+                yield from piece.iter_chunks(chunk_size=chunk_size)
+            return
         if self.storage.producer is not None:
+            data = self.storage.producer()
             start = self.offset * self.dtype.itemsize
-            yield self.storage.producer()[start : start + self.nbytes]
+            # the usual case (a cast, an assembled DCP tensor) is the whole storage: no slicing copy
+            yield data if start == 0 and len(data) == self.nbytes else bytes(data[start : start + self.nbytes])
             return
         span = self.contiguous_byte_range()
         if span is not None:
@@ -213,11 +221,23 @@ class TensorRef:
     def iter_reused(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes | bytearray]:
         """:meth:`iter_bytes` for consumers that use each chunk at once: contiguous bytes come in one
         reused buffer (valid until the next chunk), sparing an allocation per chunk."""
+        pieces = self.whole_pieces()
+        if pieces is not None:
+            for piece in pieces:
+                yield from piece.iter_reused(chunk_size=chunk_size)
+            return
         span = self.contiguous_byte_range() if self.numel else None
         if span is None:
             yield from self.iter_bytes(chunk_size)
         else:
             yield from span.iter_reused(chunk_size=chunk_size)
+
+    def whole_pieces(self) -> tuple[ByteRange, ...] | None:
+        """The byte ranges that make up this tensor end to end, when its storage is so described."""
+        storage = self.storage
+        if storage.pieces is None or self.offset != 0 or self.nbytes != storage.nbytes or not self.is_contiguous():
+            return None
+        return storage.pieces
 
     def read_bytes(self) -> bytes:
         """All of the tensor's bytes in C order."""

@@ -481,24 +481,55 @@ def _read_archive(files: _Files, storage: _Storage, resolver: pickles.GlobalReso
 # tensors
 
 
-def _assembler(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> Callable[[], bytes]:
+def _assembler(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> Callable[[], bytearray]:
     """Bytes of a tensor saved in chunks, put together by offset (numpy; one tensor in memory)."""
     itemsize = entry.dtype.itemsize
 
-    def assemble() -> bytes:
+    def assemble() -> bytearray:
         import numpy as np
 
         buffer = bytearray(math.prod(entry.size) * itemsize)
+        row = math.prod(entry.size[1:]) * itemsize if entry.size else itemsize
         whole = np.frombuffer(buffer, dtype=np.uint8).reshape(*entry.size, itemsize)
+        view = memoryview(buffer)
         for chunk, tensor in parts:
             if not tensor.numel:
                 continue
+            span = tensor.contiguous_byte_range()
+            if span is not None and tuple(chunk.sizes[1:]) == tuple(entry.size[1:]):
+                # a block of whole rows (Shard(0), FSDP's flat shards): read it straight into place
+                start = chunk.offsets[0] * row if entry.size else 0
+                position = start
+                for piece in span.iter_reused():
+                    view[position : position + len(piece)] = piece
+                    position += len(piece)
+                continue
             block = np.frombuffer(tensor.read_bytes(), dtype=np.uint8).reshape(*chunk.sizes, itemsize)
             whole[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = block
-        del whole
-        return bytes(buffer)
+        del whole, view
+        return buffer
 
     return assemble
+
+
+def _row_pieces(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> tuple | None:
+    """The chunks' byte ranges in order when they are blocks of whole rows tiling the tensor
+    (Shard(0), FSDP's flat shards): then the tensor's bytes are those ranges end to end and
+    writers copy them into place without assembling the tensor in memory."""
+    if not entry.size:
+        return None
+    ordered = sorted(parts, key=lambda part: part[0].offsets[0])
+    row = 0
+    pieces = []
+    for chunk, tensor in ordered:
+        if tuple(chunk.sizes[1:]) != tuple(entry.size[1:]) or any(chunk.offsets[1:]) or chunk.offsets[0] != row:
+            return None
+        span = tensor.contiguous_byte_range()
+        if span is None:
+            return None
+        pieces.append(span)
+        row += chunk.sizes[0]
+    return tuple(pieces) if row == entry.size[0] else None
 
 
 def _tensor(entry: _TensorEntry, files: _Files, resolver: pickles.GlobalResolver, directory: Path) -> TensorRef:
@@ -517,14 +548,16 @@ def _tensor(entry: _TensorEntry, files: _Files, resolver: pickles.GlobalResolver
     if len(parts) == 1 and parts[0][0].sizes == entry.size:
         return parts[0][1]  # one chunk covering the tensor: its bytes are copied raw
     numel = math.prod(entry.size)
+    pieces = _row_pieces(entry, parts)
     if entry.dtype.storage_class:
         storage = StorageRef(key=entry.fqn, dtype=entry.dtype, numel=numel, location="cpu",
-                             type_global=f"torch.{entry.dtype.storage_class}", producer=_assembler(entry, parts))
+                             type_global=f"torch.{entry.dtype.storage_class}", producer=_assembler(entry, parts),
+                             pieces=pieces)
         rebuild = "torch._utils._rebuild_tensor_v2"
     else:
         storage = StorageRef(key=entry.fqn, dtype=dtypes.BY_NAME["U8"], numel=numel * entry.dtype.itemsize,
                              location="cpu", type_global="torch.storage.UntypedStorage",
-                             producer=_assembler(entry, parts))
+                             producer=_assembler(entry, parts), pieces=pieces)
         rebuild = "torch._utils._rebuild_tensor_v3"
     return TensorRef(storage=storage, dtype=entry.dtype, shape=entry.size, stride=contiguous_stride(entry.size),
                      rebuild=rebuild)

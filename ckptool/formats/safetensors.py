@@ -259,9 +259,17 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
     for name in order:
         tensor = tensors[name]
         span = tensor.contiguous_byte_range()
+        pieces = tensor.whole_pieces()
         if span is not None and span.length:
             _copy_range(span.path, span.offset, span.length, handle, out_offset)
             handle.seek(out_offset + span.length)
+        elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
+            position = out_offset
+            for piece in pieces:
+                if piece.length:
+                    _copy_range(piece.path, piece.offset, piece.length, handle, position)
+                position += piece.length
+            handle.seek(position)
         elif tensor.nbytes:
             handle.seek(out_offset)
             for chunk in tensor.iter_bytes():

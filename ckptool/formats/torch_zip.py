@@ -126,6 +126,9 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
     writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
     writer.add_bytes(f"{archive_name}/byteorder", b"little")
     for key, storage in storages:
+        if storage.pieces is not None:
+            writer.add_pieces(f"{archive_name}/data/{key}", storage.pieces)
+            continue
         if storage.producer is not None:
             writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
             continue

@@ -196,6 +196,26 @@ class ZipWriter:
         self._written(data_start, size)
         self.position = data_start + size
 
+    def add_pieces(self, name: str, pieces: tuple) -> None:
+        """Add a member whose bytes are several byte ranges end to end (streamed and summed)."""
+        encoded = name.encode("utf-8")
+        size = sum(piece.length for piece in pieces)
+        header_offset = self.position
+        header = self._local_header(encoded, size, 0)
+        self.handle.write(header)
+        data_start = self.position + len(header)
+        crc = 0
+        for piece in pieces:
+            if piece.length:
+                crc = _stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
+        self.handle.flush()
+        self.handle.seek(header_offset + 14)
+        self.handle.write(struct.pack("<I", crc))
+        self.handle.seek(data_start + size)
+        self.entries.append((encoded, header_offset, size, crc))
+        self._written(data_start, size)
+        self.position = data_start + size
+
     def close(self) -> None:
         """Write the central directory (zip64 records when sizes, offsets or counts need them)."""
         central_start = self.position
@@ -255,8 +275,7 @@ def _copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset:
             remaining -= len(chunk)
 
 
-def _stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO) -> int:
-    crc = 0
+def _stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: int = 0) -> int:
     buffer = bytearray(min(size, 8 << 20) or 1)
     view = memoryview(buffer)
     with open(source, "rb", buffering=0) as src:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import InputError
+from ..refs import ByteRange
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -179,24 +180,22 @@ class ZipWriter:
         With a known ``crc`` (the bytes are a zip member copied unchanged) the kernel copies them
         (``copy_file_range``) and nothing is checksummed; otherwise they are streamed and summed.
         """
+        if crc is None:
+            self.add_pieces(name, (ByteRange(source, offset, size),))
+            return
         encoded = name.encode("utf-8")
         header_offset = self.position
-        header = self._local_header(encoded, size, crc or 0)
+        header = self._local_header(encoded, size, crc)
         self.handle.write(header)
         self.handle.flush()
         data_start = self.position + len(header)
-        if crc is not None:
-            _copy_range(source, offset, size, self.handle, data_start)
-        else:
-            crc = _stream_with_crc(source, offset, size, self.handle)
-            self.handle.seek(header_offset + 14)
-            self.handle.write(struct.pack("<I", crc))
+        _copy_range(source, offset, size, self.handle, data_start)
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
         self._written(data_start, size)
         self.position = data_start + size
 
-    def add_pieces(self, name: str, pieces: tuple) -> None:
+    def add_pieces(self, name: str, pieces: tuple[ByteRange, ...]) -> None:
         """Add a member whose bytes are several byte ranges end to end (streamed and summed)."""
         encoded = name.encode("utf-8")
         size = sum(piece.length for piece in pieces)

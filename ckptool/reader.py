@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from . import pickles
@@ -140,11 +139,3 @@ def _from_safetensors(path: Path, format_: str, contents: safetensors.Safetensor
     return Checkpoint(path=path, format=format_, container=contents.tensors, layout=(), metadata=contents.metadata,
                       files=contents.files)
 
-
-def read_json_entries(metadata: dict[str, str]) -> dict:
-    """ckptool's ``ckptool.entries`` metadata, decoded (empty if absent or malformed)."""
-    try:
-        value = json.loads(metadata.get("ckptool.entries", "{}"))
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}

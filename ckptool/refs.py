@@ -40,18 +40,6 @@ class ByteRange:
     length: int
     crc32: int | None = None
 
-    def read(self, start: int = 0, size: int | None = None) -> bytes:
-        """Read ``size`` bytes at ``start`` within the range (the whole range by default)."""
-        size = self.length - start if size is None else size
-        if start < 0 or size < 0 or start + size > self.length:
-            raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset + start)
-            data = handle.read(size)
-        if len(data) != size:
-            raise InputError("file is truncated: tensor bytes end before the data they promise", path=self.path)
-        return data
-
     def iter_chunks(self, start: int = 0, size: int | None = None, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
         """Stream ``size`` bytes at ``start`` in chunks (bounded memory)."""
         size = self.length - start if size is None else size

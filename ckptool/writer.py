@@ -30,7 +30,8 @@ from . import dtypes
 from .atomic import atomic_directory, atomic_output, check_output
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, UsageError
-from .digest import PREFIX, fingerprint
+from .digest import PREFIX
+from .digest import fingerprint as weights_fingerprint  # `save` has a parameter named fingerprint
 from .formats import safetensors, torch_zip
 from .refs import StorageRef, TensorRef
 from .tree import map_tensors
@@ -354,7 +355,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     expect = _Expectations(
         checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True)),
-        fingerprint=_run_in_thread(lambda: _fingerprint(tensors) if fingerprint else None),
+        fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors) if fingerprint else None),
         wants_fingerprint=fingerprint,
     )
     try:
@@ -380,10 +381,6 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     if checkpoint.format == "torch-legacy" and target == "pt":
         report.notes.append("the input used the legacy (pre-1.6) format; the output is in the zip format")
     return report
-
-
-def _fingerprint(tensors: Mapping[str, TensorRef]) -> str:
-    return fingerprint(tensors)
 
 
 def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:

@@ -26,7 +26,6 @@ class ZipContents:
     container: Any
     archive_name: str
     storages: dict[str, StorageRef]
-    pickle_bytes: bytes
 
 
 def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
@@ -61,7 +60,7 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipC
     storages: dict[str, StorageRef] = {}
     persistent_load = storage_loader(path, members, top, storages)
     container = pickles.loads(data, resolver, persistent_load)
-    return ZipContents(container=container, archive_name=top, storages=storages, pickle_bytes=data)
+    return ZipContents(container=container, archive_name=top, storages=storages)
 
 
 def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, storages: dict[str, StorageRef], *,

@@ -264,32 +264,31 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input."""
     if checkpoint.format.startswith("safetensors"):
-        container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle))
-        # ties survive as shared storages: map_tensors maps the shared StorageRef once per tensor,
-        # so re-point tied tensors at one storage
-        container = _retie_storages(checkpoint.tensors, container)
+        container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle()))
         return {nest: container} if nest else container
     if nest:
         raise UsageError("--nest applies to safetensors input; this checkpoint already has a container")
     return checkpoint.container
 
 
-def _typed_for_pickle(tensor: TensorRef) -> TensorRef:
-    """safetensors tensors as torch would pickle them (legacy typed storage, or untyped + dtype)."""
-    storage = tensor.storage
-    if tensor.dtype.storage_class:
-        typed = replace(storage, type_global=f"torch.{tensor.dtype.storage_class}")
-        return replace(tensor, storage=typed, rebuild="torch._utils._rebuild_tensor_v2")
-    untyped = replace(storage, dtype=dtypes.BY_NAME["U8"], numel=storage.nbytes, type_global="torch.storage.UntypedStorage")
-    return replace(tensor, storage=untyped, rebuild="torch._utils._rebuild_tensor_v3")
+def _typed_for_pickle() -> Callable[[TensorRef], TensorRef]:
+    """safetensors tensors as torch would pickle them (legacy typed storage, or untyped + dtype).
 
+    Each storage is converted once, so tied tensors still share one storage in the output.
+    """
+    converted: dict[int, StorageRef] = {}
 
-def _retie_storages(original: Mapping[str, TensorRef], converted: dict) -> dict:
-    by_storage: dict[int, StorageRef] = {}
-    for name, tensor in original.items():
-        first = by_storage.setdefault(id(tensor.storage), converted[name].storage)
-        converted[name] = replace(converted[name], storage=first)
-    return converted
+    def convert(tensor: TensorRef) -> TensorRef:
+        storage = tensor.storage
+        typed = bool(tensor.dtype.storage_class)
+        if id(storage) not in converted:
+            converted[id(storage)] = replace(storage, type_global=f"torch.{tensor.dtype.storage_class}") if typed \
+                else replace(storage, dtype=dtypes.BY_NAME["U8"], numel=storage.nbytes,
+                             type_global="torch.storage.UntypedStorage")
+        rebuild = "torch._utils._rebuild_tensor_v2" if typed else "torch._utils._rebuild_tensor_v3"
+        return replace(tensor, storage=converted[id(storage)], rebuild=rebuild)
+
+    return convert
 
 
 def _json_entries(checkpoint: Checkpoint) -> str | None:

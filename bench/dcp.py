@@ -41,6 +41,7 @@ from . import (
     _git_rev,
     cached_fraction,
     child_env,
+    compile_package,
     clean_dir,
     evict,
     measure,
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     log_dir.mkdir(exist_ok=True)
     tools = [t for t in TOOLS if t.name in args.tools]
     load_before = os.getloadavg()[0]
-    log(f"1-min load average {load_before:.2f} on {os.cpu_count()} CPUs")
+    log(f"1-min load average {load_before:.2f} on {os.cpu_count()} CPUs; ckptool bytecode: {compile_package(python)}")
 
     def one(argv: list[str]) -> Run:
         clean_dir(out_dir)

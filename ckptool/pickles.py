@@ -422,38 +422,55 @@ class _Truncated(InputError):
 
 _OPAQUE_VALUE = object()  # the guard does not know the value (salted hash, or not hashable)
 
-
-class _Value:
-    """The guard's record of one stack or memo value (never the value itself)."""
-
-    __slots__ = ("kind", "name", "nodes", "hashable", "value", "buckets")
-
-    def __init__(self, kind: str, name: str | None = None, nodes: int = 1, hashable: bool = False,
-                 value: Any = _OPAQUE_VALUE) -> None:
-        self.kind = kind  # str, literal, bytes, tuple, global, object, container, other
-        self.name = name  # a str's text; the global a global or object came from
-        self.nodes = nodes  # what hashing it visits (tuples: every element, recursively)
-        self.hashable = hashable
-        self.value = value  # ints, floats, None and tuples of them: hashes a pickle can predict
-        self.buckets: dict[int, set] | None = None  # for a dict/set: predictable keys by hash
-
-
-_STR = _Value("str", hashable=True)
-_BYTES = _Value("bytes", hashable=True)
-_OTHER = _Value("other")
-_EMPTY_TUPLE = _Value("tuple", hashable=True, value=())
-_LITERALS = {value: _Value("literal", hashable=True, value=value) for value in (None, True, False)}
-_BYTE_INTS = [_Value("literal", hashable=True, value=value) for value in range(256)]
+# The guard's record of one stack or memo value (never the value itself), a tuple for speed:
+#   (kind, name, nodes, hashable, value)
+# kind: "str", "literal", "bytes", "tuple", "global", "object", "container", "other";
+# name: a str's raw bytes (≤ 256) or the global a global/object came from; nodes: what hashing it
+# visits (tuples: every element, recursively); value: ints, floats, None and tuples of them — hashes
+# a pickle can predict. Records that can receive items (dicts, sets, lists, objects) are lists with
+# a sixth slot: their predictable keys by hash (to catch collision floods); each is its own list.
+_KIND, _NAME, _NODES, _HASHABLE, _VALUE, _BUCKETS = range(6)
+_STR = ("str", None, 1, True, _OPAQUE_VALUE)
+_BYTES = ("bytes", None, 1, True, _OPAQUE_VALUE)
+_OTHER = ("other", None, 1, False, _OPAQUE_VALUE)
+_EMPTY_TUPLE = ("tuple", None, 1, True, ())
+_UNKNOWN_GLOBAL = ("global", None, 1, True, _OPAQUE_VALUE)
+_NONE, _TRUE, _FALSE = (("literal", None, 1, True, value) for value in (None, True, False))
+_BYTE_INTS = [("literal", None, 1, True, value) for value in range(256)]
 _PLACEHOLDER_COST = 512  # a TensorRef, StorageRef or OpaqueObject record
-_TUPLE_SIZES = {0x85: 1, 0x86: 2, 0x87: 3}
 _CANONICAL_INT = re.compile(rb"-?(0|[1-9][0-9]*)")
 _DIGITS = re.compile(rb"[0-9]+")
-# opcodes with nothing to check: their argument length (-1: a newline-terminated line)
-_SKIP_ARG = {0x80: 1, 0x95: 8}
+_MAX_TEXT_NAME = 256  # longer strings are never a global's module or name
 
 
 def _refuse(message: str) -> InputError:
     return InputError(f"pickle {message} — refused, nothing was executed")
+
+
+class PickleStats:
+    """What :func:`guard` saw in one pickle: its length, opcode counts and the globals it names.
+
+    ``globals`` lists GLOBAL/INST names and STACK_GLOBAL names whose strings are known (resolved
+    through the memo as the unpickler would); ``<unresolved STACK_GLOBAL>`` otherwise.
+    """
+
+    __slots__ = ("size", "counts", "globals")
+
+    def __init__(self, size: int, counts: list[int], globals_: list[str]) -> None:
+        self.size, self.counts, self.globals = size, counts, globals_
+
+    def opcode_names(self) -> dict[str, int]:
+        """Opcode counts by pickletools name."""
+        import pickletools
+
+        names = {op.code.encode("latin1")[0]: op.name for op in pickletools.opcodes}
+        return {names.get(code, f"0x{code:02x}"): count for code, count in enumerate(self.counts) if count}
+
+
+# Guarded pickles, by their exact bytes (a command often reads one pickle twice: scan lists it and
+# then loads it; a write re-reads what it wrote). Only pickles the guard passed are kept.
+_GUARDED: dict[bytes, PickleStats] = {}
+_GUARDED_KEEP = 4
 
 
 def guard(data: bytes) -> int:
@@ -467,15 +484,64 @@ def guard(data: bytes) -> int:
     MAX_UNPICKLED_BYTES of objects (estimated). Arguments must be in the form Python's pickler
     writes them (``INT 010`` is 8 to the C unpickler and 10 to Python's ``int``: refused).
     """
+    return guard_stats(data).size
+
+
+def guard_stats(data: bytes) -> PickleStats:
+    """:func:`guard`, returning what it saw (:class:`PickleStats`); a pickle seen before is not walked again."""
+    stats = _GUARDED.get(data)
+    if stats is not None:
+        return stats
+    counts = [0] * 256
+    names: list[str] = []
+    stats = PickleStats(_guard(data, counts, names), counts, names)
+    if len(_GUARDED) >= _GUARDED_KEEP:
+        del _GUARDED[next(iter(_GUARDED))]
+    _GUARDED[data if stats.size == len(data) else data[:stats.size]] = stats
+    return stats
+
+
+def _new_tuple(items: list) -> tuple:
+    nodes = 1
+    hashable = predictable = True
+    for item in items:
+        nodes += item[2]
+        if not item[3]:
+            hashable = False
+        elif item[4] is _OPAQUE_VALUE:
+            predictable = False
+    value = tuple([item[4] for item in items]) if predictable and hashable else _OPAQUE_VALUE
+    return ("tuple", None, nodes if nodes <= MAX_KEY_NODES else MAX_KEY_NODES + 1, hashable, value)
+
+
+def _made_by(callable_: tuple | list) -> list:
+    """The record of an object a callable builds (REDUCE, NEWOBJ, OBJ): it may receive items."""
+    name = callable_[1] if callable_[0] == "global" else None
+    # a placeholder object hashes by identity; _codecs.encode gives bytes (salted hash)
+    return ["object", name, 1, name is not None and (name == "_codecs.encode" or name not in TORCH_GLOBALS),
+            _OPAQUE_VALUE, None]
+
+
+def _text_name(raw: bytes | None) -> str | None:
+    if raw is None or len(raw) > _MAX_TEXT_NAME:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _guard(data: bytes, counts: list[int], names: list[str]) -> int:
     end = len(data)
-    stack: list[_Value] = []
+    stack: list = []
+    push = stack.append
     marks: list[int] = []
-    memo: dict[int, _Value] = {}
+    memo: dict[int, Any] = {}
     fence = 0
     ops = hashing = memory = 0
     i = 0
 
-    def pop_mark() -> list[_Value]:
+    def pop_mark() -> list:
         nonlocal fence
         if not marks:
             raise _refuse("has no MARK where one is needed (corrupt)")
@@ -493,57 +559,27 @@ def guard(data: bytes) -> int:
         text, i = data[i:newline], newline + 1
         return text
 
-    def add_keys(target: _Value, keys: list[_Value]) -> None:
+    def add_keys(target: Any, keys: list) -> None:
         nonlocal hashing
-        if target.kind not in ("container", "object"):
-            raise _refuse(f"adds items to a {target.kind}, which holds none (corrupt)")
+        if target[0] != "container" and target[0] != "object":
+            raise _refuse(f"adds items to a {target[0]}, which holds none (corrupt)")
         for key in keys:
-            if not key.hashable:
-                raise _refuse(f"uses a {key.kind} {key.name or ''} as a dict key or set element")
-            if key.nodes > MAX_KEY_NODES:
-                raise _refuse(f"uses a dict key or set element of {key.nodes}+ nested values (a hashing bomb)")
-            hashing += key.nodes
-            if key.value is not _OPAQUE_VALUE:
-                if target.buckets is None:
-                    target.buckets = {}
-                bucket = target.buckets.setdefault(hash(key.value), set())
-                bucket.add(key.value)
+            if not key[3]:
+                raise _refuse(f"uses a {key[0]} {key[1] or ''} as a dict key or set element")
+            if key[2] > MAX_KEY_NODES:
+                raise _refuse(f"uses a dict key or set element of {key[2]}+ nested values (a hashing bomb)")
+            hashing += key[2]
+            value = key[4]
+            if value is not _OPAQUE_VALUE:
+                if target[5] is None:
+                    target[5] = {}
+                bucket = target[5].setdefault(hash(value), set())
+                bucket.add(value)
                 if len(bucket) > MAX_HASH_COLLISIONS:
                     raise _refuse(f"puts {len(bucket)} distinct keys with one hash into a dict or set "
                                   "(a hash-collision flood)")
         if hashing > 8 * ops + 100_000:
             raise _refuse("hashes more nested keys than its size allows (a hashing bomb)")
-
-    def new_tuple(items: list[_Value]) -> _Value:
-        if not items:
-            return _EMPTY_TUPLE
-        nodes = 1
-        hashable = predictable = True
-        for item in items:
-            nodes += item.nodes
-            if not item.hashable:
-                hashable = False
-            if item.value is _OPAQUE_VALUE:
-                predictable = False
-        value = tuple(item.value for item in items) if predictable and hashable else _OPAQUE_VALUE
-        return _Value("tuple", nodes=min(nodes, MAX_KEY_NODES + 1), hashable=hashable, value=value)
-
-    def made_by(callable_: _Value) -> _Value:
-        name = callable_.name if callable_.kind == "global" else None
-        # a placeholder object hashes by identity; _codecs.encode gives bytes (salted hash)
-        return _Value("object", name=name, hashable=name is not None and (
-            name == "_codecs.encode" or name not in TORCH_GLOBALS))
-
-    def text(raw: bytes) -> _Value:
-        if len(raw) > 256:
-            return _STR
-        try:
-            return _Value("str", name=raw.decode("utf-8"), hashable=True)
-        except UnicodeDecodeError:
-            return _STR
-
-    def literal(value: Any) -> _Value:
-        return _Value("literal", hashable=True, value=value)
 
     def counted(width: int, signed: bool = False) -> int:
         nonlocal i
@@ -557,40 +593,102 @@ def guard(data: bytes) -> int:
             raise _Truncated()
         return size
 
+    def literal(value: Any) -> tuple:
+        return ("literal", None, 1, True, value)
+
+    # The branches are ordered by how often torch's pickles use them (a state_dict entry is ~30
+    # opcodes: BINPUT/LONG_BINPUT, BINGET, BININT1, MARK, BINUNICODE, TUPLE*, REDUCE, BINPERSID...).
     try:
         while True:
-            if i >= end:
-                raise _Truncated()
-            code = data[i]
+            code = data[i]  # IndexError past the end: truncated
             i += 1
             ops += 1
-            if code == 0x71 or code == 0x72 or code == 0x94 or code == 0x70:  # BINPUT LONG_BINPUT MEMOIZE PUT
+            counts[code] += 1
+            if code == 0x71 or code == 0x72:  # BINPUT LONG_BINPUT
                 if code == 0x71:
                     index = data[i]
                     i += 1
-                elif code == 0x72:
+                else:
                     index = int.from_bytes(data[i:i + 4], "little")
                     i += 4
                     if i > end:
                         raise _Truncated()
-                elif code == 0x94:
-                    index = len(memo)
-                else:
-                    raw = line()
-                    if not _DIGITS.fullmatch(raw):
-                        raise _refuse(f"has a malformed PUT index {raw[:20]!r}")
-                    index = int(raw)
                 if index > ops:
                     raise _refuse(f"stores memo index {index}, which no pickler writes (a memory bomb)")
                 if len(stack) <= fence:
                     raise _refuse("stores a value below its stack (corrupt)")
                 memo[index] = stack[-1]
                 memory += 16
-            elif code == 0x68 or code == 0x6A or code == 0x67:  # BINGET LONG_BINGET GET
-                if code == 0x68:
-                    index = data[i]
+            elif code == 0x68:  # BINGET
+                value = memo.get(data[i])
+                if value is None:
+                    raise _refuse(f"reads memo index {data[i]}, which was never stored (corrupt)")
+                i += 1
+                push(value)
+                memory += 8
+            elif code == 0x4B:  # BININT1
+                push(_BYTE_INTS[data[i]])
+                i += 1
+            elif code == 0x28:  # MARK
+                fence = len(stack)
+                marks.append(fence)
+                memory += 8
+            elif code == 0x58 or code == 0x8C:  # BINUNICODE SHORT_BINUNICODE
+                if code == 0x58:
+                    size = int.from_bytes(data[i:i + 4], "little")
+                    i += 4
+                else:
+                    size = data[i]
                     i += 1
-                elif code == 0x6A:
+                if i + size > end:
+                    if i + size > MAX_PICKLE_BYTES:
+                        raise _refuse(f"has a {size}-byte value, over the {MAX_PICKLE_BYTES}-byte pickle limit")
+                    raise _Truncated()
+                push(("str", data[i:i + size], 1, True, _OPAQUE_VALUE) if size <= _MAX_TEXT_NAME else _STR)
+                i += size
+                memory += 56 + size
+            elif code == 0x85 or code == 0x86 or code == 0x87:  # TUPLE1 TUPLE2 TUPLE3
+                count = code - 0x84
+                if len(stack) - count < fence:
+                    raise _refuse("builds a tuple from below its stack (corrupt)")
+                items = stack[-count:]
+                del stack[-count:]
+                push(_new_tuple(items))
+                memory += 56 + 8 * count
+            elif code == 0x74:  # TUPLE
+                if not marks:
+                    raise _refuse("has no MARK where one is needed (corrupt)")
+                index = marks.pop()
+                fence = marks[-1] if marks else 0
+                items = stack[index:]
+                del stack[index:]
+                push(_new_tuple(items) if items else _EMPTY_TUPLE)
+                memory += 56 + 8 * len(items)
+            elif code == 0x52 or code == 0x81 or code == 0x92:  # REDUCE NEWOBJ NEWOBJ_EX
+                count = 3 if code == 0x92 else 2
+                if len(stack) - count < fence:
+                    raise _refuse("calls with too few values on its stack (corrupt)")
+                callable_ = stack[-count]
+                del stack[-count:]
+                push(_made_by(callable_))
+                memory += _PLACEHOLDER_COST
+            elif code == 0x51:  # BINPERSID
+                if len(stack) <= fence:
+                    raise _refuse("has BINPERSID without an id (corrupt)")
+                stack[-1] = _OTHER
+                memory += _PLACEHOLDER_COST
+            elif code == 0x89 or code == 0x88 or code == 0x4E:  # NEWFALSE NEWTRUE NONE
+                push(_FALSE if code == 0x89 else _TRUE if code == 0x88 else _NONE)
+                memory += 8
+            elif code == 0x29:  # EMPTY_TUPLE
+                push(_EMPTY_TUPLE)
+            elif code == 0x94:  # MEMOIZE
+                if len(stack) <= fence:
+                    raise _refuse("stores a value below its stack (corrupt)")
+                memo[len(memo)] = stack[-1]
+                memory += 16
+            elif code == 0x6A or code == 0x67:  # LONG_BINGET GET
+                if code == 0x6A:
                     index = int.from_bytes(data[i:i + 4], "little")
                     i += 4
                     if i > end:
@@ -601,68 +699,43 @@ def guard(data: bytes) -> int:
                 value = memo.get(index)
                 if value is None:
                     raise _refuse(f"reads memo index {index}, which was never stored (corrupt)")
-                stack.append(value)
+                push(value)
                 memory += 8
-            elif code == 0x28:  # MARK
-                marks.append(len(stack))
-                fence = len(stack)
-                memory += 8
-            elif code == 0x58 or code == 0x8C or code == 0x8D:  # BINUNICODE SHORT_BINUNICODE BINUNICODE8
-                size = counted({0x58: 4, 0x8C: 1, 0x8D: 8}[code])
-                stack.append(text(data[i:i + size]) if size <= 256 else _STR)
+            elif code == 0x70:  # PUT
+                raw = line()
+                if not _DIGITS.fullmatch(raw):
+                    raise _refuse(f"has a malformed PUT index {raw[:20]!r}")
+                index = int(raw)
+                if index > ops:
+                    raise _refuse(f"stores memo index {index}, which no pickler writes (a memory bomb)")
+                if len(stack) <= fence:
+                    raise _refuse("stores a value below its stack (corrupt)")
+                memo[index] = stack[-1]
+                memory += 16
+            elif code == 0x8D:  # BINUNICODE8
+                size = counted(8)
+                push(("str", data[i:i + size], 1, True, _OPAQUE_VALUE) if size <= _MAX_TEXT_NAME else _STR)
                 i += size
                 memory += 56 + size
-            elif code == 0x4B:  # BININT1
-                stack.append(_BYTE_INTS[data[i]])
-                i += 1
             elif code == 0x4D or code == 0x4A:  # BININT2 BININT
                 width = 2 if code == 0x4D else 4
-                stack.append(literal(int.from_bytes(data[i:i + width], "little", signed=code == 0x4A)))
+                if i + width > end:
+                    raise _Truncated()
+                push(literal(int.from_bytes(data[i:i + width], "little", signed=code == 0x4A)))
                 i += width
                 memory += 40
-                if i > end:
-                    raise _Truncated()
-            elif code == 0x74 or code == 0x29 or code in _TUPLE_SIZES:  # TUPLE EMPTY_TUPLE TUPLE1-3
-                if code == 0x74:
-                    items = pop_mark()
-                elif code == 0x29:
-                    items = []
-                else:
-                    count = _TUPLE_SIZES[code]
-                    if len(stack) - count < fence:
-                        raise _refuse("builds a tuple from below its stack (corrupt)")
-                    items = stack[-count:]
-                    del stack[-count:]
-                stack.append(new_tuple(items))
-                memory += 56 + 8 * len(items)
-            elif code == 0x52 or code == 0x81 or code == 0x92:  # REDUCE NEWOBJ NEWOBJ_EX
-                count = {0x52: 2, 0x81: 2, 0x92: 3}[code]
-                if len(stack) - count < fence:
-                    raise _refuse("calls with too few values on its stack (corrupt)")
-                callable_ = stack[-count]
-                del stack[-count:]
-                stack.append(made_by(callable_))
-                memory += _PLACEHOLDER_COST
             elif code == 0x62:  # BUILD
                 if len(stack) - 2 < fence:
                     raise _refuse("sets state with too few values on its stack (corrupt)")
                 stack.pop()
                 target = stack[-1]
-                if target.kind != "object" or target.name is None or \
-                        (target.name in TORCH_GLOBALS and target.name != "collections.OrderedDict"):
-                    raise _refuse(f"sets state (BUILD) on {target.name or 'a ' + target.kind}, "
+                if target[0] != "object" or target[1] is None or \
+                        (target[1] in TORCH_GLOBALS and target[1] != "collections.OrderedDict"):
+                    raise _refuse(f"sets state (BUILD) on {target[1] or 'a ' + target[0]}, "
                                   "which torch's loader never does")
                 memory += 64
-            elif code == 0x88 or code == 0x89 or code == 0x4E:  # NEWTRUE NEWFALSE NONE
-                stack.append(_LITERALS[{0x88: True, 0x89: False, 0x4E: None}[code]])
-                memory += 8
-            elif code == 0x51:  # BINPERSID
-                if len(stack) <= fence:
-                    raise _refuse("has BINPERSID without an id (corrupt)")
-                stack[-1] = _OTHER
-                memory += _PLACEHOLDER_COST
             elif code == 0x7D or code == 0x5D or code == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
-                stack.append(_Value("container"))
+                push(["container", None, 1, False, _OPAQUE_VALUE, None])
                 memory += 216 if code == 0x8F else 64
             elif code == 0x75 or code == 0x73 or code == 0x90:  # SETITEMS SETITEM ADDITEMS
                 if code == 0x73:
@@ -695,36 +768,40 @@ def guard(data: bytes) -> int:
                     full_name = f"{module.decode('utf-8')}.{attribute.decode('utf-8')}"
                 except UnicodeDecodeError:
                     raise _refuse("names a global that is not UTF-8") from None
+                names.append(full_name)
                 if code == 0x69:
                     pop_mark()
-                    stack.append(_Value("object", name=full_name, hashable=full_name not in TORCH_GLOBALS))
+                    push(["object", full_name, 1, full_name not in TORCH_GLOBALS, _OPAQUE_VALUE, None])
                     memory += _PLACEHOLDER_COST
                 else:
-                    stack.append(_Value("global", name=full_name, hashable=True))
+                    push(("global", full_name, 1, True, _OPAQUE_VALUE))
             elif code == 0x93:  # STACK_GLOBAL
                 if len(stack) - 2 < fence:
                     raise _refuse("has STACK_GLOBAL without a module and name (corrupt)")
                 module, attribute = stack[-2], stack[-1]
                 del stack[-2:]
-                known = module.kind == attribute.kind == "str" and None not in (module.name, attribute.name)
-                stack.append(_Value("global", name=f"{module.name}.{attribute.name}" if known else None,
-                                    hashable=True))
+                module_name = _text_name(module[1]) if module[0] == "str" else None
+                attribute_name = _text_name(attribute[1]) if attribute[0] == "str" else None
+                known = module_name is not None and attribute_name is not None
+                full_name = f"{module_name}.{attribute_name}" if known else None
+                names.append(full_name or "<unresolved STACK_GLOBAL>")
+                push(("global", full_name, 1, True, _OPAQUE_VALUE))
             elif code == 0x6F:  # OBJ
                 items = pop_mark()
                 if not items:
                     raise _refuse("has OBJ without a class (corrupt)")
-                stack.append(made_by(items[0]))
+                push(_made_by(items[0]))
                 memory += _PLACEHOLDER_COST
             elif code == 0x64 or code == 0x91 or code == 0x6C:  # DICT FROZENSET LIST
                 items = pop_mark()
-                container = _Value("container")
+                container = ["container", None, 1, False, _OPAQUE_VALUE, None]
                 if code == 0x64:
                     if len(items) % 2:
                         raise _refuse("has an odd number of items for DICT (corrupt)")
                     add_keys(container, items[::2])
                 elif code == 0x91:
                     add_keys(container, items)
-                stack.append(container)
+                push(container)
                 memory += 216 + 100 * len(items)
             elif code == 0x30:  # POP
                 if marks and marks[-1] == len(stack):
@@ -739,23 +816,25 @@ def guard(data: bytes) -> int:
             elif code == 0x32:  # DUP
                 if len(stack) <= fence:
                     raise _refuse("has DUP on an empty stack (corrupt)")
-                stack.append(stack[-1])
+                push(stack[-1])
                 memory += 8
             elif code == 0x2E:  # STOP
                 if len(stack) <= fence:
                     raise _refuse("stops with nothing on its stack (corrupt)")
                 break
-            elif code in _SKIP_ARG:  # PROTO FRAME
-                i += _SKIP_ARG[code]
+            elif code == 0x80 or code == 0x95:  # PROTO FRAME: nothing to check
+                i += 1 if code == 0x80 else 8
                 if i > end:
                     raise _Truncated()
             elif code == 0x47:  # BINFLOAT
-                stack.append(literal(struct.unpack(">d", data[i:i + 8])[0]))
+                if i + 8 > end:
+                    raise _Truncated()
+                push(literal(struct.unpack(">d", data[i:i + 8])[0]))
                 i += 8
                 memory += 32
             elif code == 0x8A or code == 0x8B:  # LONG1 LONG4
                 size = counted(1 if code == 0x8A else 4, signed=code == 0x8B)
-                stack.append(literal(int.from_bytes(data[i:i + size], "little", signed=True)))
+                push(literal(int.from_bytes(data[i:i + size], "little", signed=True)))
                 i += size
                 memory += 32 + size
             elif code == 0x49 or code == 0x4C:  # INT LONG (text)
@@ -763,12 +842,12 @@ def guard(data: bytes) -> int:
                 if code == 0x4C and raw.endswith(b"L"):
                     raw = raw[:-1]
                 if code == 0x49 and raw in (b"00", b"01"):
-                    value: Any = raw == b"01"
+                    value = raw == b"01"
                 elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= 4300:
                     value = int(raw)
                 else:
                     raise _refuse(f"has an integer {raw[:20]!r} not written the way Python's pickler writes it")
-                stack.append(literal(value))
+                push(literal(value))
                 memory += 32 + len(raw)
             elif code == 0x46:  # FLOAT (text)
                 raw = line()
@@ -776,35 +855,35 @@ def guard(data: bytes) -> int:
                     value = float(raw)
                 except ValueError:
                     raise _refuse(f"has a malformed float {raw[:20]!r}") from None
-                stack.append(literal(value))
+                push(literal(value))
                 memory += 32
             elif code in (0x42, 0x43, 0x8E, 0x96, 0x54, 0x55):  # BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8
                 # BINSTRING SHORT_BINSTRING (py2 str, decoded as UTF-8 here)
                 width = {0x42: 4, 0x43: 1, 0x8E: 8, 0x96: 8, 0x54: 4, 0x55: 1}[code]
                 size = counted(width, signed=code == 0x54)
                 if code in (0x54, 0x55):
-                    stack.append(text(data[i:i + size]) if size <= 256 else _STR)
+                    push(("str", data[i:i + size], 1, True, _OPAQUE_VALUE) if size <= _MAX_TEXT_NAME else _STR)
                 else:
-                    stack.append(_BYTES if code != 0x96 else _Value("container"))
+                    push(_BYTES if code != 0x96 else ["container", None, 1, False, _OPAQUE_VALUE, None])
                 i += size
                 memory += 56 + size
             elif code == 0x53 or code == 0x56:  # STRING UNICODE (text)
                 raw = line()
                 if code == 0x53:
                     quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[:1] in (b"'", b'"')
-                    stack.append(text(raw[1:-1]) if quoted and b"\\" not in raw else _STR)
+                    push(("str", raw[1:-1], 1, True, _OPAQUE_VALUE) if quoted and b"\\" not in raw else _STR)
                 else:
-                    stack.append(text(raw) if b"\\" not in raw else _STR)
+                    push(("str", raw, 1, True, _OPAQUE_VALUE) if b"\\" not in raw else _STR)
                 memory += 56 + len(raw)
             elif code == 0x50:  # PERSID
                 line()
-                stack.append(_OTHER)
+                push(_OTHER)
                 memory += _PLACEHOLDER_COST
             elif code in (0x82, 0x83, 0x84):  # EXT1 EXT2 EXT4
                 i += {0x82: 1, 0x83: 2, 0x84: 4}[code]
                 if i > end:
                     raise _Truncated()
-                stack.append(_Value("global", hashable=True))
+                push(_UNKNOWN_GLOBAL)
             elif code == 0x98:  # READONLY_BUFFER
                 if len(stack) <= fence:
                     raise _refuse("has READONLY_BUFFER on an empty stack (corrupt)")

@@ -1,9 +1,11 @@
 """scan: every global and opcode a checkpoint's pickles use, found without executing anything.
 
-Two passes per pickle. A static pass walks the opcodes (``pickletools.genops``), resolving
-``STACK_GLOBAL`` operands from the strings and memo before it. A dry run feeds the pickle to the
-restricted unpickler in permissive mode, where every global becomes an inert placeholder — so the
-globals a real load would import are listed exactly, even when hidden behind memo tricks.
+Two passes per pickle. A static pass lists the opcodes and the globals they name: the guard's
+record of the pickle (:func:`ckptool.pickles.guard_stats`, ``STACK_GLOBAL`` operands resolved
+through its stack and memo), or ``pickletools.genops`` over a pickle the guard refused. Then a
+restricted load; only if it fails, a dry run feeds the pickle to the restricted unpickler in
+permissive mode, where every global becomes an inert placeholder — so the globals a real load
+would import are listed exactly, even when hidden behind memo tricks.
 A checkpoint is safe when every global is on the allowlist ckptool loads with.
 """
 
@@ -171,18 +173,19 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     path = Path(path)
     if not path.exists():
         raise InputError("does not exist — check the path", path=path)
-    from .formats import dcp
-
-    if not path.is_dir() and not path.is_file():  # opening a FIFO would wait forever for a writer
+    is_dir = path.is_dir()
+    if not is_dir and not path.is_file():  # opening a FIFO would wait forever for a writer
         raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
-    if path.is_dir() and not dcp.is_dcp(path):
+    if is_dir:
+        from .formats import dcp
+    if is_dir and not dcp.is_dcp(path):
         from .reader import load
 
         checkpoint = load(path, allow_globals=allow_globals)
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
                           pickles=[])
     try:
-        kind, blobs = ("dcp", dcp.pickle_blobs(path, allow_globals)) if path.is_dir() else _pickle_blobs(path)
+        kind, blobs = ("dcp", dcp.pickle_blobs(path, allow_globals)) if is_dir else _pickle_blobs(path)
     except PermissionError as e:
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:
@@ -197,9 +200,14 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     problems: list[str] = []
     static_names: list[str] = []
     for _, data in blobs:
-        static, ops, _ = static_globals(data)
-        opcodes.update(ops)
-        static_names += static
+        try:  # the guard walked every pickle it passed already (read_pickle); its record is kept
+            stats = pickles.guard_stats(data)
+            opcodes.update(stats.opcode_names())
+            static_names += stats.globals
+        except InputError:  # refused: list what its opcodes name anyway
+            static, ops, _ = static_globals(data)
+            opcodes.update(ops)
+            static_names += static
     try:
         # a restricted load names exactly the globals it resolves; if it succeeds, no dry run is needed
         checkpoint = load(path, allow_globals=allow_globals)

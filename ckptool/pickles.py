@@ -162,6 +162,12 @@ def _check_int(value: Any, what: str) -> int:
 
 
 def _check_ints(value: Any, what: str) -> tuple[int, ...]:
+    if type(value) is tuple and len(value) <= 64:  # the usual case, checked without a generator
+        for v in value:
+            if type(v) is not int or v < 0 or v > _INT64_MAX:
+                break
+        else:
+            return value
     if not isinstance(value, tuple | list) or len(value) > 64:
         raise InputError(f"tensor {what} is {type(value).__name__}, not a tuple of integers — the file is corrupt")
     return tuple(_check_int(v, what) for v in value)
@@ -960,7 +966,14 @@ def _check_keys(keys: Any) -> None:
         raise _refuse("hashes more nested keys than its size allows (a hashing bomb)")
 
 
+_ATOMS = frozenset({str, bytes, int, float, bool, type(None)})  # leaves of every tree
+
+
 def _tree_children(obj: Any) -> list[Any]:
+    if type(obj) is TensorRef:
+        if obj.extra == () and not obj.backward_hooks and obj.parameter is None:
+            return []  # the usual tensor: a leaf
+        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ())]
     if isinstance(obj, dict):
         kids = [*obj.keys(), *obj.values()]
         state = getattr(obj, "__dict__", None)
@@ -998,7 +1011,8 @@ def check_tree(root: Any) -> None:
             edges += len(kids)
             on_path.add(key)
             stack[-1] = (obj, kids)
-            stack.extend((kid, None) for kid in kids if id(kid) not in done and id(kid) not in on_path)
+            stack.extend((kid, None) for kid in kids
+                         if type(kid) not in _ATOMS and id(kid) not in done and id(kid) not in on_path)
             continue
         stack.pop()
         on_path.discard(key)

@@ -163,14 +163,18 @@ class TensorRef:
 
     def validate(self, *, path: Path | None = None, name: str = "") -> None:
         """Check shape, strides and offset against the storage's bytes; raise InputError if they lie."""
+        shape, strides, offset = self.shape, self.stride, self.offset
         where = f"tensor {name!r}: " if name else "tensor: "
-        if len(self.shape) != len(self.stride):
-            raise InputError(f"{where}shape {self.shape} and stride {self.stride} differ in length — the file is corrupt", path=path)
-        if any(type(v) is not int or v < 0 for v in (*self.shape, *self.stride, self.offset)):
-            raise InputError(f"{where}negative or non-integer shape/stride/offset — the file is corrupt", path=path)
-        if self.numel == 0:
+        if len(shape) != len(strides):
+            raise InputError(f"{where}shape {shape} and stride {strides} differ in length — the file is corrupt", path=path)
+        for value in (*shape, *strides, offset):
+            if type(value) is not int or value < 0:
+                raise InputError(f"{where}negative or non-integer shape/stride/offset — the file is corrupt", path=path)
+        if 0 in shape:
             return
-        last = self.offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        last = offset
+        for size, stride in zip(shape, strides):
+            last += (size - 1) * stride
         if self.storage.dtype.itemsize * self.storage.numel < (last + 1) * self.dtype.itemsize:
             raise InputError(
                 f"{where}needs {(last + 1) * self.dtype.itemsize} bytes but its storage holds "

@@ -10,6 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m compileall -q ckptool training  # as a wheel install does: no recompiling in every process
 	touch $@
 
 venv: $(VENV)/.installed

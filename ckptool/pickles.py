@@ -382,7 +382,8 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
         blob = bytes(data)
         if len(blob) > MAX_PICKLE_BYTES:
             raise InputError(f"pickle is {len(blob)} bytes, over the {MAX_PICKLE_BYTES}-byte limit — refused")
-        size = guard(blob)
+        # a write's check re-reads the pickle it just emitted: those bytes need no guard
+        size = len(blob) if blob in _EMITTED else guard(blob)
         if size != len(blob):
             raise InputError(f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
                              "torch never writes that; refused")
@@ -477,6 +478,9 @@ class PickleStats:
 # then loads it; a write re-reads what it wrote). Only pickles the guard passed are kept.
 _GUARDED: dict[bytes, PickleStats] = {}
 _GUARDED_KEEP = 4
+# Pickles :func:`dump` wrote in this process (it emits only what torch's weights_only loader reads,
+# from an object tree that was itself checked): re-reading one of them exactly needs no guard.
+_EMITTED: dict[bytes, None] = {}
 
 
 def guard(data: bytes) -> int:
@@ -1257,4 +1261,8 @@ def dump(obj: Any, *, renumber_storages: bool = False) -> tuple[bytes, list[tupl
     except RecursionError as e:
         raise InputError("checkpoint object is nested too deeply to write") from e
     emitter.write(_P.STOP)
-    return emitter.out.getvalue(), list(emitter.storages.values())
+    blob = emitter.out.getvalue()
+    if len(_EMITTED) >= _GUARDED_KEEP:
+        del _EMITTED[next(iter(_EMITTED))]
+    _EMITTED[blob] = None
+    return blob, list(emitter.storages.values())

@@ -33,7 +33,7 @@ from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, UsageError
 from .digest import PREFIX
 from .digest import fingerprint as weights_fingerprint  # `save` has a parameter named fingerprint
-from .formats import safetensors, torch_zip
+from .formats import safetensors, torch_zip, zipio
 from .refs import StorageRef, TensorRef
 from .tree import map_tensors
 
@@ -70,7 +70,11 @@ class TensorCheck:
 
 
 def _stored_crc(tensor: TensorRef) -> int | None:
-    """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage."""
+    """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage
+    (or, for a storage lying in pieces — DCP row shards — combined from the pieces' recorded CRCs)."""
+    pieces = tensor.whole_pieces()
+    if pieces is not None:
+        return zipio.pieces_crc(pieces)
     storage = tensor.storage
     data = storage.data
     if storage.producer is not None or data is None or data.crc32 is None or not tensor.is_contiguous():
@@ -288,7 +292,8 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
         known: dict[tuple[str, int, int], int] = {}
         for output_sums in sums or []:
             known.update(output_sums.finish())
-        actual = tensor_checks(read_back(written), trust_stored=False, known=known)
+        written_tensors = read_back(written)
+        actual = tensor_checks(written_tensors, trust_stored=False, known=known)
     finally:
         sync_join()
     expected = expected_join()
@@ -305,6 +310,12 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
                 f"tensor {name!r} reads back different from what was written ({actual[name]} != {check}) — "
                 "the output was deleted; check the disk and try again"
             )
+    for name, tensor in written_tensors.items():  # the CRC the output's zip records must be that of its bytes
+        recorded = _stored_crc(tensor)
+        if recorded is not None and recorded != actual[name].crc32:
+            raise FingerprintMismatchError(
+                f"tensor {name!r}: the CRC recorded in the output's zip ({recorded:08x}) is not that of the bytes "
+                f"written ({actual[name].crc32:08x}) — the output was deleted; nothing changed")
     return len(actual)
 
 

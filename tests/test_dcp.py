@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from click.testing import CliRunner
 import ckptool
 from ckptool.cli import main
 from ckptool.dtypes import BY_TORCH_NAME
+from ckptool.formats.zipio import pieces_crc
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -222,6 +225,46 @@ def test_sharded_tensors_are_assembled_from_their_chunks(written: Path, tmp_path
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
     whole = torch.load(tmp_path / "s.pt", weights_only=True)["model"]
     assert all(torch.equal(whole[k], expected[k]) and whole[k].dtype == expected[k].dtype for k in expected)
+
+
+def _bytes_of(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_row_shards_keep_their_stored_crcs_and_the_pt_zip_checks_out(written: Path, tmp_path: Path) -> None:
+    """Row shards carry the CRC their chunk archive stored; the .pt member made of them gets the
+    combination of those CRCs (its bytes copied by the kernel), which must be the CRC of its bytes."""
+    expected = reference(written, "sharded")
+    tensors = ckptool.load(written / "sharded").tensors
+    by_rows = {k for k, t in tensors.items() if t.storage.pieces is not None}
+    assert by_rows == {"w", "h", "i", "u"}  # "b" is split by columns: assembled, not pieced
+    for name in sorted(by_rows):
+        pieces = tensors[name].storage.pieces
+        assert len(pieces) == 2 and all(p.crc32 is not None for p in pieces), name
+        assert pieces_crc(pieces) == zlib.crc32(_bytes_of(expected[name])), name
+
+    ckptool.save(ckptool.load(written / "sharded"), tmp_path / "s.pt")
+    with zipfile.ZipFile(tmp_path / "s.pt") as archive:
+        assert archive.testzip() is None  # every member's recorded CRC matches its bytes (torch.load never checks)
+        crcs = {info.CRC for info in archive.infolist() if "/data/" in info.filename}
+    assert {zlib.crc32(_bytes_of(expected[name])) for name in by_rows} <= crcs
+    whole = torch.load(tmp_path / "s.pt", weights_only=True)["model"]
+    assert all(torch.equal(whole[k], expected[k]) and whole[k].dtype == expected[k].dtype for k in expected)
+
+
+@pytest.mark.parametrize("name", ["bad.pt", "bad.safetensors"])
+def test_a_shard_whose_stored_crc_is_wrong_fails_the_write_and_leaves_nothing(written: Path, tmp_path: Path,
+                                                                              name: str) -> None:
+    """The .pt member's CRC is combined from the shards' stored CRCs without reading them: when one
+    is wrong (a corrupt source, or a bug in the combining) the write check must catch it."""
+    checkpoint = ckptool.load(written / "sharded")
+    piece = checkpoint.tensors["w"].storage.pieces[1]
+    piece.crc32 ^= 0x00010000
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(ckptool.CkptError):
+        ckptool.save(checkpoint, out_dir / name)
+    assert list(out_dir.iterdir()) == []  # no output, no temp file
 
 
 def test_without_planner_data_the_keys_stay_flat(written: Path, tmp_path: Path) -> None:

@@ -237,3 +237,23 @@ def test_writeback_is_started_for_every_byte_written(fixtures_dir: Path, tmp_pat
     save(ckptool.load(fixtures_dir / "single_lenet.pt"), out)
     assert ckptool.fingerprint(ckptool.load(out).tensors) == ckptool.fingerprint(
         ckptool.load(fixtures_dir / "single_lenet.pt").tensors)
+
+
+def test_a_wrong_crc_recorded_in_the_output_zip_is_caught(fixtures_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right bytes under a wrong recorded CRC still load in torch (it does not check), but fail a
+    zip check later: the write check compares the CRC the output records with its bytes."""
+    from ckptool.errors import FingerprintMismatchError
+    from ckptool.formats import zipio
+
+    real_add_copy = zipio.ZipWriter.add_copy
+
+    def wrong_crc(self, name, source, offset, size, crc):
+        if crc is not None and name.endswith("/data/1"):
+            crc ^= 0x1
+        return real_add_copy(self, name, source, offset, size, crc)
+
+    monkeypatch.setattr(zipio.ZipWriter, "add_copy", wrong_crc)
+    with pytest.raises(FingerprintMismatchError, match="CRC recorded in the output"):
+        save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt").strip_prefix(), tmp_path / "out.pt")
+    assert not list(tmp_path.iterdir())

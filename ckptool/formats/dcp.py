@@ -515,7 +515,8 @@ def _assembler(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> Ca
 def _row_pieces(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> tuple | None:
     """The chunks' byte ranges in order when they are blocks of whole rows tiling the tensor
     (Shard(0), FSDP's flat shards): then the tensor's bytes are those ranges end to end and
-    writers copy them into place without assembling the tensor in memory."""
+    writers copy them into place without assembling the tensor in memory. Each range carries the
+    CRC-32 its embedded archive stored when the chunk is that archive's whole storage member."""
     if not entry.size:
         return None
     ordered = sorted(parts, key=lambda part: part[0].offsets[0])
@@ -527,6 +528,11 @@ def _row_pieces(entry: _TensorEntry, parts: list[tuple[_Chunk, TensorRef]]) -> t
         span = tensor.contiguous_byte_range()
         if span is None:
             return None
+        # a chunk that is its whole storage keeps the CRC its archive stored for it: writers then
+        # combine the pieces' CRCs and let the kernel copy the bytes
+        data = tensor.storage.data
+        if data is not None and data.crc32 is not None and tensor.offset == 0 and span.length == data.length:
+            span.crc32 = data.crc32
         pieces.append(span)
         row += chunk.sizes[0]
     return tuple(pieces) if row == entry.size[0] else None

@@ -196,20 +196,35 @@ class ZipWriter:
         self.position = data_start + size
 
     def add_pieces(self, name: str, pieces: tuple[ByteRange, ...]) -> None:
-        """Add a member whose bytes are several byte ranges end to end (streamed and summed)."""
+        """Add a member whose bytes are several byte ranges end to end.
+
+        When every piece carries the CRC its own archive stored (DCP row shards are each a whole
+        zip member), the member's CRC is combined from them (:func:`crc32_combine`) and the kernel
+        copies the pieces (``copy_file_range``); otherwise they are streamed and summed.
+        """
         encoded = name.encode("utf-8")
         size = sum(piece.length for piece in pieces)
         header_offset = self.position
-        header = self._local_header(encoded, size, 0)
+        combined = pieces_crc(pieces)
+        header = self._local_header(encoded, size, 0 if combined is None else combined)
         self.handle.write(header)
         data_start = self.position + len(header)
-        crc = 0
-        for piece in pieces:
-            if piece.length:
-                crc = _stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
-        self.handle.flush()
-        self.handle.seek(header_offset + 14)
-        self.handle.write(struct.pack("<I", crc))
+        if combined is not None:
+            self.handle.flush()
+            position = data_start
+            for piece in pieces:
+                if piece.length:
+                    _copy_range(piece.path, piece.offset, piece.length, self.handle, position)
+                position += piece.length
+            crc = combined
+        else:
+            crc = 0
+            for piece in pieces:
+                if piece.length:
+                    crc = _stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
+            self.handle.flush()
+            self.handle.seek(header_offset + 14)
+            self.handle.write(struct.pack("<I", crc))
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
         self._written(data_start, size)
@@ -287,4 +302,64 @@ def _stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: i
             crc = zlib.crc32(view[:n], crc)
             out.write(view[:n])
             remaining -= n
+    return crc
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC-32 of a concatenation from the parts' CRCs (zlib's crc32_combine, which Python's zlib lacks)
+
+_CRC_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected: bit 31 is the coefficient of x^0
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (reflected representation)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):  # no lower powers left
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1  # b * x
+    return p
+
+
+def _x2n_table() -> tuple[int, ...]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return tuple(table)
+
+
+_X2N = _x2n_table()  # x^(2^k) mod P; x^(2^32) == x (the order of x divides 2^32 - 1), so k wraps at 32
+
+
+def _x8nmodp(length: int) -> int:
+    """x^(8 * length) modulo the CRC polynomial."""
+    p, k = 1 << 31, 3  # x^0; 8 * length = length * 2^3
+    while length:
+        if length & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``length2 = len(b)``."""
+    if length2 < 0:
+        raise ValueError("length2 must be non-negative")
+    return _multmodp(_x8nmodp(length2), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+def pieces_crc(pieces: tuple[ByteRange, ...] | list[ByteRange]) -> int | None:
+    """The CRC-32 of the pieces' bytes end to end, from their stored CRCs; None if one is unknown."""
+    crc = 0
+    for piece in pieces:
+        if not piece.length:
+            continue  # the CRC of nothing is 0, whatever was recorded
+        if piece.crc32 is None:
+            return None
+        crc = crc32_combine(crc, piece.crc32, piece.length)
     return crc

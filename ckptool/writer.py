@@ -155,7 +155,10 @@ class OutputSums:
             os.close(fd)
 
     def _run(self) -> None:
+        buffer = bytearray(CHUNK)  # one buffer, reused: no allocation per read
+        view = memoryview(buffer)
         with open(self.path, "rb", buffering=0) as handle:
+            fd = handle.fileno()
             while (item := self._queue.get()) is not None:
                 if self._error is not None:
                     continue
@@ -163,11 +166,11 @@ class OutputSums:
                 try:
                     crc, done = 0, 0
                     while done < length:
-                        chunk = os.pread(handle.fileno(), min(CHUNK, length - done), offset + done)
-                        if not chunk:
+                        n = _pread_into(fd, view[:min(CHUNK, length - done)], offset + done)
+                        if not n:
                             break
-                        crc = zlib.crc32(chunk, crc)
-                        done += len(chunk)
+                        crc = zlib.crc32(view[:n], crc)
+                        done += n
                     self.sums[(str(self.path), offset, length)] = crc
                 except OSError as e:  # re-read errors surface as a missing sum: the check re-reads itself
                     self._error = e
@@ -189,6 +192,14 @@ class OutputSums:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)  # platforms without preadv
+    view[:len(data)] = data
+    return len(data)
 
 
 def _writeback_starter() -> Callable[[int, int, int, int], int] | None:

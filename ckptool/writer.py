@@ -97,7 +97,7 @@ class OutputSums:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.sums: dict[tuple[str, int, int], int] = {}
+        self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
         self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -171,11 +171,25 @@ class OutputSums:
                             break
                         crc = zlib.crc32(view[:n], crc)
                         done += n
-                    self.sums[(str(self.path), offset, length)] = crc
+                    self.sums[offset] = (length, crc)
                 except OSError as e:  # re-read errors surface as a missing sum: the check re-reads itself
                     self._error = e
 
-    def finish(self) -> dict[tuple[str, int, int], int]:
+    def crc_of(self, offset: int, length: int) -> int | None:
+        """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
+        they cover exactly that span (a large copy is reported in steps: their CRCs are combined)."""
+        if length == 0:
+            return 0
+        crc, position, end = 0, offset, offset + length
+        while position < end:
+            region = self.sums.get(position)
+            if region is None or position + region[0] > end:
+                return None
+            crc = region[1] if position == offset else zipio.crc32_combine(crc, region[1], region[0])
+            position += region[0]
+        return crc
+
+    def finish(self) -> dict[int, tuple[int, int]]:
         """Wait for every reported region to be summed (idempotent)."""
         self._start_writeback()
         if self._thread.is_alive():
@@ -223,11 +237,11 @@ KICK_EVERY = 8 * 1024 * 1024
 
 
 def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
-                  known: Mapping[tuple[str, int, int], int] | None = None) -> dict[str, TensorCheck]:
+                  known: Callable[[str, int, int], int | None] | None = None) -> dict[str, TensorCheck]:
     """The content of every tensor.
 
-    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known`` holds CRCs of
-    byte ranges already summed (by :class:`OutputSums`).
+    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known(path, offset, length)``
+    gives CRCs of byte ranges already summed (by :class:`OutputSums`), or None.
     """
     checks: dict[str, TensorCheck] = {}
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
@@ -239,7 +253,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
         if crc is None and known:
             span = tensor.contiguous_byte_range()
             if span is not None:
-                crc = known.get((str(span.path), span.offset, span.length))
+                crc = known(str(span.path), span.offset, span.length)
         if crc is None:
             crc = 0
             for chunk in tensor.iter_reused():
@@ -300,9 +314,15 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
     """
     sync_join = _run_in_thread(sync)
     try:
-        known: dict[tuple[str, int, int], int] = {}
+        by_path: dict[str, OutputSums] = {}
         for output_sums in sums or []:
-            known.update(output_sums.finish())
+            output_sums.finish()
+            by_path[str(output_sums.path)] = output_sums
+
+        def known(path: str, offset: int, length: int) -> int | None:
+            output_sums = by_path.get(path)
+            return output_sums.crc_of(offset, length) if output_sums is not None else None
+
         written_tensors = read_back(written)
         actual = tensor_checks(written_tensors, trust_stored=False, known=known)
     finally:

@@ -186,10 +186,9 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
     import os as os_
 
     from ckptool.errors import FingerprintMismatchError
-    from ckptool.formats import safetensors as safetensors_format
     from ckptool.formats import zipio
 
-    real_copy = zipio._copy_range
+    real_copy = zipio._copy_range  # every kernel copy (zip members, safetensors tensors) goes through it
     calls = {"n": 0}
 
     def corrupting_copy(source, offset, size, out, out_offset):
@@ -199,8 +198,15 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
             byte = os_.pread(out.fileno(), 1, out_offset)
             os_.pwrite(out.fileno(), bytes([byte[0] ^ 0xFF]), out_offset)
 
+    real_read = zipio.ZipWriter._read_source
+
+    def corrupting_read(self, source, offset, size):  # small members are read and written through the buffer
+        data = real_read(self, source, offset, size)
+        calls["n"] += 1
+        return bytes([data[0] ^ 0xFF]) + data[1:] if calls["n"] == 2 and size else data
+
     monkeypatch.setattr(zipio, "_copy_range", corrupting_copy)
-    monkeypatch.setattr(safetensors_format, "_copy_range", corrupting_copy)
+    monkeypatch.setattr(zipio.ZipWriter, "_read_source", corrupting_read)
     with pytest.raises(FingerprintMismatchError, match="reads back different"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / f"out{suffix}")
     assert calls["n"] >= 2
@@ -257,3 +263,43 @@ def test_a_wrong_crc_recorded_in_the_output_zip_is_caught(fixtures_dir: Path, tm
     with pytest.raises(FingerprintMismatchError, match="CRC recorded in the output"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt").strip_prefix(), tmp_path / "out.pt")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, tmp_path: Path, suffix: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large copies are made and re-read in steps; the write check combines the steps' CRCs into each
+    tensor's instead of reading the output a second time, and still catches a wrong byte."""
+    import os
+
+    from ckptool.errors import FingerprintMismatchError
+    from ckptool.formats import zipio
+    from ckptool.refs import TensorRef
+
+    monkeypatch.setattr(zipio, "COPY_STEP", 1000)  # odd steps: CRCs combined across unaligned boundaries
+    monkeypatch.setattr(zipio, "SMALL_MEMBER", 0)  # every .pt member through the kernel copy
+    reads = {"n": 0}
+    real_iter = TensorRef.iter_reused
+
+    def counting(self, *args, **kwargs):
+        reads["n"] += 1
+        return real_iter(self, *args, **kwargs)
+
+    monkeypatch.setattr(TensorRef, "iter_reused", counting)
+    source = ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt")
+    report = save(source.strip_prefix(), tmp_path / f"ok{suffix}")
+    assert report.checked == len(source.tensors) and reads["n"] == 0
+    real_copy = zipio._copy_range
+    calls = {"n": 0}
+
+    def corrupting_copy(src, offset, size, out, out_offset):
+        real_copy(src, offset, size, out, out_offset)
+        calls["n"] += 1
+        if calls["n"] == 50:  # one byte inside a step in the middle of the first weight
+            position = out_offset + size // 2
+            os.pwrite(out.fileno(), bytes([os.pread(out.fileno(), 1, position)[0] ^ 1]), position)
+
+    monkeypatch.setattr(zipio, "_copy_range", corrupting_copy)
+    with pytest.raises(FingerprintMismatchError):
+        save(source.strip_prefix(), tmp_path / f"bad{suffix}")
+    assert not (tmp_path / f"bad{suffix}").exists()

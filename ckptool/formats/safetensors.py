@@ -24,7 +24,7 @@ from typing import BinaryIO
 from .. import dtypes
 from ..errors import InputError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
-from .zipio import _copy_range
+from .zipio import copy_reporting
 
 FORMAT = "safetensors"
 SHARDED_FORMAT = "safetensors-sharded"
@@ -261,13 +261,12 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
         span = tensor.contiguous_byte_range()
         pieces = tensor.whole_pieces()
         if span is not None and span.length:
-            _copy_range(span.path, span.offset, span.length, handle, out_offset)
+            copy_reporting(span.path, span.offset, span.length, handle, out_offset, on_data)
             handle.seek(out_offset + span.length)
         elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
             position = out_offset
             for piece in pieces:
-                if piece.length:
-                    _copy_range(piece.path, piece.offset, piece.length, handle, position)
+                copy_reporting(piece.path, piece.offset, piece.length, handle, position, on_data)
                 position += piece.length
             handle.seek(position)
         elif tensor.nbytes:
@@ -275,8 +274,8 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
             for chunk in tensor.iter_bytes():
                 handle.write(chunk)
             handle.flush()
-        if on_data is not None and tensor.nbytes:
-            on_data(out_offset, tensor.nbytes)
+            if on_data is not None:
+                on_data(out_offset, tensor.nbytes)
         out_offset += tensor.nbytes
     handle.seek(out_offset)
     handle.truncate()

@@ -120,19 +120,22 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
     """
     pickle_bytes, storages = pickles.dump(container, renumber_storages=True)
     writer = zipio.ZipWriter(handle, on_data)
-    writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)
-    writer.add_bytes(f"{archive_name}/.format_version", b"1")
-    writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
-    writer.add_bytes(f"{archive_name}/byteorder", b"little")
-    for key, storage in storages:
-        if storage.pieces is not None:
-            writer.add_pieces(f"{archive_name}/data/{key}", storage.pieces)
-            continue
-        if storage.producer is not None:
-            writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
-            continue
-        source = storage.byte_range()
-        writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes, source.crc32)
-    writer.add_bytes(f"{archive_name}/version", b"3\n")
-    writer.add_bytes(f"{archive_name}/.data/serialization_id", str(secrets.randbelow(10**40)).zfill(40).encode())
-    writer.close()
+    try:
+        writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)
+        writer.add_bytes(f"{archive_name}/.format_version", b"1")
+        writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
+        writer.add_bytes(f"{archive_name}/byteorder", b"little")
+        for key, storage in storages:
+            if storage.pieces is not None:
+                writer.add_pieces(f"{archive_name}/data/{key}", storage.pieces)
+                continue
+            if storage.producer is not None:
+                writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
+                continue
+            source = storage.byte_range()
+            writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes, source.crc32)
+        writer.add_bytes(f"{archive_name}/version", b"3\n")
+        writer.add_bytes(f"{archive_name}/.data/serialization_id", str(secrets.randbelow(10**40)).zfill(40).encode())
+        writer.close()
+    finally:
+        writer.release()

@@ -25,6 +25,8 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
 _CENTRAL_SIG = 0x02014B50
 ALIGNMENT = 64
+SMALL_MEMBER = 1 << 20  # copied members up to this size are read and written through the buffer
+REPORT_EVERY = 8 << 20  # small members' regions are reported to ``on_data`` in batches of this many bytes
 MAX_COMPRESSION_RATIO = 100  # deflate reaches ~1000:1 on zeros; real pickles compress 3-10:1
 _PADDING_ID = 0x4246  # "FB": the extra-field id torch's writer pads with
 _ZIP64_ID = 0x0001
@@ -141,16 +143,48 @@ class ZipWriter:
     """Write stored (uncompressed) members with 64-byte-aligned data, zip64 where needed."""
 
     def __init__(self, handle: BinaryIO, on_data: Callable[[int, int], None] | None = None) -> None:
-        """``on_data(offset, length)`` is told of each member's data once it is in the file (and flushed)."""
+        """``on_data(offset, length)`` is told of each member's data once it is in the file (and flushed);
+        small members are told in batches of about ``REPORT_EVERY`` bytes (and the rest at :meth:`close`)."""
         self.handle = handle
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
         self.position = handle.tell()
         self.on_data = on_data
+        self._pending: list[tuple[int, int]] = []
+        self._pending_bytes = 0
+        self._sources: dict[Path, int] = {}  # open descriptors of the files small members are read from
 
     def _written(self, offset: int, length: int) -> None:
         if self.on_data is not None:
+            self._pending.append((offset, length))
+            self._pending_bytes += length
+            if self._pending_bytes >= REPORT_EVERY:
+                self._report()
+
+    def _report(self) -> None:
+        if self._pending and self.on_data is not None:
             self.handle.flush()
-            self.on_data(offset, length)
+            for offset, length in self._pending:
+                self.on_data(offset, length)
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def release(self) -> None:
+        """Close the source files small members were read from (also after a failed write)."""
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+
+    def _read_source(self, source: Path, offset: int, size: int) -> bytes:
+        fd = self._sources.get(source)
+        if fd is None:
+            fd = self._sources[source] = os.open(source, os.O_RDONLY)
+        data = os.pread(fd, size, offset)
+        while len(data) < size:
+            more = os.pread(fd, size - len(data), offset + len(data))
+            if not more:
+                raise InputError("file is truncated: storage bytes end early", path=source)
+            data += more
+        return data
 
     def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
         zip64 = size >= 0xFFFFFFFF
@@ -185,14 +219,23 @@ class ZipWriter:
             return
         encoded = name.encode("utf-8")
         header_offset = self.position
+        if size <= SMALL_MEMBER:  # a bias or a norm: one read, written through the buffer (no flush, no syscall storm)
+            data = self._read_source(source, offset, size)
+            header = self._local_header(encoded, size, crc)
+            self.handle.write(header)
+            self.handle.write(data)
+            data_start = self.position + len(header)
+            self.entries.append((encoded, header_offset, size, crc))
+            self._written(data_start, size)
+            self.position = data_start + size
+            return
         header = self._local_header(encoded, size, crc)
         self.handle.write(header)
-        self.handle.flush()
         data_start = self.position + len(header)
-        _copy_range(source, offset, size, self.handle, data_start)
+        self._report()
+        copy_reporting(source, offset, size, self.handle, data_start, self.on_data)
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
-        self._written(data_start, size)
         self.position = data_start + size
 
     def add_pieces(self, name: str, pieces: tuple[ByteRange, ...]) -> None:
@@ -210,13 +253,16 @@ class ZipWriter:
         self.handle.write(header)
         data_start = self.position + len(header)
         if combined is not None:
-            self.handle.flush()
+            self._report()
             position = data_start
             for piece in pieces:
-                if piece.length:
-                    _copy_range(piece.path, piece.offset, piece.length, self.handle, position)
+                copy_reporting(piece.path, piece.offset, piece.length, self.handle, position, self.on_data)
                 position += piece.length
             crc = combined
+            self.handle.seek(data_start + size)
+            self.entries.append((encoded, header_offset, size, crc))
+            self.position = data_start + size
+            return
         else:
             crc = 0
             for piece in pieces:
@@ -232,6 +278,8 @@ class ZipWriter:
 
     def close(self) -> None:
         """Write the central directory (zip64 records when sizes, offsets or counts need them)."""
+        self._report()
+        self.release()
         central_start = self.position
         needs_zip64 = len(self.entries) >= 0xFFFF
         for name, offset, size, crc in self.entries:
@@ -261,6 +309,22 @@ class ZipWriter:
         else:
             self.handle.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, central_size, central_start, 0))
         self.handle.flush()
+
+
+COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re-read and writeback follow closely
+
+
+def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int,
+                   on_data: Callable[[int, int], None] | None) -> None:
+    """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
+    telling ``on_data`` of each step once it is in the file."""
+    done = 0
+    while done < size:
+        step = min(COPY_STEP, size - done)
+        _copy_range(source, offset + done, step, out, out_offset + done)
+        if on_data is not None:
+            on_data(out_offset + done, step)
+        done += step
 
 
 def _copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int) -> None:

@@ -653,7 +653,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             for p in (inp.path, inp.twin, inp.path.with_suffix(".json")):
                 p.unlink(missing_ok=True)
 
-    result = summarize(list(rows.values()), inputs, args, cold_method, python, started)
+    result = summarize(list(rows.values()), inputs, args, cold_method, python, started, bytecode)
     result["meta"]["not_run_without_full"] = skipped
     loads = [x.load1 for r in rows.values() for x in r.runs]
     result["meta"]["load1_before"] = round(load_before[0], 2)
@@ -693,7 +693,7 @@ def select_tools(spec: str) -> list[Tool]:
 
 
 def summarize(rows: list[Row], inputs: list[Input], args: argparse.Namespace, cold_method: str, python: str,
-              started: float) -> dict:
+              started: float, bytecode: str = "") -> dict:
     by_key = {(r.tool, r.size, r.cache): r for r in rows}
     base_anon = {}
     for name in ("python", "import-torch"):

@@ -5,9 +5,10 @@ With a model (``--model SPEC``) the checkpoint is loaded strictly — keys as st
 seeded input (and, for ``training:`` models, the project's synthetic test set). The CPU run is the
 reference; on each requested device the weights must come back bit-identical after the transfer
 and the outputs must agree within the tolerance of the model's dtype. Without a model, every
-weight is materialized and sent to each device and back, and NaN/Inf are counted. ``against``
-compares with a second checkpoint in any format (keys, dtypes, shapes, values; and, with a model,
-outputs).
+weight is materialized and sent to each device and back, and NaN/Inf are counted; on CPU alone the
+bytes are streamed from the file without torch, and with ``against`` counted in the same pass as the
+diff reads them (the checkpoint is read once). ``against`` compares with a second checkpoint in any
+format (keys, dtypes, shapes, values; and, with a model, outputs).
 
 Settings are deterministic while verifying (TF32 off for matmul and cuDNN, cuDNN deterministic,
 no benchmark autotuning) and restored afterwards.
@@ -24,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import devices as devices_
 from .checkpoint import Checkpoint
-from .comparison import DiffReport, diff, json_float
+from .comparison import (
+    ChunkCallback,
+    DiffReport,
+    OpenFiles,
+    diff,
+    json_float,
+    tensor_chunks,
+)
 from .errors import UsageError
 from .materialize import LoadMismatchError, load_into, to_state_dict
 from .models import ModelSpec, parse_model_spec
@@ -546,58 +554,106 @@ def verify(
     with deterministic_settings() if needs_torch else contextlib.nullcontext():
         evaluation: _Evaluation | None = None
         if spec is None:
-            report = _verify_weights(checkpoint, device_list)
+            # weights only, CPU only, --against: one pass over A does the NaN/Inf count and the diff
+            fused = other if device_list == ["cpu"] else None
+            report = _verify_weights(checkpoint, device_list, against=fused, atol=atol)
         else:
             report, evaluation = _verify_model(checkpoint, spec, tuple(shape), device_list, atol, rtol)
-        if other is not None and report.load.get("ok", False):
+        if other is not None and report.load.get("ok", False) and report.against is None:
             report.against = _against(checkpoint, other, report, evaluation, atol=atol)
     _conclude(report)
     return report
 
 
-def _nonfinite_on_cpu(tensor: TensorRef) -> dict[str, int] | None:
-    """NaN/Inf counts of a floating tensor read straight from the file (numpy, chunk by chunk; no torch)."""
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _count_nonfinite(chunk: bytes | bytearray | memoryview, name: str) -> tuple[int, int]:
+    """``(nan, inf)`` in a chunk of whole elements of the floating dtype ``name`` (numpy; no torch)."""
     import numpy as np
 
+    if name == "BF16":  # no numpy bf16: an all-ones exponent is NaN (mantissa set) or Inf
+        bits = np.frombuffer(chunk, dtype=np.uint16)
+        if not bits.size or int((bits & 0x7FFF).max()) < 0x7F80:  # the usual case: one cheap pass
+            return 0, 0
+        special = (bits & 0x7F80) == 0x7F80
+        mantissa = (bits & 0x007F) != 0
+        return int(np.count_nonzero(special & mantissa)), int(np.count_nonzero(special & ~mantissa))
+    values = np.frombuffer(chunk, dtype={"F64": np.float64, "F32": np.float32, "F16": np.float16}[name])
+    if np.isfinite(values).all():  # the usual case: one cheap pass
+        return 0, 0
+    return int(np.count_nonzero(np.isnan(values))), int(np.count_nonzero(np.isinf(values)))
+
+
+def _nonfinite_on_cpu(tensor: TensorRef, files: OpenFiles | None = None) -> dict[str, int] | None:
+    """NaN/Inf counts of a floating tensor read straight from the file (numpy, chunk by chunk; no torch)."""
     name = tensor.dtype.name
-    if name not in ("F64", "F32", "F16", "BF16"):
+    if name not in _FLOAT_DTYPES:
         return None
     nan = inf = 0
-    for chunk in tensor.iter_reused():
-        if name == "BF16":  # no numpy bf16: an all-ones exponent is NaN (mantissa set) or Inf
-            bits = np.frombuffer(chunk, dtype=np.uint16)
-            special = (bits & 0x7F80) == 0x7F80
-            if not special.any():  # the usual case: one cheap pass
-                continue
-            mantissa = (bits & 0x007F) != 0
-            nan += int(np.count_nonzero(special & mantissa))
-            inf += int(np.count_nonzero(special & ~mantissa))
-        else:
-            values = np.frombuffer(chunk, dtype={"F64": np.float64, "F32": np.float32, "F16": np.float16}[name])
-            if np.isfinite(values).all():  # the usual case: one cheap pass
-                continue
-            nan += int(np.count_nonzero(np.isnan(values)))
-            inf += int(np.count_nonzero(np.isinf(values)))
+    for chunk in tensor_chunks(tensor, files=files):
+        more_nan, more_inf = _count_nonfinite(chunk, name)
+        nan, inf = nan + more_nan, inf + more_inf
     return {"nan": nan, "inf": inf} if nan or inf else None
 
 
-def _check_cpu_weights(tensors: Mapping[str, TensorRef]) -> DeviceResult:
+def _check_cpu_weights(tensors: Mapping[str, TensorRef],
+                       counted: Mapping[str, dict[str, int] | None] | None = None) -> DeviceResult:
     """The CPU row without torch: weights on CPU are the file's bytes, so only NaN/Inf are counted.
 
-    Every byte is read (a truncated or unreadable file fails here), one chunk at a time.
+    Every byte is read once (a truncated or unreadable file fails here), one chunk at a time.
+    ``counted``: NaN/Inf counts (None: none) of tensors already read, by :func:`_check_cpu_weights_against`.
     """
     result = DeviceResult(device="cpu", ok=True, weights_identical=True)
-    for name, tensor in tensors.items():
-        counts = _nonfinite_on_cpu(tensor)
-        if counts:
-            result.nonfinite[name] = counts
-        elif counts is None:
-            for _ in tensor.iter_reused():  # other dtypes: still prove the bytes are there
-                pass
+    with contextlib.closing(OpenFiles()) as files:
+        for name, tensor in tensors.items():
+            if counted is not None and name in counted:
+                counts = counted[name]
+            elif tensor.dtype.name in _FLOAT_DTYPES:
+                counts = _nonfinite_on_cpu(tensor, files)
+            else:
+                counts = None
+                for _ in tensor_chunks(tensor, files=files):
+                    pass  # other dtypes: still prove the bytes are there
+            if counts:
+                result.nonfinite[name] = counts
     return result
 
 
-def _verify_weights(checkpoint: Checkpoint, device_list: list[str]) -> VerifyReport:
+def _check_cpu_weights_against(checkpoint: Checkpoint, other: Checkpoint,
+                               atol: float | None) -> tuple[DeviceResult, DiffReport]:
+    """The CPU row and the --against weight diff with A read once: every chunk of A the diff reads is
+    also counted for NaN/Inf (while it is in cache); only the tensors the diff does not read (keys only
+    in A, other shapes) are read afterwards. The same results as :func:`_check_cpu_weights`, then ``diff``."""
+    tensors = checkpoint.tensors
+    tallies: dict[str, list[int] | None] = {}  # A's key -> [nan, inf] (None: not floating), for each tensor read
+
+    def hook(key: str, tensor: TensorRef) -> ChunkCallback | None:
+        name = tensor.dtype.name
+        if name not in _FLOAT_DTYPES:
+            tallies[key] = None
+            return None
+        tally = tallies[key] = [0, 0]
+
+        def count(chunk: bytes | bytearray) -> None:
+            nan, inf = _count_nonfinite(chunk, name)
+            tally[0] += nan
+            tally[1] += inf
+
+        return count
+
+    try:
+        weights = diff(checkpoint, other, atol=atol or 0.0, align_prefixes=True, chunk_hook=hook)
+    except Exception:
+        _check_cpu_weights(tensors)  # A's own error first, as when A was read whole before the diff
+        raise
+    counted = {key: {"nan": tally[0], "inf": tally[1]} if tally and (tally[0] or tally[1]) else None
+               for key, tally in tallies.items()}
+    return _check_cpu_weights(tensors, counted), weights
+
+
+def _verify_weights(checkpoint: Checkpoint, device_list: list[str], *, against: Checkpoint | None = None,
+                    atol: float | None = None) -> VerifyReport:
     tensors = checkpoint.tensors
     report = VerifyReport(path=str(checkpoint.path), format=checkpoint.format, ok=False, model=None, model_class=None,
                           input_shape=None, dtype=None, atol=None, rtol=None,
@@ -605,7 +661,11 @@ def _verify_weights(checkpoint: Checkpoint, device_list: list[str]) -> VerifyRep
                                 "prefix": checkpoint.prefix})
     state_dict = to_state_dict(tensors) if any(device != "cpu" for device in device_list) else None
     for device in device_list:
-        if device == "cpu":
+        if device == "cpu" and against is not None:
+            row, weights = _check_cpu_weights_against(checkpoint, against, atol)
+            report.devices.append(row)
+            report.against = _against(checkpoint, against, report, None, atol=atol, weights=weights)
+        elif device == "cpu":
             report.devices.append(_check_cpu_weights(tensors))
         else:
             assert state_dict is not None
@@ -667,8 +727,9 @@ def _verify_model(checkpoint: Checkpoint, spec: ModelSpec, shape: tuple[int, ...
 
 
 def _against(checkpoint: Checkpoint, other: Checkpoint, report: VerifyReport, evaluation: _Evaluation | None, *,
-             atol: float | None) -> AgainstResult:
-    weights = diff(checkpoint, other, atol=atol or 0.0, align_prefixes=True)
+             atol: float | None, weights: DiffReport | None = None) -> AgainstResult:
+    if weights is None:  # else the weight diff was already made (in the same pass as the CPU row)
+        weights = diff(checkpoint, other, atol=atol or 0.0, align_prefixes=True)
     result = AgainstResult(path=str(other.path), format=other.format, ok=weights.identical, diff=weights)
     if evaluation is None:
         return result

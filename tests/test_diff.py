@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +174,86 @@ def test_prefixes_on_both_sides_name_both_strip_commands(tmp_path: Path) -> None
     assert diff(nested, ddp).notes[0].endswith(f"ckptool strip {nested} -o {tmp_path / 'nested.stripped.pt'} "
                                                "--prefix model. && "
                                                f"ckptool strip {ddp} -o {tmp_path / 'ddp.stripped.pt'}")
+
+
+# ---------------------------------------------------------------------------------------------- chunked reads
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last-full", "last-partial", "last"])
+def test_one_flipped_bit_is_found_in_any_chunk_of_a_large_tensor(tmp_path: Path, where: str) -> None:
+    """Large tensors are read in CHUNK_SIZE pieces into reused buffers: a one-bit change anywhere is found."""
+    per_chunk = diff_module.CHUNK_SIZE // 4
+    elements = per_chunk * 3 + 1001  # three full chunks and a partial one
+    index = {"first": 0, "middle": elements // 2, "last-full": per_chunk * 3 - 1, "last-partial": per_chunk * 3 + 500,
+             "last": elements - 1}[where]
+    values = torch.randn(elements)
+    changed = values.clone()
+    changed.view(torch.int32)[index] ^= 1  # the lowest mantissa bit: one byte of the file differs
+    a, b, c = tmp_path / "a.pt", tmp_path / "b.pt", tmp_path / "c.safetensors"
+    torch.save({"small": torch.ones(3), "w": values}, a)
+    torch.save({"w": changed, "small": torch.ones(3)}, b)  # another order: other offsets in the file
+    safetensors.torch.save_file({"w": changed, "small": torch.ones(3)}, c)
+    for other in (b, c):
+        report = diff(a, other)
+        assert [change.name for change in report.changed] == ["w"], other
+        change = report.changed[0]
+        assert change.differing == 1 and change.beyond_atol == 1 and report.byte_identical == 1
+        assert change.max_abs_diff == pytest.approx(abs(float(changed[index]) - float(values[index])))
+    assert diff(a, tmp_path / "a.pt").identical
+
+
+def _raw_tensor(storage_data: Any = None, pieces: Any = None, count: int = 100) -> Any:
+    from ckptool.refs import StorageRef, TensorRef
+
+    f32 = by_name("F32")
+    return TensorRef(storage=StorageRef(key="w", dtype=f32, numel=count, location="cpu", data=storage_data,
+                                        pieces=pieces), dtype=f32, shape=(count,), stride=(1,))
+
+
+def test_a_tensor_in_pieces_is_compared_across_piece_and_chunk_boundaries(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP row shards lie in several places: read end to end, boundaries not on chunk boundaries."""
+    from ckptool.errors import InputError
+    from ckptool.refs import ByteRange
+
+    monkeypatch.setattr(diff_module, "CHUNK_SIZE", 64)  # 16 floats per chunk
+    raw = np.arange(100, dtype="<f4").tobytes()
+    pieces_file, whole_file = tmp_path / "pieces.bin", tmp_path / "whole.bin"
+    pieces_file.write_bytes(b"J" * 8 + raw[132:] + b"JUNK" + raw[:132])  # out of order, with gaps
+    whole_file.write_bytes(raw)
+    pieces = (ByteRange(pieces_file, 8 + 268 + 4, 132), ByteRange(pieces_file, 8, 268))
+    in_pieces, whole = _raw_tensor(pieces=pieces), _raw_tensor(ByteRange(whole_file, 0, 400))
+    assert diff_module.compare_values(in_pieces, whole) == (True, 0.0, 0, 0)
+    changed = bytearray(raw)
+    changed[4 * 70 + 3] ^= 0x80  # element 70, in the second piece: its sign
+    whole_file.write_bytes(bytes(changed))
+    assert diff_module.compare_values(in_pieces, whole) == (False, 140.0, 1, 1)
+    # one descriptor open at a time: each side's reads close the other's, which must reopen its own
+    files = diff_module.OpenFiles(limit=1)
+    assert diff_module.compare_values(in_pieces, whole, files=files) == (False, 140.0, 1, 1)
+    assert diff_module.compare_values(whole, in_pieces, files=files) == (False, 140.0, 1, 1)
+    files.close()
+    files = diff_module.OpenFiles()
+    assert b"".join(bytes(chunk) for chunk in diff_module.tensor_chunks(in_pieces, files=files)) == raw
+    files.close()
+    size = pieces_file.stat().st_size
+    short = (pieces[0], ByteRange(pieces_file, size - 100, 104))  # the second piece promises 4 bytes past the end
+    with pytest.raises(InputError, match="truncated") as caught:
+        diff_module.compare_values(_raw_tensor(pieces=short, count=59), _raw_tensor(ByteRange(whole_file, 0, 236),
+                                                                                     count=59))
+    assert caught.value.path == pieces_file
+
+
+def test_a_file_cut_short_after_loading_is_an_input_error_naming_it(tmp_path: Path) -> None:
+    from ckptool.errors import InputError
+    from ckptool.reader import load
+
+    values = torch.randn(diff_module.CHUNK_SIZE // 4 * 2 + 5)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    safetensors.torch.save_file({"w": values}, a)
+    safetensors.torch.save_file({"w": values}, b)
+    left, right = load(a), load(b)
+    os.truncate(b, b.stat().st_size - 10)  # inside the last, partial chunk
+    with pytest.raises(InputError, match="file is truncated") as caught:
+        diff(left, right)
+    assert caught.value.path == b

@@ -405,3 +405,98 @@ def test_weights_only_cpu_verify_streams_without_torch(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.pt"), str(tmp_path / "b.pt")],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True [('b', 0, 1), ('h', 1, 0), ('w', 1, 1)]"
+
+
+def test_against_counts_nan_and_inf_of_a_reading_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights-only CPU verify --against counts A's NaN/Inf in the same pass as the diff (A read once),
+    with the same counts as verify without --against: in every chunk, in tensors the diff does not read
+    (only in A, another shape), under the key A stores when a prefix is aligned."""
+    import os
+
+    comparison = importlib.import_module("ckptool.comparison")
+    per_chunk = comparison.CHUNK_SIZE // 4
+    big = torch.randn(per_chunk * 2 + 77)  # two full chunks and a partial one
+    big[5], big[per_chunk + 3], big[-1] = float("nan"), float("-inf"), float("inf")
+    state = {"big": big, "half": torch.tensor([float("nan"), 1.0]).half(),
+             "bf": torch.tensor([float("inf"), -1.0, float("nan"), float("-inf")]).bfloat16(),
+             "steps": torch.arange(3), "only_a": torch.tensor([float("nan"), float("nan")]),
+             "reshaped": torch.tensor([1.0, float("inf"), 3.0, 4.0]), "clean": torch.ones(per_chunk + 1)}
+    a, b = tmp_path / "a.pt", tmp_path / "b.safetensors"
+    torch.save(state, a)
+    other = {key: value.clone() for key, value in state.items() if key != "only_a"}
+    other["big"] = torch.nan_to_num(big)  # B holds no NaN/Inf: the counts must come from A
+    other["reshaped"] = other["reshaped"].reshape(2, 2)
+    safetensors.torch.save_file(other, b)
+
+    alone = verify_module.verify(a, devices="cpu")
+    expected = {"big": {"nan": 1, "inf": 2}, "half": {"nan": 1, "inf": 0}, "bf": {"nan": 1, "inf": 2},
+                "only_a": {"nan": 2, "inf": 0}, "reshaped": {"nan": 0, "inf": 1}}
+    assert list(alone.devices[0].nonfinite.items()) == list(expected.items())
+
+    read: dict[str, int] = {}
+    names: dict[int, str] = {}
+    real_open, real_preadv, real_pread = os.open, os.preadv, os.pread
+
+    def opened(path: Any, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, *args, **kwargs)
+        names[fd] = Path(path).name
+        return fd
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        got = real_preadv(fd, buffers, offset)
+        read[names.get(fd, "?")] = read.get(names.get(fd, "?"), 0) + got
+        return got
+
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        data = real_pread(fd, size, offset)
+        read[names.get(fd, "?")] = read.get(names.get(fd, "?"), 0) + len(data)
+        return data
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    report = verify_module.verify(a, devices="cpu", against=b)
+    monkeypatch.undo()
+
+    assert list(report.devices[0].nonfinite.items()) == list(expected.items())
+    assert report.notes == alone.notes == ["5 weight tensor(s) hold NaN or Inf: bf, big, half, only_a, reshaped"]
+    weights = report.against.diff
+    assert weights.to_json() == comparison.diff(a, b, align_prefixes=True).to_json()
+    assert weights.only_in_a == ["only_a"]
+    assert [(change.name, change.kinds) for change in weights.changed] == [("big", ["values"]),
+                                                                          ("reshaped", ["shape"])]
+    assert not report.ok and report.failure.startswith(f"against {b}: the weight keys differ")
+    # every byte of A once (the diff's pass counted NaN/Inf), and of B's compared tensors once
+    a_bytes = sum(value.numel() * value.element_size() for value in state.values())
+    b_bytes = sum(value.numel() * value.element_size() for key, value in other.items() if key != "reshaped")
+    assert read == {"a.pt": a_bytes, "b.safetensors": b_bytes}
+
+    # a wrapper prefix on A: compared without it, counted under A's key
+    ddp = tmp_path / "ddp.pt"
+    torch.save({"module." + key: value for key, value in state.items() if key != "only_a"}, ddp)
+    report = verify_module.verify(ddp, devices="cpu", against=b)
+    assert report.against.diff.aligned == ("module.", "")
+    assert [change.name for change in report.against.diff.changed] == ["big", "reshaped"]
+    assert list(report.devices[0].nonfinite.items()) == \
+        [("module." + key, counts) for key, counts in expected.items() if key != "only_a"]
+    assert list(verify_module.verify(ddp, devices="cpu").devices[0].nonfinite.items()) == \
+        list(report.devices[0].nonfinite.items())
+
+
+def test_against_names_a_truncated_checkpoint_before_its_truncated_reference(tmp_path: Path) -> None:
+    """In the fused pass B may fail first; the error still names A when A is unreadable too (as when A
+    was read whole before the diff)."""
+    from ckptool.errors import InputError
+    from ckptool.reader import load
+
+    x, y = torch.randn(70_000), torch.randn(70_000)
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"x": x, "y": y}, a)  # y's bytes last in the file
+    torch.save({"y": y, "x": x}, b)  # x's bytes last in the file
+    left, right = load(a), load(b)
+    os_truncate = __import__("os").truncate
+    os_truncate(a, left.tensors["y"].contiguous_byte_range().offset + 10)
+    os_truncate(b, right.tensors["x"].contiguous_byte_range().offset + 10)
+    with pytest.raises(InputError, match="file is truncated") as caught:
+        verify_module._check_cpu_weights_against(left, right, None)
+    assert caught.value.path == a

@@ -198,15 +198,15 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
             byte = os_.pread(out.fileno(), 1, out_offset)
             os_.pwrite(out.fileno(), bytes([byte[0] ^ 0xFF]), out_offset)
 
-    real_read = zipio.ZipWriter._read_source
+    real_read = zipio.DataOut.read_source
 
-    def corrupting_read(self, source, offset, size):  # small members are read and written through the buffer
+    def corrupting_read(self, source, offset, size):  # small tensors are read and written through the buffer
         data = real_read(self, source, offset, size)
         calls["n"] += 1
         return bytes([data[0] ^ 0xFF]) + data[1:] if calls["n"] == 2 and size else data
 
     monkeypatch.setattr(zipio, "_copy_range", corrupting_copy)
-    monkeypatch.setattr(zipio.ZipWriter, "_read_source", corrupting_read)
+    monkeypatch.setattr(zipio.DataOut, "read_source", corrupting_read)
     with pytest.raises(FingerprintMismatchError, match="reads back different"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / f"out{suffix}")
     assert calls["n"] >= 2
@@ -277,7 +277,7 @@ def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, 
     from ckptool.refs import TensorRef
 
     monkeypatch.setattr(zipio, "COPY_STEP", 1000)  # odd steps: CRCs combined across unaligned boundaries
-    monkeypatch.setattr(zipio, "SMALL_MEMBER", 0)  # every .pt member through the kernel copy
+    monkeypatch.setattr(zipio, "SMALL_MEMBER", 0)  # every tensor through the kernel copy
     reads = {"n": 0}
     real_iter = TensorRef.iter_reused
 

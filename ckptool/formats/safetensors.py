@@ -24,7 +24,8 @@ from typing import BinaryIO
 from .. import dtypes
 from ..errors import InputError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
-from .zipio import copy_reporting
+from . import zipio
+from .zipio import DataOut, copy_reporting
 
 FORMAT = "safetensors"
 SHARDED_FORMAT = "safetensors-sharded"
@@ -256,27 +257,35 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
     handle.write(struct.pack("<Q", len(encoded)) + encoded)
     handle.flush()
     out_offset = 8 + len(encoded)
-    for name in order:
-        tensor = tensors[name]
-        span = tensor.contiguous_byte_range()
-        pieces = tensor.whole_pieces()
-        if span is not None and span.length:
-            copy_reporting(span.path, span.offset, span.length, handle, out_offset, on_data)
-            handle.seek(out_offset + span.length)
-        elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
-            position = out_offset
-            for piece in pieces:
-                copy_reporting(piece.path, piece.offset, piece.length, handle, position, on_data)
-                position += piece.length
-            handle.seek(position)
-        elif tensor.nbytes:
-            handle.seek(out_offset)
-            for chunk in tensor.iter_bytes():
-                handle.write(chunk)
-            handle.flush()
-            if on_data is not None:
-                on_data(out_offset, tensor.nbytes)
-        out_offset += tensor.nbytes
+    out = DataOut(handle, on_data)
+    try:
+        # the file position stays at ``out_offset`` from one tensor to the next
+        for name in order:
+            tensor = tensors[name]
+            span = tensor.contiguous_byte_range()
+            pieces = tensor.whole_pieces()
+            if span is not None and 0 < span.length <= zipio.SMALL_MEMBER:  # through the buffer: no flush, no copy
+                handle.write(out.read_source(span.path, span.offset, span.length))
+                out.written(out_offset, span.length)
+            elif span is not None and span.length:
+                out.report()
+                copy_reporting(span.path, span.offset, span.length, handle, out_offset, on_data)
+                handle.seek(out_offset + span.length)
+            elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
+                out.report()
+                position = out_offset
+                for piece in pieces:
+                    copy_reporting(piece.path, piece.offset, piece.length, handle, position, on_data)
+                    position += piece.length
+                handle.seek(position)
+            elif tensor.nbytes:
+                for chunk in tensor.iter_bytes():
+                    handle.write(chunk)
+                out.written(out_offset, tensor.nbytes)
+            out_offset += tensor.nbytes
+        out.report()
+    finally:
+        out.release()
     handle.seek(out_offset)
     handle.truncate()
 

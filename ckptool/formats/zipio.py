@@ -139,28 +139,32 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
     return data
 
 
-class ZipWriter:
-    """Write stored (uncompressed) members with 64-byte-aligned data, zip64 where needed."""
+class DataOut:
+    """A writer's output and its ``on_data`` reports; small pieces are read through cached descriptors.
 
-    def __init__(self, handle: BinaryIO, on_data: Callable[[int, int], None] | None = None) -> None:
-        """``on_data(offset, length)`` is told of each member's data once it is in the file (and flushed);
-        small members are told in batches of about ``REPORT_EVERY`` bytes (and the rest at :meth:`close`)."""
+    ``on_data(offset, length)`` is told of each data region once it is in the file (flushed). Regions
+    written through the buffer (small members, biases and norms) are told in batches of about
+    ``REPORT_EVERY`` bytes, and the rest at :meth:`report`; so a thousand small tensors cost neither a
+    flush nor an ``open`` each.
+    """
+
+    def __init__(self, handle: BinaryIO, on_data: Callable[[int, int], None] | None) -> None:
         self.handle = handle
-        self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
-        self.position = handle.tell()
         self.on_data = on_data
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
-        self._sources: dict[Path, int] = {}  # open descriptors of the files small members are read from
+        self._sources: dict[Path, int] = {}
 
-    def _written(self, offset: int, length: int) -> None:
+    def written(self, offset: int, length: int) -> None:
+        """``length`` bytes at ``offset`` were written through the buffer."""
         if self.on_data is not None:
             self._pending.append((offset, length))
             self._pending_bytes += length
             if self._pending_bytes >= REPORT_EVERY:
-                self._report()
+                self.report()
 
-    def _report(self) -> None:
+    def report(self) -> None:
+        """Flush and tell ``on_data`` of every region written so far."""
         if self._pending and self.on_data is not None:
             self.handle.flush()
             for offset, length in self._pending:
@@ -168,13 +172,8 @@ class ZipWriter:
         self._pending.clear()
         self._pending_bytes = 0
 
-    def release(self) -> None:
-        """Close the source files small members were read from (also after a failed write)."""
-        for fd in self._sources.values():
-            os.close(fd)
-        self._sources.clear()
-
-    def _read_source(self, source: Path, offset: int, size: int) -> bytes:
+    def read_source(self, source: Path, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``source`` at ``offset`` (a small piece: one read)."""
         fd = self._sources.get(source)
         if fd is None:
             fd = self._sources[source] = os.open(source, os.O_RDONLY)
@@ -185,6 +184,28 @@ class ZipWriter:
                 raise InputError("file is truncated: storage bytes end early", path=source)
             data += more
         return data
+
+    def release(self) -> None:
+        """Close the source descriptors (also after a failed write)."""
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+
+
+class ZipWriter:
+    """Write stored (uncompressed) members with 64-byte-aligned data, zip64 where needed."""
+
+    def __init__(self, handle: BinaryIO, on_data: Callable[[int, int], None] | None = None) -> None:
+        """``on_data(offset, length)`` is told of each member's data once it is in the file (see :class:`DataOut`)."""
+        self.handle = handle
+        self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
+        self.position = handle.tell()
+        self.on_data = on_data
+        self.out = DataOut(handle, on_data)
+
+    def release(self) -> None:
+        """Close the source files small members were read from (also after a failed write)."""
+        self.out.release()
 
     def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
         zip64 = size >= 0xFFFFFFFF
@@ -205,7 +226,7 @@ class ZipWriter:
         self.entries.append((encoded, self.position, len(data), crc))
         self.handle.write(header)
         self.handle.write(data)
-        self._written(self.position + len(header), len(data))
+        self.out.written(self.position + len(header), len(data))
         self.position += len(header) + len(data)
 
     def add_copy(self, name: str, source: Path, offset: int, size: int, crc: int | None) -> None:
@@ -220,19 +241,19 @@ class ZipWriter:
         encoded = name.encode("utf-8")
         header_offset = self.position
         if size <= SMALL_MEMBER:  # a bias or a norm: one read, written through the buffer (no flush, no syscall storm)
-            data = self._read_source(source, offset, size)
+            data = self.out.read_source(source, offset, size)
             header = self._local_header(encoded, size, crc)
             self.handle.write(header)
             self.handle.write(data)
             data_start = self.position + len(header)
             self.entries.append((encoded, header_offset, size, crc))
-            self._written(data_start, size)
+            self.out.written(data_start, size)
             self.position = data_start + size
             return
         header = self._local_header(encoded, size, crc)
         self.handle.write(header)
         data_start = self.position + len(header)
-        self._report()
+        self.out.report()
         copy_reporting(source, offset, size, self.handle, data_start, self.on_data)
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
@@ -253,7 +274,7 @@ class ZipWriter:
         self.handle.write(header)
         data_start = self.position + len(header)
         if combined is not None:
-            self._report()
+            self.out.report()
             position = data_start
             for piece in pieces:
                 copy_reporting(piece.path, piece.offset, piece.length, self.handle, position, self.on_data)
@@ -273,12 +294,12 @@ class ZipWriter:
             self.handle.write(struct.pack("<I", crc))
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
-        self._written(data_start, size)
+        self.out.written(data_start, size)
         self.position = data_start + size
 
     def close(self) -> None:
         """Write the central directory (zip64 records when sizes, offsets or counts need them)."""
-        self._report()
+        self.out.report()
         self.release()
         central_start = self.position
         needs_zip64 = len(self.entries) >= 0xFFFF

@@ -25,7 +25,7 @@ import ckptool
 from ckptool.cli import main
 
 TEMP_PREFIX = ".ckptool-tmp-"
-BIG_TENSORS, BIG_ELEMENTS = 6, 8_000_000  # 6 x 32 MB of float32
+BIG_TENSORS, BIG_ELEMENTS = 16, 8_000_000  # 16 x 32 MB of float32: a write of ~0.3 s, long enough to catch
 
 
 def sha256(path: Path) -> str:
@@ -78,7 +78,12 @@ def interrupt_mid_write(process: subprocess.Popen, directory: Path, sig: int) ->
     while time.monotonic() < deadline:
         temps = temp_files(directory)
         if temps and any(p.exists() and p.stat().st_size > 0 for p in temps):
+            # freeze it where it is first, so a busy machine cannot let the write finish in between
+            process.send_signal(signal.SIGSTOP)
+            if process.poll() is not None:
+                pytest.fail(f"the write finished before it could be interrupted: {process.stderr.read()}")
             process.send_signal(sig)
+            process.send_signal(signal.SIGCONT)
             process.communicate(timeout=120)
             return temps
         if process.poll() is not None:

@@ -62,6 +62,9 @@ def ckptool_process(subprocess_env: dict[str, str]):
     environment = {k: v for k, v in subprocess_env.items() if k != "CKPTOOL_DEBUG"}
 
     def start(*args: object, **kwargs: object) -> subprocess.Popen:
+        # Ctrl-C as at a terminal: a test run started in the background (``cmd &``, nohup) passes
+        # SIGINT on ignored, and Python then never raises KeyboardInterrupt
+        kwargs.setdefault("preexec_fn", lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         return subprocess.Popen([sys.executable, "-m", "ckptool", *map(str, args)], env=environment,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 

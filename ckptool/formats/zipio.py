@@ -218,10 +218,10 @@ class ZipWriter:
         version = 45 if zip64 else 20
         return _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)) + name + extra
 
-    def add_bytes(self, name: str, data: bytes) -> None:
-        """Add a member from memory."""
+    def add_bytes(self, name: str, data: bytes, crc: int | None = None) -> None:
+        """Add a member from memory, under ``crc`` when one is recorded for it (else its CRC is computed)."""
         encoded = name.encode("utf-8")
-        crc = zlib.crc32(data)
+        crc = zlib.crc32(data) if crc is None else crc
         header = self._local_header(encoded, len(data), crc)
         self.entries.append((encoded, self.position, len(data), crc))
         self.handle.write(header)
@@ -238,18 +238,11 @@ class ZipWriter:
         if crc is None:
             self.add_pieces(name, (ByteRange(source, offset, size),))
             return
+        if size <= SMALL_MEMBER:  # a bias or a norm: one read, written through the buffer (no flush, no syscall storm)
+            self.add_bytes(name, self.out.read_source(source, offset, size), crc)
+            return
         encoded = name.encode("utf-8")
         header_offset = self.position
-        if size <= SMALL_MEMBER:  # a bias or a norm: one read, written through the buffer (no flush, no syscall storm)
-            data = self.out.read_source(source, offset, size)
-            header = self._local_header(encoded, size, crc)
-            self.handle.write(header)
-            self.handle.write(data)
-            data_start = self.position + len(header)
-            self.entries.append((encoded, header_offset, size, crc))
-            self.out.written(data_start, size)
-            self.position = data_start + size
-            return
         header = self._local_header(encoded, size, crc)
         self.handle.write(header)
         data_start = self.position + len(header)
@@ -280,10 +273,6 @@ class ZipWriter:
                 copy_reporting(piece.path, piece.offset, piece.length, self.handle, position, self.on_data)
                 position += piece.length
             crc = combined
-            self.handle.seek(data_start + size)
-            self.entries.append((encoded, header_offset, size, crc))
-            self.position = data_start + size
-            return
         else:
             crc = 0
             for piece in pieces:
@@ -292,9 +281,9 @@ class ZipWriter:
             self.handle.flush()
             self.handle.seek(header_offset + 14)
             self.handle.write(struct.pack("<I", crc))
+            self.out.written(data_start, size)
         self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
-        self.out.written(data_start, size)
         self.position = data_start + size
 
     def close(self) -> None:

@@ -1,0 +1,199 @@
+"""File-system safety: inputs stay inside what was named; nothing of the user's is deleted.
+
+Inputs: a folder's files (shards, a folder's one ``.safetensors``, DCP ``.metadata`` and ``.distcp``)
+are read only when they are regular files inside the folder, or links into it — or, for a Hugging
+Face hub cache snapshot, links into the repo's ``blobs/``. A FIFO never blocks a read.
+
+Outputs: a folder output replaces only ckptool's own files (its shards and index), removing the
+shards of an earlier set its old index named, never anything else; several inputs are planned
+before anything is written; the suffix of ``-o`` decides the format; ``--fingerprint`` writes its
+own field only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import ckptool
+from ckptool.cli import main
+
+TEMP_PREFIX = ".ckptool-tmp-"
+SECRET = "s3cr3t-bytes-that-must-never-be-shown"
+
+
+def invoke(*args: object, **kwargs: object):
+    return CliRunner().invoke(main, [str(a) for a in args], **kwargs)
+
+
+def weights(seed: int = 0, count: int = 6) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.rand(64, 64, generator=generator) for i in range(count)}
+
+
+def sharded(directory: Path, seed: int = 0, count: int = 6, shard_size: str = "40KB") -> Path:
+    """A sharded safetensors folder written by ckptool (one 16 KB tensor... per shard, roughly)."""
+    source = directory.parent / f"{directory.name}-source.safetensors"
+    save_file(weights(seed, count), source)
+    result = invoke("convert", source, "-o", directory, "--max-shard-size", shard_size)
+    assert result.exit_code == 0, result.output
+    source.unlink()
+    return directory
+
+
+def one_line_error(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 3 and len(lines) == 1 and lines[0].startswith("ckptool: error: "), result.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+
+def test_a_fifo_shard_is_refused_without_blocking(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    folder = sharded(tmp_path / "model")
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    os.mkfifo(shard)
+    # a blocked open would never return: the timeout only keeps a broken build from hanging the suite
+    result = subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(folder)], env=subprocess_env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert shard.name in result.stderr and "FIFO" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_shard_linked_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "model")
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    outside = elsewhere / shard.name
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    for command in (["inspect", folder], ["inspect", folder / "model.safetensors.index.json"],
+                    ["convert", folder, "-o", tmp_path / "out.pt"], ["scan", folder]):
+        line = one_line_error(invoke(*command))
+        assert shard.name in line and "outside the folder" in line and "copy the file into the folder" in line
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_shard_linked_inside_the_folder_reads(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "model")
+    before = ckptool.fingerprint(ckptool.load(folder).tensors)
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    (folder / "store").mkdir()
+    shard.rename(folder / "store" / shard.name)
+    shard.symlink_to(Path("store") / shard.name)
+    assert ckptool.fingerprint(ckptool.load(folder).tensors) == before
+
+
+def test_a_folder_whose_only_safetensors_links_outside_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.safetensors"
+    save_file(weights(), outside)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(outside)
+    for command in (["inspect", folder], ["convert", folder, "-o", tmp_path / "out.pt"]):
+        line = one_line_error(invoke(*command))
+        assert "model.safetensors" in line and "outside the folder" in line
+    assert not (tmp_path / "out.pt").exists()
+    # a link named on the command line is the user's own choice: it is read
+    result = invoke("inspect", folder / "model.safetensors")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path_factory.mktemp("dcp") / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns and saves from this one process
+        dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3)}}, checkpoint_id=str(directory))
+    return directory
+
+
+def copy_tree(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def test_dcp_metadata_linked_outside_is_refused_without_reading_it(dcp_checkpoint: Path, tmp_path: Path) -> None:
+    directory = copy_tree(dcp_checkpoint, tmp_path / "ckpt")
+    secret = tmp_path / "passwd"
+    secret.write_text(f"root:x:0:0:{SECRET}:/root:/bin/bash\n")
+    (directory / ".metadata").unlink()
+    (directory / ".metadata").symlink_to(secret)
+    for command in ("inspect", "scan"):
+        result = invoke(command, directory)
+        line = one_line_error(result)
+        assert ".metadata" in line and "outside the folder" in line
+        assert SECRET not in result.output and SECRET not in result.stderr
+
+
+def test_dcp_data_file_linked_inside_the_folder_reads(dcp_checkpoint: Path, tmp_path: Path) -> None:
+    directory = copy_tree(dcp_checkpoint, tmp_path / "ckpt")
+    expected = ckptool.fingerprint(ckptool.load(directory).tensors)
+    (directory / "data").mkdir()
+    (directory / "__0_0.distcp").rename(directory / "data" / "__0_0.distcp")
+    (directory / "__0_0.distcp").symlink_to(Path("data") / "__0_0.distcp")
+    assert ckptool.fingerprint(ckptool.load(directory).tensors) == expected
+    result = invoke("convert", directory, "-o", tmp_path / "out.safetensors")
+    assert result.exit_code == 0, result.output
+
+
+def hub_snapshot(cache: Path, files: dict[str, bytes]) -> Path:
+    """A hub cache repo as huggingface_hub lays it out: blobs by sha256, snapshot files linking to them."""
+    repo = cache / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for name, data in files.items():
+        digest = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / digest).write_bytes(data)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / digest)
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_reads(tmp_path: Path) -> None:
+    single = tmp_path / "single.safetensors"
+    save_file(weights(), single)
+    snapshot = hub_snapshot(tmp_path / "hub1", {"model.safetensors": single.read_bytes(), "config.json": b"{}"})
+    expected = ckptool.fingerprint(ckptool.load(single).tensors)
+    for path in (snapshot, snapshot / "model.safetensors"):
+        assert ckptool.fingerprint(ckptool.load(path).tensors) == expected
+        result = invoke("inspect", path)
+        assert result.exit_code == 0, result.output
+
+
+def test_a_sharded_hub_cache_snapshot_reads(tmp_path: Path) -> None:
+    folder = sharded(tmp_path / "model")
+    expected = ckptool.fingerprint(ckptool.load(folder).tensors)
+    snapshot = hub_snapshot(tmp_path / "hub2", {p.name: p.read_bytes() for p in folder.iterdir()})
+    for path in (snapshot, snapshot / "model.safetensors.index.json"):
+        assert ckptool.fingerprint(ckptool.load(path).tensors) == expected
+    result = invoke("convert", snapshot, "-o", tmp_path / "out.pt")
+    assert result.exit_code == 0, result.output
+    # a snapshot's link that leaves the repo's blobs/ is refused like any other
+    shard = sorted(snapshot.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    line = one_line_error(invoke("inspect", snapshot))
+    assert shard.name in line and "outside the folder" in line

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .atomic import atomic_directory, atomic_output, check_output
+from .atomic import atomic_output, check_folder_output, check_output, folder_output
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, UsageError
 from .digest import PREFIX
@@ -439,8 +439,15 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     """
     out = Path(out)
     target = target_format(out, to, max_shard_size)
-    check_output(out, inputs=tuple(checkpoint.files) + (checkpoint.path,), force=force, in_place=in_place)
+    inputs = tuple(checkpoint.files) + (checkpoint.path,)
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    plan: _ShardPlan | None = None
+    if target == "safetensors-sharded":
+        plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out)
+        check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
+                            in_place=in_place)
+    else:
+        check_output(out, inputs=inputs, force=force, in_place=in_place)
     expect = _Expectations(
         checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True)),
         fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors) if fingerprint else None),
@@ -452,8 +459,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         elif target == "safetensors":
             report = _save_safetensors(checkpoint, out, duplicate_tied, expect)
         else:
-            report = _save_sharded(checkpoint, out, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied,
-                                   expect)
+            assert plan is not None
+            report = _save_sharded(checkpoint, out, plan, expect)
     except CkptError as e:
         if e.path is None:
             raise type(e)(e.message, path=out) from e
@@ -534,23 +541,58 @@ def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, e
     return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=checked, aliases=aliases)
 
 
-def _save_sharded(checkpoint: Checkpoint, out: Path, max_shard_size: int, duplicate_tied: bool,
-                  expect: _Expectations) -> SaveReport:
-    tensors = checkpoint.tensors
+@dataclass
+class _ShardPlan:
+    """A folder output, planned before anything is written: which tensors go to which shard file,
+    the files it writes (shards, then the index) and the earlier set's shards it removes."""
+
+    aliases: dict[str, str]
+    stored: dict[str, TensorRef]
+    shards: list[list[str]]
+    names: list[str]
+    removes: list[str]
+    notes: list[str]
+
+    @property
+    def writes(self) -> list[str]:
+        return [*self.names, safetensors.INDEX_NAME]
+
+
+def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path) -> _ShardPlan:
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
     stored = {k: v for k, v in tensors.items() if k not in aliases}
     shards = safetensors.plan_shards(stored, max_shard_size)
+    names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
+    removes: list[str] = []
+    notes: list[str] = []
+    if out.is_dir():
+        old_index = out / safetensors.INDEX_NAME
+        if os.path.lexists(old_index):
+            # the earlier set's shards, as its own index names them: nothing else is ever removed
+            named = safetensors.shards_named_by(old_index)
+            if named is None:
+                notes.append(f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
+                             "if any, were left in place")
+            removes = [name for name in (named or []) if name not in names]
+        single = out / "model.safetensors"
+        if os.path.lexists(single):
+            notes.append(f"{out} also holds model.safetensors, which loaders such as transformers read before the "
+                         "index — remove it if it is an older copy")
+    return _ShardPlan(aliases, stored, shards, names, removes, notes)
+
+
+def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
     weight_map: dict[str, str] = {}
     files: list[Path] = []
-    with atomic_directory(out) as tmp_dir:
+    # shards and index are written into a temp folder, checked, then moved in: the index last
+    with folder_output(out, last=safetensors.INDEX_NAME, remove=plan.removes) as tmp_dir:
         handles = []
         all_sums: list[OutputSums] = []
-        for index, names in enumerate(shards):
-            name = safetensors.shard_file_name(index, len(shards))
-            shard_tensors = {k: stored[k] for k in names}
+        for name, names in zip(plan.names, plan.shards):
+            shard_tensors = {k: plan.stored[k] for k in names}
             # an alias lives in the shard that stores its target
-            shard_aliases = {a: t for a, t in aliases.items() if t in shard_tensors}
+            shard_aliases = {a: t for a, t in plan.aliases.items() if t in shard_tensors}
             shard_metadata = dict(metadata)
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
@@ -571,12 +613,16 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, max_shard_size: int, duplic
             if value:
                 _patch_fingerprint(handle, value)
             handle.close()
-        index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in stored.values())}
+        index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in plan.stored.values())}
         if value:
             index_metadata["ckptool.fingerprint"] = value
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         checked = _verify(tmp_dir / safetensors.INDEX_NAME, expect.checks, _read_back(checkpoint), lambda: None,
                           all_sums)
-    return SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
-                      fingerprint=value, checked=checked, aliases=aliases)
+    report = SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
+                        fingerprint=value, checked=checked, aliases=plan.aliases, notes=list(plan.notes))
+    if plan.removes:
+        report.notes.append(f"removed {len(plan.removes)} shard(s) of the earlier set ({', '.join(plan.removes[:3])}"
+                            f"{', ...' if len(plan.removes) > 3 else ''})")
+    return report

@@ -197,3 +197,156 @@ def test_a_sharded_hub_cache_snapshot_reads(tmp_path: Path) -> None:
     shard.symlink_to(outside)
     line = one_line_error(invoke("inspect", snapshot))
     assert shard.name in line and "outside the folder" in line
+
+
+# ------------------------------------------------------------------------------------------------ folder outputs
+
+USER_FILES = {"config.json": b'{"model_type": "mine"}', "tokenizer.json": b'{"v": 1}', "README.md": b"# my model\n",
+              # named like a shard, but no index of ckptool's names it: the user's, kept
+              "model-00001-of-00009.safetensors": b"not ours"}
+
+
+def model_folder(directory: Path) -> Path:
+    """A model folder: the user's files beside an earlier set of 3 shards."""
+    sharded(directory, seed=1, count=6, shard_size="40KB")
+    assert len(list(directory.glob("model-*-of-00003.safetensors"))) == 3
+    for name, data in USER_FILES.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def new_weights(tmp_path: Path) -> Path:
+    source = tmp_path / "new.safetensors"
+    save_file(weights(seed=2, count=4), source)
+    return source
+
+
+def folder_state(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def check_replaced(directory: Path, source: Path) -> None:
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == sorted([*USER_FILES, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                            "model.safetensors.index.json"]), names
+    for name, data in USER_FILES.items():
+        assert (directory / name).read_bytes() == data
+    assert ckptool.fingerprint(ckptool.load(directory).tensors) == ckptool.fingerprint(ckptool.load(source).tensors)
+    reloaded = {}
+    for shard in directory.glob("model-0000?-of-00002.safetensors"):
+        reloaded.update(load_file(shard))
+    assert reloaded.keys() == load_file(source).keys()
+
+
+def test_force_into_a_model_folder_replaces_only_its_own_files(tmp_path: Path) -> None:
+    directory = model_folder(tmp_path / "model")
+    source = new_weights(tmp_path)
+    before = folder_state(directory)
+    line = one_line_error(invoke("convert", source, "-o", directory, "--max-shard-size", "40KB"))
+    assert "--force" in line and "model.safetensors.index.json" in line
+    assert folder_state(directory) == before
+    result = invoke("convert", source, "-o", directory, "--max-shard-size", "40KB", "--force")
+    assert result.exit_code == 0, result.output
+    check_replaced(directory, source)  # the 3 earlier shards are gone, the user's files are not
+    assert "removed 3 shard(s) of the earlier set" in result.output
+    assert not [p for p in tmp_path.rglob(f"{TEMP_PREFIX}*")]
+
+
+def test_an_existing_folder_without_a_set_needs_no_force(tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_bytes(USER_FILES["config.json"])
+    result = invoke("convert", new_weights(tmp_path), "-o", directory, "--max-shard-size", "40KB")
+    assert result.exit_code == 0, result.output
+    assert (directory / "config.json").read_bytes() == USER_FILES["config.json"]
+    assert (directory / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize("spelling", ["absolute", "dot"])
+def test_force_into_the_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str) -> None:
+    directory = model_folder(tmp_path / "model")
+    source = new_weights(tmp_path)
+    monkeypatch.chdir(directory)
+    out = str(Path.cwd()) if spelling == "absolute" else "."
+    result = invoke("convert", source, "-o", out, "--max-shard-size", "40KB", "--force")
+    assert result.exit_code == 0, result.output
+    check_replaced(directory, source)
+    assert not [p for p in tmp_path.rglob(f"{TEMP_PREFIX}*")]
+
+
+def test_a_folder_output_never_replaces_its_input(tmp_path: Path) -> None:
+    directory = model_folder(tmp_path / "model")
+    before = folder_state(directory)
+    for command in (["convert", directory, "-o", directory, "--force"],  # the folder itself
+                    # one earlier shard as the input: the new set would remove it
+                    ["convert", directory / "model-00003-of-00003.safetensors", "-o", directory, "--to", "safetensors",
+                     "--max-shard-size", "40KB", "--force"]):
+        line = one_line_error(invoke(*command))
+        assert "input" in line
+    assert folder_state(directory) == before
+
+
+def test_strip_in_place_of_a_sharded_folder_keeps_the_users_files(tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    source = tmp_path / "ddp.safetensors"
+    save_file({f"module.{k}": v for k, v in weights(3).items()}, source)
+    assert invoke("convert", source, "-o", directory, "--max-shard-size", "40KB").exit_code == 0
+    (directory / "config.json").write_bytes(USER_FILES["config.json"])
+    result = invoke("strip", directory, "--in-place")
+    assert result.exit_code == 0, result.output
+    assert (directory / "config.json").read_bytes() == USER_FILES["config.json"]
+    assert sorted(ckptool.load(directory).tensors) == sorted(weights(3))
+    assert sorted(p.name for p in directory.glob("model-*.safetensors")) == ["model-00001-of-00001.safetensors"]
+
+
+class FailingRename:
+    """A rename that fails the first time it is asked to move something new to ``fail_into``
+    (the seam atomic's folder writers take); putting the previous file back there works."""
+
+    def __init__(self, fail_into: Path) -> None:
+        self.fail_into = fail_into
+        self.calls: list[tuple[Path, Path]] = []
+        self.failed = False
+
+    def __call__(self, source: Path, target: Path) -> None:
+        self.calls.append((Path(source), Path(target)))
+        if Path(target) == self.fail_into and not self.failed:
+            self.failed = True
+            raise OSError(5, "Input/output error")
+        os.replace(source, target)
+
+
+def test_atomic_directory_puts_the_old_folder_back_when_the_final_rename_fails(tmp_path: Path) -> None:
+    from ckptool.atomic import atomic_directory
+    from ckptool.errors import OutputError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.bin").write_bytes(b"old")
+    rename = FailingRename(out)
+    with pytest.raises(OutputError):
+        with atomic_directory(out, rename=rename) as tmp:
+            (tmp / "new.bin").write_bytes(b"new")
+    assert rename.calls and rename.calls[-1][1] == out  # the previous folder was moved back last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "old.bin").read_bytes() == b"old" and not (out / "new.bin").exists()
+
+
+@pytest.mark.parametrize("fail_at", ["model.safetensors.index.json", "model-00002-of-00002.safetensors"])
+def test_a_failed_move_into_a_folder_output_puts_everything_back(tmp_path: Path, fail_at: str) -> None:
+    from ckptool.atomic import update_directory
+    from ckptool.errors import OutputError
+
+    directory = model_folder(tmp_path / "model")
+    before = folder_state(directory)
+    rename = FailingRename(directory / fail_at)
+    with pytest.raises(OutputError):
+        with update_directory(directory, last="model.safetensors.index.json",
+                              remove=["model-00003-of-00003.safetensors"], rename=rename) as staging:
+            for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                         "model.safetensors.index.json"):
+                (staging / name).write_bytes(b"new " + name.encode())
+    assert folder_state(directory) == before
+    assert not [p for p in directory.iterdir() if p.name.startswith(TEMP_PREFIX)]
+    # the earlier index was the first file moved aside, so no reader saw it beside new shards
+    assert rename.calls[0][0] == directory / "model.safetensors.index.json"

@@ -187,6 +187,25 @@ def read_index(index_path: Path) -> SafetensorsContents:
     return contents
 
 
+# how ckptool (and huggingface_hub) name shards; only files named so are ever removed from a folder output
+SHARD_FILE = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+def shards_named_by(index_path: Path) -> list[str] | None:
+    """The shard files named like ckptool's (``model-NNNNN-of-NNNNN.safetensors``) that an existing
+    index lists, or None when it cannot be read as an index."""
+    try:
+        with inputs.open_regular(index_path) as handle:
+            raw = handle.read(MAX_HEADER_BYTES + 1)
+        index = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_HEADER_BYTES else None
+    except (InputError, OSError, ValueError, RecursionError):
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return None
+    return sorted({name for name in weight_map.values() if isinstance(name, str) and SHARD_FILE.match(name)})
+
+
 def find_index(directory: Path) -> Path | None:
     """The sharded index inside ``directory``, or its single safetensors file."""
     indexes = sorted(directory.glob("*.safetensors.index.json"))

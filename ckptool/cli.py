@@ -363,11 +363,10 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
     if out is not None:
         jobs = [(ckpts[0], out)]
     else:
+        from .writer import plan_outputs
+
         assert out_dir is not None
-        if not out_dir.is_dir():
-            raise UsageError(f"--out-dir {out_dir} is not an existing directory — create it first")
-        suffix = ".pt" if to_format == "pt" else ".safetensors"
-        jobs = [(path, out_dir / (path.name.split(".")[0] + suffix)) for path in ckpts]
+        jobs = plan_outputs(ckpts, out_dir, to_format)  # every output planned (and collisions refused) first
     results: list[dict[str, Any]] = []
     failures: list[Any] = []
     show_progress = len(jobs) > 1 and not as_json

@@ -30,7 +30,7 @@ from typing import Any
 from . import dtypes
 from .atomic import atomic_output, check_folder_output, check_output, folder_output
 from .checkpoint import Checkpoint
-from .errors import CkptError, FingerprintMismatchError, UsageError
+from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
 from .digest import PREFIX
 from .digest import fingerprint as weights_fingerprint  # `save` has a parameter named fingerprint
 from .formats import safetensors, torch_zip, zipio
@@ -280,6 +280,43 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> str:
     if out.is_dir() or not out.suffix:
         return "safetensors-sharded"
     raise UsageError(f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass --to")
+
+
+def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str | None) -> list[tuple[Path, Path]]:
+    """Every ``(input, output)`` of a many-input conversion into ``out_dir``, planned before any is written.
+
+    An output keeps its input's name up to the first dot, with the suffix of ``to`` (safetensors
+    by default).
+
+    Raises:
+        UsageError: ``out_dir`` is not an existing directory.
+        OutputError: two inputs would be written to one output (refused even with ``--force``:
+            the second write would destroy the first, or the first an input the second reads).
+    """
+    if not out_dir.is_dir():
+        raise UsageError(f"--out-dir {out_dir} is not an existing directory — create it first")
+    suffix = ".pt" if to == "pt" else ".safetensors"
+    jobs = [(Path(source), out_dir / (Path(source).name.split(".")[0] + suffix)) for source in sources]
+    by_output: dict[str, Path] = {}
+    for source, target in jobs:
+        key = os.path.normcase(os.path.abspath(target))
+        if key in by_output:
+            other = by_output[key]
+            if _same_path(other, source):
+                raise OutputError(f"input {source} is given twice — nothing was written; give each input once",
+                                  path=target)
+            raise OutputError(f"{other} and {source} would both be written here — nothing was written; convert "
+                              "them into separate --out-dir folders", path=target)
+        by_output[key] = source
+    return jobs
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    from .atomic import same_file
+
+    if os.path.lexists(a) and os.path.lexists(b):
+        return same_file(a, b)
+    return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
 
 
 def _run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:

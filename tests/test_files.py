@@ -350,3 +350,32 @@ def test_a_failed_move_into_a_folder_output_puts_everything_back(tmp_path: Path,
     assert not [p for p in directory.iterdir() if p.name.startswith(TEMP_PREFIX)]
     # the earlier index was the first file moved aside, so no reader saw it beside new shards
     assert rename.calls[0][0] == directory / "model.safetensors.index.json"
+
+
+# ------------------------------------------------------------------------------------------------ many inputs
+
+
+def test_two_inputs_onto_one_output_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    for folder, seed in (("a", 0), ("b", 1)):
+        (tmp_path / folder).mkdir()
+        torch.save(weights(seed), tmp_path / folder / "model.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"earlier")
+    result = invoke("convert", tmp_path / "a" / "model.pt", tmp_path / "b" / "model.pt", "--out-dir", out, "--force")
+    line = one_line_error(result)
+    assert str(tmp_path / "a" / "model.pt") in line and str(tmp_path / "b" / "model.pt") in line
+    assert result.stdout == ""
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == \
+        b"earlier"
+
+
+def test_an_output_that_is_another_input_is_refused_even_with_force(tmp_path: Path) -> None:
+    save_file(weights(0), tmp_path / "first.safetensors")
+    torch.save(weights(1), tmp_path / "first.pt")
+    before = (tmp_path / "first.pt").read_bytes()
+    # first.safetensors -> ./first.pt, the second input (which would itself be written there too)
+    line = one_line_error(invoke("convert", tmp_path / "first.safetensors", tmp_path / "first.pt", "--out-dir",
+                                 tmp_path, "--to", "pt", "--force"))
+    assert "both be written" in line
+    assert (tmp_path / "first.pt").read_bytes() == before

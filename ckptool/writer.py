@@ -263,17 +263,61 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     return checks
 
 
+def suffix_format(out: Path) -> str | None:
+    """The format a file name's suffix says: ``"safetensors"``, ``"pt"``, or None for another suffix."""
+    suffix = out.suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    return "pt" if suffix in PT_SUFFIXES else None
+
+
+def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) -> str:
+    """The format a rewrite (strip, add-prefix, remap) writes: what the suffix of ``out`` says, so
+    a file's name never lies about its content; the input's own format for a suffix ckptool does
+    not know, or with no ``out`` (``--in-place``).
+
+    Raises:
+        UsageError: a ``.safetensors`` name for a rewrite that would have to drop what the input
+            holds besides its weights (a rewrite keeps the whole container), or for ``remap``
+            (safetensors has no device tags to rewrite).
+    """
+    own = "safetensors" if checkpoint.format.startswith("safetensors") else "pt"
+    wanted = suffix_format(out) if out is not None else None
+    if wanted is None or wanted == own:
+        return own
+    if wanted == "pt":
+        return wanted  # the weights, as convert writes them: nothing a .pt cannot hold
+    source = checkpoint.path
+    if command == "remap":
+        raise UsageError(f"{out}: safetensors keeps no device tags, so there is nothing to remap into it — write "
+                         f".pt, or drop the tags with: ckptool convert {source} -o {out}")
+    extra = [repr(key) for key in checkpoint.entries()]
+    if checkpoint.has_weights:
+        extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
+    if checkpoint.layout is None or extra:
+        shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
+        hint = (f"ckptool convert {source} -o {out} --strip" if command == "strip"
+                else f"ckptool {command} {source} -o OUT.pt, then ckptool convert OUT.pt -o {out}")
+        raise UsageError(f"{out}: safetensors holds weights only, but {source} also holds {shown or 'no weights'}, "
+                         f"which {command} keeps — write .pt, or keep just the weights: {hint}")
+    return wanted
+
+
 def target_format(out: Path, to: str | None, max_shard_size: int | None) -> str:
     """Choose the output format from ``--to``, the suffix, or a directory."""
     if to is not None:
         if to not in ("pt", "safetensors"):
             raise UsageError(f"--to {to!r}: choose pt or safetensors")
+        named = suffix_format(out)
+        if named is not None and named != to:
+            raise UsageError(f"--to {to} contradicts the name {out.name} — drop --to, or name the output "
+                             f"{out.stem}{'.pt' if to == 'pt' else '.safetensors'}")
         if to == "safetensors" and (max_shard_size is not None or out.is_dir() or not out.suffix):
             return "safetensors-sharded" if max_shard_size is not None or out.is_dir() else "safetensors"
         return to
-    if out.suffix == ".safetensors":
+    if suffix_format(out) == "safetensors":
         return "safetensors-sharded" if max_shard_size is not None else "safetensors"
-    if out.suffix in PT_SUFFIXES:
+    if suffix_format(out) == "pt":
         if max_shard_size is not None:
             raise UsageError("--max-shard-size applies to safetensors output — write to a directory or .safetensors")
         return "pt"

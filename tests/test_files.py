@@ -51,9 +51,9 @@ def sharded(directory: Path, seed: int = 0, count: int = 6, shard_size: str = "4
     return directory
 
 
-def one_line_error(result) -> str:
+def one_line_error(result, code: int = 3) -> str:
     lines = result.stderr.strip().splitlines()
-    assert result.exit_code == 3 and len(lines) == 1 and lines[0].startswith("ckptool: error: "), result.stderr
+    assert result.exit_code == code and len(lines) == 1 and lines[0].startswith("ckptool: error: "), result.stderr
     return lines[0]
 
 
@@ -379,3 +379,50 @@ def test_an_output_that_is_another_input_is_refused_even_with_force(tmp_path: Pa
                                  tmp_path, "--to", "pt", "--force"))
     assert "both be written" in line
     assert (tmp_path / "first.pt").read_bytes() == before
+
+
+# ------------------------------------------------------------------------------------------------ -o decides the format
+
+
+def file_format(path: Path) -> str:
+    return ckptool.load(path).format
+
+
+def test_strip_writes_the_format_its_output_is_named_for(tmp_path: Path) -> None:
+    torch.save({f"module.{k}": v for k, v in weights().items()}, tmp_path / "ddp.pt")
+    result = invoke("strip", tmp_path / "ddp.pt", "-o", tmp_path / "model.safetensors")
+    assert result.exit_code == 0, result.output
+    stock = load_file(tmp_path / "model.safetensors")  # the safetensors library reads it: it is safetensors
+    assert stock.keys() == weights().keys() and all(torch.equal(stock[k], v) for k, v in weights().items())
+    # and back: a .pt name from a safetensors input is a torch zip torch.load reads
+    save_file({f"module.{k}": v for k, v in weights().items()}, tmp_path / "ddp.safetensors")
+    for command in (["strip", tmp_path / "ddp.safetensors", "-o", tmp_path / "model.pt"],
+                    ["add-prefix", tmp_path / "model.safetensors", "-o", tmp_path / "prefixed.pth"]):
+        result = invoke(*command)
+        assert result.exit_code == 0, result.output
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert loaded.keys() == weights().keys() and all(torch.equal(loaded[k], v) for k, v in weights().items())
+    assert sorted(torch.load(tmp_path / "prefixed.pth", weights_only=True)) == sorted(f"module.{k}" for k in weights())
+    # a suffix that names no format keeps the input's
+    assert invoke("strip", tmp_path / "ddp.pt", "-o", tmp_path / "model.weights").exit_code == 0
+    assert file_format(tmp_path / "model.weights") == "torch-zip"
+
+
+def test_a_rewrite_refuses_a_safetensors_name_that_would_drop_the_container(tmp_path: Path) -> None:
+    torch.save({"model": {f"module.{k}": v for k, v in weights().items()}, "optimizer": {"lr": 0.1}, "epoch": 3},
+               tmp_path / "train.pt")
+    for command, hint in (("strip", "convert"), ("add-prefix", "convert")):
+        line = one_line_error(invoke(command, tmp_path / "train.pt", "-o", tmp_path / "x.safetensors"), code=2)
+        assert "'optimizer'" in line and hint in line
+    line = one_line_error(invoke("remap", tmp_path / "train.pt", "--to", "cpu", "-o", tmp_path / "x.safetensors"),
+                          code=2)
+    assert "device tags" in line
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_convert_refuses_a_to_that_contradicts_the_name(tmp_path: Path) -> None:
+    save_file(weights(), tmp_path / "w.safetensors")
+    line = one_line_error(invoke("convert", tmp_path / "w.safetensors", "-o", tmp_path / "w.pt", "--to", "safetensors"),
+                          code=2)
+    assert "--to safetensors" in line and "w.pt" in line
+    assert not (tmp_path / "w.pt").exists()

@@ -39,7 +39,10 @@ from .tree import map_tensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 TARGETS = ("pt", "safetensors", "safetensors-sharded")
+FINGERPRINT_KEY = "ckptool.fingerprint"
 _FINGERPRINT_PLACEHOLDER = PREFIX + "0" * 64
+# how a safetensors header written with a fingerprint begins (safetensors.write_file puts the metadata first)
+_FINGERPRINT_SLOT = ('{"__metadata__":{' + json.dumps(FINGERPRINT_KEY) + ':"').encode()
 
 
 @dataclass
@@ -481,8 +484,9 @@ def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool) -> d
     if entries is not None:
         metadata["ckptool.entries"] = entries
     if with_fingerprint:
-        # patched in once the hash is known; the header keeps its length
-        metadata["ckptool.fingerprint"] = _FINGERPRINT_PLACEHOLDER
+        # patched in once the hash is known (the header keeps its length); first in the header, so
+        # its place is known exactly and no value of the user's is ever mistaken for it
+        metadata = {FINGERPRINT_KEY: _FINGERPRINT_PLACEHOLDER, **metadata}
     return metadata
 
 
@@ -592,14 +596,13 @@ def _archive_name(out: Path) -> str:
 
 
 def _patch_fingerprint(handle: Any, value: str) -> None:
+    """Write ``value`` over the placeholder that opens the header's metadata (and nowhere else)."""
     handle.flush()
-    handle.seek(0)
-    length = int.from_bytes(handle.read(8), "little")
-    header = handle.read(length)
-    position = header.find(_FINGERPRINT_PLACEHOLDER.encode())
-    if position < 0:
-        raise FingerprintMismatchError("internal: fingerprint placeholder missing from the header")
-    handle.seek(8 + position)
+    handle.seek(8)
+    slot = _FINGERPRINT_SLOT + _FINGERPRINT_PLACEHOLDER.encode()
+    if handle.read(len(slot)) != slot or len(value) != len(_FINGERPRINT_PLACEHOLDER):
+        raise FingerprintMismatchError("internal: the header does not open with the fingerprint's field")
+    handle.seek(8 + len(_FINGERPRINT_SLOT))
     handle.write(value.encode())
     handle.flush()
 
@@ -696,7 +699,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _
             handle.close()
         index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in plan.stored.values())}
         if value:
-            index_metadata["ckptool.fingerprint"] = value
+            index_metadata[FINGERPRINT_KEY] = value
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         checked = _verify(tmp_dir / safetensors.INDEX_NAME, expect.checks, _read_back(checkpoint), lambda: None,

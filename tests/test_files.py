@@ -426,3 +426,32 @@ def test_convert_refuses_a_to_that_contradicts_the_name(tmp_path: Path) -> None:
                           code=2)
     assert "--to safetensors" in line and "w.pt" in line
     assert not (tmp_path / "w.pt").exists()
+
+
+# ------------------------------------------------------------------------------------------------ --fingerprint
+
+OLD_PLACEHOLDER = "sha256:" + "0" * 64  # what the fingerprint's field held before the hash was known
+
+
+def test_fingerprint_goes_to_its_own_field_only(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    torch.save({"model": weights(), "note": OLD_PLACEHOLDER}, tmp_path / "train.pt")
+    save_file(weights(), tmp_path / "w.safetensors", metadata={"mine": OLD_PLACEHOLDER})
+    expected = ckptool.fingerprint(ckptool.load(tmp_path / "w.safetensors").tensors)
+    for source, out in ((tmp_path / "train.pt", tmp_path / "a.safetensors"),
+                        (tmp_path / "w.safetensors", tmp_path / "b.safetensors"),
+                        (tmp_path / "w.safetensors", tmp_path / "sharded")):
+        extra = ["--max-shard-size", "40KB"] if out.name == "sharded" else []
+        result = invoke("convert", source, "-o", out, "--fingerprint", "--json", *extra)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["fingerprint"] == expected
+        files = sorted(out.glob("*.safetensors")) if out.is_dir() else [out]
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                metadata = handle.metadata()
+            assert metadata["ckptool.fingerprint"] == expected
+            if source.name == "train.pt":
+                assert json.loads(metadata["ckptool.entries"]) == {"note": OLD_PLACEHOLDER}
+            else:
+                assert metadata["mine"] == OLD_PLACEHOLDER

@@ -14,6 +14,7 @@ or device swapped in never blocks the open and is refused by what was actually o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -94,7 +95,11 @@ def open_regular(path: Path, *, what: str | None = None, report: Path | None = N
     """
     where = report if report is not None else path
     label = f"{what} " if what else ""
-    try:
+    with contextlib.suppress(OSError):  # a device is not even opened (opening some has effects)...
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{label}is {_kind(mode)}, not a regular file — not a checkpoint", path=where)
+    try:  # ...and what is opened is judged again, by its descriptor: nothing can be swapped in between
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as e:
         raise InputError(f"{label}does not exist — check the path", path=where) from e

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .atomic import atomic_output, check_folder_output, check_output, folder_output
+from .atomic import atomic_output, check_folder_output, check_output, folder_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
 from .digest import PREFIX
@@ -292,8 +292,8 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
         return wanted  # the weights, as convert writes them: nothing a .pt cannot hold
     source = checkpoint.path
     if command == "remap":
-        raise UsageError(f"{out}: safetensors keeps no device tags, so there is nothing to remap into it — write "
-                         f".pt, or drop the tags with: ckptool convert {source} -o {out}")
+        raise UsageError("is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
+                         f"drop the tags with: ckptool convert {source} -o {out}", path=out)
     extra = [repr(key) for key in checkpoint.entries()]
     if checkpoint.has_weights:
         extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
@@ -301,8 +301,9 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
         shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
         hint = (f"ckptool convert {source} -o {out} --strip" if command == "strip"
                 else f"ckptool {command} {source} -o OUT.pt, then ckptool convert OUT.pt -o {out}")
-        raise UsageError(f"{out}: safetensors holds weights only, but {source} also holds {shown or 'no weights'}, "
-                         f"which {command} keeps — write .pt, or keep just the weights: {hint}")
+        raise UsageError(f"is a safetensors name, which holds weights only, but {source} also holds "
+                         f"{shown or 'no weights'}, which {command} keeps — write .pt, or keep just the weights: {hint}",
+                         path=out)
     return wanted
 
 
@@ -359,8 +360,6 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
 
 
 def _same_path(a: Path, b: Path) -> bool:
-    from .atomic import same_file
-
     if os.path.lexists(a) and os.path.lexists(b):
         return same_file(a, b)
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
@@ -528,7 +527,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     plan: _ShardPlan | None = None
     if target == "safetensors-sharded":
-        plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out)
+        plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out)
         check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
                             in_place=in_place)
     else:

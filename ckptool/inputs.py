@@ -22,6 +22,7 @@ from typing import BinaryIO
 
 from .errors import InputError
 
+
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"
@@ -31,7 +32,7 @@ def _kind(mode: int) -> str:
         return "a socket"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
-    return "not a regular file"
+    return "a special file"
 
 
 def allowed_roots(folder: Path) -> list[Path]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .errors import OutputError
 
@@ -55,6 +57,48 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"directory {parent} does not exist — create it first", path=out)
+
+
+def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inputs: tuple[Path, ...] = (),
+                        force: bool = False, in_place: bool = False) -> None:
+    """Refuse a folder output that would replace an input or an earlier set without ``force``.
+
+    A folder output replaces only the files it ``writes`` and ``removes`` (its shards and index,
+    an earlier set's shards); everything else in the folder is left alone, so only those names
+    are judged.
+
+    Raises:
+        OutputError: a file it replaces is an input (without ``in_place``), is a directory, or
+            exists without ``force``; or ``out`` is not a folder and exists without ``force``.
+    """
+    if not out.is_dir():
+        check_output(out, inputs=inputs, force=force, in_place=in_place)
+        return
+    output_is_input = any(same_file(out, source) for source in inputs if os.path.lexists(source))
+    if output_is_input and not in_place:
+        raise OutputError("is the input folder; refusing to rewrite it — write elsewhere with -o, or pass --in-place",
+                          path=out)
+    if in_place and not output_is_input:
+        raise OutputError("--in-place given but the output is not the input — drop --in-place", path=out)
+    existing = []
+    for name in [*writes, *removes]:
+        path = out / name
+        if not os.path.lexists(path):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            raise OutputError(f"{name} in it is a directory, where the output writes a file — move it away, or "
+                              "choose another -o", path=out)
+        for source in inputs:
+            if not in_place and os.path.lexists(source) and same_file(path, source):
+                raise OutputError(f"holds the input {source} as {name}, which this output would replace — "
+                                  "choose another -o", path=out)
+        existing.append(name)
+    if existing and not force and not in_place:  # --in-place is the ask to replace the input's own set
+        # the last file written (an index) names the earlier set best
+        shown = writes[-1] if writes and writes[-1] in existing else existing[0]
+        raise OutputError(f"already holds {shown}{' and more of its files' if len(existing) > 1 else ''} "
+                          "— pass --force to replace the earlier set (only its shards and index; nothing else in "
+                          "the folder is touched), or choose another -o", path=out)
 
 
 def _os_error_message(error: OSError) -> str:
@@ -107,9 +151,55 @@ def atomic_output(out: Path) -> Iterator[tuple[BinaryIO, Path]]:
         raise
 
 
+Rename = Callable[[Path, Path], None]
+
+
 @contextlib.contextmanager
-def atomic_directory(out: Path) -> Iterator[Path]:
-    """Yield a temp directory beside ``out``; on success it replaces ``out`` (a directory) atomically."""
+def signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, so a few renames that must happen together do.
+
+    A signal that arrives meanwhile is delivered when the block is left (raising there as usual).
+    Outside the main thread Python cannot change handlers, and the block runs unprotected.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[tuple[int, Any]] = []
+    wanted = [signum for signum in (signal.SIGINT, signal.SIGTERM)]
+    previous = {signum: signal.getsignal(signum) for signum in wanted}
+    for signum in wanted:
+        signal.signal(signum, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum, frame in pending[:1]:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                raise SystemExit(128 + signum)
+
+
+def _fsync_files(directory: Path) -> None:
+    for child in directory.iterdir():
+        if child.is_file() and not child.is_symlink():
+            with open(child, "rb+") as handle:
+                os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, *, rename: Rename = os.replace) -> Iterator[Path]:
+    """Yield a temp directory beside ``out``; on success it takes ``out``'s place in one rename.
+
+    Whatever was at ``out`` (a file, a link, an empty or earlier folder) is moved aside first — a
+    directory cannot be renamed onto a non-empty one — and removed only once the new folder is in
+    place; if that last rename fails, it is put back. ``rename`` is the rename to use (a seam for
+    tests that make it fail).
+    """
     out = Path(out)
     parent = out.parent if str(out.parent) else Path(".")
     try:
@@ -118,22 +208,24 @@ def atomic_directory(out: Path) -> Iterator[Path]:
         raise OutputError(_os_error_message(e), path=out) from e
     try:
         yield tmp
-        for child in tmp.iterdir():
-            with open(child, "rb+") as handle:
-                os.fsync(handle.fileno())
+        _fsync_files(tmp)
         os.chmod(tmp, 0o755 & ~_umask() | 0o700)
-        if out.exists():
-            # a directory cannot be os.replace'd onto a non-empty one: move the old one aside first
+        if os.path.lexists(out):
             old = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent))
             os.rmdir(old)
-            os.replace(out, old)
-            os.replace(tmp, out)
+            with signals_deferred():
+                rename(out, old)
+                try:
+                    rename(tmp, out)
+                except BaseException:
+                    rename(old, out)  # the previous output goes back where it was
+                    raise
             if old.is_dir() and not old.is_symlink():
                 _rmtree_quietly(old)
             else:  # the output was a file or a link: remove it, not what it points to
                 _unlink_quietly(old)
         else:
-            os.replace(tmp, out)
+            rename(tmp, out)
         fsync_dir(parent)
     except OSError as e:
         _rmtree_quietly(tmp)
@@ -141,6 +233,98 @@ def atomic_directory(out: Path) -> Iterator[Path]:
     except BaseException:
         _rmtree_quietly(tmp)
         raise
+
+
+@contextlib.contextmanager
+def update_directory(out: Path, *, last: str, remove: Iterable[str] = (), rename: Rename = os.replace
+                     ) -> Iterator[Path]:
+    """Yield a temp folder inside the existing folder ``out``; on success move what was written
+    there into ``out``, replacing only files of the same names, then remove the files ``remove``
+    names. Nothing else in ``out`` is touched.
+
+    Order (what a crash at any point leaves): the file ``last`` (an index that makes the set
+    readable) is moved aside before anything else and put in place after everything else, so a
+    reader never sees the old index beside new files; the files replaced wait in the temp folder
+    (``.ckptool-tmp-*/previous/``) until the new set is in place. If a rename fails, every moved
+    file is put back as it was. ``remove`` (an earlier set's files no longer written) goes last,
+    after the new ``last`` is in place.
+    """
+    out = Path(out)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out))
+    except OSError as e:
+        raise OutputError(_os_error_message(e), path=out) from e
+    try:
+        yield staging
+        _fsync_files(staging)
+        names = sorted(p.name for p in staging.iterdir() if p.name != last)
+        if (staging / last).exists():
+            names.append(last)
+        previous = staging / "previous"
+        previous.mkdir()
+        with signals_deferred():
+            _move_in(staging, out, names, last, previous, rename)
+            fsync_dir(out)
+            for name in remove:
+                if name not in names and os.path.lexists(out / name) and not (out / name).is_dir():
+                    _unlink_quietly(out / name)  # a link is removed, never what it points to
+            fsync_dir(out)
+        _rmtree_quietly(staging)
+    except _PartlyUndone as e:  # keep the temp folder: it holds files that could not be put back
+        raise OutputError(f"{e} — they are in {staging / 'previous'}; move them back by hand", path=out) from e.cause
+    except OSError as e:
+        _rmtree_quietly(staging)
+        raise OutputError(_os_error_message(e), path=out) from e
+    except BaseException:
+        _rmtree_quietly(staging)
+        raise
+
+
+class _PartlyUndone(Exception):
+    def __init__(self, message: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def _move_in(staging: Path, out: Path, names: list[str], last: str, previous: Path, rename: Rename) -> None:
+    """Move ``names`` from ``staging`` into ``out`` (``last`` aside first, in last); undo on failure."""
+    moved_aside: list[str] = []
+    moved_in: list[str] = []
+    try:
+        if last in names and os.path.lexists(out / last):
+            rename(out / last, previous / last)
+            moved_aside.append(last)
+        for name in names:
+            if name not in moved_aside and os.path.lexists(out / name):
+                rename(out / name, previous / name)
+                moved_aside.append(name)
+            rename(staging / name, out / name)
+            moved_in.append(name)
+    except BaseException as e:
+        stuck = []
+        for name in reversed(moved_in):  # undo: the folder is left exactly as it was
+            try:
+                rename(out / name, staging / name)
+            except OSError:
+                stuck.append(name)
+        for name in moved_aside:
+            try:
+                rename(previous / name, out / name)
+            except OSError:
+                stuck.append(name)
+        if stuck:
+            raise _PartlyUndone(f"the write failed ({e}) and {len(stuck)} earlier file(s) could not be put back "
+                                f"({', '.join(stuck[:3])})", e) from e
+        raise
+
+
+def folder_output(out: Path, *, last: str, remove: Iterable[str] = (), rename: Rename = os.replace
+                  ) -> contextlib.AbstractContextManager[Path]:
+    """Where a folder output is written: into an existing folder file by file
+    (:func:`update_directory`), or as a new folder in one rename (:func:`atomic_directory`)."""
+    if out.is_dir():
+        return update_directory(out, last=last, remove=remove, rename=rename)
+    return atomic_directory(out, rename=rename)
 
 
 def _umask() -> int:

@@ -227,15 +227,13 @@ def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: st
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed([
         click.argument("ckpt", type=click.Path(path_type=Path)),
-        click.option("-o", "--out", type=click.Path(path_type=Path), help="Output path (same format as the input)."),
+        click.option("-o", "--out", type=click.Path(path_type=Path),
+                     help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
+                          "another suffix keeps the input's)."),
         force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option,
     ]):
         command = option(command)
     return command
-
-
-def _same_format_target(ckpt: Any) -> str:
-    return "safetensors" if ckpt.format.startswith("safetensors") else "pt"
 
 
 @main.command()
@@ -252,15 +250,15 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     Example: ckptool strip ddp.pt -o model.pt
     """
     from .reader import load
-    from .writer import save
+    from .writer import rewrite_format, save
 
     checkpoint = load(ckpt, allow_globals=allow_globals)
     target = _resolve_out(ckpt, out, in_place)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(prefix)
     renamed = sum(1 for key in checkpoint.state_dict if isinstance(key, str) and key.startswith(used))
-    report = save(stripped, target, to=_same_format_target(checkpoint), force=force, in_place=in_place,
-                  fingerprint=with_fingerprint)
+    report = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
+                  in_place=in_place, fingerprint=with_fingerprint)
     _report_write(report, {"input": str(ckpt), "prefix": used, "renamed": renamed}, as_json,
                   f'stripped "{used}" from {renamed} keys: {ckpt} -> {target}')
 
@@ -276,13 +274,13 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
     """
     from .reader import load
-    from .writer import save
+    from .writer import rewrite_format, save
 
     checkpoint = load(ckpt, allow_globals=allow_globals)
     target = _resolve_out(ckpt, out, in_place)
     prefixed = checkpoint.add_prefix(prefix)
-    report = save(prefixed, target, to=_same_format_target(checkpoint), force=force, in_place=in_place,
-                  fingerprint=with_fingerprint)
+    report = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
+                  in_place=in_place, fingerprint=with_fingerprint)
     _report_write(report, {"input": str(ckpt), "prefix": prefix, "renamed": len(checkpoint.state_dict)}, as_json,
                   f'added "{prefix}" to {len(checkpoint.state_dict)} keys: {ckpt} -> {target}')
 
@@ -303,7 +301,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from .devices import location_mapper
     from .errors import UsageError
     from .reader import load
-    from .writer import save
+    from .writer import rewrite_format, save
 
     mapper = location_mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals)
@@ -313,7 +311,8 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
-    report = save(remapped, target, to="pt", force=force, in_place=in_place, fingerprint=with_fingerprint)
+    report = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
+                  in_place=in_place, fingerprint=with_fingerprint)
     _report_write(report, {"input": str(ckpt), "devices_before": before, "devices_after": after}, as_json,
                   f"remapped {ckpt} -> {target}: {before} -> {after}")
 
@@ -363,11 +362,10 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
     if out is not None:
         jobs = [(ckpts[0], out)]
     else:
+        from .writer import plan_outputs
+
         assert out_dir is not None
-        if not out_dir.is_dir():
-            raise UsageError(f"--out-dir {out_dir} is not an existing directory — create it first")
-        suffix = ".pt" if to_format == "pt" else ".safetensors"
-        jobs = [(path, out_dir / (path.name.split(".")[0] + suffix)) for path in ckpts]
+        jobs = plan_outputs(ckpts, out_dir, to_format)  # every output planned (and collisions refused) first
     results: list[dict[str, Any]] = []
     failures: list[Any] = []
     show_progress = len(jobs) > 1 and not as_json

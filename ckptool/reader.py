@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import pickles
+from . import inputs, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
 from .formats import safetensors, torch_legacy, torch_zip
@@ -70,31 +70,30 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -
         raise
 
 
-def _load(path: Path, resolver: pickles.GlobalResolver) -> Checkpoint:
-    if not path.exists():
+def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = None) -> Checkpoint:
+    """Read ``path``; ``folder`` is the input folder it was found in, whose bounds it must keep."""
+    if folder is None and not path.exists():
         raise InputError("does not exist — check the path", path=path)
-    if path.is_dir():
+    if folder is None and path.is_dir():
         if (path / ".metadata").is_file():
             from .formats import dcp
 
             return dcp.read(path, resolver)
         target = safetensors.find_index(path)
-        if target is None or not target.is_file():
+        if target is None:
             raise UnsupportedFormatError(
                 "is a directory without a checkpoint (no *.safetensors, *.safetensors.index.json or .metadata)",
                 path=path,
             )
-        checkpoint = _load(target, resolver)
+        checkpoint = _load(target, resolver, folder=path)
         checkpoint.path = path
         return checkpoint
-    if not path.is_file():  # opening a FIFO would wait forever for a writer; a device never ends
-        raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
-    try:
-        handle = open(path, "rb")
-    except PermissionError as e:
-        raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
-    except OSError as e:
-        raise InputError(f"cannot be read ({e.strerror}) — check the path", path=path) from e
+    # a FIFO would block a plain open() forever and a device never ends: opened without blocking,
+    # judged by what was opened; a file found in a folder must also stay inside it
+    if folder is not None:
+        handle = inputs.open_member(folder, path, what=path.name, report=folder)
+    else:
+        handle = inputs.open_regular(path)
     with handle:
         try:
             head = handle.read(64)

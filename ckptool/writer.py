@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .atomic import atomic_directory, atomic_output, check_output
+from .atomic import atomic_output, check_folder_output, check_output, folder_output, same_file
 from .checkpoint import Checkpoint
-from .errors import CkptError, FingerprintMismatchError, UsageError
+from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
 from .digest import PREFIX
 from .digest import fingerprint as weights_fingerprint  # `save` has a parameter named fingerprint
 from .formats import safetensors, torch_zip, zipio
@@ -39,7 +39,10 @@ from .tree import map_tensors
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 TARGETS = ("pt", "safetensors", "safetensors-sharded")
+FINGERPRINT_KEY = "ckptool.fingerprint"
 _FINGERPRINT_PLACEHOLDER = PREFIX + "0" * 64
+# how a safetensors header written with a fingerprint begins (safetensors.write_file puts the metadata first)
+_FINGERPRINT_SLOT = ('{"__metadata__":{' + json.dumps(FINGERPRINT_KEY) + ':"').encode()
 
 
 @dataclass
@@ -263,23 +266,103 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     return checks
 
 
+def suffix_format(out: Path) -> str | None:
+    """The format a file name's suffix says: ``"safetensors"``, ``"pt"``, or None for another suffix."""
+    suffix = out.suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    return "pt" if suffix in PT_SUFFIXES else None
+
+
+def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) -> str:
+    """The format a rewrite (strip, add-prefix, remap) writes: what the suffix of ``out`` says, so
+    a file's name never lies about its content; the input's own format for a suffix ckptool does
+    not know, or with no ``out`` (``--in-place``).
+
+    Raises:
+        UsageError: a ``.safetensors`` name for a rewrite that would have to drop what the input
+            holds besides its weights (a rewrite keeps the whole container), or for ``remap``
+            (safetensors has no device tags to rewrite).
+    """
+    own = "safetensors" if checkpoint.format.startswith("safetensors") else "pt"
+    wanted = suffix_format(out) if out is not None else None
+    if wanted is None or wanted == own:
+        return own
+    if wanted == "pt":
+        return wanted  # the weights, as convert writes them: nothing a .pt cannot hold
+    source = checkpoint.path
+    if command == "remap":
+        raise UsageError("is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
+                         f"drop the tags with: ckptool convert {source} -o {out}", path=out)
+    extra = [repr(key) for key in checkpoint.entries()]
+    if checkpoint.has_weights:
+        extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
+    if checkpoint.layout is None or extra:
+        shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
+        hint = (f"ckptool convert {source} -o {out} --strip" if command == "strip"
+                else f"ckptool {command} {source} -o OUT.pt, then ckptool convert OUT.pt -o {out}")
+        raise UsageError(f"is a safetensors name, which holds weights only, but {source} also holds "
+                         f"{shown or 'no weights'}, which {command} keeps — write .pt, or keep just the weights: {hint}",
+                         path=out)
+    return wanted
+
+
 def target_format(out: Path, to: str | None, max_shard_size: int | None) -> str:
     """Choose the output format from ``--to``, the suffix, or a directory."""
     if to is not None:
         if to not in ("pt", "safetensors"):
             raise UsageError(f"--to {to!r}: choose pt or safetensors")
+        named = suffix_format(out)
+        if named is not None and named != to:
+            raise UsageError(f"--to {to} contradicts the name {out.name} — drop --to, or name the output "
+                             f"{out.stem}{'.pt' if to == 'pt' else '.safetensors'}")
         if to == "safetensors" and (max_shard_size is not None or out.is_dir() or not out.suffix):
             return "safetensors-sharded" if max_shard_size is not None or out.is_dir() else "safetensors"
         return to
-    if out.suffix == ".safetensors":
+    if suffix_format(out) == "safetensors":
         return "safetensors-sharded" if max_shard_size is not None else "safetensors"
-    if out.suffix in PT_SUFFIXES:
+    if suffix_format(out) == "pt":
         if max_shard_size is not None:
             raise UsageError("--max-shard-size applies to safetensors output — write to a directory or .safetensors")
         return "pt"
     if out.is_dir() or not out.suffix:
         return "safetensors-sharded"
     raise UsageError(f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass --to")
+
+
+def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str | None) -> list[tuple[Path, Path]]:
+    """Every ``(input, output)`` of a many-input conversion into ``out_dir``, planned before any is written.
+
+    An output keeps its input's name up to the first dot, with the suffix of ``to`` (safetensors
+    by default).
+
+    Raises:
+        UsageError: ``out_dir`` is not an existing directory.
+        OutputError: two inputs would be written to one output (refused even with ``--force``:
+            the second write would destroy the first, or the first an input the second reads).
+    """
+    if not out_dir.is_dir():
+        raise UsageError(f"--out-dir {out_dir} is not an existing directory — create it first")
+    suffix = ".pt" if to == "pt" else ".safetensors"
+    jobs = [(Path(source), out_dir / (Path(source).name.split(".")[0] + suffix)) for source in sources]
+    by_output: dict[str, Path] = {}
+    for source, target in jobs:
+        key = os.path.normcase(os.path.abspath(target))
+        if key in by_output:
+            other = by_output[key]
+            if _same_path(other, source):
+                raise OutputError(f"input {source} is given twice — nothing was written; give each input once",
+                                  path=target)
+            raise OutputError(f"{other} and {source} would both be written here — nothing was written; convert "
+                              "them into separate --out-dir folders", path=target)
+        by_output[key] = source
+    return jobs
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    if os.path.lexists(a) and os.path.lexists(b):
+        return same_file(a, b)
+    return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
 
 
 def _run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -400,8 +483,9 @@ def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool) -> d
     if entries is not None:
         metadata["ckptool.entries"] = entries
     if with_fingerprint:
-        # patched in once the hash is known; the header keeps its length
-        metadata["ckptool.fingerprint"] = _FINGERPRINT_PLACEHOLDER
+        # patched in once the hash is known (the header keeps its length); first in the header, so
+        # its place is known exactly and no value of the user's is ever mistaken for it
+        metadata = {FINGERPRINT_KEY: _FINGERPRINT_PLACEHOLDER, **metadata}
     return metadata
 
 
@@ -439,8 +523,15 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     """
     out = Path(out)
     target = target_format(out, to, max_shard_size)
-    check_output(out, inputs=tuple(checkpoint.files) + (checkpoint.path,), force=force, in_place=in_place)
+    inputs = tuple(checkpoint.files) + (checkpoint.path,)
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    plan: _ShardPlan | None = None
+    if target == "safetensors-sharded":
+        plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out)
+        check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
+                            in_place=in_place)
+    else:
+        check_output(out, inputs=inputs, force=force, in_place=in_place)
     expect = _Expectations(
         checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True)),
         fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors) if fingerprint else None),
@@ -452,8 +543,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         elif target == "safetensors":
             report = _save_safetensors(checkpoint, out, duplicate_tied, expect)
         else:
-            report = _save_sharded(checkpoint, out, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied,
-                                   expect)
+            assert plan is not None
+            report = _save_sharded(checkpoint, out, plan, expect)
     except CkptError as e:
         if e.path is None:
             raise type(e)(e.message, path=out) from e
@@ -504,14 +595,13 @@ def _archive_name(out: Path) -> str:
 
 
 def _patch_fingerprint(handle: Any, value: str) -> None:
+    """Write ``value`` over the placeholder that opens the header's metadata (and nowhere else)."""
     handle.flush()
-    handle.seek(0)
-    length = int.from_bytes(handle.read(8), "little")
-    header = handle.read(length)
-    position = header.find(_FINGERPRINT_PLACEHOLDER.encode())
-    if position < 0:
-        raise FingerprintMismatchError("internal: fingerprint placeholder missing from the header")
-    handle.seek(8 + position)
+    handle.seek(8)
+    slot = _FINGERPRINT_SLOT + _FINGERPRINT_PLACEHOLDER.encode()
+    if handle.read(len(slot)) != slot or len(value) != len(_FINGERPRINT_PLACEHOLDER):
+        raise FingerprintMismatchError("internal: the header does not open with the fingerprint's field")
+    handle.seek(8 + len(_FINGERPRINT_SLOT))
     handle.write(value.encode())
     handle.flush()
 
@@ -534,23 +624,58 @@ def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, e
     return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=checked, aliases=aliases)
 
 
-def _save_sharded(checkpoint: Checkpoint, out: Path, max_shard_size: int, duplicate_tied: bool,
-                  expect: _Expectations) -> SaveReport:
-    tensors = checkpoint.tensors
+@dataclass
+class _ShardPlan:
+    """A folder output, planned before anything is written: which tensors go to which shard file,
+    the files it writes (shards, then the index) and the earlier set's shards it removes."""
+
+    aliases: dict[str, str]
+    stored: dict[str, TensorRef]
+    shards: list[list[str]]
+    names: list[str]
+    removes: list[str]
+    notes: list[str]
+
+    @property
+    def writes(self) -> list[str]:
+        return [*self.names, safetensors.INDEX_NAME]
+
+
+def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path) -> _ShardPlan:
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
     stored = {k: v for k, v in tensors.items() if k not in aliases}
     shards = safetensors.plan_shards(stored, max_shard_size)
+    names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
+    removes: list[str] = []
+    notes: list[str] = []
+    if out.is_dir():
+        old_index = out / safetensors.INDEX_NAME
+        if os.path.lexists(old_index):
+            # the earlier set's shards, as its own index names them: nothing else is ever removed
+            named = safetensors.shards_named_by(old_index)
+            if named is None:
+                notes.append(f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
+                             "if any, were left in place")
+            removes = [name for name in (named or []) if name not in names]
+        single = out / "model.safetensors"
+        if os.path.lexists(single):
+            notes.append(f"{out} also holds model.safetensors, which loaders such as transformers read before the "
+                         "index — remove it if it is an older copy")
+    return _ShardPlan(aliases, stored, shards, names, removes, notes)
+
+
+def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
     weight_map: dict[str, str] = {}
     files: list[Path] = []
-    with atomic_directory(out) as tmp_dir:
+    # shards and index are written into a temp folder, checked, then moved in: the index last
+    with folder_output(out, last=safetensors.INDEX_NAME, remove=plan.removes) as tmp_dir:
         handles = []
         all_sums: list[OutputSums] = []
-        for index, names in enumerate(shards):
-            name = safetensors.shard_file_name(index, len(shards))
-            shard_tensors = {k: stored[k] for k in names}
+        for name, names in zip(plan.names, plan.shards):
+            shard_tensors = {k: plan.stored[k] for k in names}
             # an alias lives in the shard that stores its target
-            shard_aliases = {a: t for a, t in aliases.items() if t in shard_tensors}
+            shard_aliases = {a: t for a, t in plan.aliases.items() if t in shard_tensors}
             shard_metadata = dict(metadata)
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
@@ -571,12 +696,16 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, max_shard_size: int, duplic
             if value:
                 _patch_fingerprint(handle, value)
             handle.close()
-        index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in stored.values())}
+        index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in plan.stored.values())}
         if value:
-            index_metadata["ckptool.fingerprint"] = value
+            index_metadata[FINGERPRINT_KEY] = value
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         checked = _verify(tmp_dir / safetensors.INDEX_NAME, expect.checks, _read_back(checkpoint), lambda: None,
                           all_sums)
-    return SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
-                      fingerprint=value, checked=checked, aliases=aliases)
+    report = SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
+                        fingerprint=value, checked=checked, aliases=plan.aliases, notes=list(plan.notes))
+    if plan.removes:
+        report.notes.append(f"removed {len(plan.removes)} shard(s) of the earlier set ({', '.join(plan.removes[:3])}"
+                            f"{', ...' if len(plan.removes) > 3 else ''})")
+    return report

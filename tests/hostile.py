@@ -523,6 +523,50 @@ def build_corpus(directory: Path) -> list[Case]:
     if os.geteuid() == 0:  # root reads it anyway: not a hostile case there
         unreadable.chmod(stat.S_IRUSR | stat.S_IWUSR)
         cases.pop()
+    cases += _files_cases(directory, canary_dir)
+    return cases
+
+
+def _files_cases(directory: Path, canary_dir: Path) -> list[Case]:
+    """Folder inputs whose files are not what a folder holds: a FIFO shard, a shard and a folder's
+    one safetensors linked outside the folder, a DCP ``.metadata`` linked to a file outside (whose
+    text holds a payload marker: if it were ever read, its bytes would show in the error)."""
+    cases: list[Case] = []
+    outside = directory / "outside_the_folders"
+    outside.mkdir(exist_ok=True)
+    first = safetensors_file({"w": f32([4], 0, 16)}, bytes(16))
+    (outside / "model-00001-of-00002.safetensors").write_bytes(first)
+    secret = outside / "passwd"
+    secret.write_text("root:x:0:0:pwned:/root:/bin/sh\n")
+    index = json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}})
+
+    def sharded(name: str) -> Path:
+        folder = directory / name
+        folder.mkdir(exist_ok=True)
+        (folder / "model.safetensors.index.json").write_text(index)
+        (folder / "model-00002-of-00002.safetensors").write_bytes(safetensors_file({"v": f32([4], 0, 16)}, bytes(16)))
+        return folder
+
+    linked = sharded("files_shard_linked_outside")
+    if not (linked / "model-00001-of-00002.safetensors").is_symlink():
+        (linked / "model-00001-of-00002.safetensors").symlink_to(outside / "model-00001-of-00002.safetensors")
+    cases.append(Case("files_shard_linked_outside", linked, REFUSE))
+    if hasattr(os, "mkfifo"):
+        fifo = sharded("files_fifo_shard")
+        if not (fifo / "model-00001-of-00002.safetensors").exists():
+            os.mkfifo(fifo / "model-00001-of-00002.safetensors")
+        cases.append(Case("files_fifo_shard", fifo, REFUSE))
+    single = directory / "files_only_safetensors_linked_outside"
+    single.mkdir(exist_ok=True)
+    if not (single / "model.safetensors").is_symlink():
+        (single / "model.safetensors").symlink_to(outside / "model-00001-of-00002.safetensors")
+    cases.append(Case("files_only_safetensors_linked_outside", single, REFUSE))
+    dcp_dir = directory / "files_dcp_metadata_linked_outside"
+    dcp_dir.mkdir(exist_ok=True)
+    if not (dcp_dir / ".metadata").is_symlink():
+        (dcp_dir / ".metadata").symlink_to(secret)
+    (dcp_dir / "__0_0.distcp").write_bytes(good_zip())
+    cases.append(Case("files_dcp_metadata_linked_outside", dcp_dir, REFUSE))
     return cases
 
 

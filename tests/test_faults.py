@@ -243,11 +243,13 @@ def test_output_linked_to_the_input_is_refused(small_input: Path, tmp_path: Path
     assert sha256(small_input) == before and out.exists()
 
 
-def test_replacing_a_directory_that_holds_the_input_is_refused(small_input: Path) -> None:
+def test_a_folder_output_that_holds_the_input_keeps_it(small_input: Path) -> None:
     if "convert" not in main.commands:
         pytest.skip("no convert command")
     before = sha256(small_input)
     result = invoke("convert", small_input, "-o", small_input.parent, "--to", "safetensors", "--force")
-    assert result.exit_code == 3 and "input" in result.stderr, result.stderr
-    assert sha256(small_input) == before
+    assert result.exit_code == 0, result.stderr
+    assert sha256(small_input) == before  # a folder output replaces only its own shards and index
+    assert sorted(p.name for p in small_input.parent.iterdir()) == \
+        ["ddp.pt", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     assert not temp_files(small_input.parent.parent)

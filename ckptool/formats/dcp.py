@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import dtypes, pickles
+from .. import dtypes, inputs, pickles
 from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride
@@ -226,13 +226,8 @@ def _data_file(directory: Path, name: Any, sizes: dict[str, int]) -> Path:
         raise InputError(f"DCP {METADATA_NAME} points at {str(name)[:80]!r}, outside the checkpoint directory — "
                          "refused", path=directory)
     path = directory / name
-    try:
-        if path.is_symlink() or not path.is_file():
-            raise InputError(f"DCP data file {name!r} is missing (or not a regular file) — the checkpoint is "
-                             "incomplete; copy every .distcp file", path=directory)
-        sizes[name] = path.stat().st_size
-    except OSError as e:
-        raise InputError(f"DCP data file {name!r} cannot be read ({e.strerror})", path=directory) from e
+    # a regular file inside the checkpoint directory (a link may point inside it, or into a hub cache's blobs/)
+    sizes[name] = inputs.check_member(directory, path, what=f"DCP data file {name!r}", report=directory).st_size
     return path
 
 
@@ -273,7 +268,7 @@ def parse_metadata(directory: Path, resolver: pickles.GlobalResolver) -> _Metada
     """Read and validate ``.metadata``: every entry, its chunks and where their bytes lie."""
     meta_path = directory / METADATA_NAME
     try:
-        with open(meta_path, "rb") as handle:
+        with inputs.open_member(directory, meta_path, what=f"DCP {METADATA_NAME}", report=directory) as handle:
             data = handle.read(pickles.MAX_PICKLE_BYTES + 1)
     except OSError as e:
         raise InputError(f"DCP {METADATA_NAME} cannot be read ({e.strerror})", path=directory) from e
@@ -432,10 +427,9 @@ class _Files:
     def get(self, path: Path) -> BinaryIO:
         handle = self.handles.get(path)
         if handle is None:
-            try:
-                handle = self.handles[path] = open(path, "rb")
-            except OSError as e:
-                raise InputError(f"cannot be read ({e.strerror})", path=path) from e
+            # the same rule as when the metadata named it: a regular file of the checkpoint directory
+            handle = self.handles[path] = inputs.open_member(path.parent, path, what=f"DCP data file {path.name!r}",
+                                                             report=path.parent)
         return handle
 
     def close(self) -> None:
@@ -649,7 +643,7 @@ def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = (
     """
     meta_path = directory / METADATA_NAME
     try:
-        with open(meta_path, "rb") as handle:
+        with inputs.open_member(directory, meta_path, what=f"DCP {METADATA_NAME}", report=directory) as handle:
             blobs = [(METADATA_NAME, handle.read(pickles.MAX_PICKLE_BYTES))]
     except OSError as e:
         raise InputError(f"DCP {METADATA_NAME} cannot be read ({e.strerror})", path=directory) from e

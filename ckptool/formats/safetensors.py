@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import dtypes
+from .. import dtypes, inputs
 from ..errors import InputError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 from . import zipio
@@ -144,7 +144,7 @@ def _retie(contents: SafetensorsContents, path: Path) -> None:
 def read_index(index_path: Path) -> SafetensorsContents:
     """Read a sharded checkpoint through its ``*.safetensors.index.json``."""
     try:
-        with open(index_path, "rb") as handle:
+        with inputs.open_regular(index_path) as handle:
             raw = handle.read(MAX_HEADER_BYTES + 1)
     except OSError as e:
         raise InputError(f"cannot read ({e.strerror}) — check the path and permissions", path=index_path) from e
@@ -167,12 +167,10 @@ def read_index(index_path: Path) -> SafetensorsContents:
     for shard in shard_names:
         shard_path = directory / shard
         try:
-            with open(shard_path, "rb") as handle:
+            # a shard must be a regular file inside the index's folder (or its hub cache's blobs/)
+            with inputs.open_member(directory, shard_path, what=f"shard {shard} named by the index",
+                                    report=index_path) as handle:
                 shard_contents = read_file(shard_path, handle)
-        except FileNotFoundError as e:
-            raise InputError(f"shard {shard} named by the index is missing — copy every shard", path=index_path) from e
-        except IsADirectoryError as e:
-            raise InputError(f"shard {shard} named by the index is a directory", path=index_path) from e
         except OSError as e:
             raise InputError(f"shard {shard} named by the index cannot be read ({e.strerror})", path=index_path) from e
         for name, tensor in shard_contents.tensors.items():
@@ -187,6 +185,25 @@ def read_index(index_path: Path) -> SafetensorsContents:
     contents.metadata.update({str(k): str(v) for k, v in metadata.items() if k != "total_size"})
     contents.tensors = dict(sorted(contents.tensors.items()))
     return contents
+
+
+# how ckptool (and huggingface_hub) name shards; only files named so are ever removed from a folder output
+SHARD_FILE = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+def shards_named_by(index_path: Path) -> list[str] | None:
+    """The shard files named like ckptool's (``model-NNNNN-of-NNNNN.safetensors``) that an existing
+    index lists, or None when it cannot be read as an index."""
+    try:
+        with inputs.open_regular(index_path) as handle:
+            raw = handle.read(MAX_HEADER_BYTES + 1)
+        index = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_HEADER_BYTES else None
+    except (InputError, OSError, ValueError, RecursionError):
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return None
+    return sorted({name for name in weight_map.values() if isinstance(name, str) and SHARD_FILE.match(name)})
 
 
 def find_index(directory: Path) -> Path | None:

@@ -1,0 +1,126 @@
+"""Which files an input may open: regular files, and inside a folder only what the folder holds.
+
+A checkpoint folder (sharded safetensors, a folder with one ``.safetensors``, a DCP directory)
+names its other files itself — an index lists shards, ``.metadata`` lists ``.distcp`` files — and
+an attacker controls those names and what they are on disk. So a file of a folder input is read
+only when, after following links, it is a regular file inside the folder, or — for a Hugging Face
+hub cache snapshot (``<repo>/snapshots/<rev>/``, whose files are links to ``../../blobs/<sha>``) —
+inside that repo's ``blobs/``. A file named on the command line is the user's choice and may be a
+link anywhere, but must still be a regular file.
+
+Files are opened with ``O_NONBLOCK`` and checked with ``fstat`` on the open descriptor, so a FIFO
+or device swapped in never blocks the open and is refused by what was actually opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import InputError
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
+
+
+def allowed_roots(folder: Path) -> list[Path]:
+    """Where links inside ``folder`` may point: the folder itself and, when it lies in a hub cache
+    snapshot (``<repo>/snapshots/<rev>/...``), ``<repo>/blobs``."""
+    real = Path(os.path.realpath(folder))
+    roots = [real]
+    for ancestor in (real, *real.parents):
+        if ancestor.parent.name == "snapshots" and ancestor.parent.parent != ancestor.parent:
+            roots.append(ancestor.parent.parent / "blobs")
+            break
+    return roots
+
+
+def check_member(folder: Path, path: Path, *, what: str, report: Path | None = None) -> os.stat_result:
+    """Refuse ``path`` (a file of the input ``folder``) unless it is a regular file whose link
+    target, if it is a link, stays inside the folder or, for a hub snapshot, its repo's ``blobs/``.
+
+    Returns the ``stat`` of the file it resolves to. ``what`` names the file in messages (e.g.
+    ``"shard model-00001-of-00002.safetensors"``); ``report`` is the path errors are reported
+    against (default: ``path``).
+
+    Raises:
+        InputError: a link leaving the folder, a FIFO/device/directory, or a missing file.
+    """
+    where = report if report is not None else path
+    try:
+        link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except FileNotFoundError as e:
+        raise InputError(f"{what} is missing — copy every file of the checkpoint", path=where) from e
+    except OSError as e:
+        raise InputError(f"{what} cannot be read ({e.strerror})", path=where) from e
+    if link:
+        target = Path(os.path.realpath(path))
+        roots = allowed_roots(folder)
+        if not any(target == root or target.is_relative_to(root) for root in roots):
+            where_to = "outside the folder" + (" and outside the hub cache's blobs/" if len(roots) > 1 else "")
+            shown = str(target) if len(str(target)) <= 120 else "..." + str(target)[-117:]
+            raise InputError(f"{what} is a link to {shown}, {where_to} — refused (ckptool reads only files inside "
+                             "an input folder); copy the file into the folder", path=where)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError as e:
+        raise InputError(f"{what} is a link to a missing file — copy every file of the checkpoint", path=where) from e
+    except OSError as e:
+        raise InputError(f"{what} cannot be read ({e.strerror})", path=where) from e
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{what} is {_kind(info.st_mode)}, not a regular file — refused; replace it with the "
+                         "real file", path=where)
+    return info
+
+
+def open_regular(path: Path, *, what: str | None = None, report: Path | None = None) -> BinaryIO:
+    """Open ``path`` for reading without ever blocking, and refuse it unless it is a regular file.
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once (no writer needed); ``fstat`` on the open
+    descriptor then judges what was opened, with no gap between a check and the open.
+
+    Raises:
+        InputError: not a regular file, missing, or unreadable.
+    """
+    where = report if report is not None else path
+    label = f"{what} " if what else ""
+    with contextlib.suppress(OSError):  # a device is not even opened (opening some has effects)...
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{label}is {_kind(mode)}, not a regular file — not a checkpoint", path=where)
+    try:  # ...and what is opened is judged again, by its descriptor: nothing can be swapped in between
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as e:
+        raise InputError(f"{label}does not exist — check the path", path=where) from e
+    except PermissionError as e:
+        raise InputError(f"{label}cannot be read: permission denied — check the file's permissions", path=where) from e
+    except OSError as e:
+        raise InputError(f"{label}cannot be read ({e.strerror}) — check the path", path=where) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{label}is {_kind(mode)}, not a regular file — not a checkpoint", path=where)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)  # no effect on a regular file's reads; restores ordinary semantics
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_member(folder: Path, path: Path, *, what: str, report: Path | None = None) -> BinaryIO:
+    """:func:`check_member`, then :func:`open_regular`: how every file of a folder input is opened."""
+    check_member(folder, path, what=what, report=report)
+    return open_regular(path, what=what, report=report)

@@ -520,6 +520,7 @@ def _patch_fingerprint(handle: Any, value: str) -> None:
 
 def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, expect: _Expectations) -> SaveReport:
     tensors = checkpoint.tensors
+    safetensors.check_dtypes(tensors)
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
     with atomic_output(out) as (handle, tmp):
         sums = OutputSums(tmp)
@@ -539,6 +540,7 @@ def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, e
 def _save_sharded(checkpoint: Checkpoint, out: Path, max_shard_size: int, duplicate_tied: bool,
                   expect: _Expectations) -> SaveReport:
     tensors = checkpoint.tensors
+    safetensors.check_dtypes(tensors)
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
     stored = {k: v for k, v in tensors.items() if k not in aliases}
     shards = safetensors.plan_shards(stored, max_shard_size)

@@ -83,7 +83,7 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
             raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt",
                              path=path)
         cached = storages.get(key)
-        if cached is not None:
+        if cached is not None and (cached.nbytes or cached.dtype is storage_type.dtype):
             return cached
         member = members.get(f"{top}/data/{key}")
         if member is None:
@@ -105,7 +105,10 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
                            member.crc32 if member.size == nbytes else None),
             type_global=f"{storage_type.module}.{storage_type.name}",
         )
-        storages[key] = storage
+        # torch keeps an allocated storage by key for later references (whatever dtype they name);
+        # an empty one is not kept (its data pointer is null), so each reference gets its own dtype
+        if storage.nbytes or key not in storages:
+            storages[key] = storage
         return storage
 
     return persistent_load

@@ -14,8 +14,7 @@ Hypothesis runs derandomized with a modest example count, so CI sees the same ex
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -28,7 +27,10 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from click.testing import CliRunner  # noqa: E402
+
 import ckptool  # noqa: E402
+from ckptool.cli import main  # noqa: E402
 from ckptool.materialize import to_state_dict  # noqa: E402
 from ckptool.pickles import PARAMETER_DESCRIPTORS  # noqa: E402
 from ckptool.refs import TensorRef  # noqa: E402
@@ -67,6 +69,11 @@ class ShadowedDict(OrderedDict):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def run(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
 
 
 def torch_tensors(obj: Any, path: tuple = ()) -> dict[tuple, Any]:
@@ -233,10 +240,8 @@ def test_a_file_with_bits_differs_from_the_clean_file_in_diff_fingerprint_and_ve
     assert ckptool.fingerprint(a.tensors) == ckptool.fingerprint(resolved.tensors)
     assert not ckptool.diff(a, b).identical
     assert ckptool.diff(a, resolved).identical
-    cli = [sys.executable, "-m", "ckptool"]
-    result = subprocess.run([*cli, "verify", str(tmp_path / "bits.pt"), "--against", str(tmp_path / "clean.pt")],
-                            capture_output=True, text=True)
-    assert result.returncode == 1, result.stdout + result.stderr
+    code, out, err = run("verify", tmp_path / "bits.pt", "--against", tmp_path / "clean.pt")
+    assert code == 1, out + err
     # written out, the values survive: .pt keeps the bits for torch to apply, safetensors stores values
     for out in ("out.pt", "out.safetensors"):
         ckptool.save(a, tmp_path / out)
@@ -365,3 +370,109 @@ def test_protocol_2_builtins_reach_the_allowlist(tmp_path: Path) -> None:
     assert checkpoint.container["z"] == complex(1, 2)
     assert ckptool.scan(path).safe
     assert assert_agree(path) == "equal"
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.parametrize("dtype,values", [(torch.int64, (2**62, 2**62 + 1)), (torch.uint64, (2**63 + 2, 2**63 + 3)),
+                                          (torch.int64, (-(2**63), -(2**63) + 1))], ids=["int64", "uint64", "int64 min"])
+def test_diff_tells_integers_apart_that_float64_cannot(tmp_path: Path, dtype: Any, values: tuple) -> None:
+    torch.save({"a": torch.tensor([values[0]], dtype=dtype)}, tmp_path / "a.pt")
+    torch.save({"a": torch.tensor([values[1]], dtype=dtype)}, tmp_path / "b.pt")
+    code, out, _ = run("diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1 and "identical" not in out.splitlines()[-1] and "every value is equal" not in out
+    report = ckptool.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert not report.identical and report.max_abs_diff == 1.0
+
+
+def test_complex128_is_refused_for_safetensors_naming_the_tensors(tmp_path: Path) -> None:
+    torch.save({"z": torch.tensor([1 + 2j], dtype=torch.complex128), "w": torch.ones(2),
+                "y": torch.zeros(1, dtype=torch.complex128)}, tmp_path / "c.pt")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for target in (out_dir / "c.safetensors", out_dir / "shards"):
+        code, _, err = run("convert", tmp_path / "c.pt", "-o", target, *(["--max-shard-size", "1KB"]
+                                                                         if target.name == "shards" else []))
+        assert code == 3 and err.count("\n") == 1, err
+        assert "complex128" in err and "'z'" in err and "'y'" in err and "'w'" not in err
+    assert list(out_dir.iterdir()) == []
+    code, _, err = run("convert", tmp_path / "c.pt", "-o", out_dir / "c.pt")  # .pt holds it
+    assert code == 0, err
+
+
+def test_a_file_saved_with_crcs_off_reads_and_converts(tmp_path: Path) -> None:
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.arange(70000.0), "b": torch.ones(3)}, tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(tmp_path / "nocrc.pt") as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
+    assert run("inspect", tmp_path / "nocrc.pt")[0] == 0
+    for out in ("out.pt", "out.safetensors"):
+        code, _, err = run("convert", tmp_path / "nocrc.pt", "-o", tmp_path / out)
+        assert code == 0, err
+    with zipfile.ZipFile(tmp_path / "out.pt") as archive:
+        assert archive.testzip() is None  # the output records the CRCs of its bytes
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.arange(70000.0))
+    assert run("diff", tmp_path / "nocrc.pt", tmp_path / "out.safetensors")[0] == 0
+
+
+def _make_crcs_stale(path: Path) -> None:
+    """Record wrong CRCs for the storages and the pickle, as a file patched after saving has."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        infos, central = archive.infolist(), archive.start_dir
+    for info in infos:
+        if "/data/" in info.filename or info.filename.endswith("data.pkl"):
+            wrong = struct.pack("<I", info.CRC ^ 0x5A5A5A5A)
+            data[info.header_offset + 14:info.header_offset + 18] = wrong
+            name = info.filename.encode()
+            position = data.find(b"PK\x01\x02", central)
+            while position >= 0:
+                length = struct.unpack("<H", data[position + 28:position + 30])[0]
+                if data[position + 46:position + 46 + length] == name:
+                    data[position + 16:position + 20] = wrong
+                position = data.find(b"PK\x01\x02", position + 4)
+    path.write_bytes(bytes(data))
+
+
+def test_a_file_with_stale_crcs_reads_and_converts(tmp_path: Path) -> None:
+    torch.save({"w": torch.arange(70000.0), "b": torch.ones(3)}, tmp_path / "stale.pt")
+    _make_crcs_stale(tmp_path / "stale.pt")
+    assert torch.equal(torch.load(tmp_path / "stale.pt", weights_only=True)["b"], torch.ones(3))  # torch reads it
+    for out in ("out.pt", "out.safetensors"):
+        code, _, err = run("convert", tmp_path / "stale.pt", "-o", tmp_path / out)
+        assert code == 0, err
+    with zipfile.ZipFile(tmp_path / "out.pt") as archive:
+        assert archive.testzip() is None
+    assert run("diff", tmp_path / "stale.pt", tmp_path / "out.pt")[0] == 0
+
+
+def test_protocol_2_set_in_a_checkpoint_is_read_and_scanned_safe(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2), "seen_ids": {1, 2, 3}}, tmp_path / "set.pt")
+    assert run("inspect", tmp_path / "set.pt")[0] == 0
+    code, out, _ = run("scan", tmp_path / "set.pt", "--json")
+    assert code == 0 and json.loads(out)["safe"]
+    code, _, err = run("strip", tmp_path / "set.pt", "-o", tmp_path / "out.pt", "--prefix", "w")
+    assert code in (0, 1), err
+    assert run("convert", tmp_path / "set.pt", "-o", tmp_path / "copy.pt")[0] == 0
+    assert torch.load(tmp_path / "copy.pt", weights_only=True)["seen_ids"] == {1, 2, 3}
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff", "verify", "convert"])
+def test_a_shadowed_ordered_dict_and_a_replaced_parameter_are_refused_in_one_line(tmp_path: Path,
+                                                                                   command: str) -> None:
+    torch.save({"model": ShadowedDict([("w", torch.ones(2))], {"items": []})}, tmp_path / "od.pt")
+    torch.save({"w": Crafted(torch._utils._rebuild_parameter_with_state,
+                             (torch.ones(3), False, OrderedDict(), {"data": torch.zeros(3)}))}, tmp_path / "param.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "clean.pt")
+    for name in ("od.pt", "param.pt"):
+        args = {"inspect": [tmp_path / name], "diff": [tmp_path / name, tmp_path / "clean.pt"],
+                "verify": [tmp_path / name], "convert": [tmp_path / name, "-o", tmp_path / "out.safetensors"]}[command]
+        code, _, err = run(command, *args)
+        assert code == 3 and err.count("\n") == 1 and name in err, err
+    assert not (tmp_path / "out.safetensors").exists()

@@ -522,6 +522,46 @@ def build_corpus(directory: Path) -> list[Case]:
     if os.geteuid() == 0:  # root reads it anyway: not a hostile case there
         unreadable.chmod(stat.S_IRUSR | stat.S_IWUSR)
         cases.pop()
+    cases += _values_cases(directory)
+    return cases
+
+
+def _values_cases(directory: Path) -> list[Case]:
+    """Files torch.load(weights_only=True) reads whose values ckptool cannot give exactly: refused.
+
+    (Files whose bits ckptool applies, and the differential against torch, are in test_differential.py.)
+    """
+    storages = {"0": FOUR_FLOATS}
+    weight = (text("weight"),)
+
+    def tensor_with_metadata(metadata: bytes, storage: str = "FloatStorage") -> bytes:
+        return call(glob("torch._utils", "_rebuild_tensor_v2"), storage_pid(4, storage=storage), integer(0),
+                    tup(integer(4)), tup(integer(1)), b"\x89", ordered_dict(), metadata)
+
+    def parameter_with_state(state: bytes) -> bytes:
+        return call(glob("torch._utils", "_rebuild_parameter_with_state"), rebuild(), b"\x89", ordered_dict(), state)
+
+    made = {
+        # an OrderedDict whose BUILD state shadows its items(): readers calling .items() would see none
+        "values_ordered_dict_shadows_items": whole(dct((text("model"), ordered_dict()
+            + b"(" + text("weight") + rebuild() + b"u" + dct((text("items"), b"]")) + b"b"))),
+        # parameter state that replaces the weights (param.data = zeros) or overwrites them (param.real)
+        "values_parameter_state_data": whole(dct((text("weight"), parameter_with_state(
+            dct((text("data"), rebuild())))))),
+        "values_parameter_state_real_in_slots": whole(dct((text("weight"), parameter_with_state(
+            tup(b"N", dct((text("real"), rebuild()))))))),
+        # metadata ckptool cannot apply exactly: an unknown key, a negative bit torch cannot resolve
+        "values_metadata_unknown_key": whole(dct((*weight, tensor_with_metadata(dct((text("zero"), b"\x88")))))),
+        "values_metadata_neg_on_bool": whole(dct((*weight, tensor_with_metadata(dct((text("neg"), b"\x88")),
+                                                                                 "BoolStorage")))),
+        "values_metadata_not_a_dict": whole(dct((*weight, tensor_with_metadata(lst(text("neg")))))),
+    }
+    cases = []
+    for name, data_pkl in made.items():
+        path = directory / "files" / f"{name}.pt"
+        bools = {"0": b"\x01\x00\x01\x00"}  # the bool tensor's own storage (4 bytes, as torch checks)
+        path.write_bytes(make_zip(torch_members(data_pkl, bools if "bool" in name else storages)))
+        cases.append(Case(name, path, REFUSE))
     return cases
 
 

@@ -367,6 +367,10 @@ class StateDict(OrderedDict):
         return (OrderedDict, (), state, None, iter(dict.items(self)))
 
 
+# shown as what the file holds (repr, inspect's entries, error messages): an OrderedDict
+StateDict.__name__ = StateDict.__qualname__ = "OrderedDict"
+
+
 def _ordered_dict(items: Any = ()) -> OrderedDict:
     if isinstance(items, list | tuple) and items:
         if not all(isinstance(item, tuple | list) and len(item) == 2 for item in items):
@@ -1118,7 +1122,7 @@ def _tree_children(obj: Any) -> list[Any]:
             return []  # the usual tensor: a leaf
         return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ())]
     if isinstance(obj, dict):
-        kids = [*obj.keys(), *obj.values()]
+        kids = [*dict.keys(obj), *dict.values(obj)]
         state = getattr(obj, "__dict__", None)
         return kids + list(state.values()) if state else kids
     if isinstance(obj, list | tuple | set | frozenset):
@@ -1279,14 +1283,14 @@ class _Emitter:
         elif type(obj) is dict:
             self.write(_P.EMPTY_DICT)
             self._put(obj)
-            self._setitems(list(obj.items()))
+            self._setitems(list(dict.items(obj)))
         elif isinstance(obj, Counter):
             self._reduce_call("collections.Counter", (dict(obj),), obj)
         elif isinstance(obj, OrderedDict):
             self.global_("collections.OrderedDict")
             self.write(_P.EMPTY_TUPLE + _P.REDUCE)
             self._put(obj)
-            self._setitems(list(obj.items()))
+            self._setitems(list(dict.items(obj)))
             state = getattr(obj, "__dict__", None)
             if state:
                 self.save(dict(state))

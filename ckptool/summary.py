@@ -165,6 +165,11 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         metadata=dict(checkpoint.metadata),
         notes=list(checkpoint.notes),
     )
+    with_bits = [name for name, t in tensors.items() if t.conj or t.neg]
+    if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
+        summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
+                             f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
+                             "conjugated/negated, as torch.load gives them")
     summary.hints = _hints(checkpoint, summary)
     if with_fingerprint:
         summary.fingerprint = fingerprint(tensors)

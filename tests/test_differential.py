@@ -476,3 +476,9 @@ def test_a_shadowed_ordered_dict_and_a_replaced_parameter_are_refused_in_one_lin
         code, _, err = run(command, *args)
         assert code == 3 and err.count("\n") == 1 and name in err, err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_inspect_says_which_tensors_carry_bits(tmp_path: Path) -> None:
+    torch.save({"w": torch._neg_view(torch.ones(2)), "b": torch.ones(2)}, tmp_path / "neg.pt")
+    notes = ckptool.inspect(tmp_path / "neg.pt").notes
+    assert any("negative bit" in note and "'w'" in note for note in notes)

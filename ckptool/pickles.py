@@ -177,7 +177,8 @@ def _tensor_bits(extra: tuple, dtype: DType) -> tuple[bool, bool]:
     """The conjugate and negative bits in a rebuild's trailing ``metadata`` argument.
 
     torch applies ``metadata`` when it is truthy (``torch._utils.set_tensor_metadata``: a dict of str to
-    bool whose ``conj``/``neg`` set the tensor's bits); anything ckptool cannot apply exactly is refused.
+    bool whose ``conj``/``neg`` entries set the tensor's bits); torch.save writes ``{"conj": True}``,
+    ``{"neg": True}`` or both. Anything else ckptool cannot be sure to read as torch does is refused.
     """
     if len(extra) > 1:
         raise InputError(f"a tensor is rebuilt with {len(extra)} arguments after its hooks; torch takes one "
@@ -192,9 +193,12 @@ def _tensor_bits(extra: tuple, dtype: DType) -> tuple[bool, bool]:
         if key not in bits:
             raise InputError(f"a tensor's metadata sets {brief(key)}, which ckptool does not know how to apply "
                              "(it knows conj and neg) — the file may come from a newer torch; refused")
-        if type(value) is not bool:
-            raise InputError(f"a tensor's metadata {key!r} is {brief(value)}, not a bool — the file is corrupt")
-        bits[key] = value
+        if value is not True:
+            # torch.save writes only True entries; torch sets the bit for any entry, False included
+            # (it reads the key, not the value), which other torch versions need not do
+            raise InputError(f"a tensor's metadata {key!r} is {brief(value)}, not True — torch.save never "
+                             "writes that, and torch versions read it differently; refused")
+        bits[key] = True
     if "conj" in metadata and not dtype.name.startswith("C"):
         # torch asserts on any conj entry (even False) for a non-complex tensor
         raise InputError(f"a {dtype.torch_name} tensor's metadata sets its conjugate bit, which only complex "

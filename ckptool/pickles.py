@@ -293,7 +293,8 @@ def _check_parameter_state(state: Any) -> None:
             raise InputError(f"a parameter's state is {brief(part)}, not a dict of attributes — refused")
         for name in dict.keys(part):
             if type(name) is not str:
-                raise InputError(f"a parameter's state sets attribute {brief(name)}, not a name — the file is corrupt")
+                raise InputError(f"a parameter's state sets attribute {brief(name)}, not a name — "
+                                 "the file is corrupt")
             if name in PARAMETER_DESCRIPTORS or (name.startswith("__") and name.endswith("__")):
                 raise InputError(f"a parameter's state sets {name!r}, which would change or replace the tensor "
                                  "when torch loads it (torch.save never writes that) — refused")

@@ -150,11 +150,6 @@ class TensorRef:
     neg: bool = False
 
     @property
-    def has_bits(self) -> bool:
-        """The stored bytes are not the values: a conjugate or negative bit must be applied."""
-        return self.conj or self.neg
-
-    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -250,7 +245,8 @@ class TensorRef:
     def whole_pieces(self) -> tuple[ByteRange, ...] | None:
         """The byte ranges that make up this tensor end to end, when its storage is so described."""
         storage = self.storage
-        if storage.pieces is None or self.conj or self.neg or self.offset != 0 or self.nbytes != storage.nbytes or not self.is_contiguous():
+        if storage.pieces is None or self.conj or self.neg or self.offset != 0 or self.nbytes != storage.nbytes \
+                or not self.is_contiguous():
             return None
         return storage.pieces
 

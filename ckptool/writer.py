@@ -513,8 +513,8 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: _Expec
     except _StaleSourceCrc:
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
-        expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(checkpoint.tensors if checkpoint.has_weights
-                                                                              else {}, trust_stored=False)))
+        tensors = checkpoint.tensors if checkpoint.has_weights else {}
+        expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=False)))
         checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=False)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 

@@ -486,3 +486,19 @@ def test_inspect_says_which_tensors_carry_bits(tmp_path: Path) -> None:
     torch.save({"w": torch._neg_view(torch.ones(2)), "b": torch.ones(2)}, tmp_path / "neg.pt")
     notes = ckptool.inspect(tmp_path / "neg.pt").notes
     assert any("negative bit" in note and "'w'" in note for note in notes)
+
+
+def test_a_model_loaded_through_ckptool_gets_the_weights_torch_loads(tmp_path: Path, fixtures_dir: Path) -> None:
+    """Every weight saved as a negative view: load_into (verify --model's path) must negate them as torch does."""
+    from training.models import lenet
+
+    weights = torch.load(fixtures_dir / "single_lenet.pt", weights_only=True)["model"]
+    torch.save({"model": {k: torch._neg_view(v) if v.is_floating_point() else v for k, v in weights.items()}},
+               tmp_path / "neg.pt")
+    reference = torch.load(tmp_path / "neg.pt", weights_only=True)["model"]
+    model = lenet()
+    ckptool.load_into(model, tmp_path / "neg.pt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, reference[key].resolve_neg()), key
+    report = ckptool.verify(tmp_path / "neg.pt", against=fixtures_dir / "single_lenet.pt")
+    assert not report.ok

@@ -104,7 +104,9 @@ class Checkpoint:
     @property
     def tensors(self) -> dict[str, TensorRef]:
         """The weights: name -> tensor (non-tensor entries left out)."""
-        return {k: v for k, v in dict.items(self.state_dict) if isinstance(v, TensorRef)}
+        state_dict = self.state_dict
+        items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()  # a caller's Mapping
+        return {k: v for k, v in items if isinstance(v, TensorRef)}
 
     @property
     def is_lightning(self) -> bool:

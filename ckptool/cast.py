@@ -49,8 +49,9 @@ def cast_weights(checkpoint: Checkpoint, dtype: str) -> Checkpoint:
             rebuild = "torch._utils._rebuild_tensor_v2" if target.storage_class else "torch._utils._rebuild_tensor_v3"
             if not target.storage_class:
                 storage = replace(storage, dtype=dtypes.BY_NAME["U8"], numel=tensor.numel * target.itemsize)
+            # the cast bytes are values (bits applied): the result carries no bits and no metadata
             memo[identity] = replace(tensor, storage=storage, dtype=target, stride=contiguous_stride(tensor.shape),
-                                     offset=0, rebuild=rebuild)
+                                     offset=0, rebuild=rebuild, extra=(), conj=False, neg=False)
         return memo[identity]
 
     return checkpoint.with_state_dict(map_tensors(checkpoint.state_dict, convert))

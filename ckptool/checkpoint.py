@@ -26,7 +26,7 @@ def is_state_dict(obj: Any) -> bool:
     """A str-keyed mapping whose values are mostly tensors."""
     if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
         return False
-    tensors = sum(isinstance(v, TensorRef) for v in obj.values())
+    tensors = sum(isinstance(v, TensorRef) for v in dict.values(obj))  # never an attribute the pickle set
     return tensors > 0 and tensors * 2 >= len(obj)
 
 
@@ -45,14 +45,14 @@ def find_layout(container: Any) -> tuple[Any, ...] | None:
         if not isinstance(node, dict):
             break
         for key in WEIGHTS_KEYS:
-            if is_state_dict(node.get(key)):
+            if is_state_dict(dict.get(node, key)):
                 return path + (key,)
-        nested = [key for key in WEIGHTS_KEYS if isinstance(node.get(key), dict)]
+        nested = [key for key in WEIGHTS_KEYS if isinstance(dict.get(node, key), dict)]
         if not nested:
             break
         node, path = node[nested[0]], path + (nested[0],)
     if isinstance(container, dict):
-        candidates = [(sum(1 for _ in iter_tensors(v)), k) for k, v in container.items() if is_state_dict(v)]
+        candidates = [(sum(1 for _ in iter_tensors(v)), k) for k, v in dict.items(container) if is_state_dict(v)]
         if candidates:
             return (max(candidates)[1],)
     return None
@@ -104,7 +104,9 @@ class Checkpoint:
     @property
     def tensors(self) -> dict[str, TensorRef]:
         """The weights: name -> tensor (non-tensor entries left out)."""
-        return {k: v for k, v in self.state_dict.items() if isinstance(v, TensorRef)}
+        state_dict = self.state_dict
+        items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()  # a caller's Mapping
+        return {k: v for k, v in items if isinstance(v, TensorRef)}
 
     @property
     def is_lightning(self) -> bool:
@@ -161,4 +163,4 @@ class Checkpoint:
         """The top-level entries other than the weights (epoch, optimizer, config...)."""
         if not isinstance(self.container, dict) or not self.layout:
             return {}
-        return {k: v for k, v in self.container.items() if k != self.layout[0]}
+        return {k: v for k, v in dict.items(self.container) if k != self.layout[0]}

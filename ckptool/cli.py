@@ -612,7 +612,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
 @click.option("--atol", type=float, default=0.0, show_default=True,
-              help="Value differences up to this are not changes (0: every bit counts).")
+              help="Value differences up to this are not changes (0: exact; floats count -0.0 as 0.0, NaN as NaN).")
 @json_option
 @allow_global_option
 @handle_errors

@@ -169,6 +169,26 @@ def decode(raw: memoryview | bytes, dtype: DType) -> Any:
     return tensor.to(torch.float64).numpy()
 
 
+_INTEGER_UNITS = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
+                  "U8": "u1", "BOOL": "u1"}
+
+
+def exact_diff(raw_a: memoryview | bytes, raw_b: memoryview | bytes, dtype: DType) -> Any:
+    """Element-wise ``|a - b|`` of two integer (or bool) chunks of one dtype, exact, as uint64.
+
+    ``max - min`` taken modulo 2**64 is the exact distance, since no two 64-bit integers lie 2**64
+    apart; it is reported as a float (a difference of 1 at 2**62 is 1.0, not 0).
+    """
+    import numpy as np
+
+    unit = _INTEGER_UNITS[dtype.name]
+    a = np.frombuffer(raw_a, dtype=unit)
+    b = np.frombuffer(raw_b, dtype=unit)
+    high, low = np.maximum(a, b), np.minimum(a, b)
+    with np.errstate(over="ignore"):
+        return high.astype(np.uint64) - low.astype(np.uint64)
+
+
 def abs_diff(a: Any, b: Any) -> Any:
     """Element-wise ``|a - b|`` where equal values (and NaN against NaN) count 0 and a NaN against a number counts inf."""
     import numpy as np
@@ -285,6 +305,9 @@ def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: Open
             return compare_values(a, b, atol=atol, files=own, on_a_chunk=on_a_chunk)
     elements = max(1, CHUNK_SIZE // max(a.dtype.itemsize, b.dtype.itemsize))
     same_dtype = a.dtype == b.dtype
+    # integers and bools of one dtype compare exactly (float64 cannot tell 2**62 from 2**62 + 1);
+    # only floating values have the -0.0 == 0.0 / NaN-payload rule
+    exact = same_dtype and a.dtype.name in _INTEGER_UNITS
     byte_identical = same_dtype
     max_diff = 0.0
     differing = beyond = 0
@@ -294,6 +317,13 @@ def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: Open
         if same_dtype and raw_a == raw_b:
             continue
         byte_identical = False
+        if exact:
+            difference = exact_diff(raw_a, raw_b, a.dtype)
+            if difference.size:
+                max_diff = max(max_diff, float(difference.max()))
+                differing += int((difference > 0).sum())
+                beyond += int((difference > atol).sum())
+            continue
         difference = abs_diff(decode(raw_a, a.dtype), decode(raw_b, b.dtype))
         if difference.size:
             max_diff = max(max_diff, float(difference.max()))
@@ -345,7 +375,8 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
 
     Args:
         a, b: checkpoints (paths or loaded :class:`~ckptool.Checkpoint`).
-        atol: value differences up to this are not changes (0: every bit counts, except -0.0 vs 0.0).
+        atol: value differences up to this are not changes (0: every bit counts, except -0.0 vs 0.0 and
+            NaN payloads in floating tensors; integers and bools are compared exactly, not through float64).
         allow_globals: extra pickle globals to accept by name.
         align_prefixes: when the keys differ only by wrapper prefixes (``module.``...), strip them
             and compare the tensors (``report.aligned`` says which).

@@ -49,7 +49,7 @@ def _rename_metadata(state_dict: Mapping[str, Any], rename) -> dict | None:
     if not isinstance(metadata, dict):
         return None
     renamed = copy_mapping(metadata, items=[])
-    for key, value in metadata.items():
+    for key, value in dict.items(metadata):
         renamed[rename(key) if isinstance(key, str) else key] = value
     return renamed
 

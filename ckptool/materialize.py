@@ -108,7 +108,7 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
     """Materialize lazy tensors as real CPU tensors, keeping ties and views.
 
     Each saved storage becomes one torch storage; each tensor is a view of it with its saved
-    offset, shape and stride. Tensors that shared a storage on disk share it here
+    offset, shape and stride, and its conjugate/negative bits (as ``torch.load`` sets them). Tensors that shared a storage on disk share it here
     (``a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()``). Only the storages the
     given tensors use are read. Non-tensor values are left out.
 
@@ -141,6 +141,11 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
         except RuntimeError as e:
             raise InputError(f"tensor {name!r} does not fit its storage ({e}) — the file is corrupt",
                              path=tensor.storage.byte_range().path) from e
+        if tensor.conj or tensor.neg:
+            # the bits torch's _rebuild_tensor_v2 sets from the same metadata: a lazy conjugate or
+            # negative view, exactly as torch.load returns it (copies and load_state_dict resolve it)
+            bits = {key: True for key, value in (("conj", tensor.conj), ("neg", tensor.neg)) if value}
+            torch._C._set_tensor_metadata(state_dict[name], bits)
     return state_dict
 
 

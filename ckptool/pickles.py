@@ -24,7 +24,7 @@ from typing import Any
 from . import dtypes
 from .dtypes import DType
 from .errors import InputError
-from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
+from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported
 
 # The ceiling on one pickle's size: real checkpoints' pickles are a few MB even with 100k tensors.
 MAX_PICKLE_BYTES = 1 << 30
@@ -173,15 +173,55 @@ def _check_ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(_check_int(v, what) for v in value)
 
 
+def _tensor_bits(extra: tuple, dtype: DType) -> tuple[bool, bool]:
+    """The conjugate and negative bits in a rebuild's trailing ``metadata`` argument.
+
+    torch applies ``metadata`` when it is truthy (``torch._utils.set_tensor_metadata``: a dict of str to
+    bool whose ``conj``/``neg`` entries set the tensor's bits); torch.save writes ``{"conj": True}``,
+    ``{"neg": True}`` or both. Anything else ckptool cannot be sure to read as torch does is refused.
+    """
+    if len(extra) > 1:
+        raise InputError(f"a tensor is rebuilt with {len(extra)} arguments after its hooks; torch takes one "
+                         "(metadata) — the file is corrupt")
+    metadata = extra[0] if extra else None
+    if not metadata:
+        return False, False  # torch ignores a falsy metadata (None, {})
+    if not isinstance(metadata, dict):
+        raise InputError(f"a tensor's metadata is {brief(metadata)}, not a dict — the file is corrupt")
+    bits = {"conj": False, "neg": False}
+    for key, value in dict.items(metadata):
+        if key not in bits:
+            raise InputError(f"a tensor's metadata sets {brief(key)}, which ckptool does not know how to apply "
+                             "(it knows conj and neg) — the file may come from a newer torch; refused")
+        if value is not True:
+            # torch.save writes only True entries; torch sets the bit for any entry, False included
+            # (it reads the key, not the value), which other torch versions need not do
+            raise InputError(f"a tensor's metadata {key!r} is {brief(value)}, not True — torch.save never "
+                             "writes that, and torch versions read it differently; refused")
+        bits[key] = True
+    if "conj" in metadata and not dtype.name.startswith("C"):
+        # torch asserts on any conj entry (even False) for a non-complex tensor
+        raise InputError(f"a {dtype.torch_name} tensor's metadata sets its conjugate bit, which only complex "
+                         "tensors have — the file is corrupt")
+    problem = bits_supported(dtype, conj=bits["conj"], neg=bits["neg"])
+    if problem is not None:
+        raise InputError(f"a tensor carries {problem}; its values cannot be read exactly — refused")
+    return bits["conj"], bits["neg"]
+
+
 def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
                  backward_hooks: Any = None, dtype: DType | None = None, extra: tuple = ()) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise InputError("a tensor's storage is not a saved storage record — the file is corrupt or not a checkpoint")
     if not isinstance(requires_grad, bool):
         raise InputError("a tensor's requires_grad is not a bool — the file is corrupt")
+    dtype = dtype or storage.dtype
+    conj = neg = False
+    if extra:  # the usual tensor has no metadata: nothing more to check
+        conj, neg = _tensor_bits(extra, dtype)
     tensor = TensorRef(
         storage=storage,
-        dtype=dtype or storage.dtype,
+        dtype=dtype,
         shape=_check_ints(size, "shape"),
         stride=_check_ints(stride, "stride"),
         offset=_check_int(offset, "storage offset"),
@@ -189,6 +229,8 @@ def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any
         rebuild=rebuild,
         extra=extra,
         backward_hooks=backward_hooks,
+        conj=conj,
+        neg=neg,
     )
     tensor.validate()
     return tensor
@@ -219,9 +261,49 @@ def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> Te
     return data
 
 
+# Attributes of torch.nn.Parameter that are descriptors (torch 2.x): torch's _set_obj_state does
+# ``setattr(param, name, value)`` for each name in a parameter's saved state, and on these that runs
+# torch code — ``data`` swaps the weights for another tensor, ``real``/``imag`` overwrite them — or
+# fails. A parameter's real state is its ``__dict__`` (plain Python attributes), which never holds
+# them; state naming one is refused. tests/test_differential.py checks this set against the
+# installed torch's descriptors.
+PARAMETER_DESCRIPTORS = frozenset({
+    "H", "T", "_backward_hooks", "_base", "_cdata", "_grad", "_grad_fn", "_has_symbolic_sizes_strides",
+    "_post_accumulate_grad_hooks", "_python_dispatch", "_version", "data", "device", "dtype", "grad",
+    "grad_dtype", "grad_fn", "imag", "is_cpu", "is_cuda", "is_ipu", "is_leaf", "is_maia", "is_meta",
+    "is_mkldnn", "is_mps", "is_mtia", "is_nested", "is_quantized", "is_sparse", "is_sparse_csr", "is_vulkan",
+    "is_xla", "is_xpu", "itemsize", "layout", "mH", "mT", "name", "names", "nbytes", "ndim", "output_nr",
+    "real", "requires_grad", "retains_grad", "shape", "volatile",
+})
+
+
+def _check_parameter_state(state: Any) -> None:
+    """Honour a parameter's saved state only when it cannot change the tensor: plain attributes.
+
+    torch (``_rebuild_parameter_with_state`` -> ``_set_obj_state``) takes ``state`` as a dict of
+    attributes, or a pair ``(dict_state, slots_state)``, and sets each one on the parameter.
+    """
+    parts = state if isinstance(state, tuple) else (state,)
+    if isinstance(state, tuple) and len(state) != 2:
+        raise InputError(f"a parameter's state is a {len(state)}-tuple; torch reads a pair — the file is corrupt")
+    for part in parts:
+        if not part:
+            continue  # torch skips a falsy part (Python 3.11 pickles an empty __dict__ as None)
+        if not isinstance(part, dict):
+            raise InputError(f"a parameter's state is {brief(part)}, not a dict of attributes — refused")
+        for name in dict.keys(part):
+            if type(name) is not str:
+                raise InputError(f"a parameter's state sets attribute {brief(name)}, not a name — "
+                                 "the file is corrupt")
+            if name in PARAMETER_DESCRIPTORS or (name.startswith("__") and name.endswith("__")):
+                raise InputError(f"a parameter's state sets {name!r}, which would change or replace the tensor "
+                                 "when torch loads it (torch.save never writes that) — refused")
+
+
 def _rebuild_parameter_with_state(data: Any, requires_grad: Any, backward_hooks: Any, state: Any) -> TensorRef:
     if not isinstance(data, TensorRef):
         raise InputError("a parameter wraps something that is not a tensor — the file is corrupt")
+    _check_parameter_state(state)
     data.parameter = ("torch._utils._rebuild_parameter_with_state", requires_grad, backward_hooks, state)
     return data
 
@@ -262,12 +344,46 @@ def _builtin_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
     return complex(real, imag)
 
 
+class StateDict(OrderedDict):
+    """The ``collections.OrderedDict`` a pickle builds (a state_dict), whose attributes a pickle cannot
+    turn against its readers.
+
+    torch's loader applies BUILD state to an OrderedDict as ``__dict__.update(state)``; torch.save
+    writes one attribute that way, ``_metadata`` (module versions). An attribute named like a method
+    (``items``, ``keys``, ``get``...) would shadow it for every reader that calls ``obj.items()`` —
+    ckptool, json, other tools — while torch's own value is the mapping's real contents. Such state
+    is refused; other attributes are kept as torch keeps them.
+    """
+
+    __slots__ = ()  # instances still have a __dict__ (OrderedDict's), which BUILD fills
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise InputError(f"pickle sets the state of an OrderedDict to {brief(state)}, not a dict of "
+                             "attributes — refused")
+        for name in dict.keys(state):
+            if type(name) is not str or hasattr(OrderedDict, name) or name.startswith("__"):
+                raise InputError(f"pickle sets attribute {brief(name)} on an OrderedDict, hiding its own "
+                                 "contents from readers (torch.save never writes that) — refused")
+        self.__dict__.update(state)
+
+    def __reduce__(self) -> Any:  # copy/deepcopy/pickle treat it as the OrderedDict it stands for
+        state = dict(self.__dict__) or None
+        return (OrderedDict, (), state, None, iter(dict.items(self)))
+
+
+# shown as what the file holds (repr, inspect's entries, error messages): an OrderedDict
+StateDict.__name__ = StateDict.__qualname__ = "OrderedDict"
+
+
 def _ordered_dict(items: Any = ()) -> OrderedDict:
     if isinstance(items, list | tuple) and items:
         if not all(isinstance(item, tuple | list) and len(item) == 2 for item in items):
             raise InputError("OrderedDict built from something that is not key-value pairs — refused")
         _check_keys([key for key, _ in items])
-    return OrderedDict(items) if isinstance(items, list | tuple | dict) and items else OrderedDict()
+    if isinstance(items, dict):
+        items = list(dict.items(items))  # never through an attribute the pickle may have set
+    return StateDict(items) if isinstance(items, list | tuple) and items else StateDict()
 
 
 def _counter(items: Any = None) -> Counter:
@@ -320,6 +436,34 @@ DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (
 )
 
 
+def _py2_modules() -> frozenset[str]:
+    import _compat_pickle
+
+    return frozenset(_compat_pickle.IMPORT_MAPPING) | frozenset(module for module, _ in _compat_pickle.NAME_MAPPING)
+
+
+_PY2_MODULES = _py2_modules()
+
+
+def python3_name(full_name: str) -> str:
+    """A global as Python 3 names it: protocol-2 pickles (torch.save's) name ``__builtin__.set``,
+    ``copy_reg._reconstructor``...; pickle's own compatibility table (``_compat_pickle``, which
+    torch's weights_only loader applies too) maps them before any allowlist is consulted."""
+    module, _, name = full_name.rpartition(".")
+    if module not in _PY2_MODULES:
+        return full_name
+    return ".".join(_python3(module, name))
+
+
+def _python3(module: str, name: str) -> tuple[str, str]:
+    import _compat_pickle
+
+    mapped = _compat_pickle.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class GlobalResolver:
     """Maps a pickle's ``module.name`` to a placeholder, or refuses it.
 
@@ -329,17 +473,21 @@ class GlobalResolver:
     """
 
     def __init__(self, allow_globals: tuple[str, ...] | list[str] = (), *, permissive: bool = False) -> None:
-        self.extra = set(DEFAULT_EXTRA_GLOBALS) | set(allow_globals)
+        self.extra = set(DEFAULT_EXTRA_GLOBALS) | {python3_name(name) for name in allow_globals}
         self.permissive = permissive
         self.seen: dict[str, int] = {}
         self.refused: list[str] = []
 
     def is_allowed(self, full_name: str) -> bool:
+        full_name = python3_name(full_name)
         return full_name in TORCH_GLOBALS or full_name in self.extra
 
     def resolve(self, module: str, name: str) -> Any:
         full_name = f"{module}.{name}"
-        self.seen[full_name] = self.seen.get(full_name, 0) + 1
+        self.seen[full_name] = self.seen.get(full_name, 0) + 1  # as the file names it
+        if module in _PY2_MODULES:
+            module, name = _python3(module, name)
+            full_name = f"{module}.{name}"
         if full_name in TORCH_GLOBALS:
             return TORCH_GLOBALS[full_name]
         if full_name in self.extra:
@@ -979,7 +1127,7 @@ def _tree_children(obj: Any) -> list[Any]:
             return []  # the usual tensor: a leaf
         return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ())]
     if isinstance(obj, dict):
-        kids = [*obj.keys(), *obj.values()]
+        kids = [*dict.keys(obj), *dict.values(obj)]
         state = getattr(obj, "__dict__", None)
         return kids + list(state.values()) if state else kids
     if isinstance(obj, list | tuple | set | frozenset):
@@ -1140,14 +1288,14 @@ class _Emitter:
         elif type(obj) is dict:
             self.write(_P.EMPTY_DICT)
             self._put(obj)
-            self._setitems(list(obj.items()))
+            self._setitems(list(dict.items(obj)))
         elif isinstance(obj, Counter):
             self._reduce_call("collections.Counter", (dict(obj),), obj)
         elif isinstance(obj, OrderedDict):
             self.global_("collections.OrderedDict")
             self.write(_P.EMPTY_TUPLE + _P.REDUCE)
             self._put(obj)
-            self._setitems(list(obj.items()))
+            self._setitems(list(dict.items(obj)))
             state = getattr(obj, "__dict__", None)
             if state:
                 self.save(dict(state))

@@ -123,10 +123,17 @@ class StorageRef:
 class TensorRef:
     """A tensor as saved: a strided view of ``storage``. No bytes are read until asked.
 
+    Its bytes (:meth:`iter_bytes`, :meth:`read_bytes`) are the tensor's *values* as
+    ``torch.load`` gives them: a tensor saved with its conjugate bit (``x.conj()``) or negative bit
+    (``torch._neg_view``) stores the un-conjugated, un-negated bytes plus the bit, and both are
+    applied here. The raw storage stays reachable through ``storage`` for rewrites that copy it.
+
     Attributes:
         rebuild: the pickle global that rebuilds it (``torch._utils._rebuild_tensor_v2``...).
-        extra: trailing rebuild arguments kept verbatim (tensor metadata), so a rewrite re-emits them.
+        extra: trailing rebuild arguments kept verbatim (the tensor metadata dict), so a rewrite re-emits them.
         parameter: ``None`` for a plain tensor; for an ``nn.Parameter``, the arguments that wrapped it.
+        conj, neg: the conjugate and negative bits (from the metadata in ``extra``); a tensor whose bytes
+            ckptool computed (a cast) has neither and no metadata.
     """
 
     storage: StorageRef
@@ -139,6 +146,8 @@ class TensorRef:
     extra: tuple = ()
     backward_hooks: object = None
     parameter: tuple | None = field(default=None)
+    conj: bool = False
+    neg: bool = False
 
     @property
     def numel(self) -> int:
@@ -183,15 +192,24 @@ class TensorRef:
             )
 
     def contiguous_byte_range(self) -> ByteRange | None:
-        """The exact bytes of the tensor when it is C-contiguous in its storage, else None."""
-        if not self.is_contiguous() or self.storage.producer is not None:
+        """The exact bytes of the tensor when it is C-contiguous in its storage (and they are its
+        values: no conjugate or negative bit), else None."""
+        if self.conj or self.neg or not self.is_contiguous() or self.storage.producer is not None:
             return None
         base = self.storage.byte_range()
         start = self.offset * self.dtype.itemsize
         return ByteRange(base.path, base.offset + start, self.nbytes)
 
     def iter_bytes(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
-        """The tensor's bytes in C order, streamed (a non-contiguous tensor is gathered once)."""
+        """The tensor's values as bytes in C order, streamed (a non-contiguous tensor is gathered once;
+        a conjugate or negative bit is applied chunk by chunk)."""
+        if self.conj or self.neg:
+            yield from apply_bits(self._iter_stored(chunk_size), self.dtype, conj=self.conj, neg=self.neg)
+            return
+        yield from self._iter_stored(chunk_size)
+
+    def _iter_stored(self, chunk_size: int) -> Iterator[bytes]:
+        """The bytes of the view in C order as the storage holds them (no bits applied)."""
         if self.numel == 0:
             return
         if self.storage.pieces is not None and self.offset == 0 and self.nbytes == self.storage.nbytes:
@@ -227,12 +245,13 @@ class TensorRef:
     def whole_pieces(self) -> tuple[ByteRange, ...] | None:
         """The byte ranges that make up this tensor end to end, when its storage is so described."""
         storage = self.storage
-        if storage.pieces is None or self.offset != 0 or self.nbytes != storage.nbytes or not self.is_contiguous():
+        if storage.pieces is None or self.conj or self.neg or self.offset != 0 or self.nbytes != storage.nbytes \
+                or not self.is_contiguous():
             return None
         return storage.pieces
 
     def read_bytes(self) -> bytes:
-        """All of the tensor's bytes in C order."""
+        """All of the tensor's values as bytes in C order (conjugate/negative bits applied)."""
         return b"".join(self.iter_bytes())
 
     def _gather(self, chunk_size: int) -> Iterator[bytes]:
@@ -258,6 +277,70 @@ class TensorRef:
             writeable=False,
         )
         yield from _gather_chunks(view, chunk_size)
+
+
+def bits_supported(dtype: DType, *, conj: bool, neg: bool) -> str | None:
+    """Why ckptool cannot apply these bits to ``dtype`` (None when it can).
+
+    Conjugation exists for complex types only (torch refuses it elsewhere); negation for floating,
+    complex and signed integer types and uint8, where torch's ``neg`` is defined (bool, float8 and
+    the wider unsigned types have no ``neg`` kernel, so torch cannot produce their values either).
+    """
+    if conj and dtype.name not in _COMPLEX_PART:
+        return f"a conjugate bit on a {dtype.torch_name} tensor (only complex tensors have one)"
+    if neg and dtype.name not in _SIGN_MASK and dtype.name not in _COMPLEX_PART and dtype.name not in _NEGATABLE_INT:
+        return f"a negative bit on a {dtype.torch_name} tensor (torch has no negation for {dtype.torch_name})"
+    return None
+
+
+# the sign bit of each IEEE float type, by its byte size: negation flips it (NaN payloads kept)
+_SIGN_MASK = {"F64": 1 << 63, "F32": 1 << 31, "F16": 1 << 15, "BF16": 1 << 15}
+# complex types: (the unsigned type of one part, its sign bit)
+_COMPLEX_PART = {"C64": ("<u4", 1 << 31), "C128": ("<u8", 1 << 63)}
+_NEGATABLE_INT = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
+
+
+def apply_bits(chunks: Iterator[bytes | bytearray], dtype: DType, *, conj: bool, neg: bool) -> Iterator[bytes]:
+    """Stored bytes -> values: conjugate (flip each imaginary part's sign) and/or negate, chunk by chunk.
+
+    Floating values are negated by flipping the sign bit — IEEE negation, which is what torch's
+    ``neg`` computes for every number (its vectorized kernels may differ from that only on the sign
+    of a zero or the payload of a NaN). Integers wrap (two's complement), as in torch.
+    """
+    import numpy as np
+
+    item = dtype.itemsize
+    pending = b""
+    for chunk in chunks:
+        data = pending + bytes(chunk) if pending else chunk
+        usable = len(data) - len(data) % item
+        pending = bytes(data[usable:])
+        if usable:
+            yield _apply_bits_aligned(np, memoryview(data)[:usable], dtype, conj=conj, neg=neg)
+    if pending:  # the bytes end inside an element: the storage check makes this unreachable
+        raise InputError(f"tensor bytes end inside a {dtype.torch_name} element — the file is corrupt")
+
+
+def _apply_bits_aligned(np: Any, data: memoryview, dtype: DType, *, conj: bool, neg: bool) -> bytes:
+    name = dtype.name
+    if name in _COMPLEX_PART:
+        unit, sign = _COMPLEX_PART[name]
+        parts = np.frombuffer(data, dtype=unit).copy()
+        if neg and conj:
+            parts[0::2] ^= np.array(sign, dtype=unit)  # the imaginary part is flipped twice
+        elif neg:
+            parts ^= np.array(sign, dtype=unit)
+        else:
+            parts[1::2] ^= np.array(sign, dtype=unit)
+        return parts.tobytes()
+    if name in _SIGN_MASK:
+        unit = f"<u{dtype.itemsize}"
+        values = np.frombuffer(data, dtype=unit).copy()
+        values ^= np.array(_SIGN_MASK[name], dtype=unit)
+        return values.tobytes()
+    values = np.frombuffer(data, dtype=_NEGATABLE_INT[name])
+    with np.errstate(over="ignore"):
+        return np.negative(values).tobytes()
 
 
 # how far a strided view may expand its stored bytes before ckptool refuses to materialize it

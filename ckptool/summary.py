@@ -90,13 +90,13 @@ def describe_entry(value: Any) -> str:
     tensors = list(iter_tensors(value))
     if isinstance(value, dict) and "state" in value and "param_groups" in value:
         nbytes = sum(t.nbytes for _, t in tensors)
-        return f"optimizer state: {len(value.get('state') or {})} params, {len(tensors)} tensors, {_human_bytes(nbytes)}"
+        return f"optimizer state: {len(dict.get(value, 'state') or {})} params, {len(tensors)} tensors, {_human_bytes(nbytes)}"
     if tensors:
         return f"{type(value).__name__} with {len(tensors)} tensors, {_human_bytes(sum(t.nbytes for _, t in tensors))}"
     if isinstance(value, OpaqueObject):
         return f"{value.global_name} object"
     if isinstance(value, dict):
-        text = repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in value.values()) else ""
+        text = repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in dict.values(value)) else ""
         return text if text and len(text) <= 80 else f"dict with {len(value)} entries"
     if isinstance(value, list | tuple):
         return f"{type(value).__name__} of {len(value)}"
@@ -165,6 +165,11 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         metadata=dict(checkpoint.metadata),
         notes=list(checkpoint.notes),
     )
+    with_bits = [name for name, t in tensors.items() if t.conj or t.neg]
+    if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
+        summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
+                             f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
+                             "conjugated/negated, as torch.load gives them")
     summary.hints = _hints(checkpoint, summary)
     if with_fingerprint:
         summary.fingerprint = fingerprint(tensors)

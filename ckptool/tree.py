@@ -17,8 +17,11 @@ Path_ = tuple[Any, ...]
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]]:
+    # Mappings are read through dict's own methods, never through attributes of the object: an
+    # unpickled OrderedDict can carry attributes set by the pickle (pickles.StateDict refuses ones
+    # named like its methods; this keeps every walk honest regardless).
     if isinstance(obj, dict):
-        return list(obj.items())
+        return list(dict.items(obj))
     if isinstance(obj, list | tuple):
         return list(enumerate(obj))
     if isinstance(obj, OpaqueObject):
@@ -76,7 +79,7 @@ def replace_at(container: Any, layout: Path_, value: Any) -> Any:
 def copy_mapping(mapping: dict, items: list[tuple[Any, Any]] | None = None) -> dict:
     """A shallow copy keeping the mapping's type and attributes (a state_dict's ``_metadata``)."""
     copy = type(mapping)() if isinstance(mapping, OrderedDict) else {}
-    for key, value in mapping.items() if items is None else items:
+    for key, value in dict.items(mapping) if items is None else items:
         copy[key] = value
     state = getattr(mapping, "__dict__", None)
     if state:
@@ -127,7 +130,7 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
         if isinstance(node, dict):
             copy = copy_mapping(node, items=[])
             memo[key] = copy
-            for k, v in node.items():
+            for k, v in dict.items(node):
                 copy[k] = rebuild(v, depth + 1)
             return copy
         if isinstance(node, list):

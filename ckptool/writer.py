@@ -65,16 +65,29 @@ class SaveReport:
 
 @dataclass(frozen=True)
 class TensorCheck:
-    """What must read back for one tensor: dtype, shape and the CRC32 of its C-order bytes."""
+    """What must read back for one tensor: dtype, shape and the CRC32 of its C-order bytes.
+
+    ``recorded``: the CRC is the one the source archive recorded, not one summed from its bytes.
+    torch never checks those (a file saved with CRCs off records 0; one written through ``skip_data``
+    or patched later records stale ones), so a mismatch on a recorded CRC is settled by summing the
+    source's bytes.
+    """
 
     dtype: str
     shape: tuple[int, ...]
     crc32: int
+    recorded: bool = field(default=False, compare=False)
+
+
+class _StaleSourceCrc(Exception):
+    """The source archive recorded CRCs that are not its bytes', and a .pt output copied them."""
 
 
 def _stored_crc(tensor: TensorRef) -> int | None:
     """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage
     (or, for a storage lying in pieces — DCP row shards — combined from the pieces' recorded CRCs)."""
+    if tensor.conj or tensor.neg:
+        return None  # the archive's CRC is of the stored bytes, not of the values
     pieces = tensor.whole_pieces()
     if pieces is not None:
         return zipio.pieces_crc(pieces)
@@ -251,8 +264,10 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     for name, tensor in tensors.items():
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
         crc = by_storage.get(identity)
+        recorded = False
         if crc is None:
             crc = _stored_crc(tensor) if trust_stored else None
+            recorded = crc is not None
         if crc is None and known:
             span = tensor.contiguous_byte_range()
             if span is not None:
@@ -262,7 +277,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
             for chunk in tensor.iter_reused():
                 crc = zlib.crc32(chunk, crc)
         by_storage[identity] = crc
-        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc)
+        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded)
     return checks
 
 
@@ -388,7 +403,7 @@ def _run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
             read_back: Callable[[Path], Mapping[str, TensorRef]], sync: Callable[[], None],
-            sums: list[OutputSums] | None = None) -> int:
+            sums: list[OutputSums] | None = None, recheck: Callable[[str], TensorCheck] | None = None) -> int:
     """Re-read ``written`` (while ``sync`` runs) and compare every tensor with the expectation.
 
     The structure (names, dtypes, shapes, where the bytes lie) is re-read through the reader; the
@@ -418,8 +433,12 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
             f"the output reads back with other tensor names (missing {missing[:3]}, extra {extra[:3]}) — "
             "it was deleted; nothing changed"
         )
+    stale = []
     for name, check in expected.items():
         if actual[name] != check:
+            if check.recorded and recheck is not None and recheck(name) == actual[name]:
+                stale.append(name)  # the source's recorded CRC was stale; its bytes are what was written
+                continue
             raise FingerprintMismatchError(
                 f"tensor {name!r} reads back different from what was written ({actual[name]} != {check}) — "
                 "the output was deleted; check the disk and try again"
@@ -427,6 +446,8 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
     for name, tensor in written_tensors.items():  # the CRC the output's zip records must be that of its bytes
         recorded = _stored_crc(tensor)
         if recorded is not None and recorded != actual[name].crc32:
+            if stale:
+                raise _StaleSourceCrc(stale)
             raise FingerprintMismatchError(
                 f"tensor {name!r}: the CRC recorded in the output's zip ({recorded:08x}) is not that of the bytes "
                 f"written ({actual[name].crc32:08x}) — the output was deleted; nothing changed")
@@ -496,6 +517,7 @@ class _Expectations:
     checks: Callable[[], dict[str, TensorCheck]]
     fingerprint: Callable[[], str | None]
     wants_fingerprint: bool
+    recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
 
 
 def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, force: bool = False,
@@ -536,6 +558,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True)),
         fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors) if fingerprint else None),
         wants_fingerprint=fingerprint,
+        recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False)[name],
     )
     try:
         if target == "pt":
@@ -576,16 +599,30 @@ def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:
 
 def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: _Expectations) -> SaveReport:
     container = pt_container(checkpoint, nest)
+    try:
+        checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=True)
+    except _StaleSourceCrc:
+        # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
+        # saving; torch ignores them): write again, summing every storage instead of copying its CRC
+        tensors = checkpoint.tensors if checkpoint.has_weights else {}
+        expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=False)))
+        checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=False)
+    return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
+
+
+def _write_pt(container: Any, out: Path, expect: _Expectations,
+              read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool) -> int:
     with atomic_output(out) as (handle, tmp):
         sums = OutputSums(tmp)
         try:
-            torch_zip.write(handle, container, archive_name=_archive_name(out), on_data=sums.written)
+            torch_zip.write(handle, container, archive_name=_archive_name(out), on_data=sums.written,
+                            trust_recorded_crcs=trust_recorded)
             handle.flush()
         except BaseException:
             sums.finish()
             raise
-        checked = _verify(tmp, expect.checks, _read_back(checkpoint), lambda: os.fsync(handle.fileno()), [sums])
-    return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
+        return _verify(tmp, expect.checks, read_back, lambda: os.fsync(handle.fileno()), [sums],
+                       recheck=expect.recheck)
 
 
 def _archive_name(out: Path) -> str:
@@ -608,6 +645,7 @@ def _patch_fingerprint(handle: Any, value: str) -> None:
 
 def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, expect: _Expectations) -> SaveReport:
     tensors = checkpoint.tensors
+    safetensors.check_dtypes(tensors)
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
     with atomic_output(out) as (handle, tmp):
         sums = OutputSums(tmp)
@@ -620,7 +658,8 @@ def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, e
         value = expect.fingerprint()
         if value:
             _patch_fingerprint(handle, value)
-        checked = _verify(tmp, expect.checks, _read_back(checkpoint), lambda: os.fsync(handle.fileno()), [sums])
+        checked = _verify(tmp, expect.checks, _read_back(checkpoint), lambda: os.fsync(handle.fileno()), [sums],
+                          recheck=expect.recheck)
     return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=checked, aliases=aliases)
 
 
@@ -642,6 +681,7 @@ class _ShardPlan:
 
 
 def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path) -> _ShardPlan:
+    safetensors.check_dtypes(tensors)
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
     stored = {k: v for k, v in tensors.items() if k not in aliases}
     shards = safetensors.plan_shards(stored, max_shard_size)
@@ -702,7 +742,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
         (tmp_dir / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         checked = _verify(tmp_dir / safetensors.INDEX_NAME, expect.checks, _read_back(checkpoint), lambda: None,
-                          all_sums)
+                          all_sums, recheck=expect.recheck)
     report = SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
                         fingerprint=value, checked=checked, aliases=plan.aliases, notes=list(plan.notes))
     if plan.removes:

@@ -252,19 +252,22 @@ def test_row_shards_keep_their_stored_crcs_and_the_pt_zip_checks_out(written: Pa
     assert all(torch.equal(whole[k], expected[k]) and whole[k].dtype == expected[k].dtype for k in expected)
 
 
-@pytest.mark.parametrize("name", ["bad.pt", "bad.safetensors"])
-def test_a_shard_whose_stored_crc_is_wrong_fails_the_write_and_leaves_nothing(written: Path, tmp_path: Path,
-                                                                              name: str) -> None:
-    """The .pt member's CRC is combined from the shards' stored CRCs without reading them: when one
-    is wrong (a corrupt source, or a bug in the combining) the write check must catch it."""
+@pytest.mark.parametrize("name", ["stale.pt", "stale.safetensors"])
+def test_a_shard_whose_stored_crc_is_stale_still_writes_the_right_bytes_under_the_right_crc(
+        written: Path, tmp_path: Path, name: str) -> None:
+    """The .pt member's CRC is combined from the shards' stored CRCs without reading them. torch never
+    checks those CRCs, so a stale one (a file patched after saving) is no corruption: the write check
+    sums the source where a recorded CRC disagrees, and a .pt output is rewritten under CRCs summed
+    from its bytes."""
     checkpoint = ckptool.load(written / "sharded")
     piece = checkpoint.tensors["w"].storage.pieces[1]
     piece.crc32 ^= 0x00010000
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    with pytest.raises(ckptool.CkptError):
-        ckptool.save(checkpoint, out_dir / name)
-    assert list(out_dir.iterdir()) == []  # no output, no temp file
+    out = tmp_path / name
+    ckptool.save(checkpoint, out)
+    assert ckptool.fingerprint(ckptool.load(out).tensors) == torch_fingerprint(reference(written, "sharded"))
+    if name.endswith(".pt"):
+        with zipfile.ZipFile(out) as archive:
+            assert archive.testzip() is None
 
 
 def test_without_planner_data_the_keys_stay_flat(written: Path, tmp_path: Path) -> None:

@@ -268,7 +268,6 @@ PICKLESCAN_STRUCTURAL = {
     "malicious1.7z",  # a 7z archive
     "malicious1_central_directory.zip",  # central and local names differ
     "malicious1_wrong_ext.zip",  # no .pkl member at all: torch.load would not read it either
-    "malicious1_crc.zip",  # CRC mismatch
     "dns_exfiltration.npy", "int_array.npy", "object_array.npy",  # numpy files
     "int_arrays.npz", "int_arrays_compressed.npz", "object_arrays.npz", "object_arrays_compressed.npz",
 }

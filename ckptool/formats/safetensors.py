@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .. import dtypes, inputs
-from ..errors import InputError, UsageError
+from ..errors import InputError, OutputError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 from . import zipio
 from .zipio import DataOut, copy_reporting
@@ -34,6 +34,11 @@ _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is la
 ALIASES_KEY = "ckptool.aliases"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
+# The dtypes the safetensors format defines (its Dtype enum) that ckptool knows. complex128 is not
+# one: the safetensors library refuses a header naming "C128" ("unknown variant"), so ckptool
+# neither writes nor reads it.
+FORMAT_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32",
+                           "F64", "C64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 
 
 @dataclass
@@ -84,7 +89,7 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     for name, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise InputError(f"safetensors entry {name[:80]!r} is malformed — the file is corrupt", path=path)
-        dtype = dtypes.BY_NAME.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        dtype = dtypes.BY_NAME.get(entry["dtype"]) if entry["dtype"] in FORMAT_DTYPES else None
         if dtype is None:
             raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(entry['dtype'])[:20]!r}", path=path)
         shape, offsets = entry["shape"], entry["data_offsets"]
@@ -240,6 +245,21 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise UsageError(f"size {text!r} must be positive")
     return size
+
+
+def check_dtypes(tensors: Mapping[str, TensorRef]) -> None:
+    """Refuse, before anything is written, tensors whose dtype the safetensors format does not define,
+    naming them (the safetensors library would not open the file)."""
+    outside: dict[str, list[str]] = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype.name not in FORMAT_DTYPES:
+            outside.setdefault(tensor.dtype.torch_name, []).append(name)
+    if outside:
+        count = sum(len(names) for names in outside.values())
+        kinds = ", ".join(f"{dtype} ({len(names)}: {', '.join(repr(n) for n in names[:3])}"
+                          f"{', ...' if len(names) > 3 else ''})" for dtype, names in outside.items())
+        raise OutputError(f"safetensors has no dtype for {count} tensor(s): {kinds} — write a .pt instead "
+                         "(--to pt), or leave these tensors out")
 
 
 def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:

@@ -68,6 +68,10 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
                 key=key, dtype=storage_type.dtype, numel=numel, location=location,
                 type_global=f"{storage_type.module}.{storage_type.name}",
             )
+        elif not cached.nbytes and cached.dtype is not storage_type.dtype:
+            # torch re-types an empty storage for each reference naming another dtype
+            return StorageRef(key=key, dtype=storage_type.dtype, numel=0, location=cached.location,
+                              data=ByteRange(path, 0, 0), type_global=f"{storage_type.module}.{storage_type.name}")
         return cached
 
     container = pickles.loads(handle, resolver, persistent_load)

@@ -8,7 +8,7 @@ key or location rewrite never deserializes a tensor.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -83,7 +83,7 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
             raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt",
                              path=path)
         cached = storages.get(key)
-        if cached is not None:
+        if cached is not None and (cached.nbytes or cached.dtype is storage_type.dtype):
             return cached
         member = members.get(f"{top}/data/{key}")
         if member is None:
@@ -101,22 +101,27 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
             dtype=storage_type.dtype,
             numel=numel,
             location=location,
+            # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
             data=ByteRange(source, base_offset + member.data_offset, nbytes,
-                           member.crc32 if member.size == nbytes else None),
+                           member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None),
             type_global=f"{storage_type.module}.{storage_type.name}",
         )
-        storages[key] = storage
+        # torch keeps an allocated storage by key for later references (whatever dtype they name);
+        # an empty one is not kept (its data pointer is null), so each reference gets its own dtype
+        if storage.nbytes or key not in storages:
+            storages[key] = storage
         return storage
 
     return persistent_load
 
 
 def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
-          on_data: Callable[[int, int], None] | None = None) -> None:
+          on_data: Callable[[int, int], None] | None = None, trust_recorded_crcs: bool = True) -> None:
     """Write ``container`` as torch.save would: pickle first, storages raw, torch's bookkeeping records.
 
     Storages are renumbered 0..n-1 in order of first appearance; bytes of a storage read from a zip
-    member are copied by the kernel with their CRC kept, others are streamed and summed.
+    member are copied by the kernel with their CRC kept, others are streamed and summed. With
+    ``trust_recorded_crcs`` off (a source whose recorded CRCs proved stale) every storage is summed.
     """
     pickle_bytes, storages = pickles.dump(container, renumber_storages=True)
     writer = zipio.ZipWriter(handle, on_data)
@@ -127,13 +132,16 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         writer.add_bytes(f"{archive_name}/byteorder", b"little")
         for key, storage in storages:
             if storage.pieces is not None:
-                writer.add_pieces(f"{archive_name}/data/{key}", storage.pieces)
+                pieces = storage.pieces if trust_recorded_crcs else \
+                    tuple(replace(piece, crc32=None) for piece in storage.pieces)
+                writer.add_pieces(f"{archive_name}/data/{key}", pieces)
                 continue
             if storage.producer is not None:
                 writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
                 continue
             source = storage.byte_range()
-            writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes, source.crc32)
+            writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes,
+                            source.crc32 if trust_recorded_crcs else None)
         writer.add_bytes(f"{archive_name}/version", b"3\n")
         writer.add_bytes(f"{archive_name}/.data/serialization_id", str(secrets.randbelow(10**40)).zfill(40).encode())
         writer.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import zlib
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .atomic import atomic_directory, atomic_output, check_output
+from .atomic import TEMP_PREFIX, atomic_directory, atomic_output, check_output
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, UsageError
 from .digest import PREFIX
@@ -37,6 +38,8 @@ from .formats import safetensors, torch_zip, zipio
 from .refs import StorageRef, TensorRef
 from .tree import map_tensors
 
+# a path into a write's temp file or temp directory (atomic.TEMP_PREFIX), and what follows it inside
+_TEMP_PATH = re.compile(r"[^\s'\"]*" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_]+(?:\.part)?(/[^\s'\"]*)?")
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 TARGETS = ("pt", "safetensors", "safetensors-sharded")
 _FINGERPRINT_PLACEHOLDER = PREFIX + "0" * 64
@@ -455,8 +458,9 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
             report = _save_sharded(checkpoint, out, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied,
                                    expect)
     except CkptError as e:
-        if e.path is None:
-            raise type(e)(e.message, path=out) from e
+        if e.path is None or _TEMP_PATH.search(str(e.path)):
+            # the temp file is an implementation detail: the user asked for `out`, name that
+            raise type(e)(_TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), e.message), path=out) from e
         raise
     finally:
         for join in (expect.checks, expect.fingerprint):

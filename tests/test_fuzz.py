@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,9 @@ import hostile  # noqa: E402
 EXAMPLES = int(os.environ.get("CKPTOOL_FUZZ_EXAMPLES", "300"))
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,
-    deadline=timedelta(seconds=2),  # a hang or a bomb fails the example
+    # no per-example deadline: on a loaded machine a clean refusal can take seconds; the time and
+    # memory bounds are ckptool's own limits, each tested by construction in test_hostile.py
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=EXAMPLES <= 300,  # CI runs the same examples every time; long runs explore
     database=None,

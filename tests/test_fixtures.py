@@ -108,7 +108,7 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[s
     out = tmp_path_factory.mktemp("regenerated")
     completed = subprocess.run(
         [python_executable, str(repo_root / "fixtures" / "make_fixtures.py"), "--out", str(out)],
-        cwd=out, env=subprocess_env, capture_output=True, text=True, timeout=300,
+        cwd=out, env=subprocess_env, capture_output=True, text=True, timeout=900,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return out

@@ -30,7 +30,7 @@ SMALL = ["--train-size", "512", "--test-size", "128"]
 CONFIG_TYPES = (str, int, float, bool, type(None))
 
 
-def run_training(args: list[str], *, env: dict[str, str], cwd: Path, python: str, torchrun: bool = False, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def run_training(args: list[str], *, env: dict[str, str], cwd: Path, python: str, torchrun: bool = False, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [python]
     return subprocess.run([*launcher, "-m", "training", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -124,21 +124,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
+
+
 def test_multi_node_flags_two_agents(subprocess_env: dict[str, str], repo_root: Path, python_executable: str, tmp_path: Path) -> None:
     """Two torchrun agents ("nodes") of one process each rendezvous over c10d, as on two machines."""
     out = tmp_path / "multinode.pt"
-    endpoint = f"localhost:{free_port()}"
     environment = dict(subprocess_env, OMP_NUM_THREADS="1")
-    agents = [
-        subprocess.Popen(
-            [python_executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-             "-m", "training", "--mode", "ddp", "--model", "mlp", "--epochs", "1", *SMALL, "--out", str(out)],
-            cwd=repo_root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for node_rank in (0, 1)
-    ]
-    outputs = [agent.communicate(timeout=180) for agent in agents]
+    # both agents must be told the port before either binds it: a free port can be taken by
+    # another process in between, so a run that lost its port is retried on a fresh one
+    for _attempt in range(5):
+        endpoint = f"localhost:{free_port()}"
+        agents = [
+            subprocess.Popen(
+                [python_executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                 "-m", "training", "--mode", "ddp", "--model", "mlp", "--epochs", "1", *SMALL, "--out", str(out)],
+                cwd=repo_root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for node_rank in (0, 1)
+        ]
+        outputs = [agent.communicate(timeout=600) for agent in agents]
+        if all(agent.returncode == 0 for agent in agents) or \
+                not any(marker in stderr for _stdout, stderr in outputs for marker in PORT_TAKEN):
+            break
     for agent, (_stdout, stderr) in zip(agents, outputs):
         assert agent.returncode == 0, stderr[-4000:]
     checkpoint = load_checkpoint(out)
@@ -238,7 +247,7 @@ def dcp_runs(tmp_path_factory, subprocess_env, repo_root, python_executable) -> 
             for args in wave
         ]
         for run, args in zip(runs, wave):
-            stdout, stderr = run.communicate(timeout=300)
+            stdout, stderr = run.communicate(timeout=900)
             assert run.returncode == 0, f"{args}: {stderr[-4000:]}"
             assert stdout.count("final test_accuracy") == 1, "only rank 0 may log"
     return paths
@@ -476,7 +485,7 @@ def test_bad_arguments_fail_in_one_line(args: list[str], expected: str, subproce
 
 def test_nonexistent_output_directory_fails_before_training(subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
     out = tmp_path / "missing" / "model.pt"
-    completed = run_training(["--epochs", "50", "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable, timeout=60)
+    completed = run_training(["--epochs", "50", "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable, timeout=600)
     assert_one_line_error(completed, "does not exist", exit_code=2)
     assert "epoch" not in completed.stdout, "it trained before checking --out"
     assert list(tmp_path.iterdir()) == []

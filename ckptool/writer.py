@@ -387,12 +387,12 @@ def _json_entries(checkpoint: Checkpoint) -> str | None:
     """The container's plain entries (epoch, config, metrics) as JSON, where they are JSON."""
     plain: dict[str, Any] = {}
     for key, value in checkpoint.entries().items():
-        try:
-            json.dumps(value, allow_nan=False)
+        try:  # as it will be written: sorted keys fail on a dict mixing int and str keys
+            json.dumps(value, allow_nan=False, sort_keys=True)
         except (TypeError, ValueError):
             continue
         plain[str(key)] = value
-    return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else None
+    return json.dumps(plain, allow_nan=False, sort_keys=True, separators=(",", ":")) if plain else None
 
 
 def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool) -> dict[str, str]:

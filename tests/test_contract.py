@@ -223,3 +223,14 @@ def test_a_failed_read_back_names_the_output_not_its_temp_file(tmp_path: Path,
             ckptool.save(ckptool.load(source), out, max_shard_size=8 if extra else None)
         assert ".ckptool-tmp-" not in str(raised.value) and raised.value.path == out
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckptool-tmp-")]
+
+
+def test_entries_with_mixed_key_types_convert_to_safetensors(tmp_path: Path) -> None:
+    # torch.save and torch.load(weights_only=True) take a dict whose keys mix int and str
+    source = tmp_path / "mixed.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "config": {1: "a", "b": 2}, "epoch": 3}, source)
+    assert torch.load(source, weights_only=True)["config"] == {1: "a", "b": 2}
+    report = ckptool.save(ckptool.load(source), tmp_path / "out.safetensors")
+    assert report.tensors == 1
+    entries = json.loads(ckptool.load(tmp_path / "out.safetensors").metadata["ckptool.entries"])
+    assert entries == {"epoch": 3}  # the mixed-key dict is no JSON object: left out, as other non-JSON entries

@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import CkptError
+from .errors import CkptError, InternalError
 from .text import printable
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INPUT = 0, 1, 2, 3
@@ -64,6 +64,8 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except BrokenPipeError:
             _closed_pipe()
         except CkptError as e:
+            if isinstance(e, InternalError) and os.environ.get("CKPTOOL_DEBUG"):
+                raise
             _fail(e)
         except KeyboardInterrupt:
             _echo("ckptool: interrupted — nothing was written", err=True)

@@ -63,3 +63,13 @@ class UsageError(CkptError):
     """The arguments contradict each other or name something that does not exist."""
 
     exit_code = 2
+
+
+class InternalError(CkptError):
+    """A bug in ckptool met while doing the work — not a verdict on the input; please report it.
+
+    The public API functions raise it in place of any other exception (chained, so the cause and
+    its traceback stay on ``__cause__``); the CLI gives it its own exit code, 70 (EX_SOFTWARE).
+    """
+
+    exit_code = 70

@@ -234,3 +234,36 @@ def test_entries_with_mixed_key_types_convert_to_safetensors(tmp_path: Path) -> 
     assert report.tensors == 1
     entries = json.loads(ckptool.load(tmp_path / "out.safetensors").metadata["ckptool.entries"])
     assert entries == {"epoch": 3}  # the mixed-key dict is no JSON object: left out, as other non-JSON entries
+
+
+@pytest.mark.parametrize("function", ["load", "inspect", "scan", "diff", "load_into", "save", "fingerprint", "verify"])
+def test_the_public_api_raises_only_ckpt_errors_even_for_a_bug(function: str, fixtures_dir: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.refs
+    import ckptool.reader
+
+    lenet = fixtures_dir / "single_lenet.pt"
+    checkpoint = ckptool.load(lenet)
+
+    def bug(*args: object, **kwargs: object) -> None:
+        raise KeyError("a key ckptool forgot")
+
+    # a bug deep inside: reading a file's structure, or its bytes
+    monkeypatch.setattr(ckptool.reader, "_load", bug)
+    monkeypatch.setattr(ckptool.refs.ByteRange, "iter_chunks", bug)
+    monkeypatch.setattr(ckptool.refs.TensorRef, "iter_bytes", bug)
+    monkeypatch.setattr(ckptool.refs.TensorRef, "iter_reused", bug)
+    calls = {
+        "load": lambda: ckptool.load(lenet),
+        "inspect": lambda: ckptool.inspect(lenet),
+        "scan": lambda: ckptool.scan(lenet),
+        "diff": lambda: ckptool.diff(lenet, lenet),
+        "load_into": lambda: ckptool.load_into(torch.nn.Linear(2, 2), lenet),
+        "save": lambda: ckptool.save(checkpoint, tmp_path / "out.safetensors"),
+        "fingerprint": lambda: ckptool.fingerprint(checkpoint.tensors),
+        "verify": lambda: ckptool.verify(lenet),
+    }
+    with pytest.raises(ckptool.InternalError) as raised:  # a CkptError; anything else fails the test
+        calls[function]()
+    assert raised.value.exit_code == 70 and isinstance(raised.value.__cause__, KeyError)
+    assert str(raised.value).count("\n") == 0 and "a bug in ckptool" in str(raised.value)

@@ -96,6 +96,8 @@ def problems_with(result, command: str, path: Path, want: int, elapsed: float, o
         found.append(f"stderr is not one 'ckptool: error: <path>: ...' line: {stderr[:300]!r}")
     if want == 1 and "UNSAFE" not in result.stdout:
         found.append(f"scan did not report UNSAFE: {result.stdout[:200]!r}")
+    if any(not char.isprintable() for line in (result.stdout + stderr).split("\n") for char in line):
+        found.append(f"a control character reached the terminal: {(result.stdout + stderr)[:200]!r}")
     if elapsed > HANG_LIMIT_S:
         found.append(f"took {elapsed:.1f} s: a runaway")
     left = sorted(p.name for p in out.iterdir())

@@ -181,14 +181,16 @@ def test_library_raises_only_ckpt_errors(corpus: Corpus, clean_env: Path) -> Non
     from ckptool.summary import inspect
 
     for case in corpus.cases:
-        for function in (ckptool.load, inspect):
-            with pytest.raises(CkptError):
+        for function in (ckptool.load, ckptool.inspect, inspect):
+            with pytest.raises(CkptError) as raised:
                 function(case.path)
+            assert not isinstance(raised.value, ckptool.InternalError), (case.name, raised.value)
         if case.expect == hostile.UNSAFE:
             assert not scan(case.path).safe, case.name
         else:
-            with pytest.raises(CkptError):
-                scan(case.path)
+            with pytest.raises(CkptError) as raised:
+                ckptool.scan(case.path)
+            assert not isinstance(raised.value, ckptool.InternalError), (case.name, raised.value)
     assert not any(corpus.canary_dir.iterdir())
 
 

@@ -117,6 +117,12 @@ def main() -> None:  # noqa: D401 — click uses the docstring as help
     """
     # a polite kill (SIGTERM) unwinds like Ctrl-C, so half-written temp files are removed
     signal.signal(signal.SIGTERM, _terminate)
+    if not os.environ.get("CKPTOOL_DEBUG"):
+        # stderr carries ckptool's own one-line messages only: a library's warning (numpy on a
+        # signalling NaN, torch deprecations) is noise there, and could quote a file's bytes raw
+        import warnings
+
+        warnings.simplefilter("ignore")
 
 
 def _terminate(signum: int, frame: Any) -> None:

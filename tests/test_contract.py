@@ -267,3 +267,24 @@ def test_the_public_api_raises_only_ckpt_errors_even_for_a_bug(function: str, fi
         calls[function]()
     assert raised.value.exit_code == 70 and isinstance(raised.value.__cause__, KeyError)
     assert str(raised.value).count("\n") == 0 and "a bug in ckptool" in str(raised.value)
+
+
+def test_a_library_warning_does_not_reach_stderr(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    code = f"""
+import sys, warnings
+from ckptool import summary
+from ckptool.cli import main
+inspect = summary.inspect
+def warning_inspect(*args, **kwargs):
+    warnings.warn("invalid value encountered in cast {NASTY!r}", RuntimeWarning)
+    return inspect(*args, **kwargs)
+summary.inspect = warning_inspect
+sys.argv = ["ckptool", "inspect", {str(path)!r}]
+main()
+"""
+    environment = {k: v for k, v in subprocess_env.items() if k != "CKPTOOL_DEBUG"}
+    completed = subprocess.run([sys.executable, "-W", "default", "-c", code], env=environment, capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 0 and completed.stderr == "", completed.stderr

@@ -60,7 +60,8 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 return command(*args, **kwargs)
             finally:
-                sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
+                if sys.stdout is not None:  # None when started with stdout closed (>&-)
+                    sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
         except BrokenPipeError:
             _closed_pipe()
         except CkptError as e:

@@ -288,3 +288,11 @@ main()
     completed = subprocess.run([sys.executable, "-W", "default", "-c", code], env=environment, capture_output=True,
                                text=True, timeout=300)
     assert completed.returncode == 0 and completed.stderr == "", completed.stderr
+
+
+def test_a_command_started_with_stdout_closed_still_works(fixtures_dir: Path, subprocess_env: dict[str, str]) -> None:
+    # `ckptool inspect x >&-`: Python starts with sys.stdout None; the check still runs, quietly
+    completed = subprocess.run([sys.executable, "-m", "ckptool", "scan", str(fixtures_dir / "single_lenet.pt")],
+                               env=subprocess_env, stderr=subprocess.PIPE, text=True, timeout=300,
+                               preexec_fn=lambda: os.close(1))
+    assert completed.returncode == 0 and completed.stderr == "", completed.stderr

@@ -84,7 +84,7 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _emit_json(data: Any) -> None:
-    # ensure_ascii: controls, bidi overrides and lone surrogates come out as \\u escapes, exact and inert
+    # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
     click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=True))
 
 
@@ -218,7 +218,7 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
     else:
         verdict = "safe" if report.safe else "UNSAFE"
         _echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
-                   f"{sum(report.opcodes.values())} opcodes)")
+              f"{sum(report.opcodes.values())} opcodes)")
         for name, count in report.globals.items():
             mark = "  " if name not in report.unsafe else "! "
             _echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
@@ -226,7 +226,7 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
             _echo(f"  note: {problem}")
         if report.unsafe:
             _echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
-                       "ckptool refuses to load this file")
+                  "ckptool refuses to load this file")
     sys.exit(EXIT_OK if report.safe else EXIT_PROBLEM)
 
 
@@ -424,7 +424,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
     else:
         for result in results:
             _echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
-                       f"{_human_bytes(result['bytes'])})")
+                  f"{_human_bytes(result['bytes'])})")
             for line in _check_line(result["checked"], result["fingerprint"]):
                 _echo(line)
             for note in result["notes"]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 # public name -> the module that defines it; imported on first use, so `ckptool inspect` pays
@@ -21,6 +23,7 @@ _EXPORTS = {
     "Checkpoint": "checkpoint",
     "CkptError": "errors",
     "InputError": "errors",
+    "InternalError": "errors",
     "OutputError": "errors",
     "UnsafeCheckpointError": "errors",
     "UnsupportedFormatError": "errors",
@@ -42,6 +45,9 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
+# the functions that read, write or compare files: whatever goes wrong inside them reaches the
+# caller as a CkptError — InputError and friends for the input's faults, InternalError for a bug
+_BOUNDARY = {"diff", "fingerprint", "inspect", "load", "load_into", "save", "scan", "verify"}
 
 
 def __getattr__(name: str) -> Any:
@@ -51,8 +57,31 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    if name in _BOUNDARY:
+        value = _only_ckpt_errors(value)
     globals()[name] = value
     return value
+
+
+def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, raising only CkptError subclasses: an unexpected exception becomes InternalError."""
+    import functools
+
+    from .errors import CkptError, InternalError
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except CkptError:
+            raise
+        except Exception as e:  # not the input's fault as far as ckptool can tell: a bug, said as one
+            first = args[0] if args else None
+            path = first if isinstance(first, str | os.PathLike) else None
+            raise InternalError(f"internal error in ckptool.{function.__name__}: {type(e).__name__}: {e} — a bug "
+                                "in ckptool, not a verdict on the input; please report it", path=path) from e
+
+    return call
 
 
 def __dir__() -> list[str]:
@@ -62,7 +91,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .checkpoint import Checkpoint
     from .comparison import DiffReport, diff
-    from .errors import CkptError, InputError, OutputError, UnsafeCheckpointError, UnsupportedFormatError
+    from .errors import CkptError, InputError, InternalError, OutputError, UnsafeCheckpointError, UnsupportedFormatError
     from .digest import fingerprint
     from .materialize import LoadMismatchError, LoadReport, load_into
     from .reader import load

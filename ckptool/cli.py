@@ -1,7 +1,12 @@
 """The ckptool command line: parse, call one library function, render text or --json.
 
 Exit codes: 0 ok; 1 a check found a problem (verify, diff, scan) or there was nothing to do;
-2 usage; 3 input unreadable, unsafe or refused, or output refused.
+2 usage; 3 input unreadable, unsafe or refused, or output refused; 70 an internal error (a bug in
+ckptool, never a verdict on the input); 130/143 interrupted; 141 stdout was closed early (``| head``),
+which ends the command quietly, as it ends git.
+
+Text output escapes every control character that came from a file (see :mod:`ckptool.text`);
+--json output is exact, and ASCII (``json.dumps`` escapes controls and non-ASCII itself).
 """
 
 from __future__ import annotations
@@ -18,14 +23,32 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import CkptError
+from .errors import CkptError, InternalError
+from .text import printable
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INPUT = 0, 1, 2, 3
+EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): a bug in ckptool, not a verdict on the input
+EXIT_CLOSED_PIPE = 128 + signal.SIGPIPE  # what a shell reports for git or cat killed by a closed pipe
+
+
+def _echo(text: str = "", *, err: bool = False) -> None:
+    """One line of text output; whatever came from a file is escaped, never sent to the terminal raw."""
+    click.echo(printable(text), err=err)
 
 
 def _fail(error: CkptError) -> None:
-    click.echo(f"ckptool: error: {error}", err=True)
+    _echo(f"ckptool: error: {error}", err=True)
     sys.exit(error.exit_code)
+
+
+def _closed_pipe() -> None:
+    """stdout's reader went away (``ckptool inspect x | head -1``): stop quietly, as git does."""
+    try:  # the interpreter flushes stdout once more at exit: let that go nowhere instead of failing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (an in-process test runner)
+        pass
+    sys.exit(EXIT_CLOSED_PIPE)
 
 
 def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -34,26 +57,35 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            try:
+                return command(*args, **kwargs)
+            finally:
+                if sys.stdout is not None:  # None when started with stdout closed (>&-)
+                    sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
+        except BrokenPipeError:
+            _closed_pipe()
         except CkptError as e:
+            if isinstance(e, InternalError) and os.environ.get("CKPTOOL_DEBUG"):
+                raise
             _fail(e)
         except KeyboardInterrupt:
-            click.echo("ckptool: interrupted — nothing was written", err=True)
+            _echo("ckptool: interrupted — nothing was written", err=True)
             sys.exit(130)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            click.echo(f"ckptool: internal error: {type(e).__name__}: {e} (rerun with CKPTOOL_DEBUG=1 and report it)",
-                       err=True)
-            sys.exit(EXIT_INPUT)
+            _echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
+                  "input; rerun with CKPTOOL_DEBUG=1 and report it", err=True)
+            sys.exit(EXIT_INTERNAL)
 
     return wrapper
 
 
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
+    click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=True))
 
 
 def _human_bytes(size: int) -> str:
@@ -81,14 +113,21 @@ def main() -> None:  # noqa: D401 — click uses the docstring as help
     """Make any PyTorch checkpoint portable, and prove it.
 
     Reads .pt/.pth/.bin/.ckpt (zip or legacy), safetensors (single or sharded) without running
-    pickle code. Exit codes: 0 ok, 1 a check found a problem, 2 usage, 3 unreadable/unsafe input.
+    pickle code. Exit codes: 0 ok, 1 a check found a problem, 2 usage, 3 unreadable/unsafe input,
+    70 internal error (a bug: report it), 141 output pipe closed early (quiet, as git).
     """
     # a polite kill (SIGTERM) unwinds like Ctrl-C, so half-written temp files are removed
     signal.signal(signal.SIGTERM, _terminate)
+    if not os.environ.get("CKPTOOL_DEBUG"):
+        # stderr carries ckptool's own one-line messages only: a library's warning (numpy on a
+        # signalling NaN, torch deprecations) is noise there, and could quote a file's bytes raw
+        import warnings
+
+        warnings.simplefilter("ignore")
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    click.echo("ckptool: terminated — nothing was written", err=True)
+    _echo("ckptool: terminated — nothing was written", err=True)
     raise SystemExit(128 + signum)
 
 
@@ -96,7 +135,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def _render_summary(summary: Any) -> None:
-    echo = click.echo
+    echo = _echo
     echo(f"{summary.path}")
     echo(f"  format         {summary.format}  ({_human_bytes(summary.file_bytes)} on disk)")
     layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
@@ -178,16 +217,16 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
         _emit_json(report.to_json())
     else:
         verdict = "safe" if report.safe else "UNSAFE"
-        click.echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
-                   f"{sum(report.opcodes.values())} opcodes)")
+        _echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
+              f"{sum(report.opcodes.values())} opcodes)")
         for name, count in report.globals.items():
             mark = "  " if name not in report.unsafe else "! "
-            click.echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
+            _echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
         for problem in report.problems:
-            click.echo(f"  note: {problem}")
+            _echo(f"  note: {problem}")
         if report.unsafe:
-            click.echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
-                       "ckptool refuses to load this file")
+            _echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
+                  "ckptool refuses to load this file")
     sys.exit(EXIT_OK if report.safe else EXIT_PROBLEM)
 
 
@@ -204,11 +243,9 @@ def _resolve_out(ckpt: Path, out: Path | None, in_place: bool) -> Path:
     return out
 
 
-def _check_line(checked: int, fingerprint: str | None) -> str:
+def _check_line(checked: int, fingerprint: str | None) -> list[str]:
     line = f"  checked: all {checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
-    if fingerprint:
-        line += f"\n  fingerprint {fingerprint}"
-    return line
+    return [line, f"  fingerprint {fingerprint}"] if fingerprint else [line]
 
 
 def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: str) -> None:
@@ -218,10 +255,11 @@ def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: st
     if as_json:
         _emit_json(data)
         return
-    click.echo(message)
-    click.echo(_check_line(report.checked, report.fingerprint))
+    _echo(message)
+    for line in _check_line(report.checked, report.fingerprint):
+        _echo(line)
     for note in report.notes:
-        click.echo(f"  note: {note}")
+        _echo(f"  note: {note}")
 
 
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -383,13 +421,14 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
         _emit_json(results[0] if out is not None else {"converted": results, "failed": [str(e) for e in failures]})
     else:
         for result in results:
-            click.echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
-                       f"{_human_bytes(result['bytes'])})")
-            click.echo(_check_line(result["checked"], result["fingerprint"]))
+            _echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
+                  f"{_human_bytes(result['bytes'])})")
+            for line in _check_line(result["checked"], result["fingerprint"]):
+                _echo(line)
             for note in result["notes"]:
-                click.echo(f"  note: {note}")
+                _echo(f"  note: {note}")
     for failure in failures:
-        click.echo(f"ckptool: error: {failure}", err=True)
+        _echo(f"ckptool: error: {failure}", err=True)
     if failures:
         sys.exit(max(f.exit_code for f in failures))
 
@@ -453,7 +492,7 @@ def _key_groups(groups: dict[str, list[str]]) -> str:
 
 
 def _render_diagnosis(diagnosis: dict[str, Any]) -> None:
-    echo = click.echo
+    echo = _echo
     echo(f"  load     FAILED: {diagnosis['problem']}")
     echo(f"           fix: {diagnosis['fix']}")
     for label, groups in (("missing", diagnosis["missing"]), ("unexpected", diagnosis["unexpected"])):
@@ -469,7 +508,7 @@ def _render_diagnosis(diagnosis: dict[str, Any]) -> None:
 
 
 def _render_verify(report: Any) -> None:
-    echo = click.echo
+    echo = _echo
     head = f"verify {report.path} ({report.format})"
     if report.model:
         head += f" with {report.model} ({report.model_class})"
@@ -567,12 +606,12 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
     else:
         _render_verify(report)
     if not report.ok:
-        click.echo(f"ckptool: verify failed: {report.failure}", err=True)
+        _echo(f"ckptool: verify failed: {report.failure}", err=True)
     sys.exit(EXIT_OK if report.ok else EXIT_PROBLEM)
 
 
 def _render_diff(report: Any) -> None:
-    echo = click.echo
+    echo = _echo
     echo(f"A  {report.a} ({report.a_format}, {report.a_tensors} tensors)")
     echo(f"B  {report.b} ({report.b_format}, {report.b_tensors} tensors)")
     for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):

@@ -1,12 +1,15 @@
 """ckptool's exceptions: each message names the file or key, the cause, and the next step.
 
 The CLI turns a :class:`CkptError` into one line on stderr and its ``exit_code``; anything
-else escaping a command is a bug.
+else escaping a command is a bug. ``str(error)`` is always one printable line: what a message
+quotes from the file (a key, a global, a file name) has its control characters escaped.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from .text import printable
 
 
 class CkptError(Exception):
@@ -17,7 +20,7 @@ class CkptError(Exception):
     def __init__(self, message: str, *, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.message = message
-        super().__init__(f"{self.path}: {message}" if self.path is not None else message)
+        super().__init__(printable(f"{self.path}: {message}" if self.path is not None else message))
 
 
 class InputError(CkptError):
@@ -60,3 +63,13 @@ class UsageError(CkptError):
     """The arguments contradict each other or name something that does not exist."""
 
     exit_code = 2
+
+
+class InternalError(CkptError):
+    """A bug in ckptool met while doing the work — not a verdict on the input; please report it.
+
+    The public API functions raise it in place of any other exception (chained, so the cause and
+    its traceback stay on ``__cause__``); the CLI gives it its own exit code, 70 (EX_SOFTWARE).
+    """
+
+    exit_code = 70

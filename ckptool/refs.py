@@ -20,6 +20,7 @@ from .dtypes import DType
 from .errors import InputError
 
 CHUNK_SIZE = 8 * 1024 * 1024
+_INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "< 2^63" limit
 
 
 def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -179,6 +180,10 @@ class TensorRef:
         for value in (*shape, *strides, offset):
             if type(value) is not int or value < 0:
                 raise InputError(f"{where}negative or non-integer shape/stride/offset — the file is corrupt", path=path)
+        # torch counts elements in int64: a larger count (stride-0 views need no bytes for it) is no tensor
+        if math.prod(shape) > _INT64_MAX:
+            raise InputError(f"{where}its shape ({len(shape)} dimensions) holds 2^63 or more elements — the file is corrupt",
+                             path=path)
         if 0 in shape:
             return
         last = offset

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import zlib
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .atomic import atomic_output, check_folder_output, check_output, folder_output, same_file
+from .atomic import TEMP_PREFIX, atomic_output, check_folder_output, check_output, folder_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
 from .digest import PREFIX
@@ -37,6 +38,8 @@ from .formats import safetensors, torch_zip, zipio
 from .refs import StorageRef, TensorRef
 from .tree import map_tensors
 
+# a path into a write's temp file or temp directory (atomic.TEMP_PREFIX), and what follows it inside
+_TEMP_PATH = re.compile(r"[^\s'\"]*" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_]+(?:\.part)?(/[^\s'\"]*)?")
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 TARGETS = ("pt", "safetensors", "safetensors-sharded")
 FINGERPRINT_KEY = "ckptool.fingerprint"
@@ -488,12 +491,12 @@ def _json_entries(checkpoint: Checkpoint) -> str | None:
     """The container's plain entries (epoch, config, metrics) as JSON, where they are JSON."""
     plain: dict[str, Any] = {}
     for key, value in checkpoint.entries().items():
-        try:
-            json.dumps(value, allow_nan=False)
+        try:  # as it will be written: sorted keys fail on a dict mixing int and str keys
+            json.dumps(value, allow_nan=False, sort_keys=True)
         except (TypeError, ValueError):
             continue
         plain[str(key)] = value
-    return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else None
+    return json.dumps(plain, allow_nan=False, sort_keys=True, separators=(",", ":")) if plain else None
 
 
 def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool) -> dict[str, str]:
@@ -569,8 +572,9 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
             assert plan is not None
             report = _save_sharded(checkpoint, out, plan, expect)
     except CkptError as e:
-        if e.path is None:
-            raise type(e)(e.message, path=out) from e
+        if e.path is None or _TEMP_PATH.search(str(e.path)):
+            # the temp file is an implementation detail: the user asked for `out`, name that
+            raise type(e)(_TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), e.message), path=out) from e
         raise
     finally:
         for join in (expect.checks, expect.fingerprint):

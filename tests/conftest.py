@@ -39,3 +39,17 @@ def subprocess_env(repo_root: Path) -> dict[str, str]:
 def python_executable() -> str:
     """The interpreter running the tests (the project's venv); torchrun is ``python -m torch.distributed.run``."""
     return sys.executable
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests run on real CUDA where it is present and are skipped, visibly, everywhere else."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs CUDA (torch.cuda.is_available() is False here)")
+    for item in gpu_items:
+        item.add_marker(skip)

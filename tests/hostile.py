@@ -524,6 +524,7 @@ def build_corpus(directory: Path) -> list[Case]:
         cases.pop()
     cases += _files_cases(directory, canary_dir)
     cases += _values_cases(directory)
+    cases += _contract_cases(files, canary_dir)
     return cases
 
 
@@ -606,6 +607,31 @@ def _values_cases(directory: Path) -> list[Case]:
         bools = {"0": b"\x01\x00\x01\x00"}  # the bool tensor's own storage (4 bytes, as torch checks)
         path.write_bytes(make_zip(torch_members(data_pkl, bools if "bool" in name else storages)))
         cases.append(Case(name, path, REFUSE))
+    return cases
+
+
+def _contract_cases(directory: Path, canary_dir: Path) -> list[Case]:
+    """Inputs aimed at the output contract: element counts past int64, names made to drive a terminal."""
+    cases = []
+
+    def add(name: str, content: bytes, expect: str, canary: Path | None = None) -> None:
+        path = directory / f"{name}.pt"
+        path.write_bytes(content)
+        cases.append(Case(name, path, expect, canary))
+
+    # stride 0: no bytes needed, so only the element count (2^64) can refuse it
+    add("numel_2_64_stride_0", make_zip(torch_members(good_zip_pickle(shape=(1 << 32, 1 << 32), stride=(0, 0)),
+                                                      {"0": FOUR_FLOATS})), REFUSE)
+    # a global whose name holds a lone surrogate (pickle's own writer emits it with surrogatepass)
+    name = b"sys\xed\xa0\x80tem"
+    surrogate = text("os") + b"\x8c" + bytes([len(name)]) + name + b"\x93" + tup(text("true")) + b"R"
+    add("surrogate_global_name", make_zip(torch_members(b"\x80\x04" + dct((text("weight"), surrogate)) + STOP)),
+        UNSAFE)
+    # os.system beside a global whose name moves the cursor up and prints a clean verdict
+    canary = canary_dir / "escape_global"
+    body = tup(call(glob("os", "system"), text(f"touch '{canary}'")),
+               glob("builtins", "\x1b[1A\x1b[2K\rsafe (torch-zip)\x1b]0;title\x07"))
+    add("escape_sequence_global", make_zip(torch_members(whole(dct((text("weight"), body))))), UNSAFE, canary)
     return cases
 
 

@@ -3,7 +3,9 @@
 The promise under test: the input is never changed, an existing output is either kept or replaced
 whole, and a failed write leaves nothing behind — except that SIGKILL cannot be cleaned up after:
 its temp file (``.ckptool-tmp-*``) stays where the output was going, inert, and the next run does
-not care (SECURITY.md). The large input (~190 MB) makes writes last long enough to interrupt.
+not care (SECURITY.md). A write is interrupted at a known point, not by winning a race: the child
+is ckptool's own CLI with one hook that, after the first bytes of the output are written, marks a
+file and waits for a signal; the test sends the signal once the mark is there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,29 @@ import ckptool
 from ckptool.cli import main
 
 TEMP_PREFIX = ".ckptool-tmp-"
-BIG_TENSORS, BIG_ELEMENTS = 16, 8_000_000  # 16 x 32 MB of float32: a write of ~0.3 s, long enough to catch
+BIG_TENSORS, BIG_ELEMENTS = 8, 1_000_000  # 8 x 4 MB of float32: over the full-disk test's 8 MiB file limit
+# ckptool's CLI, frozen mid-write: after the first bytes reach the temp file it marks MARKER and
+# waits for a signal (run as: python -c PAUSED_WRITER MARKER ckptool-args...)
+PAUSED_WRITER = """
+import signal, sys
+from pathlib import Path
+from ckptool import writer
+from ckptool.cli import main
+
+marker = Path(sys.argv.pop(1))
+written = writer.OutputSums.written
+
+def written_then_wait(self, offset, length):
+    written(self, offset, length)
+    if not marker.exists():
+        marker.touch()
+        while True:  # a signal ends this: KeyboardInterrupt, the SIGTERM handler, or SIGKILL
+            signal.pause()
+
+writer.OutputSums.written = written_then_wait
+sys.argv[0] = "ckptool"
+main()
+"""
 
 
 def sha256(path: Path) -> str:
@@ -57,16 +81,35 @@ def small_input(tmp_path: Path) -> Path:
     return path
 
 
+def _sigint_as_at_a_terminal() -> None:
+    # a test run started in the background (``cmd &``, nohup) passes SIGINT on ignored, and Python
+    # then never raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def ckptool_process(subprocess_env: dict[str, str]):
     environment = {k: v for k, v in subprocess_env.items() if k != "CKPTOOL_DEBUG"}
 
     def start(*args: object, **kwargs: object) -> subprocess.Popen:
-        # Ctrl-C as at a terminal: a test run started in the background (``cmd &``, nohup) passes
-        # SIGINT on ignored, and Python then never raises KeyboardInterrupt
-        kwargs.setdefault("preexec_fn", lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        kwargs.setdefault("preexec_fn", _sigint_as_at_a_terminal)
         return subprocess.Popen([sys.executable, "-m", "ckptool", *map(str, args)], env=environment,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+    return start
+
+
+@pytest.fixture
+def paused_writer(subprocess_env: dict[str, str], tmp_path: Path):
+    """Start ckptool so that it stops mid-write; return (process, marker file)."""
+    environment = {k: v for k, v in subprocess_env.items() if k != "CKPTOOL_DEBUG"}
+
+    def start(*args: object) -> tuple[subprocess.Popen, Path]:
+        marker = tmp_path / "paused-mid-write"
+        process = subprocess.Popen([sys.executable, "-c", PAUSED_WRITER, str(marker), *map(str, args)],
+                                   env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=_sigint_as_at_a_terminal)
+        return process, marker
 
     return start
 
@@ -75,25 +118,21 @@ def temp_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.name.startswith(TEMP_PREFIX))
 
 
-def interrupt_mid_write(process: subprocess.Popen, directory: Path, sig: int) -> list[Path]:
-    """Wait until the output's temp file holds bytes, then send ``sig``; return the temp files seen."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        temps = temp_files(directory)
-        if temps and any(p.exists() and p.stat().st_size > 0 for p in temps):
-            # freeze it where it is first, so a busy machine cannot let the write finish in between
-            process.send_signal(signal.SIGSTOP)
-            if process.poll() is not None:
-                pytest.fail(f"the write finished before it could be interrupted: {process.stderr.read()}")
-            process.send_signal(sig)
-            process.send_signal(signal.SIGCONT)
-            process.communicate(timeout=120)
-            return temps
+def interrupt_mid_write(process: subprocess.Popen, marker: Path, directory: Path, sig: int) -> list[Path]:
+    """Wait until the paused writer has written its first bytes, send ``sig``; return the temp files seen."""
+    hang_guard = time.monotonic() + 600  # only a child that neither writes nor exits reaches this
+    while not marker.exists():
         if process.poll() is not None:
-            pytest.fail(f"the write finished before it could be interrupted: {process.stderr.read()}")
-        time.sleep(0.0005)
-    process.kill()
-    pytest.fail("no temp file appeared")
+            pytest.fail(f"ckptool exited ({process.returncode}) before it paused mid-write: {process.stderr.read()}")
+        if time.monotonic() > hang_guard:
+            process.kill()
+            pytest.fail("ckptool neither wrote nor exited")
+        time.sleep(0.01)
+    temps = temp_files(directory)
+    assert temps, "paused mid-write but no temp file beside the output"
+    process.send_signal(sig)
+    process.communicate(timeout=600)
+    return temps
 
 
 COMMANDS = {  # how each writing command is asked to rewrite the big input
@@ -105,7 +144,7 @@ SUFFIX = {"strip": ".pt", "convert": ".safetensors"}
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c in main.commands])
 def test_kill_9_mid_write_keeps_input_and_previous_output(big_input: Path, tmp_path: Path, command: str,
-                                                          ckptool_process) -> None:
+                                                          ckptool_process, paused_writer) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / f"model{SUFFIX[command]}"
@@ -114,8 +153,8 @@ def test_kill_9_mid_write_keeps_input_and_previous_output(big_input: Path, tmp_p
     assert first.wait(timeout=300) == 0, first.stderr.read()
     before_output = sha256(out)
 
-    process = ckptool_process(*COMMANDS[command](big_input, out), "--force")
-    interrupt_mid_write(process, out_dir, signal.SIGKILL)
+    process, marker = paused_writer(*COMMANDS[command](big_input, out), "--force")
+    interrupt_mid_write(process, marker, out_dir, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL
     assert sha256(big_input) == before_input
     assert sha256(out) == before_output
@@ -132,18 +171,18 @@ def test_kill_9_mid_write_keeps_input_and_previous_output(big_input: Path, tmp_p
 
 
 @pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_interrupt_mid_write_cleans_up(big_input: Path, tmp_path: Path, ckptool_process, signum: int,
+def test_interrupt_mid_write_cleans_up(big_input: Path, tmp_path: Path, paused_writer, signum: int,
                                        exit_code: int) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    process = ckptool_process("strip", big_input, "-o", out_dir / "model.pt")
-    interrupt_mid_write(process, out_dir, signum)
+    process, marker = paused_writer("strip", big_input, "-o", out_dir / "model.pt")
+    interrupt_mid_write(process, marker, out_dir, signum)
     assert process.returncode == exit_code, process.returncode
     assert list(out_dir.iterdir()) == []
 
 
 def _limit_file_size() -> None:  # runs in the child before exec
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing
 
 

@@ -30,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402 — the corpus generator beside this file
 
 PICKLESCAN = Path(os.environ.get("CKPTOOL_PICKLESCAN_CORPUS", "/work/shared/corpus/picklescan/tests"))
-TIME_LIMIT_S = 10.0
+# not a speed test: a bound only a runaway (quadratic hashing, a bomb left unguarded) reaches, even
+# on a loaded 2-core machine where one refusal can take seconds; the bounds themselves are tested
+# by construction (tests of each limit), not by the clock
+HANG_LIMIT_S = 120.0
 TEMP_PREFIX = ".ckptool-tmp-"
 # what a payload prints or leaves if it ran (picklescan's corpus); ckptool's own canaries are files
 PAYLOAD_OUTPUT = ("pwned", "successful attack", "Injection running", "456")
@@ -93,8 +96,10 @@ def problems_with(result, command: str, path: Path, want: int, elapsed: float, o
         found.append(f"stderr is not one 'ckptool: error: <path>: ...' line: {stderr[:300]!r}")
     if want == 1 and "UNSAFE" not in result.stdout:
         found.append(f"scan did not report UNSAFE: {result.stdout[:200]!r}")
-    if elapsed > TIME_LIMIT_S:
-        found.append(f"took {elapsed:.1f} s")
+    if any(not char.isprintable() for line in (result.stdout + stderr).split("\n") for char in line):
+        found.append(f"a control character reached the terminal: {(result.stdout + stderr)[:200]!r}")
+    if elapsed > HANG_LIMIT_S:
+        found.append(f"took {elapsed:.1f} s: a runaway")
     left = sorted(p.name for p in out.iterdir())
     if left:
         found.append(f"left {left} in the output directory")
@@ -176,14 +181,16 @@ def test_library_raises_only_ckpt_errors(corpus: Corpus, clean_env: Path) -> Non
     from ckptool.summary import inspect
 
     for case in corpus.cases:
-        for function in (ckptool.load, inspect):
-            with pytest.raises(CkptError):
+        for function in (ckptool.load, ckptool.inspect, inspect):
+            with pytest.raises(CkptError) as raised:
                 function(case.path)
+            assert not isinstance(raised.value, ckptool.InternalError), (case.name, raised.value)
         if case.expect == hostile.UNSAFE:
             assert not scan(case.path).safe, case.name
         else:
-            with pytest.raises(CkptError):
-                scan(case.path)
+            with pytest.raises(CkptError) as raised:
+                ckptool.scan(case.path)
+            assert not isinstance(raised.value, ckptool.InternalError), (case.name, raised.value)
     assert not any(corpus.canary_dir.iterdir())
 
 
@@ -203,7 +210,7 @@ def test_real_processes_print_one_line_and_no_traceback(corpus: Corpus, clean_en
         case = by_name[name]
         for command in ("inspect", "scan", "convert" if "convert" in table else "strip"):
             completed = subprocess.run([sys.executable, "-m", "ckptool", *table[command](case.path)], cwd=clean_env,
-                                       env=environment, capture_output=True, text=True, timeout=60)
+                                       env=environment, capture_output=True, text=True, timeout=600)
             want = expected_exit(command, case.expect)
             lines = completed.stderr.strip().splitlines()
             if completed.returncode != want or "Traceback" in completed.stderr + completed.stdout:

@@ -14,6 +14,15 @@ from .pickles import OpaqueObject
 from .refs import TensorRef
 
 Path_ = tuple[Any, ...]
+# values no walk needs to enter: atoms, and empty containers (a pickle of 10 million empty lists
+# would otherwise cost a path tuple and a record each)
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
+_EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})
+
+
+def _leaf(value: Any) -> bool:
+    kind = type(value)
+    return kind in _ATOMS or (kind in _EMPTYABLE and not value)
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]]:
@@ -44,7 +53,7 @@ def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
         kids = _children(node)
         if kids:
             seen.add(id(node))
-            stack.extend((path + (key,), value) for key, value in reversed(kids))
+            stack.extend((path + (key,), value) for key, value in reversed(kids) if not _leaf(value))
 
 
 def get_at(container: Any, layout: Path_) -> Any:
@@ -108,9 +117,10 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
             if not done:
                 has_tensor[key] = False  # provisional: breaks cycles
                 stack.append((item, True))
-                stack.extend((child, False) for _, child in kids)
+                stack.extend((child, False) for _, child in kids if not _leaf(child))
             else:
-                has_tensor[key] = any(has_tensor.get(id(child), isinstance(child, TensorRef)) for _, child in kids)
+                has_tensor[key] = any(not _leaf(child) and has_tensor.get(id(child), isinstance(child, TensorRef))
+                                      for _, child in kids)
         return has_tensor[id(node)]
 
     contains(obj)

@@ -12,7 +12,7 @@ from .checkpoint import Checkpoint
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
-from .refs import DeviceRef, SizeRef, TensorRef
+from .refs import DeviceRef, SizeRef, TensorRef, expansion
 from .tree import iter_tensors
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
@@ -137,7 +137,8 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     return hints
 
 
-def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False) -> Summary:
+def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False,
+              allow_expansion: bool = False) -> Summary:
     """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     dtype_counts = Counter(t.dtype.name for t in tensors.values())
@@ -166,8 +167,14 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         notes=list(checkpoint.notes),
     )
     summary.hints = _hints(checkpoint, summary)
+    measured = expansion(tensors)
+    if measured.expanding:
+        name, view_bytes, span = measured.expanding[0]
+        summary.notes.append(f"{len(measured.expanding)} tensor view(s) expand their storage (stride 0 or overlapping): "
+                             f"{_human_bytes(measured.stored)} stored, {_human_bytes(measured.logical)} in full "
+                             f"(largest {name!r}: {_human_bytes(span)} viewed as {_human_bytes(view_bytes)})")
     if with_fingerprint:
-        summary.fingerprint = fingerprint(tensors)
+        summary.fingerprint = fingerprint(tensors, allow_expansion=allow_expansion)
     if with_tensors:
         summary.tensor_list = [TensorInfo(name, t.dtype.name, list(t.shape), t.nbytes, t.location)
                                for name, t in tensors.items()]
@@ -175,7 +182,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
 
 
 def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-            tensors: bool = False) -> Summary:
+            tensors: bool = False, allow_expansion: bool = False) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 
     Example:
@@ -184,4 +191,4 @@ def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprin
         ('torch-zip', ['model'], 'module.', {'cpu': 10})
     """
     checkpoint = load(path, allow_globals=allow_globals)
-    return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors)
+    return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

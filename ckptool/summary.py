@@ -12,7 +12,7 @@ from .checkpoint import Checkpoint
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
-from .refs import DeviceRef, SizeRef, TensorRef, expansion
+from .refs import DeviceRef, SizeRef, TensorRef, check_expansion, expansion
 from .tree import iter_tensors
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
@@ -174,7 +174,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
                              f"{_human_bytes(measured.stored)} stored, {_human_bytes(measured.logical)} in full "
                              f"(largest {name!r}: {_human_bytes(span)} viewed as {_human_bytes(view_bytes)})")
     if with_fingerprint:
-        summary.fingerprint = fingerprint(tensors, allow_expansion=allow_expansion)
+        check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="hash")
+        summary.fingerprint = fingerprint(tensors, allow_expansion=True)
     if with_tensors:
         summary.tensor_list = [TensorInfo(name, t.dtype.name, list(t.shape), t.nbytes, t.location)
                                for name, t in tensors.items()]

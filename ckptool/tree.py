@@ -37,6 +37,17 @@ def _children(obj: Any) -> list[tuple[Any, Any]]:
     return []
 
 
+def _child_values(obj: Any) -> Any:
+    """The values :func:`_children` pairs with keys, without building a pair per value."""
+    if isinstance(obj, dict):
+        return obj.values()
+    if isinstance(obj, list | tuple):
+        return obj
+    if isinstance(obj, OpaqueObject):
+        return [obj._args, obj._items, obj._state, *(value for _, value in obj._setitems)]
+    return ()
+
+
 def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
     """Every TensorRef reachable from ``obj`` with the key path to its first occurrence."""
     seen: set[int] = set()
@@ -49,6 +60,12 @@ def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
                 yield path, node
             continue
         if id(node) in seen:
+            continue
+        if isinstance(node, list | tuple):  # no (index, value) pair per item: lists can be huge
+            if node:
+                seen.add(id(node))
+                stack.extend((path + (index,), node[index]) for index in range(len(node) - 1, -1, -1)
+                             if not _leaf(node[index]))
             continue
         kids = _children(node)
         if kids:
@@ -113,14 +130,14 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
                 continue
             if key in has_tensor and not done:
                 continue
-            kids = _children(item)
+            kids = _child_values(item)
             if not done:
                 has_tensor[key] = False  # provisional: breaks cycles
                 stack.append((item, True))
-                stack.extend((child, False) for _, child in kids if not _leaf(child))
+                stack.extend((child, False) for child in kids if not _leaf(child))
             else:
                 has_tensor[key] = any(not _leaf(child) and has_tensor.get(id(child), isinstance(child, TensorRef))
-                                      for _, child in kids)
+                                      for child in kids)
         return has_tensor[id(node)]
 
     contains(obj)

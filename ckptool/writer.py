@@ -614,14 +614,14 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, max_shard_size: int, duplic
                 shard_metadata["ckptool.entries"] = entries
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
-            shard_sums = OutputSums(tmp_dir / name)
-            all_sums.append(shard_sums)
-            try:
-                with open(tmp_dir / name, "w+b") as handle:
+            with open(tmp_dir / name, "w+b") as handle:
+                shard_sums = OutputSums(tmp_dir / name)  # its thread re-reads the file: created first
+                all_sums.append(shard_sums)
+                try:
                     safetensors._write_one(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
-            finally:
-                # one shard's re-read thread and buffer at a time, however many shards there are
-                shard_sums.finish()
+                finally:
+                    # one shard's re-read thread and buffer at a time, however many shards there are
+                    shard_sums.finish()
             weight_map.update({k: name for k in names})
             files.append(out / name)
         value = expect.fingerprint()

@@ -573,7 +573,8 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
     With --model: strict load (a wrong prefix or architecture is diagnosed with its fix), then
     eval on a seeded input under deterministic settings; per device the weights must be
     bit-identical after the transfer and the outputs within tolerance of the CPU run. Without
-    --model: every weight is materialized on each device and NaN/Inf are counted. Exit 0 ok,
+    --model: every weight is materialized on each device and NaN/Inf are counted (weights holding
+    them fail unless --allow-nonfinite). Exit 0 ok,
     1 a check failed, 2 bad arguments, 3 unreadable input.
 
     Example: ckptool verify model.pt --model training:lenet

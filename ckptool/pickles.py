@@ -24,7 +24,7 @@ from typing import Any
 from . import dtypes
 from .dtypes import DType
 from .errors import InputError
-from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
+from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, human_size
 
 # The ceiling on one pickle's size: real checkpoints' pickles are a few MB even with 100k tensors.
 MAX_PICKLE_BYTES = 1 << 30
@@ -1059,7 +1059,7 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
             raise _refuse(f"shares sub-objects so that walking it visits over {MAX_EXPANDED_NODES} objects "
                           "(a memo expansion bomb)")
         if text > text_limit:
-            raise _refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {text_limit} bytes "
+            raise _refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
                           "(a memo expansion bomb)")
         done[key] = (height, min(size, MAX_EXPANDED_NODES + 1), min(text, text_limit + 1))
 

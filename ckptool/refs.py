@@ -294,25 +294,40 @@ class Expansion:
 def expansion(tensors: Mapping[str, Any]) -> Expansion:
     """Measure the views of ``tensors`` (no bytes read); tied tensors (one view under two names) count once."""
     storages: dict[int, int] = {}
+    first_view: dict[int, TensorRef] = {}  # a storage's first view, until a second one shows up
     views: set[tuple] = set()
     logical = 0
     expanding = []
-    for name, tensor in tensors.items():
+
+    def identity(view: TensorRef) -> tuple:
+        return (id(view.storage), view.offset, view.shape, view.stride, view.dtype.name)
+
+    for name, tensor in tensors.items():  # one pass; views are told apart only where storages are shared
         if not isinstance(tensor, TensorRef):
             continue
-        storages[id(tensor.storage)] = tensor.storage.nbytes
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
-        if identity in views:
-            continue
-        views.add(identity)
-        logical += tensor.nbytes
-        if tensor.expands():
-            expanding.append((str(name), tensor.nbytes, tensor.span_bytes()))
+        key = id(tensor.storage)
+        stored = storages.get(key)
+        if stored is None:
+            stored = storages[key] = tensor.storage.nbytes
+            first_view[key] = tensor
+        else:
+            first = first_view.pop(key, None)
+            if first is not None:
+                views.add(identity(first))
+            this = identity(tensor)
+            if this in views:
+                continue  # tied: the same view under another name
+            views.add(this)
+        nbytes = tensor.nbytes
+        logical += nbytes
+        if (nbytes > stored or 0 in tensor.stride) and tensor.expands():  # only overlapping views can
+            expanding.append((str(name), nbytes, tensor.span_bytes()))
     expanding.sort(key=lambda item: -item[1])
     return Expansion(sum(storages.values()), logical, tuple(expanding))
 
 
-def _size(count: int) -> str:
+def human_size(count: int) -> str:
+    """``count`` bytes for a message: ``4 B``, ``256.0 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         if count < 1024 or unit == "EiB":
             return f"{count} {unit}" if unit == "B" else f"{count:.1f} {unit}"
@@ -331,10 +346,10 @@ def check_expansion(tensors: Mapping[str, Any], *, allow: bool, path: Path | Non
     measured = expansion(tensors)
     if measured.excessive and not allow:
         name, view_bytes, span = measured.expanding[0] if measured.expanding else ("", measured.logical, 0)
-        first = f"; largest {name!r}: {_size(span)} viewed as {_size(view_bytes)}" if name else ""
+        first = f"; largest {name!r}: {human_size(span)} viewed as {human_size(view_bytes)}" if name else ""
         raise InputError(
             f"{len(measured.expanding)} tensor view(s) (stride 0 or overlapping) would expand "
-            f"{_size(measured.stored)} of stored bytes to {_size(measured.logical)}{first} — refusing to "
+            f"{human_size(measured.stored)} of stored bytes to {human_size(measured.logical)}{first} — refusing to "
             f"{doing} them; pass --allow-expansion (allow_expansion=True) if that size is what you want",
             path=path)
     return measured

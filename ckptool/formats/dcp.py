@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 from .. import dtypes, pickles
 from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride
+from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride, human_size
 from . import torch_zip, zipio
 
 FORMAT = "dcp"
@@ -560,8 +560,9 @@ def _tensor(entry: _TensorEntry, files: _Files, resolver: pickles.GlobalResolver
         if len(entry.chunks) > 1 and tensor.expands():
             # assembling allocates the whole tensor: what the chunks promise must lie on disk, or a
             # few KB of stride-0 chunks would make the reader allocate gigabytes
-            raise InputError(f"DCP tensor {what}: the chunk at {list(chunk.offsets)} promises {tensor.nbytes} bytes "
-                             f"but stores {tensor.span_bytes()} (a stride-0 or overlapping view) — DCP never "
+            raise InputError(f"DCP tensor {what}: the chunk at {list(chunk.offsets)} promises "
+                             f"{human_size(tensor.nbytes)} but stores {human_size(tensor.span_bytes())} (a stride-0 "
+                             "or overlapping view) — DCP never "
                              "saves a shard so; the checkpoint is corrupt or crafted", path=directory)
         parts.append((chunk, tensor))
     if len(parts) == 1 and parts[0][0].sizes == entry.size:

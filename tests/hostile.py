@@ -627,11 +627,6 @@ def _bounds_cases(directory: Path, canary_dir: Path) -> list[Case]:
     archive = _expanded_archive(numel)
     cases.append(Case("dcp_stride0_chunks", dcp_directory(
         folder / "dcp_stride0_chunks", [16 * numel], [([k * numel], [numel], archive) for k in range(16)]), REFUSE))
-    # 8 000 chunk offsets (a, b) whose tuples share one hash: indexing them by tuple was quadratic
-    small = _expanded_archive(1)
-    cases.append(Case("dcp_colliding_offsets", dcp_directory(
-        folder / "dcp_colliding_offsets", [1 << 62, 1 << 62], [(list(key), [1, 1], small)
-                                                              for key in colliding_pairs(8_000)]), REFUSE))
     # a data.pkl deflated ~25:1 (under the old 100:1 bound): minutes of opcodes per MB of file
     rng = random.Random(2)
     soup = b"".join(b"N0" * rng.randint(20, 60) + b"K" + bytes([rng.randrange(256)]) + b"0" for _ in range(40_000))

@@ -35,7 +35,7 @@ def invoke(*args: object):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def run_limited(args: list[object], address_space: int, cwd: Path) -> subprocess.CompletedProcess:
+def run_limited(args: list[object], address_space: int, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m ckptool ARGS`` in a child whose address space is capped (MemoryError past it)."""
 
     def cap() -> None:
@@ -44,7 +44,7 @@ def run_limited(args: list[object], address_space: int, cwd: Path) -> subprocess
     env = {k: v for k, v in os.environ.items() if k != "CKPTOOL_DEBUG"}
     env["PYTHONPATH"] = str(Path(__file__).parent.parent)
     return subprocess.run([sys.executable, "-m", "ckptool", *map(str, args)], cwd=cwd, env=env, preexec_fn=cap,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def one_error_line(stderr: str, path: Path) -> str:
@@ -148,6 +148,21 @@ def test_an_empty_set_flood_is_refused_before_it_is_built(tmp_path: Path) -> Non
     completed = run_limited(["inspect", path], 2 * GiB, tmp_path)
     assert completed.returncode == 3, completed.stderr
     assert "memory bomb" in one_error_line(completed.stderr, path)
+
+
+def test_dcp_chunk_offsets_with_one_hash_are_read_in_linear_time(tmp_path: Path) -> None:
+    # 20 000 offsets (a, b) whose tuples share one hash: indexing them by tuple took over 300 s, now
+    # a few (the metadata is then refused: the chunks cover 20 000 of 2**124 elements). The timeout
+    # only keeps a regression from hanging the suite.
+    small = hostile._expanded_archive(1)
+    directory = hostile.dcp_directory(tmp_path / "colliding", [1 << 62, 1 << 62],
+                                      [(list(key), [1, 1], small) for key in hostile.colliding_pairs(20_000)])
+    try:
+        completed = run_limited(["inspect", directory], 2 * GiB, tmp_path, timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("inspect of 20 000 colliding DCP offsets ran past 150 s (quadratic indexing)")
+    assert completed.returncode == 3
+    assert "its chunks hold 20000 of" in one_error_line(completed.stderr, directory)
 
 
 # ---------------------------------------------------------------------------------------------- shards

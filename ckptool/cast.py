@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from . import dtypes
 from .checkpoint import Checkpoint
-from .errors import UsageError
-from .refs import StorageRef, TensorRef, contiguous_stride
+from .errors import InputError, UsageError
+from .refs import StorageRef, TensorRef, check_expansion, contiguous_stride
 from .tree import map_tensors
 
 
@@ -20,10 +21,62 @@ def _cast_bytes(tensor: TensorRef, target: dtypes.DType) -> bytes:
     return cast.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def cast_weights(checkpoint: Checkpoint, dtype: str) -> Checkpoint:
-    """Cast floating weights to ``dtype`` (``bf16``, ``fp16``, ``fp32``...); integer buffers stay as they are.
+def _largest_finite(tensor: TensorRef) -> float:
+    """The largest absolute finite value of a floating tensor (numpy, chunk by chunk; 0 when none)."""
+    import numpy as np
 
-    Tied tensors stay tied. Bytes are computed when written, tensor by tensor.
+    largest = 0.0
+    for chunk in tensor.iter_reused():
+        if tensor.dtype.name == "BF16":  # no numpy bf16: widen to float32 (bf16 is its top half)
+            values = (np.frombuffer(chunk, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = np.frombuffer(chunk, dtype={"F64": np.float64, "F32": np.float32, "F16": np.float16}[
+                tensor.dtype.name])
+        if values.size:
+            largest = max(largest, float(np.max(np.abs(values), initial=0, where=np.isfinite(values))))
+    return largest
+
+
+_WIDENING = frozenset({("F16", "F32"), ("F16", "F64"), ("BF16", "F32"), ("BF16", "F64"), ("F32", "F64"),
+                       ("F16", "BF16")})
+
+
+def overflowing(tensors: dict[str, TensorRef], target: dtypes.DType) -> list[str]:
+    """Names of floating tensors holding finite values that ``target`` cannot hold (they would become Inf).
+
+    Rounding is monotonic, so a tensor overflows exactly when its largest finite magnitude does:
+    that one value is cast with torch, the tensor itself is only scanned.
+    """
+    import torch
+
+    names = []
+    done: dict[tuple, bool] = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype == target or tensor.dtype.name not in ("F64", "F32", "F16", "BF16") or not tensor.numel:
+            continue
+        if (tensor.dtype.name, target.name) in _WIDENING:
+            continue  # the target holds every finite value of the source
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        if identity not in done:
+            largest = _largest_finite(tensor)
+            cast = torch.tensor(largest, dtype=torch.float64).to(getattr(torch, target.torch_name))
+            done[identity] = not math.isfinite(float(cast.to(torch.float64)))
+        if done[identity]:
+            names.append(name)
+    return names
+
+
+def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = False,
+                 allow_expansion: bool = False) -> Checkpoint:
+    """Cast floating weights to ``dtype`` (``bf16``, ``fp16`` or ``fp32``); integer buffers stay as they are.
+
+    Tied tensors stay tied. Bytes are computed when written, tensor by tensor. A cast that would
+    turn finite values into Inf (1e5 in fp16) is refused, naming the tensors, unless
+    ``allow_overflow``; views that expand their storage (stride 0) need ``allow_expansion``.
+
+    Raises:
+        UsageError: ``dtype`` is not a floating type ckptool knows.
+        InputError: finite values would overflow ``dtype``, or views would expand too far.
 
     Example:
         >>> ckptool.save(cast_weights(ckptool.load("model.pt"), "bf16"), "model.bf16.safetensors")  # doctest: +SKIP
@@ -34,6 +87,16 @@ def cast_weights(checkpoint: Checkpoint, dtype: str) -> Checkpoint:
         raise UsageError(f"--dtype {dtype!r}: choose bf16, fp16 or fp32") from e
     if not target.is_floating:
         raise UsageError(f"--dtype {dtype!r} is not a floating type: choose bf16, fp16 or fp32")
+    tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="cast")
+    if not allow_overflow:
+        names = overflowing(tensors, target)
+        if names:
+            shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                                                   else "")
+            raise InputError(f"casting to {dtype} would turn finite values into Inf in {len(names)} tensor(s): "
+                             f"{shown} — choose a wider --dtype (bf16 keeps fp32's range), or pass --allow-overflow "
+                             "to accept it", path=checkpoint.path)
     memo: dict[tuple, TensorRef] = {}
 
     def convert(tensor: TensorRef) -> TensorRef:

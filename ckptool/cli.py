@@ -101,6 +101,10 @@ allow_global_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
 force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 in_place_option = click.option("--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file).")
+allow_expansion_option = click.option(
+    "--allow-expansion", is_flag=True,
+    help="Materialize tensor views that expand their stored bytes (stride 0, overlaps) more than 4x in full.",
+)
 fingerprint_write_option = click.option(
     "--fingerprint", "with_fingerprint", is_flag=True,
     help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
@@ -178,8 +182,10 @@ def _render_summary(summary: Any) -> None:
 @click.option("--fingerprint", "with_fingerprint", is_flag=True,
               help="Also hash the weights (reads every byte; the same value in any format).")
 @allow_global_option
+@allow_expansion_option
 @handle_errors
-def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...]) -> None:
+def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...],
+            allow_expansion: bool) -> None:
     """Describe a checkpoint: format, where the weights are, wrapper prefix, devices, entries.
 
     Reads no tensor bytes (unless --fingerprint) and runs no pickle code.
@@ -188,7 +194,8 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     """
     from .summary import inspect as inspect_
 
-    summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors)
+    summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors,
+                       allow_expansion=allow_expansion)
     if as_json:
         _emit_json(summary.to_json())
     else:
@@ -372,6 +379,9 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--nest", type=click.Choice(["model", "state_dict"]), default=None,
               help="For .pt output from safetensors: wrap the weights as {NEST: weights}.")
 @click.option("--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched).")
+@click.option("--allow-overflow", is_flag=True,
+              help="With --dtype: accept a cast that turns finite values into Inf/NaN (refused by default).")
+@allow_expansion_option
 @force_option
 @json_option
 @allow_global_option
@@ -379,8 +389,8 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
-            dtype: str | None, force: bool, as_json: bool, allow_globals: tuple[str, ...],
-            with_fingerprint: bool) -> None:
+            dtype: str | None, allow_overflow: bool, allow_expansion: bool, force: bool, as_json: bool,
+            allow_globals: tuple[str, ...], with_fingerprint: bool) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
 
     Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
@@ -412,7 +422,8 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
         for source, target in bar:
             try:
                 results.append(_convert_one(source, target, to_format, strip_wrappers, shard_bytes, duplicate_tied,
-                                            nest, dtype, force, allow_globals, with_fingerprint))
+                                            nest, dtype, force, allow_globals, with_fingerprint,
+                                            allow_overflow=allow_overflow, allow_expansion=allow_expansion))
             except CkptError as e:
                 if len(jobs) == 1:
                     raise
@@ -446,7 +457,8 @@ class _null_progress:
 
 def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappers: bool, shard_bytes: int | None,
                  duplicate_tied: bool, nest: str | None, dtype: str | None, force: bool,
-                 allow_globals: tuple[str, ...], with_fingerprint: bool) -> dict[str, Any]:
+                 allow_globals: tuple[str, ...], with_fingerprint: bool, *, allow_overflow: bool = False,
+                 allow_expansion: bool = False) -> dict[str, Any]:
     from .reader import load
     from .writer import save
 
@@ -458,10 +470,11 @@ def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappe
     if dtype is not None:
         from .cast import cast_weights
 
-        checkpoint = cast_weights(checkpoint, dtype)
+        checkpoint = cast_weights(checkpoint, dtype, allow_overflow=allow_overflow, allow_expansion=allow_expansion)
         notes.append(f"cast floating weights to {dtype}")
     report = save(checkpoint, target, to=to_format, force=force, max_shard_size=shard_bytes,
-                  duplicate_tied=duplicate_tied, nest=nest, fingerprint=with_fingerprint)
+                  duplicate_tied=duplicate_tied, nest=nest, fingerprint=with_fingerprint,
+                  allow_expansion=allow_expansion)
     if report.aliases:
         notes.append(f"{len(report.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     return {"input": str(source), "output": str(report.path), "format": report.format, "tensors": report.tensors,
@@ -581,18 +594,24 @@ def _render_verify(report: Any) -> None:
               help="Shape of the seeded input (default: 1,1,28,28 for training:, 1,3,224,224 for torchvision:).")
 @click.option("--atol", type=float, default=None, help="Absolute output tolerance (default by dtype: fp32 1e-5).")
 @click.option("--rtol", type=float, default=None, help="Relative output tolerance (default by dtype: fp32 1e-4).")
+@click.option("--allow-nonfinite", is_flag=True, help="Weights holding NaN or Inf do not fail the check.")
+@click.option("--allow-nonfinite-key", "nonfinite_keys", multiple=True, metavar="PATTERN",
+              help="Weights whose key matches this shell pattern may hold NaN/Inf, e.g. '*.mask' (repeatable).")
 @json_option
 @allow_global_option
+@allow_expansion_option
 @handle_errors
 def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devices: str, against: Path | None,
-           input_shape: str | None, atol: float | None, rtol: float | None, as_json: bool,
-           allow_globals: tuple[str, ...]) -> None:
+           input_shape: str | None, atol: float | None, rtol: float | None, allow_nonfinite: bool,
+           nonfinite_keys: tuple[str, ...], as_json: bool, allow_globals: tuple[str, ...],
+           allow_expansion: bool) -> None:
     """Prove the weights load strictly and evaluate identically on CPU and every device.
 
     With --model: strict load (a wrong prefix or architecture is diagnosed with its fix), then
     eval on a seeded input under deterministic settings; per device the weights must be
     bit-identical after the transfer and the outputs within tolerance of the CPU run. Without
-    --model: every weight is materialized on each device and NaN/Inf are counted. Exit 0 ok,
+    --model: every weight is materialized on each device and NaN/Inf are counted (weights holding
+    them fail unless --allow-nonfinite). Exit 0 ok,
     1 a check failed, 2 bad arguments, 3 unreadable input.
 
     Example: ckptool verify model.pt --model training:lenet
@@ -600,7 +619,8 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
     from .verification import verify as verify_
 
     report = verify_(ckpt, model_spec=model_spec, model_args=model_args, devices=devices, against=against,
-                     input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals)
+                     input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals,
+                     allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys)
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -654,8 +674,9 @@ def _numel(shape: tuple[int, ...]) -> int:
               help="Value differences up to this are not changes (0: exact; floats count -0.0 as 0.0, NaN as NaN).")
 @json_option
 @allow_global_option
+@allow_expansion_option
 @handle_errors
-def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...]) -> None:
+def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...], allow_expansion: bool) -> None:
     """Compare the weights of two checkpoints in any formats: keys, dtypes, shapes, values.
 
     Keys are compared as stored (a module. prefix on one side is named, with the strip command).
@@ -666,7 +687,7 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     """
     from .comparison import diff as diff_
 
-    report = diff_(a, b, atol=atol, allow_globals=allow_globals)
+    report = diff_(a, b, atol=atol, allow_globals=allow_globals, allow_expansion=allow_expansion)
     if as_json:
         _emit_json(report.to_json())
     else:

@@ -27,7 +27,7 @@ from .dtypes import DType
 from .errors import InputError
 from .keys import detect_prefix
 from .reader import load
-from .refs import ByteRange, TensorRef
+from .refs import ByteRange, TensorRef, check_expansion
 
 # Bytes per side per comparison step. Small enough that both sides stay in L2 while they are compared
 # (and checked for NaN/Inf): with 8 MiB pieces every byte went through memory twice and diff took ~2x
@@ -366,7 +366,7 @@ def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
 
 def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float = 0.0,
          allow_globals: tuple[str, ...] | list[str] = (), align_prefixes: bool = False,
-         chunk_hook: ChunkHook | None = None) -> DiffReport:
+         chunk_hook: ChunkHook | None = None, allow_expansion: bool = False) -> DiffReport:
     """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
 
     Works across formats (.pt against .safetensors or a sharded directory). Values are compared
@@ -384,6 +384,8 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
             values are compared; a callable it returns gets every chunk of that tensor's bytes, so a
             check over A (``verify``'s NaN/Inf count) needs no second read. Tensors not compared (keys
             only in A, shapes that differ) are not read.
+        allow_expansion: compare views that expand their storage (stride 0, overlaps) past
+            :data:`ckptool.refs.EXPANSION_FACTOR` in full; without it such a checkpoint is refused.
 
     Example:
         >>> report = ckptool.diff("model.pt", "model.safetensors")   # doctest: +SKIP
@@ -392,6 +394,8 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
     """
     left, right = _open(a, allow_globals), _open(b, allow_globals)
     a_tensors, b_tensors = left.tensors, right.tensors
+    for side, tensors in ((left, a_tensors), (right, b_tensors)):
+        check_expansion(tensors, allow=allow_expansion, path=side.path, doing="compare")
     a_keys = {key: key for key in a_tensors}  # the key as compared -> A's key as stored
     report = DiffReport(a=str(left.path), b=str(right.path), a_format=left.format, b_format=right.format,
                         a_tensors=len(a_tensors), b_tensors=len(b_tensors), atol=atol)

@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 
-from .refs import TensorRef
+from .refs import TensorRef, check_expansion
 
 PREFIX = "sha256:"
 
@@ -21,8 +21,13 @@ def header_bytes(key: str, tensor: TensorRef) -> bytes:
     return json.dumps([key, tensor.dtype.name, list(tensor.shape)], separators=(",", ":")).encode("utf-8")
 
 
-def fingerprint(tensors: Mapping[str, TensorRef]) -> str:
-    """The fingerprint of a weights mapping (non-tensor values are skipped)."""
+def fingerprint(tensors: Mapping[str, TensorRef], *, allow_expansion: bool = False) -> str:
+    """The fingerprint of a weights mapping (non-tensor values are skipped).
+
+    Views that expand their storage (stride 0, overlaps) past :data:`ckptool.refs.EXPANSION_FACTOR`
+    are hashed in full only with ``allow_expansion``; otherwise :class:`~ckptool.errors.InputError`.
+    """
+    check_expansion(tensors, allow=allow_expansion, doing="hash")
     digest = hashlib.sha256()
     for key in sorted(k for k, v in tensors.items() if isinstance(v, TensorRef)):
         tensor = tensors[key]

@@ -24,13 +24,14 @@ from typing import Any
 from . import dtypes
 from .dtypes import DType
 from .errors import InputError
-from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported
+from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported, human_size
 
 # The ceiling on one pickle's size: real checkpoints' pickles are a few MB even with 100k tensors.
 MAX_PICKLE_BYTES = 1 << 30
-# What a pickle may make the unpickler allocate (estimated before it runs): a 10-byte pickle can
-# otherwise ask for a 64 GiB memo, and 1 MB of EMPTY_SET opcodes builds 200 MB of sets.
-MAX_UNPICKLED_BYTES = 4 << 30
+# What a pickle may make the unpickler allocate (estimated before it runs, the guard's own records
+# included): a 10-byte pickle can otherwise ask for a 64 GiB memo, and 1 MB of EMPTY_SET opcodes
+# builds 200 MB of sets. Real checkpoints' pickles estimate at ~2 KB per tensor (200 MB for 100k).
+MAX_UNPICKLED_BYTES = 1 << 30
 # Nesting of the object tree: every walk over it (ours, json, repr, the writer) must fit the stack.
 MAX_NESTING = 100
 # One dict key or set element: hashing a tuple visits every element of every nested tuple.
@@ -41,6 +42,9 @@ MAX_HASH_COLLISIONS = 16
 # Objects the tree would hold if every shared reference were copied (json.dumps, repr, str do
 # copy them): a list doubled 60 times by memo references is 60 objects and 2**60 when walked.
 MAX_EXPANDED_NODES = 10_000_000
+# Bytes of strings the tree would hold if every shared reference were copied (and 16 times the
+# pickle's length): what json.dumps, repr or a safetensors header would write.
+MAX_EXPANDED_TEXT = 256 << 20
 
 class _BriefRepr(reprlib.Repr):
     """reprlib bounds lists, tuples, dicts and strings; other objects get their type name only
@@ -547,7 +551,7 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
         raise InputError("pickle would need more memory than is available to read") from e
     except Exception as e:  # any malformed-pickle error from the C unpickler
         raise InputError(f"pickle is corrupt or truncated ({type(e).__name__}: {_short(e)})") from e
-    check_tree(obj)
+    check_tree(obj, source_bytes=len(blob))
     return obj
 
 
@@ -588,6 +592,7 @@ _KIND, _NAME, _NODES, _HASHABLE, _VALUE, _BUCKETS = range(6)
 _STR = ("str", None, 1, True, _OPAQUE_VALUE)
 _BYTES = ("bytes", None, 1, True, _OPAQUE_VALUE)
 _OTHER = ("other", None, 1, False, _OPAQUE_VALUE)
+_LIST = ("list", None, 1, False, _OPAQUE_VALUE)  # lists take APPENDs, never keys: no buckets to keep
 _EMPTY_TUPLE = ("tuple", None, 1, True, ())
 _UNKNOWN_GLOBAL = ("global", None, 1, True, _OPAQUE_VALUE)
 _NONE, _TRUE, _FALSE = (("literal", None, 1, True, value) for value in (None, True, False))
@@ -892,9 +897,12 @@ def _guard(data: bytes, counts: list[int], names: list[str]) -> int:
                     raise _refuse(f"sets state (BUILD) on {target[1] or 'a ' + target[0]}, "
                                   "which torch's loader never does")
                 memory += 64
-            elif code == 0x7D or code == 0x5D or code == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
+            elif code == 0x5D:  # EMPTY_LIST: takes no keys, so one shared record serves every list
+                push(_LIST)
+                memory += 88  # the list, its GC header and the slot that holds it
+            elif code == 0x7D or code == 0x8F:  # EMPTY_DICT EMPTY_SET: a record of their own (key buckets)
                 push(["container", None, 1, False, _OPAQUE_VALUE, None])
-                memory += 216 if code == 0x8F else 64
+                memory += 360 if code == 0x8F else 240  # the object with its GC header, and the guard's record
             elif code == 0x75 or code == 0x73 or code == 0x90:  # SETITEMS SETITEM ADDITEMS
                 if code == 0x73:
                     if len(stack) - 2 < fence:
@@ -952,7 +960,7 @@ def _guard(data: bytes, counts: list[int], names: list[str]) -> int:
                 memory += _PLACEHOLDER_COST
             elif code == 0x64 or code == 0x91 or code == 0x6C:  # DICT FROZENSET LIST
                 items = pop_mark()
-                container = ["container", None, 1, False, _OPAQUE_VALUE, None]
+                container = _LIST if code == 0x6C else ["container", None, 1, False, _OPAQUE_VALUE, None]
                 if code == 0x64:
                     if len(items) % 2:
                         raise _refuse("has an odd number of items for DICT (corrupt)")
@@ -1119,6 +1127,8 @@ def _check_keys(keys: Any) -> None:
 
 
 _ATOMS = frozenset({str, bytes, int, float, bool, type(None)})  # leaves of every tree
+_TEXT = frozenset({str, bytes, bytearray})  # leaves a copy (json, repr, a header) costs their length
+_EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})  # empty ones are leaves too
 
 
 def _tree_children(obj: Any) -> list[Any]:
@@ -1141,12 +1151,18 @@ def _tree_children(obj: Any) -> list[Any]:
     return []
 
 
-def check_tree(root: Any) -> None:
+def check_tree(root: Any, *, source_bytes: int = 0) -> None:
     """Refuse an unpickled tree nested over MAX_NESTING deep, or whose shared references would expand
-    it past MAX_EXPANDED_NODES objects (and 16-fold) when copied by a naive walk (json, repr, str)."""
-    done: dict[int, tuple[int, int]] = {}  # id -> (height, expanded size)
+    it when copied by a naive walk (json, repr, str, a safetensors header): past MAX_EXPANDED_NODES
+    objects (and 16-fold), or past MAX_EXPANDED_TEXT bytes of strings (and 16 times ``source_bytes``,
+    the pickle's length) — one 8 MiB string referenced 300 times is 2.4 GiB once json writes it.
+
+    Atoms and empty containers are counted where they are referenced, never visited: a list of 10
+    million empty lists costs one pass over it, not a record per list."""
+    done: dict[int, tuple[int, int, int]] = {}  # id -> (height, expanded objects, expanded text bytes)
     on_path: set[int] = set()
     edges = 0
+    text_limit = max(MAX_EXPANDED_TEXT, 16 * source_bytes)
     stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
     while stack:
         obj, kids = stack[-1]
@@ -1157,28 +1173,43 @@ def check_tree(root: Any) -> None:
                 continue
             kids = _tree_children(obj)
             if not kids:
-                done[key] = (1, 1)
+                done[key] = (1, 1, len(obj) if type(obj) in _TEXT else 0)
                 stack.pop()
                 continue
             edges += len(kids)
             on_path.add(key)
             stack[-1] = (obj, kids)
             stack.extend((kid, None) for kid in kids
-                         if type(kid) not in _ATOMS and id(kid) not in done and id(kid) not in on_path)
+                         if type(kid) not in _ATOMS and (kid or type(kid) not in _EMPTYABLE)
+                         and id(kid) not in done and id(kid) not in on_path)
             continue
         stack.pop()
         on_path.discard(key)
-        height, size = 1, 1
+        height, size, text = 1, 1, 0
         for kid in kids:
-            kid_height, kid_size = done.get(id(kid), (1, 1))  # a cycle back to an ancestor counts as a leaf
-            height = max(height, kid_height + 1)
-            size += kid_size
+            kind = type(kid)
+            if kind in _ATOMS:
+                size += 1
+                if kind is str or kind is bytes:
+                    text += len(kid)
+                continue
+            entry = done.get(id(kid))
+            if entry is None:  # an empty container, or a cycle back to an ancestor: a leaf
+                size += 1
+                continue
+            if entry[0] >= height:
+                height = entry[0] + 1
+            size += entry[1]
+            text += entry[2]
         if height > MAX_NESTING:
             raise _refuse(f"nests its objects over {MAX_NESTING} levels deep")
         if size > MAX_EXPANDED_NODES and size > 16 * (edges + 1):
             raise _refuse(f"shares sub-objects so that walking it visits over {MAX_EXPANDED_NODES} objects "
                           "(a memo expansion bomb)")
-        done[key] = (height, min(size, MAX_EXPANDED_NODES + 1))
+        if text > text_limit:
+            raise _refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
+                          "(a memo expansion bomb)")
+        done[key] = (height, min(size, MAX_EXPANDED_NODES + 1), min(text, text_limit + 1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,20 +259,23 @@ class TensorRef:
         """All of the tensor's values as bytes in C order (conjugate/negative bits applied)."""
         return b"".join(self.iter_bytes())
 
+    def span_bytes(self) -> int:
+        """Bytes of its storage the view touches, from its first element to its last (0 when empty)."""
+        if self.numel == 0:
+            return 0
+        last = sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        return (last + 1) * self.dtype.itemsize
+
+    def expands(self) -> bool:
+        """True when the view promises more bytes than the storage span it reads (stride 0, overlaps)."""
+        return self.nbytes > self.span_bytes()
+
     def _gather(self, chunk_size: int) -> Iterator[bytes]:
         import numpy as np
 
         base = self.storage.byte_range()
         item = self.dtype.itemsize
-        last = self.offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
-        length = (last + 1) * item
-        # a stride-0 view (expand) can promise far more bytes than it stores: bound what it may grow to
-        if self.nbytes > max(MAX_EXPANSION * length, MAX_EXPANDED_BYTES):
-            raise InputError(
-                f"a tensor of shape {list(self.shape)} expands {length} stored bytes to {self.nbytes} "
-                "(stride 0) — refusing to materialize it; re-save it with .contiguous() if it is real",
-                path=base.path,
-            )
+        length = self.offset * item + self.span_bytes()
         if os.path.getsize(base.path) < base.offset + length:
             raise InputError("file is truncated: tensor bytes end before the data they promise", path=base.path)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
@@ -348,9 +351,96 @@ def _apply_bits_aligned(np: Any, data: memoryview, dtype: DType, *, conj: bool, 
         return np.negative(values).tobytes()
 
 
-# how far a strided view may expand its stored bytes before ckptool refuses to materialize it
-MAX_EXPANSION = 16
-MAX_EXPANDED_BYTES = 256 * 1024 * 1024
+# How far the views a command materializes may expand the bytes their storages hold before it
+# refuses them (unless the caller allows expansion): a stride-0 view of one stored float can
+# promise gigabytes, so a 2 KB file would write, hash or compare them all. Real checkpoints' views
+# (slices, transposes, tied weights) never exceed their storage; an expanded buffer or two
+# (``arange(n).expand(...)``) stays far below the slack.
+EXPANSION_FACTOR = 4
+EXPANSION_SLACK = 64 << 20
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """What materializing a set of views costs against the bytes behind them.
+
+    Attributes:
+        stored: bytes of the distinct storages the views read.
+        logical: bytes of the distinct views in C order (what a write, a hash or a compare streams).
+        expanding: ``(name, view bytes, span bytes)`` of each view that promises more than it reads.
+    """
+
+    stored: int
+    logical: int
+    expanding: tuple[tuple[str, int, int], ...]
+
+    @property
+    def excessive(self) -> bool:
+        return self.logical > EXPANSION_FACTOR * self.stored + EXPANSION_SLACK
+
+
+def expansion(tensors: Mapping[str, Any]) -> Expansion:
+    """Measure the views of ``tensors`` (no bytes read); tied tensors (one view under two names) count once."""
+    storages: dict[int, int] = {}
+    first_view: dict[int, TensorRef] = {}  # a storage's first view, until a second one shows up
+    views: set[tuple] = set()
+    logical = 0
+    expanding = []
+
+    def identity(view: TensorRef) -> tuple:
+        return (id(view.storage), view.offset, view.shape, view.stride, view.dtype.name)
+
+    for name, tensor in tensors.items():  # one pass; views are told apart only where storages are shared
+        if not isinstance(tensor, TensorRef):
+            continue
+        key = id(tensor.storage)
+        stored = storages.get(key)
+        if stored is None:
+            stored = storages[key] = tensor.storage.nbytes
+            first_view[key] = tensor
+        else:
+            first = first_view.pop(key, None)
+            if first is not None:
+                views.add(identity(first))
+            this = identity(tensor)
+            if this in views:
+                continue  # tied: the same view under another name
+            views.add(this)
+        nbytes = tensor.nbytes
+        logical += nbytes
+        if (nbytes > stored or 0 in tensor.stride) and tensor.expands():  # only overlapping views can
+            expanding.append((str(name), nbytes, tensor.span_bytes()))
+    expanding.sort(key=lambda item: -item[1])
+    return Expansion(sum(storages.values()), logical, tuple(expanding))
+
+
+def human_size(count: int) -> str:
+    """``count`` bytes for a message: ``4 B``, ``256.0 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if count < 1024 or unit == "EiB":
+            return f"{count} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
+
+
+def check_expansion(tensors: Mapping[str, Any], *, allow: bool, path: Path | None = None,
+                    doing: str = "materialize") -> Expansion:
+    """Refuse views that would expand their storages past EXPANSION_FACTOR (plus EXPANSION_SLACK).
+
+    Raises:
+        InputError: the views expand too far and ``allow`` is False; the message gives the size
+            they would become and the option that allows it.
+    """
+    measured = expansion(tensors)
+    if measured.excessive and not allow:
+        name, view_bytes, span = measured.expanding[0] if measured.expanding else ("", measured.logical, 0)
+        first = f"; largest {name!r}: {human_size(span)} viewed as {human_size(view_bytes)}" if name else ""
+        raise InputError(
+            f"{len(measured.expanding)} tensor view(s) (stride 0 or overlapping) would expand "
+            f"{human_size(measured.stored)} of stored bytes to {human_size(measured.logical)}{first} — refusing to "
+            f"{doing} them; pass --allow-expansion (allow_expansion=True) if that size is what you want",
+            path=path)
+    return measured
 
 
 def _gather_chunks(view: Any, chunk_size: int) -> Iterator[bytes]:

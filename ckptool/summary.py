@@ -12,7 +12,7 @@ from .checkpoint import Checkpoint
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
-from .refs import DeviceRef, SizeRef, TensorRef
+from .refs import DeviceRef, SizeRef, TensorRef, check_expansion, expansion
 from .tree import iter_tensors
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
@@ -137,7 +137,8 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     return hints
 
 
-def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False) -> Summary:
+def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False,
+              allow_expansion: bool = False) -> Summary:
     """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     dtype_counts = Counter(t.dtype.name for t in tensors.values())
@@ -171,8 +172,15 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
                              f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
                              "conjugated/negated, as torch.load gives them")
     summary.hints = _hints(checkpoint, summary)
+    measured = expansion(tensors)
+    if measured.expanding:
+        name, view_bytes, span = measured.expanding[0]
+        summary.notes.append(f"{len(measured.expanding)} tensor view(s) expand their storage (stride 0 or overlapping): "
+                             f"{_human_bytes(measured.stored)} stored, {_human_bytes(measured.logical)} in full "
+                             f"(largest {name!r}: {_human_bytes(span)} viewed as {_human_bytes(view_bytes)})")
     if with_fingerprint:
-        summary.fingerprint = fingerprint(tensors)
+        check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="hash")
+        summary.fingerprint = fingerprint(tensors, allow_expansion=True)
     if with_tensors:
         summary.tensor_list = [TensorInfo(name, t.dtype.name, list(t.shape), t.nbytes, t.location)
                                for name, t in tensors.items()]
@@ -180,7 +188,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
 
 
 def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-            tensors: bool = False) -> Summary:
+            tensors: bool = False, allow_expansion: bool = False) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 
     Example:
@@ -189,4 +197,4 @@ def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprin
         ('torch-zip', ['model'], 'module.', {'cpu': 10})
     """
     checkpoint = load(path, allow_globals=allow_globals)
-    return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors)
+    return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

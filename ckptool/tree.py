@@ -14,6 +14,15 @@ from .pickles import OpaqueObject
 from .refs import TensorRef
 
 Path_ = tuple[Any, ...]
+# values no walk needs to enter: atoms, and empty containers (a pickle of 10 million empty lists
+# would otherwise cost a path tuple and a record each)
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
+_EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})
+
+
+def _leaf(value: Any) -> bool:
+    kind = type(value)
+    return kind in _ATOMS or (kind in _EMPTYABLE and not value)
 
 
 def _children(obj: Any) -> list[tuple[Any, Any]]:
@@ -31,6 +40,17 @@ def _children(obj: Any) -> list[tuple[Any, Any]]:
     return []
 
 
+def _child_values(obj: Any) -> Any:
+    """The values :func:`_children` pairs with keys, without building a pair per value."""
+    if isinstance(obj, dict):
+        return obj.values()
+    if isinstance(obj, list | tuple):
+        return obj
+    if isinstance(obj, OpaqueObject):
+        return [obj._args, obj._items, obj._state, *(value for _, value in obj._setitems)]
+    return ()
+
+
 def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
     """Every TensorRef reachable from ``obj`` with the key path to its first occurrence."""
     seen: set[int] = set()
@@ -44,10 +64,16 @@ def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
             continue
         if id(node) in seen:
             continue
+        if isinstance(node, list | tuple):  # no (index, value) pair per item: lists can be huge
+            if node:
+                seen.add(id(node))
+                stack.extend((path + (index,), node[index]) for index in range(len(node) - 1, -1, -1)
+                             if not _leaf(node[index]))
+            continue
         kids = _children(node)
         if kids:
             seen.add(id(node))
-            stack.extend((path + (key,), value) for key, value in reversed(kids))
+            stack.extend((path + (key,), value) for key, value in reversed(kids) if not _leaf(value))
 
 
 def get_at(container: Any, layout: Path_) -> Any:
@@ -107,13 +133,14 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
                 continue
             if key in has_tensor and not done:
                 continue
-            kids = _children(item)
+            kids = _child_values(item)
             if not done:
                 has_tensor[key] = False  # provisional: breaks cycles
                 stack.append((item, True))
-                stack.extend((child, False) for _, child in kids)
+                stack.extend((child, False) for child in kids if not _leaf(child))
             else:
-                has_tensor[key] = any(has_tensor.get(id(child), isinstance(child, TensorRef)) for _, child in kids)
+                has_tensor[key] = any(not _leaf(child) and has_tensor.get(id(child), isinstance(child, TensorRef))
+                                      for child in kids)
         return has_tensor[id(node)]
 
     contains(obj)

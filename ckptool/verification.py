@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from .errors import UsageError
 from .materialize import LoadMismatchError, load_into, to_state_dict
 from .models import ModelSpec, parse_model_spec
 from .reader import load
-from .refs import TensorRef
+from .refs import TensorRef, check_expansion
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
     import torch
@@ -509,6 +510,8 @@ def verify(
     atol: float | None = None,
     rtol: float | None = None,
     allow_globals: tuple[str, ...] | list[str] = (),
+    allow_expansion: bool = False,
+    allow_nonfinite: bool | Sequence[str] = False,
 ) -> VerifyReport:
     """Prove a checkpoint loads and evaluates identically on CPU and every device.
 
@@ -523,10 +526,15 @@ def verify(
         atol, rtol: output tolerances (default: by the model's dtype, see :data:`DEFAULT_TOLERANCES`);
             ``atol`` is also the value tolerance of the ``against`` weight comparison (default exact).
         allow_globals: extra pickle globals to accept by name.
+        allow_expansion: read views that expand their storage (stride 0, overlaps) past
+            :data:`ckptool.refs.EXPANSION_FACTOR` in full; without it such a checkpoint is refused.
+        allow_nonfinite: weights holding NaN or Inf fail the check unless allowed: ``True`` for
+            all, or shell patterns of the keys that may (``["*.mask"]``: -inf attention masks).
 
     Returns:
-        A :class:`VerifyReport`; ``ok`` is False when the load or any check failed. Unreadable
-        input, a bad SPEC or an unknown device raise instead.
+        A :class:`VerifyReport`; ``ok`` is False when the load or any check failed (weights
+        holding NaN/Inf included, unless allowed). Unreadable input, a bad SPEC or an unknown
+        device raise instead.
 
     Example:
         >>> report = ckptool.verify("model.pt", model_spec="training:lenet", devices="cpu")  # doctest: +SKIP
@@ -534,6 +542,8 @@ def verify(
         (True, 0.0)
     """
     checkpoint = load(path, allow_globals=allow_globals)
+    check_expansion(checkpoint.tensors if checkpoint.has_weights else {}, allow=allow_expansion,
+                    path=checkpoint.path, doing="verify")
     spec = model_spec if isinstance(model_spec, ModelSpec) or model_spec is None else \
         parse_model_spec(model_spec, model_args)
     if spec is None and (model_args or input_shape is not None):
@@ -549,6 +559,9 @@ def verify(
             raise UsageError(f"--model {spec.text}: say the input shape with --input-shape, e.g. 1,3,224,224")
     device_list = resolve_devices(devices)
     other = load(against, allow_globals=allow_globals) if against is not None else None
+    if other is not None:
+        check_expansion(other.tensors if other.has_weights else {}, allow=allow_expansion, path=other.path,
+                        doing="verify")
     # weights-only on CPU needs no torch at all: it streams the bytes (the common pipeline check)
     needs_torch = spec is not None or any(device != "cpu" for device in device_list)
     with deterministic_settings() if needs_torch else contextlib.nullcontext():
@@ -561,7 +574,7 @@ def verify(
             report, evaluation = _verify_model(checkpoint, spec, tuple(shape), device_list, atol, rtol)
         if other is not None and report.load.get("ok", False) and report.against is None:
             report.against = _against(checkpoint, other, report, evaluation, atol=atol)
-    _conclude(report)
+    _conclude(report, allow_nonfinite)
     return report
 
 
@@ -723,6 +736,8 @@ def _verify_model(checkpoint: Checkpoint, spec: ModelSpec, shape: tuple[int, ...
                          f"{','.join(map(str, shape))} ({first}) — pass the right --input-shape") from e
     report.devices = [_check_device_with_model(model, reference_state, inputs, reference, device, atol=report.atol,
                                                rtol=report.rtol) for device in device_list]
+    if report.devices:  # the loaded weights themselves, counted once on the CPU copy
+        report.devices[0].nonfinite.update(_nonfinite_in_state(reference_state))
     return report, _Evaluation(spec, inputs, reference, report.atol, report.rtol)
 
 
@@ -751,7 +766,38 @@ def _against(checkpoint: Checkpoint, other: Checkpoint, report: VerifyReport, ev
     return result
 
 
-def _conclude(report: VerifyReport) -> None:
+def _nonfinite_in_state(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, int]]:
+    import torch
+
+    found = {}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() or tensor.is_complex():
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            if nan or inf:
+                found[name] = {"nan": nan, "inf": inf}
+    return found
+
+
+def _nonfinite_failure(report: VerifyReport, allow: bool | Sequence[str]) -> str | None:
+    """The failure line for weights holding NaN/Inf that the caller did not allow (None: none)."""
+    if allow is True:
+        return None
+    patterns = () if allow is False else tuple(allow)
+    counts: dict[str, dict[str, int]] = {}
+    for result in report.devices:
+        for name, count in result.nonfinite.items():
+            if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+                counts.setdefault(name, count)
+    if not counts:
+        return None
+    names = sorted(counts)
+    shown = ", ".join(f"{name} ({counts[name]['nan']} NaN, {counts[name]['inf']} Inf)" for name in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (f"{len(names)} weight tensor(s) hold NaN or Inf: {shown}{more} — the weights are broken, or pass "
+            "--allow-nonfinite (or --allow-nonfinite-key PATTERN) if they hold them on purpose, e.g. -inf masks")
+
+
+def _conclude(report: VerifyReport, allow_nonfinite: bool | Sequence[str] = False) -> None:
     if not report.load.get("ok", False):
         report.ok = False
         return
@@ -760,6 +806,9 @@ def _conclude(report: VerifyReport) -> None:
         failures.append(_against_failure(report.against))
     if not report.devices:
         failures.append("no device to verify on")
+    nonfinite = _nonfinite_failure(report, allow_nonfinite)
+    if nonfinite is not None:
+        failures.append(nonfinite)
     report.ok = not failures
     report.failure = failures[0] if failures else None
 

@@ -35,7 +35,7 @@ from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
 from .digest import PREFIX
 from .digest import fingerprint as weights_fingerprint  # `save` has a parameter named fingerprint
 from .formats import safetensors, torch_zip, zipio
-from .refs import StorageRef, TensorRef
+from .refs import StorageRef, TensorRef, check_expansion
 from .tree import map_tensors
 
 # a path into a write's temp file or temp directory (atomic.TEMP_PREFIX), and what follows it inside
@@ -74,11 +74,16 @@ class TensorCheck:
     torch never checks those (a file saved with CRCs off records 0; one written through ``skip_data``
     or patched later records stale ones), so a mismatch on a recorded CRC is settled by summing the
     source's bytes.
+
+    For a view that expands its storage (stride 0, overlaps) written to a ``.pt`` — where the
+    storage is copied raw, not expanded — the CRC is that of the storage bytes it spans, and
+    ``view`` holds its offset and strides, which must read back the same.
     """
 
     dtype: str
     shape: tuple[int, ...]
     crc32: int
+    view: tuple | None = None
     recorded: bool = field(default=False, compare=False)
 
 
@@ -255,17 +260,35 @@ FLUSH_EVERY = 128 * 1024 * 1024
 KICK_EVERY = 8 * 1024 * 1024
 
 
+def _span_crc(tensor: TensorRef) -> int:
+    """CRC32 of the storage bytes an expanding view spans (read once, never expanded)."""
+    crc = 0
+    data = tensor.storage.byte_range()
+    for chunk in data.iter_reused(tensor.offset * tensor.dtype.itemsize, tensor.span_bytes()):
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
-                  known: Callable[[str, int, int], int | None] | None = None) -> dict[str, TensorCheck]:
+                  known: Callable[[str, int, int], int | None] | None = None,
+                  views_raw: bool = False) -> dict[str, TensorCheck]:
     """The content of every tensor.
 
     ``trust_stored`` takes a source archive's own CRCs where they apply; ``known(path, offset, length)``
-    gives CRCs of byte ranges already summed (by :class:`OutputSums`), or None.
+    gives CRCs of byte ranges already summed (by :class:`OutputSums`), or None. ``views_raw`` (a
+    ``.pt`` output, whose storages are copied as they are) checks an expanding view by the bytes
+    it spans and its strides, so a stride-0 view is never expanded to be summed.
     """
     checks: dict[str, TensorCheck] = {}
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
     for name, tensor in tensors.items():
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        if views_raw and tensor.storage.producer is None and tensor.storage.pieces is None and tensor.expands():
+            crc = by_storage.get(identity)
+            if crc is None:
+                crc = by_storage[identity] = _span_crc(tensor)
+            checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
+            continue
         crc = by_storage.get(identity)
         recorded = False
         if crc is None:
@@ -280,7 +303,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
             for chunk in tensor.iter_reused():
                 crc = zlib.crc32(chunk, crc)
         by_storage[identity] = crc
-        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded)
+        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=recorded)
     return checks
 
 
@@ -406,7 +429,8 @@ def _run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
             read_back: Callable[[Path], Mapping[str, TensorRef]], sync: Callable[[], None],
-            sums: list[OutputSums] | None = None, recheck: Callable[[str], TensorCheck] | None = None) -> int:
+            sums: list[OutputSums] | None = None, recheck: Callable[[str], TensorCheck] | None = None, *,
+            views_raw: bool = False) -> int:
     """Re-read ``written`` (while ``sync`` runs) and compare every tensor with the expectation.
 
     The structure (names, dtypes, shapes, where the bytes lie) is re-read through the reader; the
@@ -425,7 +449,7 @@ def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
             return output_sums.crc_of(offset, length) if output_sums is not None else None
 
         written_tensors = read_back(written)
-        actual = tensor_checks(written_tensors, trust_stored=False, known=known)
+        actual = tensor_checks(written_tensors, trust_stored=False, known=known, views_raw=views_raw)
     finally:
         sync_join()
     expected = expected_join()
@@ -525,7 +549,7 @@ class _Expectations:
 
 def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, force: bool = False,
          in_place: bool = False, max_shard_size: int | None = None, duplicate_tied: bool = False,
-         nest: str | None = None, fingerprint: bool = False) -> SaveReport:
+         nest: str | None = None, fingerprint: bool = False, allow_expansion: bool = False) -> SaveReport:
     """Write ``checkpoint`` to ``out`` atomically and prove every tensor reads back unchanged.
 
     Args:
@@ -538,9 +562,14 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         duplicate_tied: store tied tensors as full copies instead of aliases.
         nest: wrap safetensors weights as ``{nest: weights}`` in a .pt output.
         fingerprint: also compute the sha256 fingerprint (reported; stored in safetensors metadata).
+        allow_expansion: write out views that expand their storage (stride 0, overlaps) past
+            :data:`ckptool.refs.EXPANSION_FACTOR` in full. A ``.pt`` output copies storages as
+            they are and needs this only with ``fingerprint``.
 
     Raises:
         OutputError: exists without ``force``, is the input, or the disk refused the write.
+        InputError: views would expand their storage too far (see ``allow_expansion``), or
+            ``max_shard_size`` would make more than :data:`MAX_SHARDS` shards.
         FingerprintMismatchError: a tensor did not read back identical (the output is deleted).
 
     Example:
@@ -550,18 +579,24 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    # a .pt output copies storages raw: only its fingerprint would stream the views in full
+    views_raw = target == "pt"
+    if not views_raw or fingerprint:
+        check_expansion(tensors, allow=allow_expansion, path=checkpoint.path,
+                        doing="write" if not views_raw else "fingerprint")
     plan: _ShardPlan | None = None
     if target == "safetensors-sharded":
-        plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out)
+        plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
+                            checkpoint.path)
         check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
                             in_place=in_place)
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
     expect = _Expectations(
-        checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True)),
-        fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors) if fingerprint else None),
+        checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True, views_raw=views_raw)),
+        fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None),
         wants_fingerprint=fingerprint,
-        recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False)[name],
+        recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
     )
     try:
         if target == "pt":
@@ -609,7 +644,8 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: _Expec
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
-        expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=False)))
+        expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
+                                                                             views_raw=True)))
         checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=False)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 
@@ -626,7 +662,7 @@ def _write_pt(container: Any, out: Path, expect: _Expectations,
             sums.finish()
             raise
         return _verify(tmp, expect.checks, read_back, lambda: os.fsync(handle.fileno()), [sums],
-                       recheck=expect.recheck)
+                       recheck=expect.recheck, views_raw=True)
 
 
 def _archive_name(out: Path) -> str:
@@ -684,11 +720,24 @@ class _ShardPlan:
         return [*self.names, safetensors.INDEX_NAME]
 
 
-def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path) -> _ShardPlan:
+# Shards one write may make: each is a file, a header and a re-read; a few thousand is already a
+# 10 TB checkpoint in 2 GB shards. ``--max-shard-size 1B`` over many tensors would make one per tensor.
+MAX_SHARDS = 10_000
+
+
+def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path,
+                 source: Path) -> _ShardPlan:
     safetensors.check_dtypes(tensors)
+    if max_shard_size < 1:
+        raise UsageError(f"--max-shard-size must be at least 1 byte, not {max_shard_size}")
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
     stored = {k: v for k, v in tensors.items() if k not in aliases}
     shards = safetensors.plan_shards(stored, max_shard_size)
+    if len(shards) > MAX_SHARDS:
+        floor = -(-sum(t.nbytes for t in stored.values()) // MAX_SHARDS)
+        raise UsageError(f"--max-shard-size {max_shard_size} would make {len(shards)} shards, over the "
+                         f"{MAX_SHARDS}-shard limit — pass a larger --max-shard-size (at least {floor} bytes)",
+                         path=source)
     names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
     removes: list[str] = []
     notes: list[str] = []
@@ -710,36 +759,38 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
 
 def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
+    # the container's entries go into the first shard only (the reader merges every shard's metadata):
+    # a large config copied into thousands of headers would multiply it
+    entries = metadata.pop("ckptool.entries", None)
     weight_map: dict[str, str] = {}
     files: list[Path] = []
     # shards and index are written into a temp folder, checked, then moved in: the index last
     with folder_output(out, last=safetensors.INDEX_NAME, remove=plan.removes) as tmp_dir:
-        handles = []
         all_sums: list[OutputSums] = []
-        for name, names in zip(plan.names, plan.shards):
+        for index, (name, names) in enumerate(zip(plan.names, plan.shards)):
             shard_tensors = {k: plan.stored[k] for k in names}
             # an alias lives in the shard that stores its target
             shard_aliases = {a: t for a, t in plan.aliases.items() if t in shard_tensors}
             shard_metadata = dict(metadata)
+            if index == 0 and entries is not None:
+                shard_metadata["ckptool.entries"] = entries
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
-            handle = open(tmp_dir / name, "w+b")
-            handles.append(handle)
-            shard_sums = OutputSums(tmp_dir / name)
-            all_sums.append(shard_sums)
-            try:
-                safetensors._write_one(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
-            except BaseException:
-                for pending in all_sums:
-                    pending.finish()
-                raise
+            with open(tmp_dir / name, "w+b") as handle:
+                shard_sums = OutputSums(tmp_dir / name)  # its thread re-reads the file: created first
+                all_sums.append(shard_sums)
+                try:
+                    safetensors._write_one(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
+                finally:
+                    # one shard's re-read thread and buffer at a time, however many shards there are
+                    shard_sums.finish()
             weight_map.update({k: name for k in names})
             files.append(out / name)
         value = expect.fingerprint()
-        for handle in handles:
-            if value:
-                _patch_fingerprint(handle, value)
-            handle.close()
+        if value:
+            for name in files:
+                with open(tmp_dir / name.name, "r+b") as handle:
+                    _patch_fingerprint(handle, value)
         index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in plan.stored.values())}
         if value:
             index_metadata[FINGERPRINT_KEY] = value

@@ -525,6 +525,7 @@ def build_corpus(directory: Path) -> list[Case]:
     cases += _files_cases(directory, canary_dir)
     cases += _values_cases(directory)
     cases += _contract_cases(files, canary_dir)
+    cases += _bounds_cases(directory, canary_dir)
     return cases
 
 
@@ -632,6 +633,121 @@ def _contract_cases(directory: Path, canary_dir: Path) -> list[Case]:
     body = tup(call(glob("os", "system"), text(f"touch '{canary}'")),
                glob("builtins", "\x1b[1A\x1b[2K\rsafe (torch-zip)\x1b]0;title\x07"))
     add("escape_sequence_global", make_zip(torch_members(whole(dct((text("weight"), body))))), UNSAFE, canary)
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------
+# bounded resources: few bytes that would become many GB of memory, time or output
+
+
+def stride0_zip(count: int, numel: int, value: float = 1e5) -> bytes:
+    """A torch zip of ``count`` distinct stride-0 views (``numel - k`` elements each) of one stored float."""
+    pairs = [(text(f"w{k}"), call(glob("torch._utils", "_rebuild_tensor_v2"), storage_pid(1), integer(0),
+                                  tup(integer(numel - k)), tup(integer(0)), b"\x89", ordered_dict()))
+             for k in range(count)]
+    return make_zip(torch_members(whole(dct(*pairs)), {"0": struct.pack("<f", value)}))
+
+
+def dcp_directory(path: Path, size: list[int], chunks: list[tuple[list[int], list[int], bytes]]) -> Path:
+    """A DCP checkpoint of one float32 tensor ``w`` of ``size`` saved as ``chunks`` ``(offsets, sizes,
+    torch.save archive)``, every archive in ``__0_0.distcp``; the metadata is DCP's own classes, pickled."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    path.mkdir(parents=True, exist_ok=True)
+    data, storage_data, listed, placed = bytearray(), {}, [], {}
+    for offsets, sizes, archive in chunks:
+        listed.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        if archive not in placed:  # one copy of each distinct archive
+            placed[archive] = len(data)
+            data += archive
+        # keyed by identity here (colliding offsets would make this dict quadratic); pickled as DCP's own
+        storage_data[_AsPickled(MetadataIndex("w", torch.Size(offsets)))] = _StorageInfo(
+            "__0_0.distcp", placed[archive], len(archive))
+    entry = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size(size),
+                                  chunks=listed)
+    metadata = Metadata(state_dict_metadata={"w": entry}, planner_data={"w": ("w",)}, storage_data=storage_data)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata, protocol=2))
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    return path
+
+
+class _AsPickled:
+    """Pickles as the object it wraps (the pickler checks ``__class__``), hashes by identity."""
+
+    def __init__(self, wrapped: object) -> None:
+        self.wrapped = wrapped
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        return type(self.wrapped)
+
+    def __reduce_ex__(self, protocol: int) -> object:
+        return self.wrapped.__reduce_ex__(protocol)
+
+
+def colliding_pairs(count: int) -> list[tuple[int, int]]:
+    """``count`` pairs of non-negative ints under 2**62 whose tuples all have one ``hash`` (CPython's
+    xxHash-based tuple hash inverted for the second item; ints hash to themselves mod 2**61 - 1)."""
+    mask, modulus = (1 << 64) - 1, (1 << 61) - 1
+    prime1, prime2, prime5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+    def after_first(a: int) -> int:
+        lane = (prime5 + (a % modulus) * prime2) & mask
+        return ((((lane << 31) | (lane >> 33)) & mask) * prime1) & mask
+
+    inverse = pow(prime2, -1, 1 << 64)
+    target = after_first(0)  # the state of (0, 0) before its second rotation
+    pairs, a = [(0, 0)], 1
+    while len(pairs) < count:
+        b = ((target - after_first(a)) * inverse) & mask
+        if b < modulus:  # an int hashes to b only if b < 2**61 - 1
+            pairs.append((a, b))
+        a += 1
+    return pairs
+
+
+def _expanded_archive(numel: int) -> bytes:
+    """``torch.save`` of one float expanded (stride 0) to ``numel`` elements: ~1.5 KB."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(torch.ones(1).expand(numel), buffer)
+    return buffer.getvalue()
+
+
+def _bounds_cases(directory: Path, canary_dir: Path) -> list[Case]:
+    """Inputs of a few KB to a few MB that every command must refuse quickly and in bounded memory."""
+    folder = directory / "bounds"
+    folder.mkdir(exist_ok=True)
+    cases: list[Case] = []
+
+    def add(name: str, content: bytes) -> None:
+        path = folder / f"{name}.pt"
+        path.write_bytes(content)
+        cases.append(Case(name, path, REFUSE))
+
+    # 16 chunks of 2 KB whose stride-0 views "hold" 256 MiB each: assembling them allocated 4 GiB
+    numel = 64 << 20
+    archive = _expanded_archive(numel)
+    cases.append(Case("dcp_stride0_chunks", dcp_directory(
+        folder / "dcp_stride0_chunks", [16 * numel], [([k * numel], [numel], archive) for k in range(16)]), REFUSE))
+    # a data.pkl deflated ~25:1 (under the old 100:1 bound): minutes of opcodes per MB of file
+    rng = random.Random(2)
+    soup = b"".join(b"N0" * rng.randint(20, 60) + b"K" + bytes([rng.randrange(256)]) + b"0" for _ in range(40_000))
+    members = torch_members(whole(dct((text("weight"), rebuild()), (text("junk"), b"N0" + soup + b"N"))),
+                            {"0": FOUR_FLOATS})
+    members[0].method = 8
+    add("zip_deflated_pickle_25_to_1", make_zip(members))
+    # one 1 MiB string referenced 300 times: 1 MiB of pickle, 300 MiB for json/repr/a safetensors header
+    shared = text("x" * (1 << 20)) + b"r" + struct.pack("<I", 1)
+    add("pickle_shared_string", make_zip(torch_members(whole(dct(
+        (text("weight"), rebuild()), (text("names"), b"](" + shared + (b"j" + struct.pack("<I", 1)) * 299 + b"e"))),
+        {"0": FOUR_FLOATS})))
     return cases
 
 

@@ -238,6 +238,9 @@ def test_weights_only_verify_counts_nan_and_inf(tmp_path: Path, fake_gpus: None)
     path = tmp_path / "nan.pt"
     torch.save({"w": weight, "steps": torch.arange(3)}, path)
     result = invoke("verify", path, "--json")
+    assert result.exit_code == 1, result.output  # weights holding NaN/Inf fail unless allowed
+    assert "hold NaN or Inf: w (2 NaN, 1 Inf)" in json.loads(result.stdout)["failure"]
+    result = invoke("verify", path, "--json", "--allow-nonfinite-key", "w")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [row["device"] for row in report["devices"]] == FAKE_DEVICES
@@ -398,7 +401,7 @@ def test_weights_only_cpu_verify_streams_without_torch(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "b.pt")
     code = (
         "import sys, ckptool\n"
-        "r = ckptool.verify(sys.argv[1], devices='cpu', against=sys.argv[2])\n"
+        "r = ckptool.verify(sys.argv[1], devices='cpu', against=sys.argv[2], allow_nonfinite=True)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print(r.ok, sorted((k, v['nan'], v['inf']) for k, v in r.devices[0].nonfinite.items()))\n"
     )

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 from .. import dtypes, inputs, pickles
 from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride
+from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride, human_size
 from . import torch_zip, zipio
 
 FORMAT = "dcp"
@@ -285,15 +285,17 @@ def parse_metadata(directory: Path, resolver: pickles.GlobalResolver) -> _Metada
     if not isinstance(storage_data, dict):
         raise _corrupt("storage_data is not a mapping (was this saved by a FileSystemWriter?)", directory)
 
-    # storage_data: MetadataIndex(fqn, offset) -> _StorageInfo, validated lazily per entry used
-    index: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    # storage_data: MetadataIndex(fqn, offset) -> _StorageInfo, validated lazily per entry used.
+    # Keyed by text, not by the offsets tuple: tuples of ints hash predictably, so a crafted
+    # .metadata could make every insertion collide (50 s for a few MB); str hashes are salted.
+    index: dict[tuple[str, str | None], Any] = {}
     for key, info in storage_data.items():
         key_fields = _record(key, f"{_META}.MetadataIndex", directory, "a storage_data key")
         fqn = key_fields.get("fqn")
         if not isinstance(fqn, str):
             raise _corrupt("a storage_data key has no name", directory)
         offset = key_fields.get("offset")
-        lookup = (fqn, None if offset is None else _ints(offset, directory, f"{fqn!r} chunk offset"))
+        lookup = (fqn, None if offset is None else _offsets_key(_ints(offset, directory, f"{fqn!r} chunk offset")))
         if lookup in index and not _same_info(index[lookup], info):
             raise _corrupt(f"{fqn[:80]!r} has two different storage records for one chunk", directory)
         index[lookup] = info
@@ -319,7 +321,7 @@ def parse_metadata(directory: Path, resolver: pickles.GlobalResolver) -> _Metada
         if not isinstance(raw_chunks, list) or (not raw_chunks and math.prod(size)):
             raise _corrupt(f"tensor {what} lists no chunks", directory)
         chunks: list[_Chunk] = []
-        seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+        seen: dict[str, tuple[int, ...]] = {}  # by text, as index
         budget -= len(raw_chunks)
         if budget < 0:
             raise _corrupt("lists more chunks than it could describe", directory)
@@ -332,12 +334,13 @@ def parse_metadata(directory: Path, resolver: pickles.GlobalResolver) -> _Metada
             if any(o + s > d for o, s, d in zip(offsets, chunk_sizes, size)):
                 raise _corrupt(f"tensor {what} of size {list(size)} has a chunk at {list(offsets)} of size "
                                f"{list(chunk_sizes)} that reaches outside it", directory)
-            if offsets in seen:  # the same chunk listed twice (a replicated tensor): taken once
-                if seen[offsets] != chunk_sizes:
+            key = _offsets_key(offsets)
+            if key in seen:  # the same chunk listed twice (a replicated tensor): taken once
+                if seen[key] != chunk_sizes:
                     raise _corrupt(f"tensor {what} has two different chunks at {list(offsets)}", directory)
                 continue
-            seen[offsets] = chunk_sizes
-            info = index.get((fqn, offsets))
+            seen[key] = chunk_sizes
+            info = index.get((fqn, key))
             if info is None:
                 raise _corrupt(f"tensor {what}: the chunk at {list(offsets)} has no storage record", directory)
             chunks.append(_Chunk(offsets, chunk_sizes, _storage_info(info, directory, sizes, what)))
@@ -345,6 +348,10 @@ def parse_metadata(directory: Path, resolver: pickles.GlobalResolver) -> _Metada
         entries.append(_TensorEntry(fqn, dtype, size, chunks))
     paths = _planner_paths(fields.get("planner_data"), directory)
     return _Metadata(entries, paths, [directory / name for name in sorted(sizes)])
+
+
+def _offsets_key(offsets: tuple[int, ...]) -> str:
+    return ",".join(map(str, offsets))
 
 
 def _same_info(a: Any, b: Any) -> bool:
@@ -544,6 +551,13 @@ def _tensor(entry: _TensorEntry, files: _Files, resolver: pickles.GlobalResolver
             raise InputError(f"DCP tensor {what}: the chunk at {list(chunk.offsets)} holds {tensor.dtype.name} "
                              f"{list(tensor.shape)}, not {entry.dtype.name} {list(chunk.sizes)} as listed — "
                              "the checkpoint is corrupt", path=directory)
+        if len(entry.chunks) > 1 and tensor.expands():
+            # assembling allocates the whole tensor: what the chunks promise must lie on disk, or a
+            # few KB of stride-0 chunks would make the reader allocate gigabytes
+            raise InputError(f"DCP tensor {what}: the chunk at {list(chunk.offsets)} promises "
+                             f"{human_size(tensor.nbytes)} but stores {human_size(tensor.span_bytes())} (a stride-0 "
+                             "or overlapping view) — DCP never "
+                             "saves a shard so; the checkpoint is corrupt or crafted", path=directory)
         parts.append((chunk, tensor))
     if len(parts) == 1 and parts[0][0].sizes == entry.size:
         return parts[0][1]  # one chunk covering the tensor: its bytes are copied raw

@@ -25,6 +25,7 @@ _EXPORTS = {
     "InputError": "errors",
     "InternalError": "errors",
     "OutputError": "errors",
+    "ResourceError": "errors",
     "UnsafeCheckpointError": "errors",
     "UnsupportedFormatError": "errors",
     "DiffReport": "comparison",
@@ -67,7 +68,7 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, raising only CkptError subclasses: an unexpected exception becomes InternalError."""
     import functools
 
-    from .errors import CkptError, InternalError
+    from .errors import CkptError, InternalError, ResourceError
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -75,6 +76,9 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
             return function(*args, **kwargs)
         except CkptError:
             raise
+        except MemoryError as e:  # the machine's limit, not a bug: said as such
+            raise ResourceError(f"ran out of memory in ckptool.{function.__name__} — nothing was written; "
+                                "free memory or run it on a larger machine") from e
         except Exception as e:  # not the input's fault as far as ckptool can tell: a bug, said as one
             first = args[0] if args else None
             path = first if isinstance(first, str | os.PathLike) else None
@@ -91,7 +95,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .checkpoint import Checkpoint
     from .comparison import DiffReport, diff
-    from .errors import CkptError, InputError, InternalError, OutputError, UnsafeCheckpointError, UnsupportedFormatError
+    from .errors import (CkptError, InputError, InternalError, OutputError, ResourceError, UnsafeCheckpointError,
+                         UnsupportedFormatError)
     from .digest import fingerprint
     from .materialize import LoadMismatchError, LoadReport, load_into
     from .reader import load

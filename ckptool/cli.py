@@ -73,6 +73,10 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(130)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
+        except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
+            _echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
+                  "machine", err=True)
+            sys.exit(EXIT_INPUT)
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise

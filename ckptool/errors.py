@@ -65,6 +65,10 @@ class UsageError(CkptError):
     exit_code = 2
 
 
+class ResourceError(CkptError):
+    """The machine ran out of memory while doing the work; nothing was written."""
+
+
 class InternalError(CkptError):
     """A bug in ckptool met while doing the work — not a verdict on the input; please report it.
 

@@ -227,6 +227,7 @@ def test_a_failed_sharded_write_leaves_no_temp_folder(tmp_path: Path, monkeypatc
     out.mkdir()
     result = invoke("convert", source, "-o", out / "sharded", "--max-shard-size", "1B")
     assert result.exit_code == 3 and len(result.stderr.strip().splitlines()) == 1
+    assert "ran out of memory" in result.stderr
     assert not any(out.iterdir())
 
 

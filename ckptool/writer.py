@@ -262,7 +262,9 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     checks: dict[str, TensorCheck] = {}
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
     for name, tensor in tensors.items():
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        # a conjugate or negative view of a storage holds other values than the plain view
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
+                    tensor.conj, tensor.neg)
         crc = by_storage.get(identity)
         recorded = False
         if crc is None:

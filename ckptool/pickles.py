@@ -410,7 +410,7 @@ def _build_torch_globals() -> dict[str, Any]:
     }
     for storage_class, dtype in dtypes.BY_STORAGE_CLASS.items():
         table[f"torch.{storage_class}"] = StorageTypeRef("torch", storage_class, dtype)
-    for torch_name in dtypes.BY_TORCH_NAME:
+    for torch_name in (*dtypes.BY_TORCH_NAME, *dtypes.VALUE_ONLY_TORCH_NAMES):
         table[f"torch.{torch_name}"] = DTypeRef("torch", torch_name)
     for value in table.values():
         if callable(value) and not isinstance(value, type):

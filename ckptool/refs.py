@@ -218,6 +218,9 @@ class TensorRef:
             return
         if self.storage.producer is not None:
             data = self.storage.producer()
+            if not self.is_contiguous():  # a view of computed bytes (a big-endian file's transpose)
+                yield from self._gather(chunk_size, data)
+                return
             start = self.offset * self.dtype.itemsize
             # the usual case (a cast, an assembled DCP tensor) is the whole storage: no slicing copy
             yield data if start == 0 and len(data) == self.nbytes else bytes(data[start : start + self.nbytes])
@@ -254,10 +257,10 @@ class TensorRef:
         """All of the tensor's values as bytes in C order (conjugate/negative bits applied)."""
         return b"".join(self.iter_bytes())
 
-    def _gather(self, chunk_size: int) -> Iterator[bytes]:
+    def _gather(self, chunk_size: int, produced: bytes | bytearray | None = None) -> Iterator[bytes]:
         import numpy as np
 
-        base = self.storage.byte_range()
+        base = self.storage.byte_range() if produced is None else ByteRange(Path(), 0, len(produced))
         item = self.dtype.itemsize
         last = self.offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
         length = (last + 1) * item
@@ -268,10 +271,11 @@ class TensorRef:
                 "(stride 0) — refusing to materialize it; re-save it with .contiguous() if it is real",
                 path=base.path,
             )
-        if os.path.getsize(base.path) < base.offset + length:
+        if (os.path.getsize(base.path) if produced is None else len(produced)) < base.offset + length:
             raise InputError("file is truncated: tensor bytes end before the data they promise", path=base.path)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
-        flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,))
+        flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,)) \
+            if produced is None else np.frombuffer(produced, dtype=np.uint8, count=length)
         view = np.lib.stride_tricks.as_strided(
             flat.view(unit)[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.stride),
             writeable=False,

@@ -215,21 +215,22 @@ def byteorder(directory: Path) -> list[Path]:
     made: list[Path] = []
     tensors = {"f": _pattern(torch.float32), "d": _pattern(torch.float64), "h": _pattern(torch.float16),
                "i": _pattern(torch.int32), "l": _pattern(torch.int64), "c": _pattern(torch.complex64),
-               "b": _pattern(torch.bool), "u8": _pattern(torch.uint8)}
+               "b": _pattern(torch.bool), "u8": _pattern(torch.uint8), "bf": _pattern(torch.bfloat16),
+               "c128": _pattern(torch.complex128)}
+    grid = torch.arange(12, dtype=torch.int16).reshape(3, 4) * 257
+    tensors.update({"grid": grid, "grid_t": grid.t(), "grid_row": grid[1, 1:], "untyped_u16": _pattern(torch.uint16)})
     source = _save(directory / "byteorder_src.tmp", tensors)
     if source is None:
         return made
-    storages_itemsize = _storage_itemsizes(source)
+    units = _storage_units(source)
 
     def big(name: str, data: bytes) -> bytes:
         if name.endswith("/byteorder"):
             return b"big"
-        itemsize = storages_itemsizes.get(name.rsplit("/", 1)[-1]) if "/data/" in name else None
-        if itemsize and itemsize > 1:
-            return b"".join(data[i:i + itemsize][::-1] for i in range(0, len(data), itemsize))
+        unit = units.get(name.rsplit("/", 1)[-1]) if "/data/" in name else None
+        if unit and unit > 1:  # what a big-endian host's torch.save writes
+            return b"".join(data[i:i + unit][::-1] for i in range(0, len(data), unit))
         return data
-
-    storages_itemsizes = storages_itemsize
     made.append(_rewrite_zip(source, directory / "byteorder_big.pt", big))
     made.append(_rewrite_zip(source, directory / "byteorder_little.pt",
                              lambda n, d: b"little" if n.endswith("/byteorder") else d))
@@ -239,8 +240,8 @@ def byteorder(directory: Path) -> list[Path]:
     return made
 
 
-def _storage_itemsizes(path: Path) -> dict[str, int]:
-    """Storage key -> element size, read from the archive's pickle by torch's own unpickler."""
+def _storage_units(path: Path) -> dict[str, int]:
+    """Storage key -> the unit torch swaps it by (element size; a complex part; 1 for an untyped storage)."""
     sizes: dict[str, int] = {}
     with zipfile.ZipFile(path) as archive:
         pkl = next(n for n in archive.namelist() if n.endswith("data.pkl"))
@@ -249,8 +250,9 @@ def _storage_itemsizes(path: Path) -> dict[str, int]:
     class Reader(pickle.Unpickler):
         def persistent_load(self, pid: Any) -> Any:
             _, storage_type, key, _, _ = pid
-            dtype = storage_type.dtype if hasattr(storage_type, "dtype") else storage_type
-            sizes[key] = torch.empty(0, dtype=dtype).element_size()
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            size = torch.empty(0, dtype=dtype).element_size()
+            sizes[key] = size // 2 if dtype.is_complex else size
             return torch.UntypedStorage(0)
 
         def find_class(self, module: str, name: str) -> Any:

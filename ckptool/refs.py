@@ -146,6 +146,9 @@ class TensorRef:
     extra: tuple = ()
     backward_hooks: object = None
     parameter: tuple | None = field(default=None)
+    # ``(type global, state)`` when rebuilt through ``torch._tensor._rebuild_from_type_v2`` (a tensor saved
+    # with Python attributes): re-emitted so torch sets the same attributes again
+    subclass: tuple | None = field(default=None)
     conj: bool = False
     neg: bool = False
 

@@ -71,10 +71,21 @@ def _plain(tensor: Any) -> bool:
         tensor.device.type != "meta"
 
 
+def _meta(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
+
+
+def _valued(tensors: dict) -> dict:
+    """Tensors that hold values: a meta tensor (shape and dtype only) is a recipe ckptool keeps as such."""
+    return {key: tensor for key, tensor in tensors.items() if not _meta(tensor)}
+
+
 def _same(expected: Any, got: Any, where: str) -> None:
     """Bit for bit: NaN payloads and the sign of zero included."""
     if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
         raise Wrong(f"{where}: {got.dtype}{tuple(got.shape)} where torch reads {expected.dtype}{tuple(expected.shape)}")
+    if _meta(expected) and (not _meta(got) or got.stride() != expected.stride()):
+        raise Wrong(f"{where}: a meta tensor comes back as {got.device} stride {got.stride()}")
     if _plain(expected) and raw(values_of(got)) != raw(values_of(expected)):
         raise Wrong(f"{where}: values differ from torch's")
 
@@ -98,7 +109,7 @@ def _weights(reference: Any, checkpoint: Any) -> dict[str, Any]:
     if checkpoint.layout is None:
         return {}  # a file without a state dict (a bare tensor, a list): no weights to name
     node = get_at(reference, checkpoint.layout)
-    found = {k: v for k, v in dict.items(node) if isinstance(v, torch.Tensor)}
+    found = _valued({k: v for k, v in dict.items(node) if isinstance(v, torch.Tensor)})
     if found.keys() != checkpoint.tensors.keys():
         raise Wrong(f"weights {sorted(checkpoint.tensors)} where torch has {sorted(found)}")
     return found
@@ -133,9 +144,12 @@ def check_api(path: Path, reference: Any, work: Path) -> str:
         if "\n" in error.message:
             raise Wrong(f"API refusal spans lines: {error.message!r}") from None
         return REFUSED
-    expected = torch_tensors(reference)
+    expected = _valued(torch_tensors(reference))
     if found.keys() != expected.keys():
         raise Wrong(f"API finds tensors at {sorted(map(repr, found))} where torch has {sorted(map(repr, expected))}")
+    for key in torch_tensors(reference).keys() - expected.keys():  # meta tensors: kept as their recipe
+        if type(get_at(checkpoint.container, key)).__name__ != "_rebuild_meta_tensor_no_storage":
+            raise Wrong(f"API reads meta tensor {key} as {get_at(checkpoint.container, key)!r}")
     for key, ref in found.items():
         want = expected[key]
         if not _plain(want):
@@ -187,6 +201,11 @@ def check_pt(path: Path, reference: Any, work: Path) -> str:
         raise Wrong(f".pt output holds tensors at {sorted(map(repr, got))}, torch's input {sorted(map(repr, expected))}")
     for key, tensor in expected.items():
         _same(tensor, got[key], f".pt {key}")
+        # Python attributes (parameter state, a tensor's own attributes) survive the rewrite
+        if getattr(tensor, "__dict__", {}) != getattr(got[key], "__dict__", {}) or \
+                type(tensor) is not type(got[key]) or tensor.requires_grad != got[key].requires_grad:
+            raise Wrong(f".pt {key}: {type(got[key]).__name__} {getattr(got[key], '__dict__', {})} where torch "
+                        f"loads {type(tensor).__name__} {getattr(tensor, '__dict__', {})}")
     return READ
 
 
@@ -282,7 +301,7 @@ def test_every_serialization_scenario_reads_torchs_values_or_is_refused(tmp_path
     read = {family: counts[READ] for family, counts in table.items()}
     # the families ckptool reads in full: a regression to refusing them fails here
     for family in ("dtypes", "views", "parameters", "conj/neg bits", "protocols", "legacy", "byte order",
-                   "zip variants"):
+                   "zip variants", "rebuilds"):
         assert table[family][REFUSED] == 0, (family, table[family])
     assert sum(read.values()) > 0
 

@@ -363,7 +363,8 @@ def _rebuild_device_tensor_from_cpu_tensor(data: Any, dtype: Any, device: Any, r
     if not isinstance(data, TensorRef) or data.parameter is not None or data.subclass is not None:
         raise InputError("a device tensor wraps something that is not a tensor — the file is corrupt")
     if not isinstance(dtype, DTypeRef) or dtypes.BY_TORCH_NAME.get(dtype.name) != data.dtype:
-        raise InputError(f"a tensor is converted to {brief(dtype)} on load; ckptool reads tensors as saved — refused")
+        shown = f"torch.{dtype.name}" if isinstance(dtype, DTypeRef) else brief(dtype)
+        raise InputError(f"a tensor is converted to {shown} on load; ckptool reads tensors as saved — refused")
     if device != "cpu" and not (isinstance(device, DeviceRef) and device.args == ("cpu",)):
         raise InputError(f"a tensor is moved to device {brief(device)} on load; ckptool reads CPU tensors "
                          "from this rebuild only — refused")

@@ -25,7 +25,7 @@ import json
 import sys
 import tempfile
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ from click.testing import CliRunner  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's ckptool, also when run as a script
 import serialization_cases  # noqa: E402 — the generator beside this file
-from test_differential import raw, torch_tensors, values_of  # noqa: E402
+from serialization_cases import Crafted  # noqa: E402
+from test_differential import assert_agree, raw, torch_tensors, values_of  # noqa: E402
 
 import ckptool  # noqa: E402
 from ckptool.cli import main  # noqa: E402
@@ -304,6 +305,47 @@ def test_every_serialization_scenario_reads_torchs_values_or_is_refused(tmp_path
                    "zip variants", "rebuilds"):
         assert table[family][REFUSED] == 0, (family, table[family])
     assert sum(read.values()) > 0
+
+
+def _storage() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.arange(1.0, 3.0)._typed_storage()
+
+
+_PLAIN = lambda: (_storage(), 0, (2,), (1,), False, OrderedDict())  # noqa: E731
+CRAFTED_REBUILDS = {
+    "from_type_v2 with too few arguments": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        torch._utils._rebuild_tensor_v2, torch.Tensor, (1,), {})),
+    "from_type_v2 as Parameter": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        torch._utils._rebuild_tensor_v2, torch.nn.Parameter, _PLAIN(), {})),
+    "from_type_v2 setting data": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        torch._utils._rebuild_tensor_v2, torch.Tensor, _PLAIN(), {"data": torch.zeros(2)})),
+    "from_type_v2 with attributes": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        torch._utils._rebuild_tensor_v2, torch.Tensor, _PLAIN(), {"tag": 1, "names_": ["a"]})),
+    "device tensor converted": lambda: Crafted(torch._utils._rebuild_device_tensor_from_cpu_tensor, (
+        torch.ones(2), torch.float64, "cpu", False)),
+    "device tensor to meta": lambda: Crafted(torch._utils._rebuild_device_tensor_from_cpu_tensor, (
+        torch.ones(2), torch.float32, "meta", False)),
+    "device tensor on cpu": lambda: Crafted(torch._utils._rebuild_device_tensor_from_cpu_tensor, (
+        torch.arange(3.0), torch.float32, "cpu", True)),
+    "meta tensor with mismatched stride": lambda: Crafted(torch._utils._rebuild_meta_tensor_no_storage, (
+        torch.float32, (2,), (1, 2), False)),
+}
+
+
+@pytest.mark.parametrize("name", CRAFTED_REBUILDS)
+def test_crafted_rebuild_calls_read_as_torch_or_are_refused(tmp_path: Path, name: str) -> None:
+    """Hand-built arguments to the rebuilds ckptool now reads: torch refuses, ckptool refuses, or values equal."""
+    path = tmp_path / "crafted.pt"
+    torch.save({"w": CRAFTED_REBUILDS[name](), "b": torch.ones(1)}, path)
+    outcome = assert_agree(path)
+    if name in ("from_type_v2 setting data", "device tensor converted", "device tensor to meta"):
+        assert outcome != "equal"  # ckptool never reads these as the plain tensor
+    if name in ("from_type_v2 with attributes", "device tensor on cpu"):
+        assert outcome == "equal"
+        (tmp_path / "work").mkdir()
+        assert check_pt(path, torch.load(path, weights_only=True), tmp_path / "work") == READ
 
 
 if __name__ == "__main__":

@@ -480,6 +480,9 @@ def _build_torch_globals() -> dict[str, Any]:
     }
     for storage_class, dtype in dtypes.BY_STORAGE_CLASS.items():
         table[f"torch.{storage_class}"] = StorageTypeRef("torch", storage_class, dtype)
+        # what files saved from a GPU named their storages before typed storages lost their device;
+        # torch reads them by dtype alone (the location tag says where the bytes were)
+        table[f"torch.cuda.{storage_class}"] = StorageTypeRef("torch.cuda", storage_class, dtype)
     for torch_name in (*dtypes.BY_TORCH_NAME, *dtypes.VALUE_ONLY_TORCH_NAMES):
         table[f"torch.{torch_name}"] = DTypeRef("torch", torch_name)
     for value in table.values():

@@ -199,6 +199,61 @@ def legacy(directory: Path) -> list[Path]:
     return [x for x in made if x]
 
 
+class _Stored:
+    """A storage in a hand-written legacy file: its type global, key, location, elements, view record."""
+
+    def __init__(self, storage_type: Any, key: str, data: bytes, numel: int, view: tuple | None = None,
+                 location: str = "cpu") -> None:
+        self.storage_type, self.key, self.data, self.numel, self.view = storage_type, key, data, numel, view
+        self.location = location
+
+
+def _legacy_file(path: Path, obj: Any, storages: list[_Stored]) -> Path:
+    """A legacy stream as torch < 1.6 wrote it (torch.serialization._legacy_save's layout), with
+    persistent records torch.save no longer writes: storage views (pre-0.4), torch.cuda storage types."""
+    buffer = io.BytesIO()
+    for value in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION,
+                  {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}):
+        pickle.dump(value, buffer, protocol=2)
+
+    class Writer(pickle.Pickler):
+        def persistent_id(self, item: Any) -> Any:
+            if isinstance(item, _Stored):
+                return ("storage", item.storage_type, item.key, item.location, item.numel, item.view)
+            return None
+
+    Writer(buffer, protocol=2).dump(obj)
+    roots = [stored for stored in storages if stored.view is None]
+    pickle.dump([stored.key for stored in roots], buffer, protocol=2)
+    for stored in roots:
+        buffer.write(stored.numel.to_bytes(8, "little"))
+        buffer.write(stored.data)
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def _rebuild(storage: _Stored, offset: int, size: tuple, stride: tuple) -> Crafted:
+    return Crafted(torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, OrderedDict()))
+
+
+# test_serialization_backwards_compat / test_load_legacy_file / legacy storage views (torch < 0.4 saved a
+# slice of a storage as its own record: (view key, offset, size) of a root storage) and torch.cuda.* storage
+# types (what a GPU tensor's storage was named before typed storages lost their device)
+def legacy_records(directory: Path) -> list[Path]:
+    data = torch.arange(10, dtype=torch.float32).numpy().tobytes()
+    root = _Stored(torch.FloatStorage, "root", data, 10)
+    view = _Stored(torch.FloatStorage, "root", b"", 10, view=("view0", 3, 4))
+    made = [_legacy_file(directory / "legacy_storage_slice.pt",
+                         {"whole": _rebuild(root, 0, (10,), (1,)), "slice": _rebuild(view, 1, (2,), (1,)),
+                          "slice_t": _rebuild(view, 0, (2, 2), (1, 2))}, [root, view])]
+    cuda_type = getattr(torch.cuda, "FloatStorage", None)
+    if cuda_type is not None:
+        cuda = _Stored(cuda_type, "c", data, 10)
+        made.append(_legacy_file(directory / "legacy_cuda_storage_type.pt",
+                                 {"w": _rebuild(cuda, 2, (3,), (2,)), "b": _rebuild(cuda, 0, (10,), (1,))}, [cuda]))
+    return made
+
+
 def _rewrite_zip(source: Path, target: Path, change: Callable[[str, bytes], bytes | None]) -> Path:
     """Copy a torch zip member by member through ``change`` (None drops the member)."""
     with zipfile.ZipFile(source) as archive, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
@@ -324,7 +379,7 @@ def nested(directory: Path) -> list[Path]:
 FAMILIES: dict[str, Callable[[Path], list[Path]]] = {
     "dtypes": dtypes, "views": views, "parameters": parameters, "conj/neg bits": conjneg,
     "containers": containers, "storages": storages, "protocols": protocols, "legacy": legacy,
-    "byte order": byteorder, "zip variants": zipvariants, "rebuilds": rebuilds,
+    "legacy records": legacy_records, "byte order": byteorder, "zip variants": zipvariants, "rebuilds": rebuilds,
     "quantized": quantized, "sparse": sparse, "nested": nested,
 }
 

@@ -37,7 +37,7 @@ from click.testing import CliRunner  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's ckptool, also when run as a script
 import serialization_cases  # noqa: E402 — the generator beside this file
-from serialization_cases import Crafted  # noqa: E402
+from serialization_cases import Crafted, _legacy_file, _rebuild, _Stored  # noqa: E402
 from test_differential import assert_agree, raw, torch_tensors, values_of  # noqa: E402
 
 import ckptool  # noqa: E402
@@ -302,7 +302,7 @@ def test_every_serialization_scenario_reads_torchs_values_or_is_refused(tmp_path
     read = {family: counts[READ] for family, counts in table.items()}
     # the families ckptool reads in full: a regression to refusing them fails here
     for family in ("dtypes", "views", "parameters", "conj/neg bits", "protocols", "legacy", "byte order",
-                   "zip variants", "rebuilds"):
+                   "legacy records", "zip variants", "rebuilds"):
         assert table[family][REFUSED] == 0, (family, table[family])
     assert sum(read.values()) > 0
 
@@ -346,6 +346,23 @@ def test_crafted_rebuild_calls_read_as_torch_or_are_refused(tmp_path: Path, name
         assert outcome == "equal"
         (tmp_path / "work").mkdir()
         assert check_pt(path, torch.load(path, weights_only=True), tmp_path / "work") == READ
+
+
+@pytest.mark.parametrize("views,expect", [
+    ([("v", 8, 4)], "refused"),             # ends past its storage
+    ([("root", 0, 4)], "refused"),          # a view named like the storage it slices
+    ([("v", 2, 4), ("v", 5, 2)], "equal"),  # one view key twice: torch keeps the first slice
+    ([("v", 0, 10), ("w", 9, 1)], "equal"),
+], ids=["past the end", "named like its root", "key reused", "whole and last"])
+def test_crafted_legacy_storage_views(tmp_path: Path, views: list, expect: str) -> None:
+    data = torch.arange(10, dtype=torch.float32).numpy().tobytes()
+    root = _Stored(torch.FloatStorage, "root", data, 10)
+    stored = [_Stored(torch.FloatStorage, "root", b"", 10, view=view) for view in views]
+    obj = {"whole": _rebuild(root, 0, (10,), (1,))}
+    obj.update({f"t{i}": _rebuild(view, 0, (1,), (1,)) for i, view in enumerate(stored)})
+    path = _legacy_file(tmp_path / "views.pt", obj, [root, *stored])
+    outcome = assert_agree(path)
+    assert outcome == ("ckptool refuses" if expect == "refused" else expect), outcome
 
 
 if __name__ == "__main__":

@@ -549,6 +549,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    if target != "pt":
+        _refuse_meta_tensors(checkpoint, out)
     plan: _ShardPlan | None = None
     if target == "safetensors-sharded":
         plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out)
@@ -643,6 +645,19 @@ def _patch_fingerprint(handle: Any, value: str) -> None:
     handle.seek(8 + len(_FINGERPRINT_SLOT))
     handle.write(value.encode())
     handle.flush()
+
+
+def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
+    """A meta tensor among the weights (a shape and dtype, no values) has no place in safetensors;
+    leaving it out would drop a weight silently."""
+    if not checkpoint.has_weights:
+        return
+    names = [name for name, value in dict.items(checkpoint.state_dict)
+             if getattr(value, "_global", "") == "torch._utils._rebuild_meta_tensor_no_storage"]
+    if names:
+        shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise OutputError(f"safetensors cannot hold meta tensors (a shape and dtype without values): {shown} — "
+                          "write a .pt instead (--to pt), or leave these tensors out", path=out)
 
 
 def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, expect: _Expectations) -> SaveReport:

@@ -175,6 +175,41 @@ def storages(directory: Path) -> list[Path]:
     return [x for x in made if x]
 
 
+# SerializationMixin._test_serialization_data: tensors repeated in a list, storages of a tensor and of a
+# view of it, an int tensor, a tuple naming one storage twice, saved zip and legacy
+def _serialization_data() -> list:
+    a = [torch.arange(25.0).reshape(5, 5) - 12 for _ in range(2)]
+    a[1] = a[1] * 0.5
+    b: list = [a[i % 2] for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b += [a[0].storage(), a[0].reshape(-1)[1:4].storage(), torch.arange(1, 11).int()]
+        t1 = torch.FloatTensor().set_(a[0].reshape(-1)[1:4].clone().storage(), 0, (3,), (1,))
+        t2 = torch.FloatTensor().set_(a[0].reshape(-1)[1:4].clone().storage(), 0, (3,), (1,))
+        b += [(t1.storage(), t1.storage(), t2.storage()), a[0].reshape(-1)[0:2].storage()]
+    return b
+
+
+def serialization_data(directory: Path) -> list[Path]:
+    made = [_save(directory / "mixin_data.pt", _serialization_data()),
+            _save(directory / "mixin_data_legacy.pt", _serialization_data(), _use_new_zipfile_serialization=False)]
+    # _test_serialization: a legacy file Python 2.7 and torch 0.4.1 wrote, its first element utf-8 bytes
+    # pickled as a str (read back as text)
+    (directory / "py2_utf8_legacy.pt").write_bytes(
+        b'\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02M\xe9\x03.'
+        b'\x80\x02}q\x01(U\x10protocol_versionq\x02M\xe9\x03U\n'
+        b'type_sizesq\x03}q\x04(U\x03intq\x05K\x04U\x05shortq\x06K\x02U'
+        b'\x04longq\x07K\x04uU\rlittle_endianq\x08\x88u.\x80\x02]q'
+        b'\x01(U\x0e\xc5\xbc\xc4\x85\xc4\x85\xc3\xb3\xc5\xbc\xc4\x85'
+        b'\xc5\xbcq\x02ctorch._utils\n_rebuild_tensor_v2\nq\x03((U'
+        b'\x07storageq\x04ctorch\nFloatStorage\nq\x05U\x0845640624q'
+        b'\x06U\x03cpuq\x07\x8a\x01\x01NtQK\x00K\x01\x85K\x01\x85'
+        b'\x89NtRq\x08K\x02e.\x80\x02]q\x01U\x0845640624q\x02a.\x01\x00'
+        b'\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00')
+    made.append(directory / "py2_utf8_legacy.pt")
+    return [x for x in made if x]
+
+
 # test_serialization_pickle_protocols (test_pickle_protocols 1..5 via pickle_protocol=)
 def protocols(directory: Path) -> list[Path]:
     obj = {"w": torch.arange(4.0), "b": torch.ones(2, dtype=torch.bfloat16), "epoch": 2, "name": "x"}
@@ -378,7 +413,7 @@ def nested(directory: Path) -> list[Path]:
 
 FAMILIES: dict[str, Callable[[Path], list[Path]]] = {
     "dtypes": dtypes, "views": views, "parameters": parameters, "conj/neg bits": conjneg,
-    "containers": containers, "storages": storages, "protocols": protocols, "legacy": legacy,
+    "containers": containers, "storages": storages, "serialization data": serialization_data, "protocols": protocols, "legacy": legacy,
     "legacy records": legacy_records, "byte order": byteorder, "zip variants": zipvariants, "rebuilds": rebuilds,
     "quantized": quantized, "sparse": sparse, "nested": nested,
 }

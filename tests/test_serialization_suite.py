@@ -334,6 +334,13 @@ CRAFTED_REBUILDS = {
         torch._utils._rebuild_tensor_v2, torch.Tensor, _PLAIN(), {"data": torch.zeros(2)})),
     "from_type_v2 with attributes": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
         torch._utils._rebuild_tensor_v2, torch.Tensor, _PLAIN(), {"tag": 1, "names_": ["a"]})),
+    "from_type_v2 calling OrderedDict": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        OrderedDict, torch.Tensor, (), {})),
+    "from_type_v2 of a parameter": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        torch._utils._rebuild_parameter, torch.Tensor, (torch.ones(2), False, OrderedDict()), {"tag": 1})),
+    "from_type_v2 nested": lambda: Crafted(torch._tensor._rebuild_from_type_v2, (
+        torch._tensor._rebuild_from_type_v2, torch.Tensor,
+        (torch._utils._rebuild_tensor_v2, torch.Tensor, _PLAIN(), {"a": 1}), {"b": 2})),
     "device tensor converted": lambda: Crafted(torch._utils._rebuild_device_tensor_from_cpu_tensor, (
         torch.ones(2), torch.float64, "cpu", False)),
     "device tensor to meta": lambda: Crafted(torch._utils._rebuild_device_tensor_from_cpu_tensor, (

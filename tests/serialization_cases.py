@@ -168,7 +168,8 @@ def storages(directory: Path) -> list[Path]:
         warnings.simplefilter("ignore")
         typed = torch.FloatStorage(4).fill_(2.5) if hasattr(torch, "FloatStorage") else None
         made = [
-            _save(directory / "storage_untyped.pt", {"w": t, "s": t.untyped_storage()}),
+            # test_save_different_dtype_error: a tensor and an untyped view of its storage cannot be saved together
+            _save(directory / "storage_untyped.pt", {"s": t.untyped_storage(), "u": torch.arange(3, dtype=torch.uint8)}),
             _save(directory / "storage_typed_of_tensor.pt", {"w": t, "s": t.storage()}),
             _save(directory / "storage_typed.pt", {"s": typed}) if typed is not None else None,
         ]

@@ -102,7 +102,9 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
     def convert(tensor: TensorRef) -> TensorRef:
         if not tensor.dtype.is_floating or tensor.dtype == target or tensor.numel == 0:
             return tensor
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        # a conjugate or negative view of a storage holds other values than the plain view
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
+                    tensor.conj, tensor.neg)
         if identity not in memo:
             storage = StorageRef(
                 key=f"cast:{len(memo)}", dtype=target, numel=tensor.numel, location=tensor.location,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .dtypes import DType
+from .dtypes import BIT_PATTERNS, DType
 from .errors import InputError
 from .keys import detect_prefix
 from .reader import load
@@ -158,6 +158,9 @@ def decode(raw: memoryview | bytes, dtype: DType) -> Any:
     if dtype.name in simple:
         values = np.frombuffer(raw, dtype=np.dtype(simple[dtype.name]).newbyteorder("<"))
         return values.astype(np.complex128 if dtype.name.startswith("C") else np.float64)
+    if dtype.name == "C32":  # complex32: a pair of float16
+        pairs = np.frombuffer(raw, dtype="<f2").astype(np.float64)
+        return pairs[0::2] + 1j * pairs[1::2]
     if dtype.name == "BF16":  # bfloat16 is the top half of a float32
         halves = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
         return halves.view(np.float32).astype(np.float64)
@@ -181,7 +184,7 @@ def exact_diff(raw_a: memoryview | bytes, raw_b: memoryview | bytes, dtype: DTyp
     """
     import numpy as np
 
-    unit = _INTEGER_UNITS[dtype.name]
+    unit = _INTEGER_UNITS.get(dtype.name) or {1: "u1", 2: "<u2"}[dtype.itemsize]  # bit patterns: unsigned
     a = np.frombuffer(raw_a, dtype=unit)
     b = np.frombuffer(raw_b, dtype=unit)
     high, low = np.maximum(a, b), np.minimum(a, b)
@@ -307,7 +310,7 @@ def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: Open
     same_dtype = a.dtype == b.dtype
     # integers and bools of one dtype compare exactly (float64 cannot tell 2**62 from 2**62 + 1);
     # only floating values have the -0.0 == 0.0 / NaN-payload rule
-    exact = same_dtype and a.dtype.name in _INTEGER_UNITS
+    exact = same_dtype and (a.dtype.name in _INTEGER_UNITS or a.dtype.name in BIT_PATTERNS)
     byte_identical = same_dtype
     max_diff = 0.0
     differing = beyond = 0

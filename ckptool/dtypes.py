@@ -40,6 +40,17 @@ _ALL = (
     DType("U16", 2, "uint16", None, False),
     DType("U8", 1, "uint8", "ByteStorage", False),
     DType("BOOL", 1, "bool", "BoolStorage", False),
+    # dtypes torch names as globals (its weights_only set) beyond the safetensors format's: a dtype is
+    # data. complex32 is a pair of float16; the others have no arithmetic in torch (bit containers,
+    # packed float4 pairs) or only conversions (float8_e8m0fnu), and are compared as bit patterns.
+    DType("C32", 4, "complex32", None, False),
+    DType("F8_E8M0", 1, "float8_e8m0fnu", None, True),
+    DType("F4_E2M1_X2", 1, "float4_e2m1fn_x2", None, True),
+    DType("BITS8", 1, "bits8", None, False),
+    DType("BITS16", 2, "bits16", None, False),
+    DType("BITS1X8", 1, "bits1x8", None, False),
+    DType("BITS2X4", 1, "bits2x4", None, False),
+    DType("BITS4X2", 1, "bits4x2", None, False),
 )
 
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
@@ -56,9 +67,15 @@ BY_TORCH_NAME.update(
         "short": BY_NAME["I16"],
         "cfloat": BY_NAME["C64"],
         "cdouble": BY_NAME["C128"],
+        "chalf": BY_NAME["C32"],
     }
 )
 FLOATING = frozenset(d.name for d in _ALL if d.is_floating)
+# compared bit pattern for bit pattern (diff's exact integer path): torch has no values to subtract
+BIT_PATTERNS = frozenset({"F8_E8M0", "F4_E2M1_X2", "BITS8", "BITS16", "BITS1X8", "BITS2X4", "BITS4X2"})
+# dtypes torch's weights_only load accepts as values (``torch.uint4`` saved in a config), whose
+# tensors torch itself cannot build or save: read as dtype records only, never as a tensor's dtype
+VALUE_ONLY_TORCH_NAMES = tuple(f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)) + ("bcomplex32",)
 ALIASES = {"fp32": "F32", "float32": "F32", "fp16": "F16", "float16": "F16", "half": "F16",
            "bf16": "BF16", "bfloat16": "BF16", "fp64": "F64", "float64": "F64"}
 

@@ -80,6 +80,21 @@ def _refuse_build(state: Any) -> None:
     raise InputError("pickle sets state (BUILD) on an allowlisted global — torch never writes that; refused")
 
 
+class TypeRef:
+    """A class global torch's weights_only set allows as a value (``torch.Tensor``): a name, never the class."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __setstate__(self, state: Any) -> None:  # one instance per class is shared by every load
+        _refuse_build(state)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
 class StorageTypeRef:
     """A storage class global (``torch.FloatStorage``, ``torch.storage.UntypedStorage``)."""
 
@@ -312,6 +327,57 @@ def _rebuild_parameter_with_state(data: Any, requires_grad: Any, backward_hooks:
     return data
 
 
+_TENSOR_REBUILDS = ("torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3")
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
+    """``torch._tensor._rebuild_from_type_v2``: what torch.save writes for a tensor carrying Python
+    attributes (``t.note = ...``): ``func(*args)``, then each attribute of ``state`` set on it.
+
+    Read when ``func`` is a tensor rebuild, the type ``torch.Tensor`` and the state plain attributes
+    (the same rule as parameter state); the recipe rides on the tensor for ``.pt`` rewrites.
+    """
+    if not isinstance(new_type, TypeRef) or f"{new_type.module}.{new_type.name}" != "torch.Tensor":
+        raise InputError(f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor "
+                         "only — refused")
+    if not isinstance(args, tuple) or not any(func is TORCH_GLOBALS.get(name) for name in _TENSOR_REBUILDS):
+        raise InputError("a tensor with attributes is rebuilt by something other than a tensor rebuild — refused")
+    tensor = func(*args)
+    if not isinstance(tensor, TensorRef) or tensor.subclass is not None or tensor.parameter is not None:
+        raise InputError("a tensor with attributes wraps something that is not a plain tensor — refused")
+    _check_parameter_state(state)
+    tensor.subclass = ("torch.Tensor", state)
+    return tensor
+
+
+def _rebuild_meta_tensor_no_storage(dtype: Any, size: Any, stride: Any, requires_grad: Any) -> OpaqueObject:
+    """A tensor on the meta device (shape and dtype, no values): kept as the call that builds it."""
+    if not isinstance(dtype, DTypeRef) or dtype.name not in dtypes.BY_TORCH_NAME:
+        raise InputError(f"meta tensor dtype {brief(dtype)} is not one ckptool knows — the file is corrupt or too new")
+    shape, strides = _check_ints(size, "shape"), _check_ints(stride, "stride")
+    if len(shape) != len(strides) or not isinstance(requires_grad, bool):
+        raise InputError("a meta tensor's shape, stride or requires_grad is malformed — the file is corrupt")
+    return opaque_type("torch._utils._rebuild_meta_tensor_no_storage")(dtype, shape, strides, requires_grad)
+
+
+def _rebuild_device_tensor_from_cpu_tensor(data: Any, dtype: Any, device: Any, requires_grad: Any) -> TensorRef:
+    """torch: ``data.to(dtype=dtype, device=device)``. The values are ``data``'s when the dtype is its own
+    and the device the CPU (any other device or a conversion is refused: ckptool would have to
+    reproduce torch's conversion)."""
+    if not isinstance(data, TensorRef) or data.parameter is not None or data.subclass is not None:
+        raise InputError("a device tensor wraps something that is not a tensor — the file is corrupt")
+    if not isinstance(dtype, DTypeRef) or dtypes.BY_TORCH_NAME.get(dtype.name) != data.dtype:
+        shown = f"torch.{dtype.name}" if isinstance(dtype, DTypeRef) else brief(dtype)
+        raise InputError(f"a tensor is converted to {shown} on load; ckptool reads tensors as saved — refused")
+    if device != "cpu" and not (isinstance(device, DeviceRef) and device.args == ("cpu",)):
+        raise InputError(f"a tensor is moved to device {brief(device)} on load; ckptool reads CPU tensors "
+                         "from this rebuild only — refused")
+    if not isinstance(requires_grad, bool):
+        raise InputError("a tensor's requires_grad is not a bool — the file is corrupt")
+    data.requires_grad = requires_grad
+    return data
+
+
 def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     # protocol 2 spells bytes as _codecs.encode(latin1_text, "latin1"); nothing else is allowed
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
@@ -409,12 +475,19 @@ def _build_torch_globals() -> dict[str, Any]:
         "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter_with_state,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta_tensor_no_storage,
+        "torch._utils._rebuild_device_tensor_from_cpu_tensor": _rebuild_device_tensor_from_cpu_tensor,
+        "torch.Tensor": TypeRef("torch", "Tensor"),
         "torch.storage.UntypedStorage": StorageTypeRef("torch.storage", "UntypedStorage", dtypes.BY_NAME["U8"]),
         "torch.UntypedStorage": StorageTypeRef("torch", "UntypedStorage", dtypes.BY_NAME["U8"]),
     }
     for storage_class, dtype in dtypes.BY_STORAGE_CLASS.items():
         table[f"torch.{storage_class}"] = StorageTypeRef("torch", storage_class, dtype)
-    for torch_name in dtypes.BY_TORCH_NAME:
+        # what files saved from a GPU named their storages before typed storages lost their device;
+        # torch reads them by dtype alone (the location tag says where the bytes were)
+        table[f"torch.cuda.{storage_class}"] = StorageTypeRef("torch.cuda", storage_class, dtype)
+    for torch_name in (*dtypes.BY_TORCH_NAME, *dtypes.VALUE_ONLY_TORCH_NAMES):
         table[f"torch.{torch_name}"] = DTypeRef("torch", torch_name)
     for value in table.values():
         if callable(value) and not isinstance(value, type):
@@ -1133,9 +1206,10 @@ _EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})  # empty ones are le
 
 def _tree_children(obj: Any) -> list[Any]:
     if type(obj) is TensorRef:
-        if obj.extra == () and not obj.backward_hooks and obj.parameter is None:
+        if obj.extra == () and not obj.backward_hooks and obj.parameter is None and obj.subclass is None:
             return []  # the usual tensor: a leaf
-        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ())]
+        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ()),
+                *(obj.subclass[1:] if obj.subclass else ())]
     if isinstance(obj, dict):
         kids = [*dict.keys(obj), *dict.values(obj)]
         state = getattr(obj, "__dict__", None)
@@ -1310,7 +1384,7 @@ class _Emitter:
             self._reduce_call("torch.device", obj.args, obj)
         elif isinstance(obj, DTypeRef):
             self.global_(f"{obj.module}.{obj.name}")
-        elif isinstance(obj, StorageTypeRef):
+        elif isinstance(obj, StorageTypeRef | TypeRef):
             self.global_(f"{obj.module}.{obj.name}")
         elif type(obj) is list:
             self.write(_P.EMPTY_LIST)
@@ -1394,24 +1468,41 @@ class _Emitter:
         self._put(obj)
 
     def _tensor(self, tensor: TensorRef) -> None:
+        if tensor.subclass is not None:
+            # _rebuild_from_type_v2(func, type, args, state): the rebuild's global, then its arguments
+            self.global_("torch._tensor._rebuild_from_type_v2")
+            self.write(_P.MARK)
+            self.global_(tensor.rebuild)
+            self.global_(tensor.subclass[0])
+            self.write(_P.MARK)
+            for value in self._tensor_args(tensor):
+                self.save(value)
+            self.write(_P.TUPLE)
+            self.save(tensor.subclass[1])
+            self.write(_P.TUPLE + _P.REDUCE)
+            self._put(tensor)
+            return
         if tensor.parameter is not None:
             self.global_(tensor.parameter[0])
             self.write(_P.MARK)
         self.global_(tensor.rebuild)
-        args: list[Any] = [tensor.storage, tensor.offset, tuple(tensor.shape), tuple(tensor.stride)]
-        if tensor.rebuild != "torch._utils._rebuild_tensor":
-            hooks = tensor.backward_hooks if tensor.backward_hooks is not None else OrderedDict()
-            args += [tensor.requires_grad, hooks]
-        if tensor.rebuild == "torch._utils._rebuild_tensor_v3":
-            args.append(DTypeRef("torch", tensor.dtype.torch_name))
-        args += list(tensor.extra)
-        self.save(tuple(args))
+        self.save(self._tensor_args(tensor))
         self.write(_P.REDUCE)
         if tensor.parameter is not None:
             for value in tensor.parameter[1:]:
                 self.save(value)
             self.write(_P.TUPLE + _P.REDUCE)
         self._put(tensor)
+
+    @staticmethod
+    def _tensor_args(tensor: TensorRef) -> tuple:
+        args: list[Any] = [tensor.storage, tensor.offset, tuple(tensor.shape), tuple(tensor.stride)]
+        if tensor.rebuild != "torch._utils._rebuild_tensor":
+            hooks = tensor.backward_hooks if tensor.backward_hooks is not None else OrderedDict()
+            args += [tensor.requires_grad, hooks]
+        if tensor.rebuild == "torch._utils._rebuild_tensor_v3":
+            args.append(DTypeRef("torch", tensor.dtype.torch_name))
+        return tuple(args + list(tensor.extra))
 
     def _opaque(self, obj: OpaqueObject) -> None:
         self.global_(obj._global)

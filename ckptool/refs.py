@@ -147,6 +147,9 @@ class TensorRef:
     extra: tuple = ()
     backward_hooks: object = None
     parameter: tuple | None = field(default=None)
+    # ``(type global, state)`` when rebuilt through ``torch._tensor._rebuild_from_type_v2`` (a tensor saved
+    # with Python attributes): re-emitted so torch sets the same attributes again
+    subclass: tuple | None = field(default=None)
     conj: bool = False
     neg: bool = False
 
@@ -223,6 +226,9 @@ class TensorRef:
             return
         if self.storage.producer is not None:
             data = self.storage.producer()
+            if not self.is_contiguous():  # a view of computed bytes (a big-endian file's transpose)
+                yield from self._gather(chunk_size, data)
+                return
             start = self.offset * self.dtype.itemsize
             # the usual case (a cast, an assembled DCP tensor) is the whole storage: no slicing copy
             yield data if start == 0 and len(data) == self.nbytes else bytes(data[start : start + self.nbytes])
@@ -270,16 +276,17 @@ class TensorRef:
         """True when the view promises more bytes than the storage span it reads (stride 0, overlaps)."""
         return self.nbytes > self.span_bytes()
 
-    def _gather(self, chunk_size: int) -> Iterator[bytes]:
+    def _gather(self, chunk_size: int, produced: bytes | bytearray | None = None) -> Iterator[bytes]:
         import numpy as np
 
-        base = self.storage.byte_range()
+        base = self.storage.byte_range() if produced is None else ByteRange(Path(), 0, len(produced))
         item = self.dtype.itemsize
         length = self.offset * item + self.span_bytes()
-        if os.path.getsize(base.path) < base.offset + length:
+        if (os.path.getsize(base.path) if produced is None else len(produced)) < base.offset + length:
             raise InputError("file is truncated: tensor bytes end before the data they promise", path=base.path)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
-        flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,))
+        flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,)) \
+            if produced is None else np.frombuffer(produced, dtype=np.uint8, count=length)
         view = np.lib.stride_tricks.as_strided(
             flat.view(unit)[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.stride),
             writeable=False,

@@ -282,7 +282,9 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     checks: dict[str, TensorCheck] = {}
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
     for name, tensor in tensors.items():
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        # a conjugate or negative view of a storage holds other values than the plain view
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
+                    tensor.conj, tensor.neg)
         if views_raw and tensor.storage.producer is None and tensor.storage.pieces is None and tensor.expands():
             crc = by_storage.get(identity)
             if crc is None:
@@ -584,6 +586,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     if not views_raw or fingerprint:
         check_expansion(tensors, allow=allow_expansion, path=checkpoint.path,
                         doing="write" if not views_raw else "fingerprint")
+    if target != "pt":
+        _refuse_meta_tensors(checkpoint, out)
     plan: _ShardPlan | None = None
     if target == "safetensors-sharded":
         plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
@@ -681,6 +685,19 @@ def _patch_fingerprint(handle: Any, value: str) -> None:
     handle.seek(8 + len(_FINGERPRINT_SLOT))
     handle.write(value.encode())
     handle.flush()
+
+
+def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
+    """A meta tensor among the weights (a shape and dtype, no values) has no place in safetensors;
+    leaving it out would drop a weight silently."""
+    if not checkpoint.has_weights:
+        return
+    names = [name for name, value in dict.items(checkpoint.state_dict)
+             if getattr(value, "_global", "") == "torch._utils._rebuild_meta_tensor_no_storage"]
+    if names:
+        shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise OutputError(f"safetensors cannot hold meta tensors (a shape and dtype without values): {shown} — "
+                          "write a .pt instead (--to pt), or leave these tensors out", path=out)
 
 
 def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, expect: _Expectations) -> SaveReport:

@@ -263,14 +263,16 @@ def check_dtypes(tensors: Mapping[str, TensorRef]) -> None:
 
 
 def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
-    """Tied tensors (same storage, offset, shape, stride, dtype): ``{alias: stored_name}``."""
+    """Tied tensors (same storage, offset, shape, stride, dtype and bits): ``{alias: stored_name}``."""
     first: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
     for name in sorted(tensors):
         tensor = tensors[name]
         if tensor.numel == 0:
             continue
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name)
+        # a conjugate or negative view of a storage holds other values than the plain view
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
+                    tensor.conj, tensor.neg)
         if identity in first:
             aliases[name] = first[identity]
         else:

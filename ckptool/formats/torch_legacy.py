@@ -58,10 +58,6 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
         if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
                 or not isinstance(location, str) or type(numel) is not int or numel < 0:
             raise InputError(f"malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path)
-        if view_metadata is not None:
-            raise UnsupportedFormatError(
-                "uses storage views from before torch 0.4 — load and re-save it with a torch of that era", path=path
-            )
         cached = storages.get(key)
         if cached is None:
             cached = storages[key] = StorageRef(
@@ -70,9 +66,39 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
             )
         elif not cached.nbytes and cached.dtype is not storage_type.dtype:
             # torch re-types an empty storage for each reference naming another dtype
+            if view_metadata is not None:
+                raise UnsupportedFormatError("takes a storage view of an empty storage — the file is corrupt",
+                                             path=path)
             return StorageRef(key=key, dtype=storage_type.dtype, numel=0, location=cached.location,
                               data=ByteRange(path, 0, 0), type_global=f"{storage_type.module}.{storage_type.name}")
+        if view_metadata is not None:
+            return storage_view(cached, storage_type, view_metadata)
         return cached
+
+    views: dict[str, tuple[StorageRef, StorageRef, int]] = {}  # view key -> (view, root, byte offset)
+
+    def storage_view(root: StorageRef, storage_type: pickles.StorageTypeRef, view_metadata: Any) -> StorageRef:
+        """A pre-0.4 storage slice ``(view key, offset, size)`` of ``root``, in elements of the record's
+        dtype; torch makes it once per view key and hands the same slice to every later reference."""
+        if not isinstance(view_metadata, tuple) or len(view_metadata) != 3 or not isinstance(view_metadata[0], str) \
+                or not all(type(v) is int and v >= 0 for v in view_metadata[1:]):
+            raise InputError(f"malformed storage view record {pickles.brief(view_metadata)} — the file is corrupt",
+                             path=path)
+        view_key, offset, size = view_metadata
+        if view_key in views:
+            return views[view_key][0]
+        if view_key in storages:
+            # torch keeps views and storages under one set of keys: a view named like a storage is that storage
+            raise UnsupportedFormatError(f"names storage view {pickles.brief(view_key)} like a storage — refused",
+                                         path=path)
+        item = storage_type.dtype.itemsize
+        if (offset + size) * item > root.nbytes:
+            raise InputError(f"storage view {pickles.brief(view_key)} ends past its storage — the file is corrupt",
+                             path=path)
+        view = StorageRef(key=view_key, dtype=storage_type.dtype, numel=size, location=root.location,
+                          type_global=f"{storage_type.module}.{storage_type.name}")
+        views[view_key] = (view, root, offset * item)
+        return view
 
     container = pickles.loads(handle, resolver, persistent_load)
     keys = pickles.loads(handle, plain)
@@ -99,7 +125,11 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
         storage.data = ByteRange(path, start, storage.nbytes)
         position = start + storage.nbytes
         handle.seek(position)
+    for view, root, start in views.values():
+        if root.data is not None:
+            view.data = ByteRange(path, root.data.offset + start, view.nbytes)
     missing = [key for key, storage in storages.items() if storage.data is None]
+    missing += [key for key, (view, _, _) in views.items() if view.data is None]
     if missing:
         raise InputError(f"legacy storages {missing[:3]} have no data — the file is truncated", path=path)
     return LegacyContents(container=container, storages=storages)

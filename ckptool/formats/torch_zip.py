@@ -53,23 +53,31 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipC
     pickle_member = members.get(f"{top}/data.pkl")
     if pickle_member is None:
         raise UnsupportedFormatError("is a zip archive but not a PyTorch checkpoint (no data.pkl)", path=path)
+    big_endian = False
     byteorder = members.get(f"{top}/byteorder")
-    if byteorder is not None and zipio.read_member(path, handle, byteorder, limit=16).strip() != b"little":
-        raise UnsupportedFormatError("was saved big-endian; ckptool reads little-endian checkpoints only", path=path)
+    if byteorder is not None:
+        # torch reads exactly b"little" or b"big" (no record: little) and swaps a "big" file's storages
+        record = zipio.read_member(path, handle, byteorder, limit=16)
+        big_endian = record == b"big"
+        if not big_endian and record.strip() != b"little":
+            raise UnsupportedFormatError(f"records byte order {record[:16]!r}, neither little nor big — the file "
+                                         "is corrupt", path=path)
     data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
     storages: dict[str, StorageRef] = {}
-    persistent_load = storage_loader(path, members, top, storages)
+    persistent_load = storage_loader(path, members, top, storages, big_endian=big_endian)
     container = pickles.loads(data, resolver, persistent_load)
     return ZipContents(container=container, archive_name=top, storages=storages)
 
 
 def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, storages: dict[str, StorageRef], *,
-                   data_file: Path | None = None, base_offset: int = 0, context: str = "") -> Callable[[Any], StorageRef]:
+                   data_file: Path | None = None, base_offset: int = 0, context: str = "",
+                   big_endian: bool = False) -> Callable[[Any], StorageRef]:
     """The unpickler's ``persistent_load`` for a torch archive: each storage record becomes a StorageRef
     over the bytes of ``<top>/data/<key>``, validated against the archive.
 
     ``data_file``/``base_offset`` locate an archive embedded in a larger file (DCP's ``.distcp``);
-    ``context`` prefixes error messages (e.g. which DCP entry).
+    ``context`` prefixes error messages (e.g. which DCP entry). A ``big_endian`` archive's storages
+    read as their bytes swapped, as torch swaps them on load (so a rewrite writes them little-endian).
     """
     source = data_file or path
 
@@ -106,6 +114,8 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
                            member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None),
             type_global=f"{storage_type.module}.{storage_type.name}",
         )
+        if big_endian:
+            storage.producer = _swapped(storage)
         # torch keeps an allocated storage by key for later references (whatever dtype they name);
         # an empty one is not kept (its data pointer is null), so each reference gets its own dtype
         if storage.nbytes or key not in storages:
@@ -113,6 +123,24 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         return storage
 
     return persistent_load
+
+
+def _swapped(storage: StorageRef) -> Callable[[], bytes] | None:
+    """A big-endian storage's bytes made little-endian, as torch's ``storage.byteswap(dtype)`` does: by
+    the storage's element size (half of it for complex types, whose parts swap alone). An untyped
+    storage (uint8 to torch) and one-byte types are not swapped. None: nothing to swap."""
+    import numpy as np
+
+    unit = storage.dtype.itemsize // 2 if storage.dtype.name.startswith("C") else storage.dtype.itemsize
+    if unit <= 1:
+        return None
+    source = storage.byte_range()
+
+    def produce() -> bytes:
+        raw = b"".join(source.iter_chunks())
+        return np.frombuffer(raw, dtype=f">u{unit}").astype(f"<u{unit}").tobytes()
+
+    return produce
 
 
 def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",

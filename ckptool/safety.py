@@ -158,8 +158,8 @@ def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
     """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
 
     Nothing about the archive's structure stops the scan: a member torch would run is read even
-    where loading refuses the archive (duplicate names, overlaps, a local header naming another
-    file), and members of the same name are each read and labelled by their place in the directory.
+    where loading refuses the archive (an ambiguous duplicate name, overlapping members), and
+    members of one name are each read, labelled by their place in the directory.
     """
     listing = zipio.list_members(path, handle)
     counts = Counter(member.name for member in listing.members)

@@ -144,6 +144,9 @@ def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
     return "pickle", [(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)]
 
 
+LOADED_MARK = " (the data.pkl torch reads)"
+
+
 def _is_pickle_member(member: zipio.Member, head: bytes) -> bool:
     """Whether scan reads a zip member as a pickle: any ``.pkl`` (in any case, anywhere), or any member
     outside a ``data/`` folder of storages that opens with a protocol 2–5 pickle header."""
@@ -158,17 +161,21 @@ def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
     """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
 
     Nothing about the archive's structure stops the scan: a member torch would run is read even
-    where loading refuses the archive (an ambiguous duplicate name, overlapping members), and
-    members of one name are each read, labelled by their place in the directory.
+    where loading refuses the archive (overlapping members), and members of one name are each
+    read, labelled by their place in the directory (and the one a load reads marked as such).
     """
     listing = zipio.list_members(path, handle)
     counts = Counter(member.name for member in listing.members)
     seen: Counter = Counter()
     blobs: list[tuple[str, bytes]] = []
+    top = listing.members[0].name.split("/", 1)[0] if listing.members else ""
+    loaded = zipio.Members(path, listing.members).get(f"{top}/data.pkl")  # the one a load reads
     for member in listing.members:
         seen[member.name] += 1
         label = member.name if counts[member.name] == 1 else \
             f"{member.name} (member {seen[member.name]} of {counts[member.name]} so named)"
+        if member is loaded:
+            label += LOADED_MARK
         if member.encrypted:
             continue  # its plaintext cannot be read; torch cannot read it either
         handle.seek(member.data_offset)
@@ -249,7 +256,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         load_error: CkptError | None = None
         # the pickles the load did not read (a zip's other .pkl members) are still run dry
         is_zip = kind in ("torch-zip", "torchscript")
-        unread = [(name, data) for name, data in blobs if is_zip and not zipio.fold_name(name).endswith("/data.pkl")]
+        unread = [(name, data) for name, data in blobs if is_zip and not name.endswith(LOADED_MARK)]
     except CkptError as e:
         load_error = e
         unread = blobs

@@ -3,7 +3,7 @@
 Python's ``zipfile`` parses the central directory; this module adds what a checkpoint reader
 needs on top — the exact offset of each member's bytes (so storages are copied raw), members
 located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
-case, an ambiguous lookup refused), checks against zip tricks (overlapping members, size lies,
+case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,
 encryption) — and a writer that aligns member data to 64 bytes as torch does (so loaders can
 mmap storages) and copies storage bytes with ``copy_file_range``.
 """
@@ -46,6 +46,7 @@ class Member:
     header_offset: int = -1
     encrypted: bool = False
     compression_method: int = 0
+    raw_name: bytes = b""  # the name's bytes in the central directory, as miniz compares them
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
             header_offset=info.header_offset,
             encrypted=bool(info.flag_bits & 0x1),
             compression_method=info.compress_type,
+            raw_name=info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "surrogateescape"),
         ))
     directory_start = archive.start_dir
     archive.close()
@@ -112,12 +114,13 @@ _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrst
 
 
 class Members(dict):
-    """An archive's members by exact name; :meth:`get` looks a name up as torch does.
+    """An archive's members by exact name; :meth:`get` finds the member torch's reader finds.
 
-    torch's reader asks miniz for ``<archive>/data.pkl``, ``byteorder``, ``data/<key>``: miniz
-    compares names ignoring ASCII case, and of several matches returns whichever its (unstable)
-    sort of the directory puts first — which one depends on every other name in the archive. A
-    lookup that matches more than one member is therefore refused rather than guessed.
+    torch asks miniz for ``<archive>/data.pkl``, ``byteorder``, ``data/<key>``. miniz compares names
+    ignoring ASCII case, by binary search over the directory heap-sorted by name; of several
+    members matching a name it returns whichever that (unstable) sort and search reach, which
+    depends on every other name in the archive. :func:`miniz_order` and :func:`miniz_locate`
+    reproduce both steps, so a duplicated name reads the member torch reads.
     """
 
     def __init__(self, path: Path, entries: list[Member]) -> None:
@@ -127,19 +130,82 @@ class Members(dict):
         self._folded: dict[str, list[Member]] = {}
         for member in entries:
             self._folded.setdefault(fold_name(member.name), []).append(member)
+        self._order: list[int] | None = None
 
     def get(self, name: str, default: Member | None = None) -> Member | None:  # type: ignore[override]
-        """The one member torch would read for ``name``; ``default`` when none; refused when several."""
+        """The member torch would read for ``name``; ``default`` when none matches."""
         matches = self._folded.get(fold_name(name))
         if not matches:
             return default
-        if len(matches) > 1:
-            names = ", ".join(repr(member.name) for member in matches[:4])
-            raise InputError(
-                f"zip archive holds {len(matches)} members torch would take for {name!r} ({names}); which one "
-                "torch reads depends on its zip library's sort order — refusing an ambiguous archive "
-                "(ckptool scan lists what each holds)", path=self.path)
-        return matches[0]
+        if len(matches) == 1:
+            return matches[0]
+        names = [member.raw_name for member in self.entries]
+        if self._order is None:
+            self._order = miniz_order(names)
+        index = miniz_locate(names, self._order, name.encode("utf-8"))
+        return self.entries[index] if index is not None else default
+
+
+def _lower(name: bytes) -> bytes:
+    return name.translate(_ASCII_LOWER_BYTES)
+
+
+_ASCII_LOWER_BYTES = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
+
+
+def _compare(left: bytes, right: bytes) -> int:
+    """miniz's name comparison: lower-cased bytes, then the shorter first."""
+    left_lower, right_lower = _lower(left), _lower(right)
+    for a, b in zip(left_lower, right_lower):
+        if a != b:
+            return a - b
+    return len(left) - len(right)
+
+
+def miniz_order(names: list[bytes]) -> list[int]:
+    """The directory's indices in the order miniz's heap sort (``mz_zip_reader_sort_central_dir_offsets_by_filename``)
+    leaves them; equal names end up in an order that depends on every name."""
+    order = list(range(len(names)))
+    size = len(order)
+    if size <= 1:
+        return order
+
+    def less(i: int, j: int) -> bool:
+        return _compare(names[order[i]], names[order[j]]) < 0
+
+    def sift(root: int, end: int) -> None:
+        while True:
+            child = 2 * root + 1
+            if child >= end:
+                return
+            if child + 1 < end and less(child, child + 1):
+                child += 1
+            if not less(root, child):
+                return
+            order[root], order[child] = order[child], order[root]
+            root = child
+
+    for start in range((size - 2) >> 1, -1, -1):
+        sift(start, size)
+    for end in range(size - 1, 0, -1):
+        order[end], order[0] = order[0], order[end]
+        sift(0, end)
+    return order
+
+
+def miniz_locate(names: list[bytes], order: list[int], target: bytes) -> int | None:
+    """The index miniz's binary search (``mz_zip_locate_file_binary_search``) finds for ``target``."""
+    low, high = 0, len(order) - 1
+    while low <= high:
+        middle = low + ((high - low) >> 1)
+        comparison = _compare(names[order[middle]], target)
+        if comparison == 0:
+            return order[middle]
+        if comparison < 0:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return None
 
 
 def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Members:

@@ -29,6 +29,7 @@ ALIGNMENT = 64
 SMALL_MEMBER = 1 << 20  # copied members up to this size are read and written through the buffer
 REPORT_EVERY = 8 << 20  # small members' regions are reported to ``on_data`` in batches of this many bytes
 MAX_COMPRESSION_RATIO = 100  # deflate reaches ~1000:1 on zeros; real pickles compress 3-10:1
+MAX_DUPLICATE_SORT = 100_000  # members: above it, which duplicate torch reads is not worked out (seconds in Python)
 _PADDING_ID = 0x4246  # "FB": the extra-field id torch's writer pads with
 _ZIP64_ID = 0x0001
 
@@ -140,6 +141,10 @@ class Members(dict):
         if len(matches) == 1:
             return matches[0]
         names = [member.raw_name for member in self.entries]
+        if len(names) > MAX_DUPLICATE_SORT:
+            raise InputError(f"zip archive holds {len(matches)} members torch would take for {name!r} among "
+                             f"{len(names)} members, too many to work out which one torch reads — refusing an "
+                             "ambiguous archive (ckptool scan lists what each holds)", path=self.path)
         if self._order is None:
             self._order = miniz_order(names)
         index = miniz_locate(names, self._order, name.encode("utf-8"))
@@ -151,40 +156,31 @@ def _lower(name: bytes) -> bytes:
 
 
 _ASCII_LOWER_BYTES = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
-
-
-def _compare(left: bytes, right: bytes) -> int:
-    """miniz's name comparison: lower-cased bytes, then the shorter first."""
-    left_lower, right_lower = _lower(left), _lower(right)
-    for a, b in zip(left_lower, right_lower):
-        if a != b:
-            return a - b
-    return len(left) - len(right)
+# miniz compares names as lower-cased unsigned bytes, a shorter name first when one is the other's
+# prefix: exactly how Python orders the lower-cased bytes objects.
 
 
 def miniz_order(names: list[bytes]) -> list[int]:
     """The directory's indices in the order miniz's heap sort (``mz_zip_reader_sort_central_dir_offsets_by_filename``)
     leaves them; equal names end up in an order that depends on every name."""
+    keys = [_lower(name) for name in names]
     order = list(range(len(names)))
     size = len(order)
-    if size <= 1:
-        return order
-
-    def less(i: int, j: int) -> bool:
-        return _compare(names[order[i]], names[order[j]]) < 0
 
     def sift(root: int, end: int) -> None:
         while True:
             child = 2 * root + 1
             if child >= end:
                 return
-            if child + 1 < end and less(child, child + 1):
+            if child + 1 < end and keys[order[child]] < keys[order[child + 1]]:
                 child += 1
-            if not less(root, child):
+            if not keys[order[root]] < keys[order[child]]:
                 return
             order[root], order[child] = order[child], order[root]
             root = child
 
+    if size <= 1:
+        return order
     for start in range((size - 2) >> 1, -1, -1):
         sift(start, size)
     for end in range(size - 1, 0, -1):
@@ -195,13 +191,14 @@ def miniz_order(names: list[bytes]) -> list[int]:
 
 def miniz_locate(names: list[bytes], order: list[int], target: bytes) -> int | None:
     """The index miniz's binary search (``mz_zip_locate_file_binary_search``) finds for ``target``."""
+    wanted = _lower(target)
     low, high = 0, len(order) - 1
     while low <= high:
         middle = low + ((high - low) >> 1)
-        comparison = _compare(names[order[middle]], target)
-        if comparison == 0:
+        key = _lower(names[order[middle]])
+        if key == wanted:
             return order[middle]
-        if comparison < 0:
+        if key < wanted:
             low = middle + 1
         else:
             high = middle - 1

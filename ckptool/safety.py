@@ -169,7 +169,10 @@ def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
     seen: Counter = Counter()
     blobs: list[tuple[str, bytes]] = []
     top = listing.members[0].name.split("/", 1)[0] if listing.members else ""
-    loaded = zipio.Members(path, listing.members).get(f"{top}/data.pkl")  # the one a load reads
+    try:
+        loaded = zipio.Members(path, listing.members).get(f"{top}/data.pkl")  # the one a load reads
+    except InputError:  # too many members to tell which duplicate: every one is run dry
+        loaded = None
     for member in listing.members:
         seen[member.name] += 1
         label = member.name if counts[member.name] == 1 else \

@@ -8,6 +8,7 @@ load in torch with the same tensors; a safetensors output is refused in one line
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,6 @@ torch = pytest.importorskip("torch")
 
 import ckptool  # noqa: E402
 from ckptool.materialize import to_state_dict  # noqa: E402
-
-import sys  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_differential import run  # noqa: E402

@@ -137,13 +137,12 @@ def _numbered_pickle(value: int) -> bytes:
     return whole(dct((text("weight"), hostile.rebuild(numel=6, shape=(6,))), (text("v"), hostile.integer(value))))
 
 
-def test_of_duplicate_names_the_member_torch_reads_is_read() -> None:
+def test_of_duplicate_names_the_member_torch_reads_is_read(tmp_path: Path) -> None:
     """miniz heap-sorts the directory (unstable) and binary-searches it, names compared ignoring
     case: which duplicate it finds depends on every name. ckptool reproduces both steps."""
     import random
 
     rng = random.Random(20261123)  # fixed: the same archives every run
-    tmp = Path(__import__("tempfile").mkdtemp())
     for trial in range(120):
         members = saved_members({"weight": torch.arange(6.0)})
         members[index_of(members, "/data.pkl")] = Member("archive/data.pkl", _numbered_pickle(0))
@@ -152,10 +151,11 @@ def test_of_duplicate_names_the_member_torch_reads_is_read() -> None:
             name = rng.choice(["archive/data.pkl", "archive/DATA.pkl", "archive/Data.Pkl"])
             members.insert(rng.randint(0, len(members)), Member(name, _numbered_pickle(value)))
         for extra in range(rng.randint(0, 6)):
-            members.insert(rng.randint(1, len(members)), Member(f"archive/{rng.choice(['a', 'data.pk', 'zz', 'dat'])}{extra}", b"x"))
+            other = f"archive/{rng.choice(['a', 'data.pk', 'zz', 'dat'])}{extra}"
+            members.insert(rng.randint(1, len(members)), Member(other, b"x"))
         if not members[0].name.startswith("archive/"):
             continue
-        path = tmp / f"dup{trial}.pt"
+        path = tmp_path / f"dup{trial}.pt"
         path.write_bytes(make_zip(members))
         assert ckptool.load(path).container["v"] == _torch_loads(path)["v"], trial
 

@@ -9,7 +9,9 @@ components' storages) and say what it stands for (layout, dtype, shape). Nothing
 :func:`materialize` is asked for values, which builds the tensor with torch from the component
 tensors and checks it as ``torch.load`` does (the sparse invariants), or refuses.
 
-Quantized tensors (``_rebuild_qtensor``) are not read: their storages are of quantized dtypes.
+Quantized tensors (``_rebuild_qtensor`` over ``torch.QUInt8Storage`` and the like) are not read
+yet: their names are torch's own, so a file holding them is refused as unsupported (one line), not
+reported as unsafe.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import InputError
-from .pickles import TORCH_GLOBALS, OpaqueObject, brief
-from .refs import SizeRef, TensorRef
+from .errors import InputError, UnsupportedFormatError
+from .pickles import TORCH_GLOBALS, OpaqueObject, StorageTypeRef, brief
+from .refs import DTypeRef, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -217,6 +219,38 @@ GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_nested_tensor": NestedTensor,
 }
 TORCH_GLOBALS.update(GLOBALS)  # torch's weights_only unpickler allows all three
+
+
+_QUANTIZED_REFUSAL = ("holds quantized tensors, which ckptool does not read yet — dequantize them with torch "
+                      "(tensor.dequantize()) and save again, or load this file with torch.load(weights_only=True)")
+
+
+class QuantizedStorageType(StorageTypeRef):
+    """``torch.QUInt8Storage`` and the like: allowed by torch, refused here when a storage is read."""
+
+    __slots__ = ()
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    @property  # type: ignore[override]
+    def dtype(self) -> Any:  # the storage loader asks for it first: no quantized storage is ever read
+        raise UnsupportedFormatError(f"{_QUANTIZED_REFUSAL} ({self.module}.{self.name})")
+
+
+def _rebuild_qtensor(*args: Any) -> None:
+    raise UnsupportedFormatError(_QUANTIZED_REFUSAL)
+
+
+_rebuild_qtensor.__setstate__ = _refuse_build  # type: ignore[attr-defined]
+TORCH_GLOBALS.update({
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
+    **{f"torch.{name}": QuantizedStorageType("torch", name)
+       for name in ("QUInt8Storage", "QInt8Storage", "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage")},
+    **{f"torch.{scheme}": DTypeRef("torch", scheme)  # recorded as the global it is, like a dtype
+       for scheme in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
+                      "per_channel_affine_float_qparams")},
+})
 
 
 def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:

@@ -11,6 +11,8 @@ from typing import Any
 from . import keys as keys_
 from .errors import InputError, NothingToDoError
 from .refs import StorageRef, TensorRef
+from . import layouts
+from .layouts import LayoutTensor
 from .tree import get_at, iter_tensors, map_tensors, replace_at
 
 # Where training code puts the weights, tried in order (first match wins).
@@ -26,7 +28,7 @@ def is_state_dict(obj: Any) -> bool:
     """A str-keyed mapping whose values are mostly tensors."""
     if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
         return False
-    tensors = sum(isinstance(v, TensorRef) for v in dict.values(obj))  # never an attribute the pickle set
+    tensors = sum(isinstance(v, TensorRef | LayoutTensor) for v in dict.values(obj))  # never an attribute the pickle set
     return tensors > 0 and tensors * 2 >= len(obj)
 
 
@@ -103,10 +105,18 @@ class Checkpoint:
 
     @property
     def tensors(self) -> dict[str, TensorRef]:
-        """The weights: name -> tensor (non-tensor entries left out)."""
+        """The weights: name -> tensor (non-tensor entries left out).
+
+        A sparse or nested tensor stands here as its component tensors, named
+        ``key[layout size/role]`` (:func:`ckptool.layouts.component_name`), so what reads or checks
+        every tensor (diff, fingerprint, verify, a write's check) covers its values.
+        """
         state_dict = self.state_dict
         items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()  # a caller's Mapping
-        return {k: v for k, v in items if isinstance(v, TensorRef)}
+        found = {k: v for k, v in items if isinstance(v, TensorRef)}
+        if len(found) < len(state_dict):
+            layouts.add_components(found, state_dict, self.path)
+        return found
 
     @property
     def is_lightning(self) -> bool:

@@ -110,7 +110,9 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
     Each saved storage becomes one torch storage; each tensor is a view of it with its saved
     offset, shape and stride, and its conjugate/negative bits (as ``torch.load`` sets them). Tensors that shared a storage on disk share it here
     (``a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()``). Only the storages the
-    given tensors use are read. Non-tensor values are left out.
+    given tensors use are read. Sparse and nested tensors (:mod:`ckptool.layouts`) are built with
+    torch from their components and checked as ``torch.load`` checks them. Other non-tensor values
+    are left out.
 
     Args:
         tensors: name -> :class:`~ckptool.refs.TensorRef`, e.g. ``Checkpoint.tensors``.
@@ -123,7 +125,12 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
     """
     import torch
 
+    from . import layouts
+
     refs = {name: tensor for name, tensor in tensors.items() if isinstance(tensor, TensorRef)}
+    # sparse and nested tensors: their components are materialized with the rest (sharing storages)
+    layout_values = layouts.layout_tensors(tensors)
+    refs.update({f"{name}\0{role}": part for name, value in layout_values.items() for role, part in value.components()})
     users: dict[int, list[TensorRef]] = {}
     for tensor in refs.values():
         users.setdefault(id(tensor.storage), []).append(tensor)
@@ -146,7 +153,12 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
             # negative view, exactly as torch.load returns it (copies and load_state_dict resolve it)
             bits = {key: True for key, value in (("conj", tensor.conj), ("neg", tensor.neg)) if value}
             torch._C._set_tensor_metadata(state_dict[name], bits)
-    return state_dict
+    if not layout_values:
+        return state_dict
+    for name, value in layout_values.items():
+        parts = {role: state_dict.pop(f"{name}\0{role}") for role, _ in value.components()}
+        state_dict[name] = value.build(parts)
+    return {name: state_dict[name] for name in tensors if name in state_dict}
 
 
 # ---------------------------------------------------------------------------------------------- key fitting

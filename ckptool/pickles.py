@@ -499,6 +499,10 @@ def _build_torch_globals() -> dict[str, Any]:
 # Globals torch's own weights_only unpickler allows, mapped to inert placeholders.
 TORCH_GLOBALS: dict[str, Any] = _build_torch_globals()
 
+# Sparse and nested tensors, and the layouts they name: placeholders of their rebuild calls, which
+# ckptool.layouts (built on OpaqueObject above) adds to TORCH_GLOBALS as it is imported.
+from . import layouts as _layouts  # noqa: E402, F401
+
 # Benign types found in real checkpoints beyond torch's list: recorded, never constructed.
 #   argparse.Namespace — training scripts save their parsed args (fairseq, many research repos)
 #   numpy scalars, dtypes and arrays — metrics and RNG states saved as numpy values

@@ -132,12 +132,7 @@ def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
         if head.startswith(b"PK\x03\x04"):
-            members = zipio.read_members(path, handle)
-            blobs = []
-            for name, member in members.items():
-                if name.endswith(".pkl"):
-                    data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
-                    blobs += _split_pickles(io.BytesIO(data), name, 5)
+            blobs = _zip_pickles(path, handle)
             if any(name.endswith("/constants.pkl") for name, _ in blobs):
                 return "torchscript", blobs
             return "torch-zip", blobs
@@ -147,6 +142,55 @@ def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
         # a legacy checkpoint is five pickles then raw bytes; a plain pickle file is one
         blobs = _split_pickles(handle, "pickle", 5)
     return "pickle", [(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)]
+
+
+LOADED_MARK = " (the data.pkl torch reads)"
+
+
+def _is_pickle_member(member: zipio.Member, head: bytes) -> bool:
+    """Whether scan reads a zip member as a pickle: any ``.pkl`` (in any case, anywhere), or any member
+    outside a ``data/`` folder of storages that opens with a protocol 2–5 pickle header."""
+    name = zipio.fold_name(member.name)
+    if name.endswith(".pkl"):
+        return True
+    in_storages = "/data/" in f"/{name}"  # storage bytes are data, never unpickled by torch
+    return not in_storages and len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
+    """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
+
+    Nothing about the archive's structure stops the scan: a member torch would run is read even
+    where loading refuses the archive (overlapping members), and members of one name are each
+    read, labelled by their place in the directory (and the one a load reads marked as such).
+    """
+    listing = zipio.list_members(path, handle)
+    counts = Counter(member.name for member in listing.members)
+    seen: Counter = Counter()
+    blobs: list[tuple[str, bytes]] = []
+    top = listing.members[0].name.split("/", 1)[0] if listing.members else ""
+    try:
+        loaded = zipio.Members(path, listing.members).get(f"{top}/data.pkl")  # the one a load reads
+    except InputError:  # too many members to tell which duplicate: every one is run dry
+        loaded = None
+    for member in listing.members:
+        seen[member.name] += 1
+        label = member.name if counts[member.name] == 1 else \
+            f"{member.name} (member {seen[member.name]} of {counts[member.name]} so named)"
+        if member is loaded:
+            label += LOADED_MARK
+        if member.encrypted:
+            continue  # its plaintext cannot be read; torch cannot read it either
+        handle.seek(member.data_offset)
+        head = handle.read(2) if not member.compressed else b""
+        if not _is_pickle_member(member, head):
+            continue
+        try:
+            data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
+        except InputError:
+            continue  # unreadable: the load (and its one-line refusal) speaks for it
+        blobs += _split_pickles(io.BytesIO(data), label, 5)
+    return blobs
 
 
 def _pickle_end(data: bytes, offset: int) -> int:
@@ -209,17 +253,21 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
             opcodes.update(ops)
             static_names += static
     try:
-        # a restricted load names exactly the globals it resolves; if it succeeds, no dry run is needed
+        # a restricted load names exactly the globals it resolves; if it succeeds, no dry run of what it read
         checkpoint = load(path, allow_globals=allow_globals)
         globals_.update(checkpoint.globals)
         load_error: CkptError | None = None
+        # the pickles the load did not read (a zip's other .pkl members) are still run dry
+        is_zip = kind in ("torch-zip", "torchscript")
+        unread = [(name, data) for name, data in blobs if is_zip and not name.endswith(LOADED_MARK)]
     except CkptError as e:
         load_error = e
-        for name, data in blobs:
-            dynamic, dynamic_error = dry_run_globals(data, allow_globals)
-            globals_.update(dynamic)
-            if dynamic_error:
-                problems.append(f"{name}: {dynamic_error}")
+        unread = blobs
+    for name, data in unread:
+        dynamic, dynamic_error = dry_run_globals(data, allow_globals)
+        globals_.update(dynamic)
+        if dynamic_error and load_error is not None:
+            problems.append(f"{name}: {dynamic_error}")
     for full_name in static_names:
         if full_name not in globals_:
             globals_[full_name] += 1

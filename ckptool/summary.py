@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import layouts
 from .checkpoint import Checkpoint
 from .digest import fingerprint
 from .pickles import OpaqueObject
@@ -171,6 +172,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
                              f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
                              "conjugated/negated, as torch.load gives them")
+    summary.notes += layouts.describe_all(checkpoint.state_dict if checkpoint.has_weights else {})
     summary.hints = _hints(checkpoint, summary)
     measured = expansion(tensors)
     if measured.expanding:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import dtypes
+from . import dtypes, layouts
 from .atomic import TEMP_PREFIX, atomic_output, check_folder_output, check_output, folder_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
@@ -580,6 +580,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     out = Path(out)
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
+    if target.startswith("safetensors") and checkpoint.has_weights:  # before any component is taken for a tensor
+        layouts.refuse_for_safetensors(checkpoint.state_dict, out)
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     # a .pt output copies storages raw: only its fingerprint would stream the views in full
     views_raw = target == "pt"

@@ -1,8 +1,9 @@
 """A minimal, validating zip layer for torch archives: read the directory, write stored members.
 
 Python's ``zipfile`` parses the central directory; this module adds what a checkpoint reader
-needs on top — the exact offset of each member's bytes (so storages are copied raw), checks
-against zip tricks (path traversal, duplicate names, a local header naming another file,
+needs on top — the exact offset of each member's bytes (so storages are copied raw), members
+located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
+case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,
 encryption) — and a writer that aligns member data to 64 bytes as torch does (so loaders can
 mmap storages) and copies storage bytes with ``copy_file_range``.
 """
@@ -30,6 +31,7 @@ REPORT_EVERY = 8 << 20  # small members' regions are reported to ``on_data`` in 
 # deflate reaches ~1000:1 on zeros; real pickles compress 2-5:1 (100k tensors: 4.7:1). The bound is
 # tight because a pickle's cost is per byte of opcodes: 85:1 let a 3 MB file take minutes to read.
 MAX_COMPRESSION_RATIO = 16
+MAX_DUPLICATE_SORT = 100_000  # members: above it, which duplicate torch reads is not worked out (seconds in Python)
 _PADDING_ID = 0x4246  # "FB": the extra-field id torch's writer pads with
 _ZIP64_ID = 0x0001
 
@@ -44,13 +46,28 @@ class Member:
     crc32: int
     compressed: bool
     stored_size: int = -1  # bytes in the archive (less than ``size`` when compressed)
+    header_offset: int = -1
+    encrypted: bool = False
+    compression_method: int = 0
+    raw_name: bytes = b""  # the name's bytes in the central directory, as miniz compares them
 
 
-def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> dict[str, Member]:
-    """Validate the archive's directory and return its members by name.
+@dataclass(frozen=True)
+class Listing:
+    """What the central directory lists: the members located, why others were not, where it starts."""
 
-    ``size`` is the archive's length when ``handle`` is a window onto part of a file (a DCP chunk)
-    rather than a whole file; member offsets are then relative to the window.
+    members: list[Member]
+    problems: list[str]
+    directory_start: int
+
+
+def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Listing:
+    """Every member the central directory lists, in its order, and why any other could not be located.
+
+    Members are found as PyTorch's zip reader (miniz) finds them: by the central directory, the
+    local header read only for the lengths that place the data (the name it repeats is not
+    compared). Nothing here judges names; :func:`read_members` adds the rules for loading, and
+    ``scan`` reads every pickle member this returns.
     """
     try:
         archive = zipfile.ZipFile(handle)
@@ -58,57 +75,167 @@ def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> di
         raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
                          path=path) from e
     file_size = size if size is not None else os.fstat(handle.fileno()).st_size
-    members: dict[str, Member] = {}
-    spans: list[tuple[int, int, str]] = []
+    found: list[Member] = []
+    problems: list[str] = []
     for info in archive.infolist():
         name = info.filename
-        if name in members:
-            raise InputError(f"zip archive names {name!r} twice — refusing an ambiguous archive", path=path)
-        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name.split("/")[0]:
-            raise InputError(f"zip member name {name!r} escapes the archive — refused", path=path)
-        if info.flag_bits & 0x1:
-            raise InputError(f"zip member {name!r} is encrypted — not a PyTorch checkpoint", path=path)
         if info.header_offset < 0 or info.header_offset + _LOCAL_HEADER.size > file_size:
-            raise InputError(f"zip member {name!r} lies outside the file — the file is truncated or corrupt", path=path)
+            problems.append(f"zip member {name!r} lies outside the file — the file is truncated or corrupt")
+            continue
         handle.seek(info.header_offset)
-        header = handle.read(_LOCAL_HEADER.size)
-        fields = _LOCAL_HEADER.unpack(header)
+        fields = _LOCAL_HEADER.unpack(handle.read(_LOCAL_HEADER.size))
         if fields[0] != _LOCAL_SIG:
-            raise InputError(f"zip member {name!r} has no local header — the archive is corrupt", path=path)
-        name_length, extra_length = fields[9], fields[10]
-        local_name = handle.read(name_length)
-        if local_name.decode("utf-8", "replace") != name and local_name.decode("cp437", "replace") != name:
-            raise InputError(
-                f"zip member {name!r} is called {local_name[:80]!r} in its local header — refusing a disguised archive",
-                path=path,
-            )
-        data_offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-        compressed = info.compress_type != zipfile.ZIP_STORED
-        if not compressed and info.compress_size != info.file_size:
-            # readers copy a stored member's file_size bytes: a larger claim would reach into other members
-            raise InputError(f"zip member {name!r} is stored but claims {info.file_size} bytes in "
-                             f"{info.compress_size} — the archive is corrupt", path=path)
+            problems.append(f"zip member {name!r} has no local header — the archive is corrupt")
+            continue
+        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         if data_offset + info.compress_size > file_size:
-            raise InputError(f"zip member {name!r} ends past the end of the file — the file is truncated", path=path)
-        spans.append((info.header_offset, data_offset + info.compress_size, name))
-        members[name] = Member(
+            problems.append(f"zip member {name!r} ends past the end of the file — the file is truncated")
+            continue
+        found.append(Member(
             name=name,
             data_offset=data_offset,
             size=info.file_size,
             crc32=info.CRC,
-            compressed=compressed,
+            compressed=info.compress_type != zipfile.ZIP_STORED,
             stored_size=info.compress_size,
-        )
+            header_offset=info.header_offset,
+            encrypted=bool(info.flag_bits & 0x1),
+            compression_method=info.compress_type,
+            raw_name=info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "surrogateescape"),
+        ))
+    directory_start = archive.start_dir
+    archive.close()
+    return Listing(found, problems, directory_start)
+
+
+def fold_name(name: str) -> str:
+    """A member name as miniz compares it when torch looks a record up: ASCII letters case-insensitively."""
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+class Members(dict):
+    """An archive's members by exact name; :meth:`get` finds the member torch's reader finds.
+
+    torch asks miniz for ``<archive>/data.pkl``, ``byteorder``, ``data/<key>``. miniz compares names
+    ignoring ASCII case, by binary search over the directory heap-sorted by name; of several
+    members matching a name it returns whichever that (unstable) sort and search reach, which
+    depends on every other name in the archive. :func:`miniz_order` and :func:`miniz_locate`
+    reproduce both steps, so a duplicated name reads the member torch reads.
+    """
+
+    def __init__(self, path: Path, entries: list[Member]) -> None:
+        super().__init__((member.name, member) for member in entries)
+        self.path = path
+        self.entries = entries
+        self._folded: dict[str, list[Member]] = {}
+        for member in entries:
+            self._folded.setdefault(fold_name(member.name), []).append(member)
+        self._order: list[int] | None = None
+
+    def get(self, name: str, default: Member | None = None) -> Member | None:  # type: ignore[override]
+        """The member torch would read for ``name``; ``default`` when none matches."""
+        matches = self._folded.get(fold_name(name))
+        if not matches:
+            return default
+        if len(matches) == 1:
+            return matches[0]
+        names = [member.raw_name for member in self.entries]
+        if len(names) > MAX_DUPLICATE_SORT:
+            raise InputError(f"zip archive holds {len(matches)} members torch would take for {name!r} among "
+                             f"{len(names)} members, too many to work out which one torch reads — refusing an "
+                             "ambiguous archive (ckptool scan lists what each holds)", path=self.path)
+        if self._order is None:
+            self._order = miniz_order(names)
+        index = miniz_locate(names, self._order, name.encode("utf-8"))
+        return self.entries[index] if index is not None else default
+
+
+def _lower(name: bytes) -> bytes:
+    return name.translate(_ASCII_LOWER_BYTES)
+
+
+_ASCII_LOWER_BYTES = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
+# miniz compares names as lower-cased unsigned bytes, a shorter name first when one is the other's
+# prefix: exactly how Python orders the lower-cased bytes objects.
+
+
+def miniz_order(names: list[bytes]) -> list[int]:
+    """The directory's indices in the order miniz's heap sort (``mz_zip_reader_sort_central_dir_offsets_by_filename``)
+    leaves them; equal names end up in an order that depends on every name."""
+    keys = [_lower(name) for name in names]
+    order = list(range(len(names)))
+    size = len(order)
+
+    def sift(root: int, end: int) -> None:
+        while True:
+            child = 2 * root + 1
+            if child >= end:
+                return
+            if child + 1 < end and keys[order[child]] < keys[order[child + 1]]:
+                child += 1
+            if not keys[order[root]] < keys[order[child]]:
+                return
+            order[root], order[child] = order[child], order[root]
+            root = child
+
+    if size <= 1:
+        return order
+    for start in range((size - 2) >> 1, -1, -1):
+        sift(start, size)
+    for end in range(size - 1, 0, -1):
+        order[end], order[0] = order[0], order[end]
+        sift(0, end)
+    return order
+
+
+def miniz_locate(names: list[bytes], order: list[int], target: bytes) -> int | None:
+    """The index miniz's binary search (``mz_zip_locate_file_binary_search``) finds for ``target``."""
+    wanted = _lower(target)
+    low, high = 0, len(order) - 1
+    while low <= high:
+        middle = low + ((high - low) >> 1)
+        key = _lower(names[order[middle]])
+        if key == wanted:
+            return order[middle]
+        if key < wanted:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return None
+
+
+def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Members:
+    """Validate the archive's directory for loading and return its members (looked up as torch does).
+
+    ``size`` is the archive's length when ``handle`` is a window onto part of a file (a DCP chunk)
+    rather than a whole file; member offsets are then relative to the window.
+    """
+    listing = list_members(path, handle, size=size)
+    if listing.problems:
+        raise InputError(listing.problems[0], path=path)
+    entries = listing.members
+    spans: list[tuple[int, int, str]] = []
+    for member in entries:
+        name = member.name
+        if member.encrypted:
+            raise InputError(f"zip member {name!r} is encrypted — not a PyTorch checkpoint", path=path)
+        if not member.compressed and member.stored_size != member.size:
+            # readers copy a stored member's file_size bytes: a larger claim would reach into other members
+            raise InputError(f"zip member {name!r} is stored but claims {member.size} bytes in "
+                             f"{member.stored_size} — the archive is corrupt", path=path)
+        spans.append((member.header_offset, member.data_offset + member.stored_size, name))
     # members sharing bytes are how small zips inflate to terabytes; torch never writes them
     spans.sort()
     for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
         if start < previous_end:
             raise InputError(f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb", path=path)
-    if spans and spans[-1][1] > archive.start_dir:
+    if spans and spans[-1][1] > listing.directory_start:
         raise InputError(f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is corrupt",
                          path=path)
-    archive.close()
-    return members
+    return Members(path, entries)
 
 
 def _short(error: BaseException) -> str:
@@ -117,26 +244,31 @@ def _short(error: BaseException) -> str:
 
 
 def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> bytes:
-    """A small member's bytes; compressed members are inflated with a size cap (and CRC-checked by zipfile)."""
+    """A small member's bytes; compressed members are inflated with a size cap."""
     if member.size > limit:
         raise InputError(f"zip member {member.name!r} is {member.size} bytes, over the {limit}-byte limit — refused", path=path)
     handle.seek(member.data_offset)
     if member.compressed:
         # torch writes every record stored; a compressed one is allowed, but not a bomb
-        if member.size > max(MAX_COMPRESSION_RATIO * member.stored_size, 1 << 20):
+        if member.size > max(MAX_COMPRESSION_RATIO * member.stored_size, 1 << 20) \
+                or member.stored_size > member.size + (member.size >> 6) + 1024:  # deflate never grows more
             raise InputError(f"zip member {member.name!r} would inflate {member.stored_size} bytes to {member.size} "
                              "— refusing a zip bomb", path=path)
+        # inflated here, not through zipfile: it would take the last member of that name, compare
+        # the local header's name and check the CRC, none of which torch's reader does
+        if member.compression_method != zipfile.ZIP_DEFLATED:
+            raise InputError(f"zip member {member.name!r} uses compression method {member.compression_method}; "
+                             "PyTorch's reader inflates only deflate — the archive is corrupt", path=path)
         try:
-            archive = zipfile.ZipFile(handle)
-            with archive.open(member.name) as stream:
-                data = stream.read(member.size + 1)
-        except Exception as e:  # zlib.error, LZMAError, BadZipFile, RuntimeError...: all mean "corrupt"
+            inflater = zlib.decompressobj(-15)
+            data = inflater.decompress(handle.read(member.stored_size), member.size + 1)
+        except zlib.error as e:
             raise InputError(f"zip member {member.name!r} cannot be inflated ({_short(e)})", path=path) from e
     else:
         data = handle.read(member.size)
     if len(data) != member.size:
         raise InputError(f"zip member {member.name!r} is truncated", path=path)
-    # A stored member's recorded CRC is not checked, as torch does not check it: large-model savers
+    # A member's recorded CRC is not checked, as torch does not check it: large-model savers
     # turn CRCs off (torch then records 0) and files patched after saving record stale ones. What a
     # member holds is validated by what reads it (the pickle guard, the byteorder test).
     return data

@@ -1,0 +1,307 @@
+"""Sparse and nested tensors: placeholders for torch's ``_rebuild_sparse_tensor`` and ``_rebuild_nested_tensor``.
+
+``torch.save`` writes such a tensor as a call on its component tensors (each an ordinary
+``_rebuild_tensor_v2``): a sparse COO tensor as its indices, values, size and coalesced flag; a
+CSR/CSC/BSR/BSC tensor as its compressed indices, plain indices, values and size; a nested
+tensor as its buffer, sizes, strides and offsets. The placeholders here keep that call as it was
+(an :class:`~ckptool.pickles.OpaqueObject`, so the writer re-emits it and ``remap`` retags its
+components' storages) and say what it stands for (layout, dtype, shape). Nothing is built until
+:func:`materialize` is asked for values, which builds the tensor with torch from the component
+tensors and checks it as ``torch.load`` does (the sparse invariants), or refuses.
+
+Quantized tensors (``_rebuild_qtensor`` over ``torch.QUInt8Storage`` and the like) are not read
+yet: their names are torch's own, so a file holding them is refused as unsupported (one line), not
+reported as unsafe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .errors import InputError, UnsupportedFormatError
+from .pickles import TORCH_GLOBALS, OpaqueObject, StorageTypeRef, brief
+from .refs import DTypeRef, TensorRef
+
+if TYPE_CHECKING:
+    import torch
+
+SPARSE_LAYOUTS = ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+_LAYOUT_NAMES = frozenset(f"torch.{name}" for name in (*SPARSE_LAYOUTS, "strided", "_mkldnn", "jagged"))
+
+
+def _refuse_build(state: Any) -> None:
+    raise InputError(f"pickle sets attributes ({brief(state)}) on a sparse or nested tensor — refused; torch.save "
+                     "never writes that")
+
+
+class Layout(OpaqueObject):
+    """``torch.serialization._get_layout(name)``: how torch pickles a ``torch.layout``."""
+
+    _global = "torch.serialization._get_layout"
+    __setstate__ = _refuse_build
+
+    def __init__(self, *args: Any) -> None:
+        self._mode = "reduce"
+        if len(args) != 1 or args[0] not in _LAYOUT_NAMES:
+            raise InputError(f"unknown tensor layout {brief(args)} — the file is corrupt or from a newer PyTorch")
+
+    @property
+    def name(self) -> str:
+        return self._args[0].removeprefix("torch.")
+
+
+def _tensor(value: Any, what: str, *, integer: bool = False, dims: int | None = None) -> TensorRef:
+    if not isinstance(value, TensorRef):
+        raise InputError(f"a sparse or nested tensor's {what} is not a tensor ({brief(value)}) — the file is corrupt")
+    if integer and value.dtype.torch_name not in ("int64", "int32"):
+        raise InputError(f"a sparse or nested tensor's {what} is {value.dtype.torch_name}, not an integer index "
+                         "tensor — the file is corrupt")
+    if dims is not None and len(value.shape) != dims:
+        raise InputError(f"a sparse or nested tensor's {what} has {len(value.shape)} dimensions, not {dims} — "
+                         "the file is corrupt")
+    return value
+
+
+def _size(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, tuple) or not all(type(d) is int and 0 <= d < 1 << 63 for d in value):
+        raise InputError(f"a sparse tensor's size {brief(value)} is not a list of sizes — the file is corrupt")
+    return tuple(value)
+
+
+class LayoutTensor(OpaqueObject):
+    """A tensor torch rebuilds from component tensors; its rebuild call is kept as it was."""
+
+    __setstate__ = _refuse_build
+
+    @property
+    def layout(self) -> str:
+        raise NotImplementedError
+
+    def components(self) -> list[tuple[str, TensorRef]]:
+        """The component tensors by role (``indices``, ``values``, ...)."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> Any:
+        """The element type of the values (a :class:`~ckptool.dtypes.DType`)."""
+        return dict(self.components())["values"].dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor torch.load returns, from the materialized components."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
+        return f"{self.layout} {self.dtype.torch_name} {shape}"
+
+
+class SparseTensor(LayoutTensor):
+    """``torch._utils._rebuild_sparse_tensor(layout, data)``."""
+
+    _global = "torch._utils._rebuild_sparse_tensor"
+
+    def __init__(self, *args: Any) -> None:
+        self._mode = "reduce"
+        if len(args) != 2 or not isinstance(args[0], Layout) or args[0].name not in SPARSE_LAYOUTS \
+                or not isinstance(args[1], tuple):
+            raise InputError(f"sparse tensor record {brief(args)} is not (sparse layout, components) — the file is "
+                             "corrupt")
+        data = args[1]
+        if args[0].name == "sparse_coo":
+            if len(data) not in (3, 4) or (len(data) == 4 and data[3] not in (True, False, None)):
+                raise InputError("a sparse COO record is not (indices, values, size[, coalesced]) — the file is corrupt")
+            _tensor(data[0], "indices", integer=True, dims=2)
+            _tensor(data[1], "values")
+            _size(data[2])
+        else:
+            if len(data) != 4:
+                raise InputError(f"a {args[0].name} record is not (compressed indices, plain indices, values, size) "
+                                 "— the file is corrupt")
+            _tensor(data[0], "compressed indices", integer=True)
+            _tensor(data[1], "plain indices", integer=True)
+            _tensor(data[2], "values")
+            _size(data[3])
+
+    @property
+    def layout(self) -> str:
+        return self._args[0].name
+
+    def components(self) -> list[tuple[str, TensorRef]]:
+        data = self._args[1]
+        if self.layout == "sparse_coo":
+            return [("indices", data[0]), ("values", data[1])]
+        return [("compressed_indices", data[0]), ("plain_indices", data[1]), ("values", data[2])]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        data = self._args[1]
+        return _size(data[2] if self.layout == "sparse_coo" else data[3])
+
+    @property
+    def coalesced(self) -> bool | None:
+        data = self._args[1]
+        return data[3] if self.layout == "sparse_coo" and len(data) == 4 else None
+
+    def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        try:
+            if self.layout == "sparse_coo":
+                # torch.load builds it unchecked, then checks every loaded sparse tensor's invariants
+                return torch.sparse_coo_tensor(parts["indices"], parts["values"], self.shape,
+                                               is_coalesced=self.coalesced, check_invariants=True)
+            return torch.sparse_compressed_tensor(parts["compressed_indices"], parts["plain_indices"],
+                                                  parts["values"], self.shape, layout=getattr(torch, self.layout),
+                                                  check_invariants=True)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InputError(f"{self.layout} tensor is inconsistent ({str(e).splitlines()[0][:160]}) — torch.load "
+                             "refuses it too; the file is corrupt") from e
+
+
+class NestedTensor(LayoutTensor):
+    """``torch._utils._rebuild_nested_tensor(buffer, sizes, strides, storage_offsets)``."""
+
+    _global = "torch._utils._rebuild_nested_tensor"
+
+    def __init__(self, *args: Any) -> None:
+        self._mode = "reduce"
+        if len(args) != 4:
+            raise InputError("a nested tensor record is not (buffer, sizes, strides, offsets) — the file is corrupt")
+        buffer = _tensor(args[0], "buffer", dims=1)
+        sizes = _tensor(args[1], "sizes", integer=True, dims=2)
+        strides = _tensor(args[2], "strides", integer=True, dims=2)
+        offsets = _tensor(args[3], "offsets", integer=True, dims=1)
+        if tuple(sizes.shape) != tuple(strides.shape) or offsets.shape[0] != sizes.shape[0]:
+            raise InputError("a nested tensor's sizes, strides and offsets disagree in shape — the file is corrupt")
+        del buffer
+
+    @property
+    def layout(self) -> str:
+        return "nested"
+
+    def components(self) -> list[tuple[str, TensorRef]]:
+        return [("values", self._args[0]), ("sizes", self._args[1]), ("strides", self._args[2]),
+                ("offsets", self._args[3])]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The number of nested tensors and the dimensions of each (their sizes are ragged)."""
+        return tuple(self._args[1].shape)
+
+    def describe(self) -> str:
+        count, dims = self.shape
+        return f"nested {self.dtype.torch_name} ({count} tensors of {dims} dimensions)"
+
+    def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        buffer, sizes, strides, offsets = parts["values"], parts["sizes"], parts["strides"], parts["offsets"]
+        # torch.load does not check these: a nested view reaching past its buffer would read other memory
+        if sizes.numel() and (bool((sizes < 0).any()) or bool((strides < 0).any()) or bool((offsets < 0).any())):
+            raise InputError("a nested tensor has a negative size, stride or offset — the file is corrupt")
+        if sizes.shape[0]:
+            empty = (sizes == 0).any(dim=1) if sizes.shape[1] else torch.zeros(sizes.shape[0], dtype=torch.bool)
+            last = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
+            if bool(((~empty) & (last >= buffer.numel())).any()):
+                raise InputError("a nested tensor's pieces reach past its buffer — the file is corrupt")
+        return torch._nested_view_from_buffer(buffer.contiguous(), sizes.contiguous(), strides.contiguous(),
+                                              offsets.contiguous())
+
+
+GLOBALS: dict[str, Any] = {
+    "torch.serialization._get_layout": Layout,
+    "torch._utils._rebuild_sparse_tensor": SparseTensor,
+    "torch._utils._rebuild_nested_tensor": NestedTensor,
+}
+TORCH_GLOBALS.update(GLOBALS)  # torch's weights_only unpickler allows all three
+
+
+_QUANTIZED_REFUSAL = ("holds quantized tensors, which ckptool does not read yet — dequantize them with torch "
+                      "(tensor.dequantize()) and save again, or load this file with torch.load(weights_only=True)")
+
+
+class QuantizedStorageType(StorageTypeRef):
+    """``torch.QUInt8Storage`` and the like: allowed by torch, refused here when a storage is read."""
+
+    __slots__ = ()
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    @property  # type: ignore[override]
+    def dtype(self) -> Any:  # the storage loader asks for it first: no quantized storage is ever read
+        raise UnsupportedFormatError(f"{_QUANTIZED_REFUSAL} ({self.module}.{self.name})")
+
+
+def _rebuild_qtensor(*args: Any) -> None:
+    raise UnsupportedFormatError(_QUANTIZED_REFUSAL)
+
+
+_rebuild_qtensor.__setstate__ = _refuse_build  # type: ignore[attr-defined]
+TORCH_GLOBALS.update({
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
+    **{f"torch.{name}": QuantizedStorageType("torch", name)
+       for name in ("QUInt8Storage", "QInt8Storage", "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage")},
+    **{f"torch.{scheme}": DTypeRef("torch", scheme)  # recorded as the global it is, like a dtype
+       for scheme in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
+                      "per_channel_affine_float_qparams")},
+})
+
+
+def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:
+    """The sparse and nested tensors among a mapping's values."""
+    items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
+    return {key: value for key, value in items if isinstance(value, LayoutTensor)}
+
+
+def describe_all(state_dict: Mapping[str, Any]) -> list[str]:
+    """One line per sparse or nested tensor: what it is and how its parts are listed."""
+    return [f"{key!r} is a {value.describe()} tensor, listed as its parts {key}[...]: "
+            + ", ".join(role for role, _ in value.components())
+            for key, value in layout_tensors(state_dict).items()]
+
+
+def component_name(key: str, value: LayoutTensor, role: str) -> str:
+    """The name a component tensor has in ``Checkpoint.tensors``: the tensor's key, its layout and
+    size (which the components alone do not fix), and the component's role."""
+    return f"{key}[{value.layout} {'x'.join(str(d) for d in value.shape)}/{role}]"
+
+
+def add_components(tensors: dict[str, TensorRef], state_dict: Mapping[str, Any], path: Any) -> None:
+    """Add the component tensors of the sparse and nested tensors in ``state_dict`` to ``tensors``."""
+    for key, value in layout_tensors(state_dict).items():
+        if not isinstance(key, str):
+            continue
+        for role, part in value.components():
+            name = component_name(key, value, role)
+            if name in state_dict or name in tensors:
+                raise InputError(f"tensor key {name!r} names both a tensor and a part of the {value.layout} tensor "
+                                 f"{key!r} — rename one (ckptool cannot tell them apart)", path=path)
+            tensors[name] = part
+
+
+def materialize(tensors: Mapping[str, LayoutTensor],
+                to_state_dict: Callable[[Mapping[str, TensorRef]], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Build each tensor with torch from its components (materialized by ``to_state_dict``)."""
+    parts = to_state_dict({f"{name}\0{role}": tensor for name, value in tensors.items()
+                           for role, tensor in value.components()})
+    return {name: value.build({role: parts[f"{name}\0{role}"] for role, _ in value.components()})
+            for name, value in tensors.items()}
+
+
+def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
+    """A safetensors file holds dense tensors only: name the sparse and nested ones, write nothing."""
+    found = layout_tensors(state_dict)
+    if found:
+        from .errors import OutputError
+
+        shown = ", ".join(f"{key!r} ({value.layout})" for key, value in list(found.items())[:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        raise OutputError(f"safetensors holds dense tensors only, but {shown}{more} "
+                          f"{'is' if len(found) == 1 else 'are'} sparse or nested — nothing was written; write .pt "
+                          "(ckptool convert ... -o OUT.pt), or make them dense with torch first", path=out)

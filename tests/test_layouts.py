@@ -1,0 +1,194 @@
+"""Sparse and nested tensors: read with the values torch reads, rewritten as torch wrote them.
+
+Every file here is made by ``torch.save``. ckptool's values (``to_state_dict`` over the state dict,
+the API's materialization) are compared with ``torch.load(weights_only=True)`` exactly: layout,
+dtype, size, components, dense values. ``.pt`` rewrites (strip, remap, add-prefix, convert) must
+load in torch with the same tensors; a safetensors output is refused in one line naming them.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ckptool  # noqa: E402
+from ckptool.materialize import to_state_dict  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_differential import run  # noqa: E402
+
+
+def _dense() -> Any:
+    return torch.tensor([[0.0, 1.5, 0.0, -2.0], [3.0, 0.0, 0.0, 4.25], [0.0, 0.0, 0.0, 0.0], [5.0, 6.0, 0.0, -0.0]])
+
+
+def _uncoalesced() -> Any:
+    indices = torch.tensor([[1, 0, 1], [2, 0, 2]])
+    return torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0, 3.0]), (2, 3))
+
+
+LAYOUTS = {
+    "coo": lambda: _dense().to_sparse(),
+    "coo_uncoalesced": _uncoalesced,
+    "coo_int64_hybrid": lambda: torch.arange(24).reshape(4, 3, 2).to_sparse(1),
+    "csr": lambda: _dense().to_sparse_csr(),
+    "csc": lambda: _dense().double().to_sparse_csc(),
+    "bsr": lambda: _dense().to_sparse_bsr((2, 2)),
+    "bsc": lambda: _dense().to_sparse_bsc((2, 1)),
+    "nested": lambda: torch.nested.nested_tensor([torch.ones(2, 3), torch.arange(8.0).reshape(4, 2)]),
+    "nested_int": lambda: torch.nested.nested_tensor([torch.arange(3), torch.arange(5)]),
+}
+
+
+def _torch_load(path: Path) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, weights_only=True)
+
+
+def assert_same(expected: Any, got: Any, name: str) -> None:
+    assert got.layout == expected.layout and got.dtype == expected.dtype, name
+    assert got.is_nested == expected.is_nested, name
+    if expected.is_nested:
+        pieces = list(zip(expected.unbind(), got.unbind(), strict=True))
+        assert all(torch.equal(a, b) for a, b in pieces), name
+        return
+    assert got.shape == expected.shape, name
+    if expected.layout == torch.sparse_coo:
+        assert got.is_coalesced() == expected.is_coalesced(), name
+        assert torch.equal(got._indices(), expected._indices()) and torch.equal(got._values(), expected._values()), name
+    elif expected.layout != torch.strided:
+        compressed = (torch.sparse_csr, torch.sparse_bsr)
+        ci, pi = (got.crow_indices(), got.col_indices()) if got.layout in compressed else \
+            (got.ccol_indices(), got.row_indices())
+        eci, epi = (expected.crow_indices(), expected.col_indices()) if got.layout in compressed else \
+            (expected.ccol_indices(), expected.row_indices())
+        assert torch.equal(ci, eci) and torch.equal(pi, epi) and torch.equal(got.values(), expected.values()), name
+    assert torch.equal(got.to_dense(), expected.to_dense()), name
+
+
+def assert_loads_like(path: Path, reference: dict[str, Any], *, prefix: str = "") -> None:
+    loaded = _torch_load(path)
+    assert sorted(loaded) == sorted(prefix + key for key in reference)
+    for key, value in reference.items():
+        assert_same(value, loaded[prefix + key], key)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    state = {"dense": torch.arange(4.0), **{name: make() for name, make in LAYOUTS.items()}}
+    path = tmp_path / "layouts.pt"
+    torch.save(state, path)
+    return path, _torch_load(path)
+
+
+def test_the_api_reads_the_values_torch_reads(saved: tuple[Path, dict[str, Any]]) -> None:
+    path, reference = saved
+    checkpoint = ckptool.load(path)
+    values = to_state_dict(checkpoint.state_dict)
+    assert list(values) == list(reference)
+    for key, expected in reference.items():
+        assert_same(expected, values[key], key)
+
+
+@pytest.mark.parametrize("command", ["remap", "add-prefix", "convert", "strip"])
+def test_pt_rewrites_load_in_torch_with_the_same_tensors(tmp_path: Path, command: str) -> None:
+    state = {f"module.{name}": make() for name, make in LAYOUTS.items()}
+    source = tmp_path / "ddp.pt"
+    torch.save(state, source)
+    reference = _torch_load(source)
+    out = tmp_path / "out.pt"
+    args = {"remap": ["remap", source, "--to", "cpu", "-o", out], "add-prefix": ["add-prefix", source, "-o", out],
+            "convert": ["convert", source, "-o", out], "strip": ["strip", source, "-o", out]}[command]
+    code, stdout, stderr = run(*args)
+    assert code == 0, stderr
+    if command == "strip":
+        assert_loads_like(out, {key.removeprefix("module."): value for key, value in reference.items()})
+    else:
+        assert_loads_like(out, reference, prefix="module." if command == "add-prefix" else "")
+
+
+def test_a_safetensors_output_is_refused_in_one_line_naming_them(saved: tuple[Path, dict[str, Any]],
+                                                                   tmp_path: Path) -> None:
+    path, _ = saved
+    out = tmp_path / "out.safetensors"
+    code, stdout, stderr = run("convert", path, "-o", out)
+    assert code == 3 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "'coo' (sparse_coo)" in stderr and "nothing was written" in stderr
+    assert not out.exists() and not list(tmp_path.glob("*.safetensors"))
+    code, _, stderr = run("convert", path, "-o", tmp_path / "shards", "--max-shard-size", "1MB")
+    assert code == 3 and "sparse or nested" in stderr and not (tmp_path / "shards").exists()
+
+
+def test_inspect_describes_them(saved: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = saved
+    code, stdout, _ = run("inspect", path)
+    assert code == 0
+    assert "'csr' is a sparse_csr float32 [4, 4] tensor" in stdout
+    assert "'nested' is a nested float32 (2 tensors of 2 dimensions)" in stdout
+
+
+def test_diff_and_fingerprint_see_their_values(tmp_path: Path) -> None:
+    a, b, c = tmp_path / "a.pt", tmp_path / "b.pt", tmp_path / "c.pt"
+    torch.save({"w": _dense().to_sparse()}, a)
+    changed = _dense()
+    changed[0, 1] = 7.0
+    torch.save({"w": changed.to_sparse()}, b)
+    torch.save({"w": torch.sparse_coo_tensor(_dense().to_sparse()._indices(), _dense().to_sparse()._values(),
+                                             (4, 9))}, c)  # same parts, another size
+    assert run("diff", a, a)[0] == 0
+    assert run("diff", a, b)[0] == 1
+    assert run("diff", a, c)[0] == 1
+    fingerprints = {ckptool.fingerprint(ckptool.load(p).tensors) for p in (a, b, c)}
+    assert len(fingerprints) == 3
+
+
+def test_inconsistent_sparse_parts_are_refused_as_torch_refuses_them(tmp_path: Path) -> None:
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=False)
+    path = tmp_path / "bad.pt"
+    torch.save({"w": bad, "b": torch.ones(1)}, path)
+    with pytest.raises(Exception):
+        _torch_load(path)
+    with pytest.raises(ckptool.CkptError) as caught:
+        to_state_dict(ckptool.load(path).state_dict)
+    assert "\n" not in caught.value.message and "sparse_coo" in caught.value.message
+
+
+def test_a_nested_tensor_reaching_past_its_buffer_is_refused(tmp_path: Path) -> None:
+    """torch.load does not check a nested tensor's offsets; ckptool does before building a view."""
+    from test_differential import Crafted
+
+    buffer = torch.arange(4.0)
+    sizes, strides = torch.tensor([[2], [3]]), torch.tensor([[1], [1]])
+    for offsets, fits in ((torch.tensor([0, 1]), True), (torch.tensor([0, 2]), False), (torch.tensor([0, 100]), False)):
+        path = tmp_path / "nested.pt"
+        torch.save({"w": Crafted(torch._utils._rebuild_nested_tensor, (buffer, sizes, strides, offsets)),
+                    "b": torch.ones(1)}, path)
+        checkpoint = ckptool.load(path)  # the parts are read lazily: inspect and rewrites need no values
+        if fits:
+            assert_same(_torch_load(path)["w"], to_state_dict(checkpoint.state_dict)["w"], "w")
+            continue
+        with pytest.raises(ckptool.CkptError, match="past its buffer"):
+            to_state_dict(checkpoint.state_dict)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.quantize_per_tensor(torch.tensor([1.0, 2.0, 3.0]), 0.5, 1, torch.quint8),
+    lambda: torch.quantize_per_channel(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0.5, 0.25]),
+                                       torch.tensor([1, 2]), 0, torch.qint8),
+])
+def test_quantized_tensors_are_refused_as_unsupported_not_unsafe(tmp_path: Path, make: Any) -> None:
+    """torch allows their globals: scan must not call them unsafe; ckptool does not read them yet."""
+    path = tmp_path / "quantized.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save({"q": make(), "b": torch.ones(2)}, path)
+    for command in ("scan", "inspect"):
+        code, out, err = run(command, path)
+        assert code == 3 and len(err.strip().splitlines()) == 1 and "quantized" in err, (command, out, err)

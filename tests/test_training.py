@@ -24,6 +24,7 @@ from training.dcp_io import dcp_state_dict, load_dcp, save_dcp
 from training.data import class_prototypes, load_dataset, synthetic_digits
 from training.loop import ProcessInfo, process_info, strip_wrapper_prefix
 from training.models import INPUT_SHAPE, MODELS, build_model
+from training.options import MODEL_NAMES
 
 CONTAINER_KEYS = {"model", "optimizer", "epoch", "config", "metrics"}
 SMALL = ["--train-size", "512", "--test-size", "128"]
@@ -556,3 +557,35 @@ def test_process_info_reads_torchrun_and_refuses_mismatches() -> None:
         process_info("ddp", {"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UsageError, match="--mode single launched as 2 torchrun workers"):
         process_info("single", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_model_names_checked_without_torch_are_the_models() -> None:
+    assert MODEL_NAMES == tuple(MODELS)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "vgg"],
+        ["--mode", "ddp"],
+        ["--data", "mnist"],
+        ["--epochs", "0"],
+        ["--out", "/nonexistent-directory/x.pt"],
+    ],
+    ids=["unknown-model", "ddp-without-torchrun", "mnist-without-dir", "bad-epochs", "missing-out-directory"],
+)
+def test_bad_arguments_are_refused_before_torch_is_imported(args: list[str], subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
+    # every process of a training run pays seconds for `import torch`: a wrong argument must not
+    probe = (
+        "import sys\n"
+        "from training.__main__ import main\n"
+        "try:\n"
+        f"    code = main({[*args, '--out', str(tmp_path / 'x.pt')] if '--out' not in args else args!r})\n"
+        "except SystemExit as e:  # argparse's own refusals exit\n"
+        "    code = e.code\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    completed = subprocess.run([python_executable, "-c", probe], env=subprocess_env, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert completed.stdout.split() == ["2", "False"], (completed.stdout, completed.stderr)
+    assert len(completed.stderr.strip().splitlines()) == 1, completed.stderr
+    assert not (tmp_path / "x.pt").exists()

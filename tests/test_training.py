@@ -182,11 +182,18 @@ def test_resume_continues_exactly_where_it_stopped(train, tmp_path: Path) -> Non
         assert torch.equal(tensor, resumed_checkpoint["model"][key]), key
 
 
-def test_weights_only_saves_the_bare_state_dict(train, tmp_path: Path) -> None:
-    out = tmp_path / "weights.pt"
-    train("--mode", "single", "--model", "lenet", "--epochs", "1", "--weights-only", *SMALL, "--out", str(out))
+@pytest.fixture(scope="module")
+def weights_only_lenet(tmp_path_factory, subprocess_env: dict[str, str], repo_root: Path, python_executable: str) -> Path:
+    """One real ``--weights-only`` run, shared: one test checks what it saved, another that it cannot be resumed."""
+    out = tmp_path_factory.mktemp("weights_only") / "weights.pt"
+    args = ["--mode", "single", "--model", "lenet", "--epochs", "1", "--weights-only", *SMALL, "--out", str(out)]
+    completed = run_training(args, env=subprocess_env, cwd=repo_root, python=python_executable)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return out
 
-    state_dict = load_checkpoint(out)
+
+def test_weights_only_saves_the_bare_state_dict(weights_only_lenet: Path) -> None:
+    state_dict = load_checkpoint(weights_only_lenet)
     assert set(state_dict) == set(build_model("lenet").state_dict())
     assert_loads_strictly(state_dict, "lenet")
 
@@ -496,11 +503,9 @@ def test_nonexistent_output_directory_fails_before_training(subprocess_env, repo
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resume_from_weights_only_file_is_refused(train, subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
-    weights = tmp_path / "weights.pt"
-    train("--model", "mlp", "--epochs", "1", "--weights-only", *SMALL, "--out", str(weights))
+def test_resume_from_weights_only_file_is_refused(weights_only_lenet: Path, subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
     out = tmp_path / "resumed.pt"
-    completed = run_training(["--model", "mlp", "--resume", str(weights), "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable)
+    completed = run_training(["--model", "lenet", "--resume", str(weights_only_lenet), "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable)
     assert_one_line_error(completed, "not a full training checkpoint", exit_code=1)
     assert not out.exists()
 

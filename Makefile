@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DEMO := demo-out
+# pytest-xdist workers; --dist loadfile keeps each test file (and its module-scoped training runs) on one worker
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench fixtures clean
 
@@ -19,7 +21,7 @@ demo: venv
 	bash scripts/demo.sh
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: venv
 	$(PY) -m bench

@@ -24,6 +24,7 @@ from training.dcp_io import dcp_state_dict, load_dcp, save_dcp
 from training.data import class_prototypes, load_dataset, synthetic_digits
 from training.loop import ProcessInfo, process_info, strip_wrapper_prefix
 from training.models import INPUT_SHAPE, MODELS, build_model
+from training.options import MODEL_NAMES
 
 CONTAINER_KEYS = {"model", "optimizer", "epoch", "config", "metrics"}
 SMALL = ["--train-size", "512", "--test-size", "128"]
@@ -181,11 +182,18 @@ def test_resume_continues_exactly_where_it_stopped(train, tmp_path: Path) -> Non
         assert torch.equal(tensor, resumed_checkpoint["model"][key]), key
 
 
-def test_weights_only_saves_the_bare_state_dict(train, tmp_path: Path) -> None:
-    out = tmp_path / "weights.pt"
-    train("--mode", "single", "--model", "lenet", "--epochs", "1", "--weights-only", *SMALL, "--out", str(out))
+@pytest.fixture(scope="module")
+def weights_only_lenet(tmp_path_factory, subprocess_env: dict[str, str], repo_root: Path, python_executable: str) -> Path:
+    """One real ``--weights-only`` run, shared: one test checks what it saved, another that it cannot be resumed."""
+    out = tmp_path_factory.mktemp("weights_only") / "weights.pt"
+    args = ["--mode", "single", "--model", "lenet", "--epochs", "1", "--weights-only", *SMALL, "--out", str(out)]
+    completed = run_training(args, env=subprocess_env, cwd=repo_root, python=python_executable)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return out
 
-    state_dict = load_checkpoint(out)
+
+def test_weights_only_saves_the_bare_state_dict(weights_only_lenet: Path) -> None:
+    state_dict = load_checkpoint(weights_only_lenet)
     assert set(state_dict) == set(build_model("lenet").state_dict())
     assert_loads_strictly(state_dict, "lenet")
 
@@ -495,11 +503,9 @@ def test_nonexistent_output_directory_fails_before_training(subprocess_env, repo
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resume_from_weights_only_file_is_refused(train, subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
-    weights = tmp_path / "weights.pt"
-    train("--model", "mlp", "--epochs", "1", "--weights-only", *SMALL, "--out", str(weights))
+def test_resume_from_weights_only_file_is_refused(weights_only_lenet: Path, subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
     out = tmp_path / "resumed.pt"
-    completed = run_training(["--model", "mlp", "--resume", str(weights), "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable)
+    completed = run_training(["--model", "lenet", "--resume", str(weights_only_lenet), "--out", str(out)], env=subprocess_env, cwd=repo_root, python=python_executable)
     assert_one_line_error(completed, "not a full training checkpoint", exit_code=1)
     assert not out.exists()
 
@@ -556,3 +562,35 @@ def test_process_info_reads_torchrun_and_refuses_mismatches() -> None:
         process_info("ddp", {"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UsageError, match="--mode single launched as 2 torchrun workers"):
         process_info("single", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_model_names_checked_without_torch_are_the_models() -> None:
+    assert MODEL_NAMES == tuple(MODELS)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "vgg"],
+        ["--mode", "ddp"],
+        ["--data", "mnist"],
+        ["--epochs", "0"],
+        ["--out", "/nonexistent-directory/x.pt"],
+    ],
+    ids=["unknown-model", "ddp-without-torchrun", "mnist-without-dir", "bad-epochs", "missing-out-directory"],
+)
+def test_bad_arguments_are_refused_before_torch_is_imported(args: list[str], subprocess_env, repo_root, python_executable, tmp_path: Path) -> None:
+    # every process of a training run pays seconds for `import torch`: a wrong argument must not
+    probe = (
+        "import sys\n"
+        "from training.__main__ import main\n"
+        "try:\n"
+        f"    code = main({[*args, '--out', str(tmp_path / 'x.pt')] if '--out' not in args else args!r})\n"
+        "except SystemExit as e:  # argparse's own refusals exit\n"
+        "    code = e.code\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    completed = subprocess.run([python_executable, "-c", probe], env=subprocess_env, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert completed.stdout.split() == ["2", "False"], (completed.stdout, completed.stderr)
+    assert len(completed.stderr.strip().splitlines()) == 1, completed.stderr
+    assert not (tmp_path / "x.pt").exists()

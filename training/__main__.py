@@ -58,15 +58,26 @@ failure (e.g. a --resume checkpoint that does not fit). Errors are one line on s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 from training import TrainingError
-from training.data import DATASETS
-from training.checkpoints import SAVE_FORMATS
-from training.loop import MODES, SAVE_STYLES, RunConfig, run
-from training.models import MODELS
+# Only torch-free modules here: a bad argument, launch environment, --out or missing dataset is
+# reported before ``import torch`` (training.loop, imported in main), which costs seconds per process.
+from training.options import (
+    DATASETS,
+    MODEL_NAMES,
+    MODES,
+    SAVE_FORMATS,
+    SAVE_STYLES,
+    RunConfig,
+    check_dataset_present,
+    check_output_writable,
+    process_info,
+    validate,
+)
 
 PROG = "training"
 
@@ -91,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--mode", choices=MODES, default=defaults.mode, help="single process, nn.DataParallel, or DDP / FSDP2 under torchrun"
     )
-    parser.add_argument("--model", choices=list(MODELS), default=defaults.model)
+    parser.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs to run (more after --resume)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate")
@@ -143,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         test_size=args.test_size,
     )
     try:
+        # run() checks these again; here they come before torch is imported
+        validate(config)
+        if process_info(config.mode, os.environ).is_main:
+            check_output_writable(config.out, config.save_format)
+        check_dataset_present(config.data, config.data_dir)
+        from training.loop import run
+
         run(config, log=lambda line: print(line, flush=True))
     except TrainingError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

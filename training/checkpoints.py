@@ -23,9 +23,9 @@ import torch
 
 from ckptool.atomic import atomic_output
 from ckptool.errors import OutputError
-from training import TrainingError, UsageError
+from training import TrainingError
+from training.options import DCP_METADATA, SAVE_FORMATS, check_dcp_output, is_dcp_directory  # noqa: F401  (re-exported)
 
-SAVE_FORMATS = ("torch", "dcp")
 # Keys of the full training checkpoint (--save-format torch); "model" holds the weights.
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -37,7 +37,6 @@ METRICS_KEY = "metrics"
 DCP_MODEL_KEY = "model"
 DCP_OPTIMIZER_KEY = "optim"
 DCP_EXTRA_KEY = "extra"
-DCP_METADATA = ".metadata"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,31 +85,3 @@ def optimizer_state_by_name(state_dict: Mapping[str, Any], names: list[str]) -> 
     groups = [{**group, "params": [names[number] for number in group["params"]]} for group in state_dict["param_groups"]]
     state = {names[number]: value for number, value in state_dict["state"].items()}
     return {"state": state, "param_groups": groups}
-
-
-# ---------------------------------------------------------------------------------------------
-# --save-format dcp: where it goes (the writing is training.dcp_io's)
-
-
-def is_dcp_directory(path: Path) -> bool:
-    """True if ``path`` is a directory holding a DCP ``.metadata`` file."""
-    return path.is_dir() and (path / DCP_METADATA).is_file()
-
-
-def check_dcp_output(out: Path) -> None:
-    """Fail before training when ``out`` cannot become a DCP checkpoint directory.
-
-    An existing DCP checkpoint (or an empty directory) is replaced, as an existing file is for
-    ``--save-format torch``; any other existing path is refused rather than deleted.
-
-    Raises:
-        UsageError: the parent directory is missing, or ``out`` is a file or a directory holding anything else.
-    """
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file — a DCP checkpoint is a directory; give a new path such as {out}.dcp")
-    if out.is_dir() and not is_dcp_directory(out) and any(out.iterdir()):
-        raise UsageError(
-            f"--out {out} is a directory that is not a DCP checkpoint — refusing to replace it; give a new path"
-        )
-    if not out.parent.is_dir():
-        raise UsageError(f"--out {out}: directory {out.parent} does not exist — create it first")

@@ -19,8 +19,8 @@ from torch.nn import functional
 from torch.utils.data import TensorDataset
 
 from training import DatasetNotFoundError, UsageError
+from training.options import DATASETS
 
-DATASETS = ("synthetic", "mnist")
 DEFAULT_TRAIN_SIZE = 6000
 DEFAULT_TEST_SIZE = 1000
 

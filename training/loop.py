@@ -43,60 +43,30 @@ from training.checkpoints import (
     METRICS_KEY,
     MODEL_KEY,
     OPTIMIZER_KEY,
-    SAVE_FORMATS,
-    check_dcp_output,
     save_torch,
 )
-from training.data import DATASETS, load_dataset
-from training.models import MODELS, build_model
+from training.data import load_dataset
+from training.models import build_model
+from training.options import (  # noqa: F401  (re-exported: the loop's settings and checks live there)
+    DATASETS,
+    DISTRIBUTED_MODES,
+    MODES,
+    SAVE_FORMATS,
+    SAVE_STYLES,
+    TORCHRUN_ENV,
+    ProcessInfo,
+    RunConfig,
+    check_output_writable,
+    process_info,
+    validate,
+)
 
-MODES = ("single", "dp", "ddp", "fsdp")
-# Modes that run as torchrun workers in one process group.
-DISTRIBUTED_MODES = ("ddp", "fsdp")
-SAVE_STYLES = ("unwrapped", "wrapped")
 # Prefix nn.DataParallel and DistributedDataParallel put on every key of their own state_dict().
 WRAPPER_PREFIX = "module."
-# torchrun sets these for every worker; their absence means the script was not launched by torchrun.
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 # training.dcp_io (torch.distributed.checkpoint) and torchvision are imported where first needed:
 # each adds about a second to the start of every process, and most runs need neither.
 
 ConfigValue = str | int | float | bool | None
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """The settings of one training run (the CLI's arguments)."""
-
-    mode: str = "single"
-    model: str = "lenet"
-    epochs: int = 2
-    batch_size: int = 64  # per process: a DDP run of N processes steps on N*batch_size samples
-    lr: float = 1e-3
-    seed: int = 0
-    out: Path = Path("checkpoint.pt")
-    save_style: str = "unwrapped"
-    save_format: str = "torch"
-    weights_only: bool = False
-    resume: Path | None = None  # a --save-format torch file or a DCP directory
-    data: str = "synthetic"
-    data_dir: Path | None = None
-    train_size: int | None = None
-    test_size: int | None = None
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """Where this process sits in the run: its global rank, its rank on this node, and the run's size."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 logs, evaluates and saves."""
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -108,39 +78,6 @@ class RunResult:
     test_accuracy: float | None
     train_loss: float
     seconds: float
-
-
-def process_info(mode: str, environ: Mapping[str, str]) -> ProcessInfo:
-    """Read the rank layout from torchrun's environment.
-
-    Raises:
-        UsageError: ``ddp``/``fsdp`` without torchrun's variables, or ``single``/``dp`` launched as several
-            torchrun workers (each would train alone and overwrite the others' output).
-    """
-    present = [name for name in TORCHRUN_ENV if name in environ]
-    if mode in DISTRIBUTED_MODES:
-        missing = [name for name in TORCHRUN_ENV if name not in environ]
-        if missing:
-            raise UsageError(
-                f"--mode {mode} needs the torchrun environment ({', '.join(missing)} not set) — launch with: "
-                f"torchrun --standalone --nproc-per-node 2 -m training --mode {mode} ..."
-            )
-    elif not present:
-        return ProcessInfo()
-    try:
-        info = ProcessInfo(
-            rank=int(environ.get("RANK", "0")),
-            local_rank=int(environ.get("LOCAL_RANK", "0")),
-            world_size=int(environ.get("WORLD_SIZE", "1")),
-        )
-    except ValueError as e:
-        raise UsageError(f"torchrun environment is not numeric ({e}) — launch with torchrun") from e
-    if mode not in DISTRIBUTED_MODES and info.world_size > 1:
-        raise UsageError(
-            f"--mode {mode} launched as {info.world_size} torchrun workers — use --mode ddp or fsdp, "
-            "or run it with plain python"
-        )
-    return info
 
 
 def seed_everything(seed: int) -> None:
@@ -164,33 +101,6 @@ def select_device(mode: str, info: ProcessInfo) -> torch.device:
     index = info.local_rank if mode in DISTRIBUTED_MODES else 0
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def check_output_writable(out: Path, save_format: str = "torch") -> None:
-    """Fail before training when ``out`` could not be written.
-
-    Raises:
-        UsageError: the directory is missing, not a directory, or not writable; or ``out`` is a directory
-            (``torch``), or a file or a directory other than a DCP checkpoint (``dcp``).
-    """
-    directory = out.parent
-    if save_format == "dcp":
-        check_dcp_output(out)
-    elif out.is_dir():
-        raise UsageError(
-            f"--out {out} is a directory — give a file path such as {out / 'checkpoint.pt'}, "
-            "or --save-format dcp to write a DCP directory"
-        )
-    if not directory.is_dir():
-        raise UsageError(f"--out {out}: directory {directory} does not exist — create it first")
-    try:
-        # a real probe: os.access says yes to root on read-only mounts
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise UsageError(
-            f"--out {out}: directory {directory} is not writable ({e.strerror}) — choose a writable directory"
-        ) from e
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -408,35 +318,6 @@ def run_settings(config: RunConfig, info: ProcessInfo, *, train_size: int, test_
         "world_size": info.world_size,
         "resumed_from_epoch": resumed_from,
     }
-
-
-def validate(config: RunConfig) -> None:
-    """Check the arguments that need no data, model or process group.
-
-    Raises:
-        UsageError: the first problem found.
-    """
-    if config.mode not in MODES:
-        raise UsageError(f"unknown mode {config.mode!r} — choose one of: {', '.join(MODES)}")
-    if config.model not in MODELS:
-        raise UsageError(f"unknown model {config.model!r} — choose one of: {', '.join(MODELS)}")
-    if config.data not in DATASETS:
-        raise UsageError(f"unknown dataset {config.data!r} — choose one of: {', '.join(DATASETS)}")
-    if config.save_style not in SAVE_STYLES:
-        raise UsageError(f"unknown save style {config.save_style!r} — choose one of: {', '.join(SAVE_STYLES)}")
-    if config.save_format not in SAVE_FORMATS:
-        raise UsageError(f"unknown save format {config.save_format!r} — choose one of: {', '.join(SAVE_FORMATS)}")
-    if config.save_format == "dcp" and config.save_style == "wrapped":
-        # get_state_dict names parameters as the model does, whatever wraps it: no "module." to keep
-        raise UsageError(
-            "--save-style wrapped needs --save-format torch — a DCP checkpoint always holds the model's own keys"
-        )
-    for name in ("epochs", "batch_size", "train_size", "test_size"):
-        value = getattr(config, name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if not config.lr > 0:
-        raise UsageError(f"--lr must be positive, got {config.lr}")
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from training_runs import run_training
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -48,7 +50,7 @@ def python_executable() -> str:
 # Files whose real training runs take most of the suite's time, longest first: under
 # ``pytest -n 2 --dist loadfile`` (make test) the workers start on these and the many short files
 # fill in around them, instead of one worker taking the longest file last.
-LONGEST_FILES = ("test_training.py", "test_fixtures.py", "test_bench.py", "test_dcp.py", "test_hostile.py")
+LONGEST_FILES = ("test_training.py", "test_training_dcp.py", "test_fixtures.py", "test_bench.py", "test_dcp.py", "test_hostile.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,3 +75,15 @@ def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="gpu: needs CUDA (torch.cuda.is_available() is False here)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def train(subprocess_env: dict[str, str], repo_root: Path, python_executable: str):
+    """Run ``python -m training ARGS`` (or under torchrun); fail the test with its stderr if it fails."""
+
+    def _train(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess[str]:
+        completed = run_training(list(args), env=subprocess_env, cwd=repo_root, python=python_executable, torchrun=torchrun)
+        assert completed.returncode == 0, completed.stderr[-4000:]
+        return completed
+
+    return _train

@@ -33,7 +33,6 @@ import ckptool  # noqa: E402
 from ckptool.cli import main  # noqa: E402
 from ckptool.materialize import to_state_dict  # noqa: E402
 from ckptool.pickles import PARAMETER_DESCRIPTORS  # noqa: E402
-from ckptool.refs import TensorRef  # noqa: E402
 from ckptool.tree import iter_tensors  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,

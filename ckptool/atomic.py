@@ -192,6 +192,26 @@ def _fsync_files(directory: Path) -> None:
 
 
 @contextlib.contextmanager
+def _temp_folder(out: Path, inside: Path, *, keep: tuple[type[BaseException], ...] = ()) -> Iterator[Path]:
+    """A new temp folder in ``inside`` for the output ``out``, removed if the block fails — unless by one
+    of ``keep`` (whose handler needs what it holds). An OS error becomes an OutputError naming ``out``."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=inside))
+    except OSError as e:
+        raise OutputError(_os_error_message(e), path=out) from e
+    try:
+        yield tmp
+    except keep:
+        raise
+    except OSError as e:
+        _rmtree_quietly(tmp)
+        raise OutputError(_os_error_message(e), path=out) from e
+    except BaseException:
+        _rmtree_quietly(tmp)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_directory(out: Path, *, rename: Rename = os.replace) -> Iterator[Path]:
     """Yield a temp directory beside ``out``; on success it takes ``out``'s place in one rename.
 
@@ -202,11 +222,7 @@ def atomic_directory(out: Path, *, rename: Rename = os.replace) -> Iterator[Path
     """
     out = Path(out)
     parent = out.parent if str(out.parent) else Path(".")
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent))
-    except OSError as e:
-        raise OutputError(_os_error_message(e), path=out) from e
-    try:
+    with _temp_folder(out, parent) as tmp:
         yield tmp
         _fsync_files(tmp)
         os.chmod(tmp, 0o755 & ~_umask() | 0o700)
@@ -227,12 +243,6 @@ def atomic_directory(out: Path, *, rename: Rename = os.replace) -> Iterator[Path
         else:
             rename(tmp, out)
         fsync_dir(parent)
-    except OSError as e:
-        _rmtree_quietly(tmp)
-        raise OutputError(_os_error_message(e), path=out) from e
-    except BaseException:
-        _rmtree_quietly(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -251,33 +261,24 @@ def update_directory(out: Path, *, last: str, remove: Iterable[str] = (), rename
     """
     out = Path(out)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out))
-    except OSError as e:
-        raise OutputError(_os_error_message(e), path=out) from e
-    try:
-        yield staging
-        _fsync_files(staging)
-        names = sorted(p.name for p in staging.iterdir() if p.name != last)
-        if (staging / last).exists():
-            names.append(last)
-        previous = staging / "previous"
-        previous.mkdir()
-        with signals_deferred():
-            _move_in(staging, out, names, last, previous, rename)
-            fsync_dir(out)
-            for name in remove:
-                if name not in names and os.path.lexists(out / name) and not (out / name).is_dir():
-                    _unlink_quietly(out / name)  # a link is removed, never what it points to
-            fsync_dir(out)
-        _rmtree_quietly(staging)
-    except _PartlyUndone as e:  # keep the temp folder: it holds files that could not be put back
+        with _temp_folder(out, out, keep=(_PartlyUndone,)) as staging:
+            yield staging
+            _fsync_files(staging)
+            names = sorted(p.name for p in staging.iterdir() if p.name != last)
+            if (staging / last).exists():
+                names.append(last)
+            previous = staging / "previous"
+            previous.mkdir()
+            with signals_deferred():
+                _move_in(staging, out, names, last, previous, rename)
+                fsync_dir(out)
+                for name in remove:
+                    if name not in names and os.path.lexists(out / name) and not (out / name).is_dir():
+                        _unlink_quietly(out / name)  # a link is removed, never what it points to
+                fsync_dir(out)
+            _rmtree_quietly(staging)
+    except _PartlyUndone as e:  # the temp folder is kept: it holds files that could not be put back
         raise OutputError(f"{e} — they are in {staging / 'previous'}; move them back by hand", path=out) from e.cause
-    except OSError as e:
-        _rmtree_quietly(staging)
-        raise OutputError(_os_error_message(e), path=out) from e
-    except BaseException:
-        _rmtree_quietly(staging)
-        raise
 
 
 class _PartlyUndone(Exception):

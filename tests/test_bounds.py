@@ -263,3 +263,15 @@ def test_verify_fails_on_nonfinite_weights_unless_allowed(tmp_path: Path) -> Non
     assert invoke("verify", path, "--devices", "cpu", "--allow-nonfinite-key", "*.mask").exit_code == 0
     assert invoke("verify", path, "--devices", "cpu", "--allow-nonfinite").exit_code == 0
     assert invoke("verify", path, "--devices", "cpu", "--allow-nonfinite-key", "w").exit_code == 1
+
+
+def test_a_header_over_the_format_limit_is_refused_before_writing(tmp_path: Path) -> None:
+    # a config that is not shared (so no pickle limit applies) but larger than any safetensors header may be
+    source = tmp_path / "big_config.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "config": {"notes": "x" * (safetensors.MAX_HEADER_BYTES + 1)}}, source)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = invoke("convert", source, "-o", out / "model.safetensors")
+    assert result.exit_code == 3 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "over the format's" in result.stderr and "--to pt" in result.stderr
+    assert not any(out.iterdir())

@@ -293,6 +293,11 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
         position += tensor.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
+    if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
+        entries = len(metadata.get("ckptool.entries", ""))
+        raise OutputError(f"the safetensors header would be {len(encoded)} bytes, over the format's "
+                          f"{MAX_HEADER_BYTES}-byte limit ({entries} of them the container's other entries) — "
+                          "write a .pt instead (--to pt)")
     handle.write(struct.pack("<Q", len(encoded)) + encoded)
     handle.flush()
     out_offset = 8 + len(encoded)

@@ -580,19 +580,23 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     out = Path(out)
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
-    if target.startswith("safetensors") and checkpoint.has_weights:  # before any component is taken for a tensor
+    if target == "pt":
+        tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    else:  # weights only: one without them is refused (state_dict says so); every refusal comes
+        # before a thread reads the input or a byte is written, the layouts' before any of their
+        # components is taken for a tensor
         layouts.refuse_for_safetensors(checkpoint.state_dict, out)
-    tensors = checkpoint.tensors if checkpoint.has_weights else {}
+        _refuse_meta_tensors(checkpoint, out)
+        tensors = checkpoint.tensors
+        safetensors.check_dtypes(tensors, out=out)
     # a .pt output copies storages raw: only its fingerprint would stream the views in full
     views_raw = target == "pt"
     if not views_raw or fingerprint:
         check_expansion(tensors, allow=allow_expansion, path=checkpoint.path,
                         doing="write" if not views_raw else "fingerprint")
-    if target != "pt":
-        _refuse_meta_tensors(checkpoint, out)
     plan: _ShardPlan | None = None
     if target == "safetensors-sharded":
-        plan = _plan_shards(checkpoint.tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
+        plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
                             checkpoint.path)
         check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
                             in_place=in_place)
@@ -608,7 +612,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         if target == "pt":
             report = _save_pt(checkpoint, out, nest, expect)
         elif target == "safetensors":
-            report = _save_safetensors(checkpoint, out, duplicate_tied, expect)
+            report = _save_safetensors(checkpoint, tensors, out, duplicate_tied, expect)
         else:
             assert plan is not None
             report = _save_sharded(checkpoint, out, plan, expect)
@@ -692,8 +696,6 @@ def _patch_fingerprint(handle: Any, value: str) -> None:
 def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
     """A meta tensor among the weights (a shape and dtype, no values) has no place in safetensors;
     leaving it out would drop a weight silently."""
-    if not checkpoint.has_weights:
-        return
     names = [name for name, value in dict.items(checkpoint.state_dict)
              if getattr(value, "_global", "") == "torch._utils._rebuild_meta_tensor_no_storage"]
     if names:
@@ -702,9 +704,8 @@ def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
                           "write a .pt instead (--to pt), or leave these tensors out", path=out)
 
 
-def _save_safetensors(checkpoint: Checkpoint, out: Path, duplicate_tied: bool, expect: _Expectations) -> SaveReport:
-    tensors = checkpoint.tensors
-    safetensors.check_dtypes(tensors)
+def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool,
+                      expect: _Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
     with atomic_output(out) as (handle, tmp):
         sums = OutputSums(tmp)
@@ -746,7 +747,6 @@ MAX_SHARDS = 10_000
 
 def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path,
                  source: Path) -> _ShardPlan:
-    safetensors.check_dtypes(tensors)
     if max_shard_size < 1:
         raise UsageError(f"--max-shard-size must be at least 1 byte, not {max_shard_size}")
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)

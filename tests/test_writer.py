@@ -303,3 +303,14 @@ def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, 
     with pytest.raises(FingerprintMismatchError):
         save(source.strip_prefix(), tmp_path / f"bad{suffix}")
     assert not (tmp_path / f"bad{suffix}").exists()
+
+
+@pytest.mark.parametrize("max_shard_size", [None, 1 << 20], ids=["file", "folder"])
+def test_a_safetensors_output_of_a_checkpoint_without_weights_is_refused(max_shard_size: int | None,
+                                                                        tmp_path: Path) -> None:
+    source = tmp_path / "state.pt"
+    torch.save({"epoch": 3, "config": {"lr": 0.1}}, source)
+    out = tmp_path / ("out" if max_shard_size else "out.safetensors")
+    with pytest.raises(ckptool.InputError, match="holds no weights"):
+        save(ckptool.load(source), out, max_shard_size=max_shard_size)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]

@@ -247,7 +247,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-def check_dtypes(tensors: Mapping[str, TensorRef]) -> None:
+def check_dtypes(tensors: Mapping[str, TensorRef], *, out: Path | None = None) -> None:
     """Refuse, before anything is written, tensors whose dtype the safetensors format does not define,
     naming them (the safetensors library would not open the file)."""
     outside: dict[str, list[str]] = {}
@@ -259,7 +259,7 @@ def check_dtypes(tensors: Mapping[str, TensorRef]) -> None:
         kinds = ", ".join(f"{dtype} ({len(names)}: {', '.join(repr(n) for n in names[:3])}"
                           f"{', ...' if len(names) > 3 else ''})" for dtype, names in outside.items())
         raise OutputError(f"safetensors has no dtype for {count} tensor(s): {kinds} — write a .pt instead "
-                         "(--to pt), or leave these tensors out")
+                         "(--to pt), or leave these tensors out", path=out)
 
 
 def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:

@@ -10,7 +10,7 @@ alone the bytes are streamed from the file without torch, and with ``against`` c
 pass as the diff reads them (the checkpoint is read once). ``against`` compares with a second
 checkpoint in any format (keys, dtypes, shapes, values; and, with a model, outputs).
 
-The work is three steps: :func:`plan_verify` settles everything from the arguments (the checkpoints
+The work is three steps: a :class:`VerifyPlan` settles everything from the arguments (the checkpoints
 read, the SPEC, the input shape, the devices) and refuses bad ones before anything runs; the weight
 checks (:mod:`ckptool.weight_checks`) or the model checks (:mod:`ckptool.model_checks`) fill a
 :class:`VerifyReport`; then the ``against`` check, and :func:`~ckptool.verify_report.conclude`
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .checkpoint import Checkpoint
 from .comparison import DiffReport, diff
-from .determinism import _precision_attributes, determinism_state, deterministic_settings  # noqa: F401
+from .determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
 from .devices import Device, TorchDevice, open_devices, resolve_devices  # noqa: F401  (re-exported)
 from .errors import UsageError
 from .materialize import LoadMismatchError, LoadReport, load_into, model_name, to_state_dict
@@ -71,7 +71,7 @@ AGAINST_KEYS: KeyPolicy = "fix"
 
 @dataclass(frozen=True)
 class VerifyPlan:
-    """What :func:`verify` checks, settled from its arguments before anything runs.
+    """What :func:`verify` checks, settled from its arguments before anything runs (:func:`run_plan` runs it).
 
     Attributes:
         checkpoint: the checkpoint under test, read (lazily: no tensor bytes yet).
@@ -106,28 +106,23 @@ class VerifyPlan:
         return self.spec is None and self.against is not None and [d.name for d in self.devices] == ["cpu"]
 
 
-def plan_verify(
-    path: Path | str,
-    *,
-    model_spec: str | ModelSpec | None = None,
-    model_args: Sequence[str] = (),
-    devices: str | Sequence[str | Device] = "all",
-    against: Path | str | None = None,
-    input_shape: tuple[int, ...] | str | None = None,
-    atol: float | None = None,
-    rtol: float | None = None,
-    allow_globals: tuple[str, ...] | list[str] = (),
-    allow_expansion: bool = False,
-    allow_nonfinite: bool | Sequence[str] = False,
-) -> VerifyPlan:
-    """Read the checkpoints and check every argument of :func:`verify` (which see) — nothing runs yet.
-
-    Raises:
-        CkptError: a checkpoint is unreadable or refused; UsageError: a bad SPEC, shape or device.
-    """
-    checkpoint = load(path, allow_globals=allow_globals)
+def read_checked(path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False) -> Checkpoint:
+    """A checkpoint to verify, read (lazily: no tensor bytes yet); views expanding their storage are
+    refused unless ``allow_expansion``."""
+    checkpoint = load(path, allow_globals=tuple(allow_globals))
     check_expansion(checkpoint.tensors if checkpoint.has_weights else {}, allow=allow_expansion,
                     path=checkpoint.path, doing="verify")
+    return checkpoint
+
+
+def plan_model(model_spec: str | ModelSpec | None, model_args: Sequence[str] = (),
+               input_shape: tuple[int, ...] | str | None = None) -> tuple[ModelSpec | None, tuple[int, ...] | None]:
+    """The model and the seeded input's shape (the family's default unless given), checked.
+
+    Raises:
+        UsageError: a bad SPEC or shape, model options without a model, or no shape for a model
+            whose family has no default.
+    """
     spec = model_spec if isinstance(model_spec, ModelSpec) or model_spec is None else \
         parse_model_spec(model_spec, model_args)
     if spec is None and (model_args or input_shape is not None):
@@ -137,14 +132,7 @@ def plan_verify(
         shape = spec.default_input_shape
         if shape is None:
             raise UsageError(f"--model {spec.text}: say the input shape with --input-shape, e.g. 1,3,224,224")
-    device_list = open_devices(devices)
-    other = load(against, allow_globals=allow_globals) if against is not None else None
-    if other is not None:
-        check_expansion(other.tensors if other.has_weights else {}, allow=allow_expansion, path=other.path,
-                        doing="verify")
-    return VerifyPlan(checkpoint=checkpoint, devices=device_list, spec=spec,
-                      input_shape=tuple(shape) if shape is not None else None, against=other, atol=atol, rtol=rtol,
-                      allow_nonfinite=allow_nonfinite, test_set_size=TEST_SET_SIZE)
+    return spec, tuple(shape) if shape is not None else None
 
 
 def verify(
@@ -191,10 +179,15 @@ def verify(
         >>> report.ok, report.devices[0].max_abs_err                                        # doctest: +SKIP
         (True, 0.0)
     """
-    plan = plan_verify(path, model_spec=model_spec, model_args=model_args, devices=devices, against=against,
-                       input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals,
-                       allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite)
-    return run_plan(plan)
+    # the plan, in the order its arguments are judged: the checkpoint, the model, the devices, the other
+    checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion)
+    spec, shape = plan_model(model_spec, model_args, input_shape)
+    device_list = open_devices(devices)
+    other = read_checked(against, allow_globals=allow_globals, allow_expansion=allow_expansion) \
+        if against is not None else None
+    return run_plan(VerifyPlan(checkpoint=checkpoint, devices=device_list, spec=spec, input_shape=shape,
+                               against=other, atol=atol, rtol=rtol, allow_nonfinite=allow_nonfinite,
+                               test_set_size=TEST_SET_SIZE))
 
 
 def run_plan(plan: VerifyPlan) -> VerifyReport:

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from ckptool import determinism
 from ckptool.cli import main
 from ckptool.devices import TorchDevice
 from ckptool.errors import UsageError
@@ -208,7 +209,7 @@ def test_determinism_flags_are_set_while_verifying_and_restored(lenet_pt: Path) 
         return value
 
     original = verify_module.determinism_state()
-    precision = [(owner, name, getattr(owner, name)) for owner, name in verify_module._precision_attributes()]
+    precision = [(owner, name, getattr(owner, name)) for owner, name in determinism._precision_attributes()]
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.deterministic = False
     torch.set_float32_matmul_precision("high")

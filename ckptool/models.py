@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 # Packages offer model families here: `[project.entry-points."ckptool.models"] NAME = "pkg.mod:fn"`,
 # the entry point's name being the family's; loading it and calling ``fn()`` must :func:`register` it.
 ENTRY_POINT_GROUP = "ckptool.models"
+# a model family's labelled test set: test_set(size) -> (inputs, labels)
+TestSet = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 # torchvision builders by module: the input shape they are usually called with
 TORCHVISION_INPUT_SHAPES = {
     "torchvision.models.video": (1, 3, 16, 112, 112),
@@ -64,6 +66,7 @@ class ModelSpec:
         name: the builder's name (``resnet18``) or ``module:factory`` for user code.
         kwargs: keyword arguments for the builder.
         default_input_shape: the input the family's models take (None: ask for ``--input-shape``).
+        test_set: a registered family's labelled test set, ``test_set(size)`` -> ``(inputs, labels)``.
 
     Example:
         >>> spec = parse_model_spec("torchvision:resnet18?num_classes=10")
@@ -76,6 +79,7 @@ class ModelSpec:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     default_input_shape: tuple[int, ...] | None = None
+    test_set: TestSet | None = field(default=None, compare=False, repr=False)
 
     def build(self) -> nn.Module:
         """A fresh model, on CPU (initialisation follows torch's global RNG).
@@ -163,9 +167,6 @@ def parse_model_spec(spec: str, model_args: Iterable[str] = ()) -> ModelSpec:
 
 # ------------------------------------------------------------------------------------------- families
 
-TestSet = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
-
-
 @dataclass(frozen=True)
 class ModelFamily:
     """Models a package offers under ``FAMILY:NAME`` (see :func:`register`).
@@ -190,7 +191,8 @@ class ModelFamily:
                              f"{', '.join(self.builders)}")
         if kwargs:
             raise UsageError(f"--model {text}: {self.name} models take no arguments (got {', '.join(kwargs)})")
-        return ModelSpec(text=text, family=self.name, name=name, kwargs={}, default_input_shape=self.input_shape)
+        return ModelSpec(text=text, family=self.name, name=name, kwargs={}, default_input_shape=self.input_shape,
+                         test_set=self.test_set)
 
     def build(self, name: str) -> nn.Module:
         return self.builders[name]()

@@ -42,7 +42,7 @@ from .model_checks import (  # noqa: F401  (re-exported: verify's public helpers
     model_dtype,
     run_model,
 )
-from .models import ModelSpec, parse_input_shape, parse_model_spec, registered_family
+from .models import ModelSpec, parse_input_shape, parse_model_spec
 from .reader import load
 from .refs import check_expansion
 from .verify_report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
@@ -258,9 +258,7 @@ def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Refe
     report.dtype = dtype
     report.atol = default_atol if plan.atol is None else plan.atol
     report.rtol = default_rtol if plan.rtol is None else plan.rtol
-    family = registered_family(spec.family) if spec.family not in ("torchvision", "python") else None
-    inputs = make_inputs(model, shape, test_set=family.test_set if family is not None else None,
-                         test_set_size=plan.test_set_size)
+    inputs = make_inputs(model, shape, test_set=spec.test_set, test_set_size=plan.test_set_size)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     try:
         outputs = run_model(model, inputs)

@@ -176,7 +176,7 @@ def save_dcp(state_dict: dict[str, Any], out: Path, *, is_main: bool, distribute
             if failure is not None:  # raised inside: rank 0's temp directory is removed
                 raise TrainingError(f"--out {out}: DCP save failed ({failure}){hint}; nothing was written")
     except OutputError as e:  # rank 0 could not move the checkpoint into place
-        raise TrainingError(f"--out {out}: cannot move the checkpoint into place ({e.message})") from e
+        raise TrainingError(f"--out {out}: cannot move the checkpoint into place: {e.message}") from e
 
 
 def _save_every_rank(state_dict: dict[str, Any], temp: Path, *, distributed: bool) -> tuple[str | None, str]:

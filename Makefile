@@ -8,10 +8,10 @@ TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench fixtures clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml training/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' -e ./training  # training/: the runs, a distribution of their own
 	$(PY) -m compileall -q ckptool training  # as a wheel install does: no recompiling in every process
 	touch $@
 

@@ -1,8 +1,12 @@
-"""Devices: saved location tags, rewriting them, and discovering where tensors can run.
+"""Devices: saved location tags, rewriting them, discovering where tensors can run, and running there.
 
 A storage's location tag (``"cpu"``, ``"cuda:1"``) is what torch.load restores it onto; a tag
 naming a GPU the loading machine lacks is the "Attempting to deserialize object on a CUDA device"
 error. Rewriting tags is string work — it needs no GPU.
+
+``verify`` reaches a device only through a :class:`Device` (move a model or tensor there, wait for
+its work): :class:`TorchDevice` is the real one; a test passes its own (one that runs a "cuda:1"
+row on CPU, flips bits, records) to ``verify(devices=[...])``.
 """
 
 from __future__ import annotations
@@ -10,9 +14,16 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from .errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported where a device is used
+    import torch
+
+Movable = TypeVar("Movable")  # a torch.nn.Module or a torch.Tensor
 
 _TAG = re.compile(r"^(cpu|cuda|mps|xpu|hpu|meta|privateuseone|mtia|xla)(?::(\d+))?$")
 
@@ -73,3 +84,92 @@ def available_devices() -> list[str]:
     if mps is not None and mps.is_available():
         devices.append("mps")
     return devices
+
+
+@runtime_checkable
+class Device(Protocol):
+    """Where verify runs a model: it moves modules and tensors there and waits for the work queued there."""
+
+    @property
+    def name(self) -> str:
+        """The device as reported (``"cpu"``, ``"cuda:1"``); ``"cpu"`` is the reference."""
+        ...
+
+    def move(self, value: Movable) -> Movable:
+        """``value`` (an ``nn.Module``, moved in place, or a tensor, copied) on this device."""
+        ...
+
+    def synchronize(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Wait until the work producing ``tensors`` is done, so a kernel's failure surfaces here."""
+        ...
+
+
+@dataclass(frozen=True)
+class TorchDevice:
+    """A device torch names (``cpu``, ``cuda:N``, ``mps``, ``xpu:N``): ``.to(name)``, then the backend's sync."""
+
+    name: str
+
+    def move(self, value: Movable) -> Movable:
+        return value.to(self.name)  # type: ignore[attr-defined]
+
+    def synchronize(self, tensors: Iterable[torch.Tensor]) -> None:
+        import torch
+
+        waited: set[str] = set()
+        for tensor in tensors:
+            device = tensor.device
+            if str(device) in waited:
+                continue
+            waited.add(str(device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elif device.type == "mps":
+                torch.mps.synchronize()
+
+
+def resolve_devices(devices: str | Sequence[str]) -> list[str]:
+    """``"all"`` -> every available device; ``"cpu,cuda:0"`` -> that list, each checked to exist here.
+
+    Raises:
+        UsageError: a device is malformed or not available on this machine.
+    """
+    available = list(available_devices())
+    if isinstance(devices, str):
+        requested = [part.strip() for part in devices.split(",") if part.strip()]
+    else:
+        requested = [str(part).strip() for part in devices]
+    if not requested:
+        raise UsageError("--devices is empty — pass all, or a list like cpu,cuda:0")
+    if requested == ["all"]:
+        return available
+    resolved: list[str] = []
+    for device in requested:
+        tag = normalize_location(device)
+        if tag in ("cuda", "xpu"):
+            tag += ":0"
+        if tag not in available:
+            raise UsageError(f"--devices: {tag} is not available on this machine (available: {', '.join(available)})")
+        if tag not in resolved:
+            resolved.append(tag)
+    return resolved
+
+
+def open_devices(devices: str | Sequence[str | Device]) -> list[Device]:
+    """The devices to run on: names as :func:`resolve_devices` checks them (each a :class:`TorchDevice`);
+    :class:`Device` objects in a list are taken as given (the caller's own, e.g. a test's).
+
+    Raises:
+        UsageError: a name is malformed or not available on this machine.
+    """
+    if isinstance(devices, str) or all(isinstance(entry, str) for entry in devices):
+        return [TorchDevice(name) for name in resolve_devices(devices)]  # type: ignore[arg-type]
+    opened: list[Device] = []
+    for entry in devices:
+        if not isinstance(entry, str):
+            opened.append(entry)
+            continue
+        for name in resolve_devices([entry]):
+            if all(device.name != name for device in opened):
+                opened.append(TorchDevice(name))
+    return opened

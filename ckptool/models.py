@@ -1,10 +1,14 @@
 """Model SPECs: the network ``ckptool verify --model`` loads a checkpoint into.
 
-Three families:
+Three kinds:
 
 - ``torchvision:NAME`` — any torchvision model builder, randomly initialised (weights are never
   downloaded: the checkpoint provides them), e.g. ``torchvision:resnet18?num_classes=10``.
-- ``training:NAME`` — this project's ``training.models`` (``lenet``, ``mlp``, ``resnet18``).
+- ``FAMILY:NAME`` — a registered model family: its builders take no arguments and it says its
+  input shape (and may offer a labelled test set, for an accuracy). Installed packages offer
+  families through the entry-point group :data:`ENTRY_POINT_GROUP` (this project's training runs
+  offer ``training:lenet|mlp|resnet18`` that way); code can call :func:`register`. ckptool imports
+  no family itself: an entry point is loaded only when a SPEC names its family.
 - ``package.module:factory`` — the user's own code: the module is imported (from the current
   directory or the installed packages) and ``factory(**kwargs)`` is called. That runs the user's
   code on purpose; the checkpoint itself is still never unpickled.
@@ -21,17 +25,21 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
     from torch import nn
 
-FAMILIES = ("torchvision", "training")
-TRAINING_INPUT_SHAPE = (1, 1, 28, 28)
+# Packages offer model families here: `[project.entry-points."ckptool.models"] NAME = "pkg.mod:fn"`,
+# the entry point's name being the family's; loading it and calling ``fn()`` must :func:`register` it.
+ENTRY_POINT_GROUP = "ckptool.models"
+# a model family's labelled test set: test_set(size) -> (inputs, labels)
+TestSet = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 # torchvision builders by module: the input shape they are usually called with
 TORCHVISION_INPUT_SHAPES = {
     "torchvision.models.video": (1, 3, 16, 112, 112),
@@ -54,10 +62,11 @@ class ModelSpec:
 
     Attributes:
         text: the SPEC as given.
-        family: ``torchvision``, ``training`` or ``python``.
+        family: ``torchvision``, ``python`` (user code), or a registered family's name (``training``).
         name: the builder's name (``resnet18``) or ``module:factory`` for user code.
         kwargs: keyword arguments for the builder.
         default_input_shape: the input the family's models take (None: ask for ``--input-shape``).
+        test_set: a registered family's labelled test set, ``test_set(size)`` -> ``(inputs, labels)``.
 
     Example:
         >>> spec = parse_model_spec("torchvision:resnet18?num_classes=10")
@@ -70,6 +79,7 @@ class ModelSpec:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     default_input_shape: tuple[int, ...] | None = None
+    test_set: TestSet | None = field(default=None, compare=False, repr=False)
 
     def build(self) -> nn.Module:
         """A fresh model, on CPU (initialisation follows torch's global RNG).
@@ -77,12 +87,12 @@ class ModelSpec:
         Raises:
             UsageError: the builder is unknown, rejects the arguments, or does not return a module.
         """
-        if self.family == "training":
-            model = _build_training(self)
-        elif self.family == "torchvision":
+        if self.family == "torchvision":
             model = _build_torchvision(self)
-        else:
+        elif self.family == "python":
             model = _build_python(self)
+        else:
+            model = _registered_family(self.family, self.text).build(self.name)
         from torch import nn
 
         if not isinstance(model, nn.Module):
@@ -145,38 +155,110 @@ def parse_model_spec(spec: str, model_args: Iterable[str] = ()) -> ModelSpec:
         raise UsageError(f"--model {spec!r} is not a model SPEC — use {HELP}")
     kwargs = parse_kwargs(query.split("&") if query else [], where=f"--model {spec!r}: argument")
     kwargs.update(parse_kwargs(model_args, where="--model-arg"))
-    if family == "training":
-        return _training_spec(text, name, kwargs)
     if family == "torchvision":
         return _torchvision_spec(text, name, kwargs)
+    registered = _find_family(family, text)
+    if registered is not None:
+        return registered.spec(text, name, kwargs)
     if not _PYTHON_NAME.match(family) or not _PYTHON_NAME.match(name):
         raise UsageError(f"--model {spec!r}: {family}:{name} is not package.module:factory — use {HELP}")
     return ModelSpec(text=text, family="python", name=f"{family}:{name}", kwargs=kwargs)
 
 
-# ------------------------------------------------------------------------------------------- training
+# ------------------------------------------------------------------------------------------- families
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Models a package offers under ``FAMILY:NAME`` (see :func:`register`).
+
+    Attributes:
+        name: the family's SPEC prefix (``training``).
+        builders: model name -> a function of no arguments returning a fresh ``nn.Module`` on CPU.
+        input_shape: the input the family's models take, batch dimension included.
+        test_set: ``test_set(size)`` -> ``(inputs, labels)``, a fixed labelled set the models were
+            trained for; verify reports the accuracy on it (None: no accuracy).
+    """
+
+    name: str
+    builders: Mapping[str, Callable[[], nn.Module]]
+    input_shape: tuple[int, ...] | None = None
+    test_set: TestSet | None = None
+
+    def spec(self, text: str, name: str, kwargs: Mapping[str, Any]) -> ModelSpec:
+        """The SPEC ``text`` naming this family's model ``name`` (checked to exist; no arguments)."""
+        if name not in self.builders:
+            raise UsageError(f"--model {text}: unknown {self.name} model {name!r} — choose one of: "
+                             f"{', '.join(self.builders)}")
+        if kwargs:
+            raise UsageError(f"--model {text}: {self.name} models take no arguments (got {', '.join(kwargs)})")
+        return ModelSpec(text=text, family=self.name, name=name, kwargs={}, default_input_shape=self.input_shape,
+                         test_set=self.test_set)
+
+    def build(self, name: str) -> nn.Module:
+        return self.builders[name]()
 
 
-def _training_models() -> Any:
-    try:
-        return importlib.import_module("training.models")
-    except ImportError as e:
-        raise UsageError(f"training: models need this project's training package, which is not importable ({e}) "
-                         "— run from the ckptool repository or install it") from e
+_FAMILIES: dict[str, ModelFamily] = {}
+_RESERVED = ("torchvision", "python")
 
 
-def _training_spec(text: str, name: str, kwargs: dict[str, Any]) -> ModelSpec:
-    models = _training_models()
-    if name not in models.MODELS:
-        raise UsageError(f"--model {text}: unknown training model {name!r} — choose one of: {', '.join(models.MODELS)}")
-    if kwargs:
-        raise UsageError(f"--model {text}: training models take no arguments (got {', '.join(kwargs)})")
-    return ModelSpec(text=text, family="training", name=name, kwargs={},
-                     default_input_shape=(1, *models.INPUT_SHAPE))
+def register(family: str, builders: Mapping[str, Callable[[], nn.Module]], *,
+             input_shape: tuple[int, ...] | None = None, test_set: TestSet | None = None) -> None:
+    """Offer ``builders`` as ``FAMILY:NAME`` model SPECs (registering a family again replaces it).
+
+    A package calls this from the function its ``ckptool.models`` entry point names (so that an
+    installed package is found without anyone importing it), or when it is imported.
+
+    Args:
+        family: the SPEC prefix, a Python identifier other than ``torchvision`` and ``python``.
+        builders: model name -> a function of no arguments returning a fresh model on CPU.
+        input_shape: the models' input shape with the batch dimension, e.g. ``(1, 1, 28, 28)``.
+        test_set: ``test_set(size)`` -> ``(inputs, labels)`` for an accuracy (optional).
+
+    Raises:
+        ValueError: ``family`` is not an identifier, or is one of the built-in kinds.
+
+    Example:
+        >>> register("mine", {"tiny": lambda: torch.nn.Linear(3, 2)}, input_shape=(1, 3))  # doctest: +SKIP
+        >>> parse_model_spec("mine:tiny").default_input_shape                              # doctest: +SKIP
+        (1, 3)
+    """
+    if not family.isidentifier() or family in _RESERVED:
+        raise ValueError(f"model family {family!r}: the name must be an identifier other than {', '.join(_RESERVED)}")
+    _FAMILIES[family] = ModelFamily(family, dict(builders), None if input_shape is None else tuple(input_shape),
+                                    test_set)
 
 
-def _build_training(spec: ModelSpec) -> nn.Module:
-    return _training_models().build_model(spec.name)
+def registered_family(name: str) -> ModelFamily | None:
+    """The family registered (or offered by an installed package) under ``name``; None if there is none."""
+    return _find_family(name, name)
+
+
+def _find_family(name: str, text: str) -> ModelFamily | None:
+    """The family ``name``: registered already, or offered by an entry point (loaded now, that one only)."""
+    if name in _FAMILIES:
+        return _FAMILIES[name]
+    from importlib.metadata import entry_points
+
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP, name=name):
+        try:
+            entry_point.load()()
+        except Exception as e:  # the package's code failed: a usage problem of this SPEC, not a ckptool bug
+            raise UsageError(f"--model {text}: the {name} models could not be loaded from "
+                             f"{entry_point.value} ({type(e).__name__}: {e}) — reinstall the package that "
+                             "offers them") from e
+        if name not in _FAMILIES:
+            raise UsageError(f"--model {text}: {entry_point.value} did not register the {name} models — "
+                             "reinstall the package that offers them")
+        return _FAMILIES[name]
+    return None
+
+
+def _registered_family(name: str, text: str) -> ModelFamily:
+    found = _find_family(name, text)
+    if found is None:
+        raise UsageError(f"--model {text}: no model family {name!r} is installed")
+    return found
 
 
 # ------------------------------------------------------------------------------------------- torchvision

@@ -39,6 +39,17 @@ def test_verify_runs_on_every_gpu_with_bit_identical_weights(fixtures_dir: Path)
         assert row["argmax_agreement"] == 1.0, (device, row)
 
 
+def test_torch_devices_passed_to_verify_run_on_the_gpu(fixtures_dir: Path) -> None:
+    """The Device seam's real implementation: the weights go to cuda:0 and back bit-identical."""
+    from ckptool.devices import TorchDevice
+
+    cuda = TorchDevice("cuda:0")
+    assert cuda.move(torch.ones(2)).device == torch.device("cuda", 0)
+    report = ckptool.verify(fixtures_dir / "single_lenet.pt", devices=[TorchDevice("cpu"), cuda])
+    assert report.ok, report.failure
+    assert [(row.device, row.weights_identical) for row in report.devices] == [("cpu", True), ("cuda:0", True)]
+
+
 def test_a_real_nccl_ddp_run_saves_gpu_tags_that_ckptool_reads_and_fixes(tmp_path: Path, repo_root: Path,
                                                                          subprocess_env: dict[str, str]) -> None:
     processes = min(2, gpu_count())  # one GPU per process, as nccl needs

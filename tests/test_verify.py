@@ -13,8 +13,11 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from ckptool import determinism
 from ckptool.cli import main
+from ckptool.devices import TorchDevice
 from ckptool.errors import UsageError
+from ckptool.model_checks import EVAL_BATCH
 from ckptool.models import parse_input_shape, parse_model_spec
 from training.models import LeNet, build_model
 
@@ -23,6 +26,29 @@ verify_module = importlib.import_module("ckptool.verification")
 devices_module = importlib.import_module("ckptool.devices")
 
 FAKE_DEVICES = ["cpu", "cuda:0", "cuda:1"]
+
+
+class StandIn:
+    """A device for tests (the ``Device`` seam): named "cuda:N", it runs on CPU; ``fault(value)``, if
+    given, changes what it moved (a module or a tensor) the way a broken transfer would."""
+
+    def __init__(self, name: str, fault: Any = None) -> None:
+        self.name = name
+        self.fault = fault
+        self.moved: list[Any] = []
+
+    def move(self, value: Any) -> Any:
+        self.moved.append(value)
+        value = value.to("cpu")
+        return self.fault(value) if self.fault is not None else value
+
+    def synchronize(self, tensors: Any) -> None:
+        pass
+
+
+def stand_ins(**faults: Any) -> list[Any]:
+    """The CPU plus two "GPUs" that run on CPU: ``cuda0=`` / ``cuda1=`` give one of them a fault."""
+    return [TorchDevice("cpu"), StandIn("cuda:0", faults.get("cuda0")), StandIn("cuda:1", faults.get("cuda1"))]
 
 
 def lenet_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,21 +76,10 @@ def invoke(*args: Any) -> Any:
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def route_to_cpu(value: Any, device: str) -> Any:
-    """The device hook for tests: every "cuda:N" row runs on CPU."""
-    return value.to("cpu")
-
-
 @pytest.fixture(autouse=True)
 def small_test_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """200 synthetic test images instead of 1000: the same code path, a fifth of the CPU time."""
     monkeypatch.setattr(verify_module, "TEST_SET_SIZE", 200)
-
-
-@pytest.fixture
-def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices_module, "available_devices", lambda: list(FAKE_DEVICES))
-    monkeypatch.setattr(verify_module, "_to_device", route_to_cpu)
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -130,52 +145,50 @@ def test_real_ddp_fixture_fails_and_unwrapped_passes(fixtures_dir: Path) -> None
 # ---------------------------------------------------------------------------------------------- devices
 
 
-def test_every_device_row_passes_when_transfers_are_exact(lenet_pt: Path, fake_gpus: None) -> None:
-    result = invoke("verify", lenet_pt, "--model", "training:lenet", "--json")
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+def test_every_device_row_passes_when_transfers_are_exact(lenet_pt: Path) -> None:
+    devices = stand_ins()
+    report = verify_module.verify(lenet_pt, model_spec="training:lenet", devices=devices).to_json()  # what --json prints
+    assert report["ok"], report["failure"]
     assert [row["device"] for row in report["devices"]] == FAKE_DEVICES
     for row in report["devices"]:
         assert row["ok"] and row["weights_identical"] and row["max_abs_err"] == 0.0 and row["argmax_agreement"] == 1.0
     assert len({row["accuracy"] for row in report["devices"]}) == 1
+    for stand_in in devices[1:]:  # the model, the seeded input and the test set's batches went to each device
+        assert isinstance(stand_in.moved[0], nn.Module) and len(stand_in.moved) == 2 + -(-200 // EVAL_BATCH)
 
 
-def test_a_device_that_corrupts_a_weight_fails(lenet_pt: Path, fake_gpus: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    def corrupting(value: Any, device: str) -> Any:
-        value = value.to("cpu")
-        if device == "cuda:1" and isinstance(value, nn.Module):
-            with torch.no_grad():
-                value.fc2.weight[3, 7] += 0.5
-        return value
+def corrupt_fc2(value: Any) -> Any:
+    """A transfer that changes one weight of a LeNet (and nothing else)."""
+    if isinstance(value, nn.Module):
+        with torch.no_grad():
+            value.fc2.weight[3, 7] += 0.5
+    return value
 
-    monkeypatch.setattr(verify_module, "_to_device", corrupting)
-    result = invoke("verify", lenet_pt, "--model", "training:lenet", "--json")
-    assert result.exit_code == 1
-    report = json.loads(result.stdout)
-    rows = {row["device"]: row for row in report["devices"]}
+
+def test_a_device_that_corrupts_a_weight_fails(lenet_pt: Path) -> None:
+    report = verify_module.verify(lenet_pt, model_spec="training:lenet", devices=stand_ins(cuda1=corrupt_fc2))
+    rows = {row["device"]: row for row in report.to_json()["devices"]}
     assert rows["cpu"]["ok"] and rows["cuda:0"]["ok"]
     assert rows["cuda:1"]["ok"] is False
     assert rows["cuda:1"]["weights_identical"] is False
     assert rows["cuda:1"]["differing_weights"] == ["fc2.weight"]
     assert rows["cuda:1"]["max_abs_err"] > 0
-    assert report["failure"] == "cuda:1: weights changed in the transfer to the device (fc2.weight)"
-    assert result.stderr == "ckptool: verify failed: cuda:1: weights changed in the transfer to the device (fc2.weight)\n"
+    assert not report.ok
+    assert report.failure == "cuda:1: weights changed in the transfer to the device (fc2.weight)"
 
 
-def test_outputs_beyond_tolerance_fail_even_with_identical_weights(lenet_pt: Path, fake_gpus: None,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    def noisy(value: Any, device: str) -> Any:
-        value = value.to("cpu")
-        if device == "cuda:0" and isinstance(value, torch.Tensor):
+def test_outputs_beyond_tolerance_fail_even_with_identical_weights(lenet_pt: Path) -> None:
+    def noisy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
             return value + 1e-3  # the device "computes" on a slightly different input
         return value
 
-    monkeypatch.setattr(verify_module, "_to_device", noisy)
-    report = verify_module.verify(lenet_pt, model_spec="training:lenet")
+    report = verify_module.verify(lenet_pt, model_spec="training:lenet", devices=stand_ins(cuda0=noisy))
     rows = {row.device: row for row in report.devices}
     assert rows["cuda:0"].weights_identical and rows["cuda:0"].within_tolerance is False and not rows["cuda:0"].ok
     assert report.failure.startswith("cuda:0: outputs differ from the CPU reference beyond atol 1e-05 / rtol 0.0001")
-    loose = verify_module.verify(lenet_pt, model_spec="training:lenet", atol=1.0, rtol=1.0)
+    loose = verify_module.verify(lenet_pt, model_spec="training:lenet", atol=1.0, rtol=1.0,
+                                 devices=stand_ins(cuda0=noisy))
     assert loose.ok, loose.failure
 
 
@@ -187,25 +200,23 @@ def test_devices_option_checks_availability(lenet_pt: Path, monkeypatch: pytest.
     assert verify_module.resolve_devices("cpu, cpu") == ["cpu"]
 
 
-def test_determinism_flags_are_set_while_verifying_and_restored(lenet_pt: Path, fake_gpus: None,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_determinism_flags_are_set_while_verifying_and_restored(lenet_pt: Path) -> None:
     seen: list[tuple[bool, bool, str]] = []
 
-    def recording(value: Any, device: str) -> Any:
+    def recording(value: Any) -> Any:
         seen.append((torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
                      torch.get_float32_matmul_precision()))
-        return value.to("cpu")
+        return value
 
-    monkeypatch.setattr(verify_module, "_to_device", recording)
     original = verify_module.determinism_state()
-    precision = [(owner, name, getattr(owner, name)) for owner, name in verify_module._precision_attributes()]
+    precision = [(owner, name, getattr(owner, name)) for owner, name in determinism._precision_attributes()]
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.deterministic = False
     torch.set_float32_matmul_precision("high")
     try:
         changed = verify_module.determinism_state()
         assert changed != original
-        verify_module.verify(lenet_pt, model_spec="training:lenet")
+        verify_module.verify(lenet_pt, model_spec="training:lenet", devices=stand_ins(cuda0=recording))
         assert seen and all(flags == (True, False, "highest") for flags in seen)
         assert verify_module.determinism_state() == changed
     finally:
@@ -217,48 +228,48 @@ def test_determinism_flags_are_set_while_verifying_and_restored(lenet_pt: Path, 
     assert verify_module.determinism_state() == original
 
 
-def test_restored_after_a_failure_too(lenet_pt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_restored_after_a_failure_too(lenet_pt: Path) -> None:
     before = verify_module.determinism_state()
 
-    def broken(value: Any, device: str) -> Any:
+    def broken(value: Any) -> Any:
         raise KeyboardInterrupt  # escapes every handler: the context manager must still restore
 
-    monkeypatch.setattr(verify_module, "_to_device", broken)
     with pytest.raises(KeyboardInterrupt):
-        verify_module.verify(lenet_pt, model_spec="training:lenet", devices="cpu")
+        verify_module.verify(lenet_pt, model_spec="training:lenet", devices=[StandIn("cpu", broken)])
     assert verify_module.determinism_state() == before
 
 
 # ---------------------------------------------------------------------------------------------- without a model
 
 
-def test_weights_only_verify_counts_nan_and_inf(tmp_path: Path, fake_gpus: None) -> None:
+def test_weights_only_verify_counts_nan_and_inf(tmp_path: Path) -> None:
     weight = torch.randn(4, 4)
     weight[0, 0], weight[1, 1], weight[2, 2] = float("nan"), float("inf"), float("nan")
     path = tmp_path / "nan.pt"
     torch.save({"w": weight, "steps": torch.arange(3)}, path)
-    result = invoke("verify", path, "--json")
+    result = invoke("verify", path, "--json", "--devices", "cpu")
     assert result.exit_code == 1, result.output  # weights holding NaN/Inf fail unless allowed
     assert "hold NaN or Inf: w (2 NaN, 1 Inf)" in json.loads(result.stdout)["failure"]
-    result = invoke("verify", path, "--json", "--allow-nonfinite-key", "w")
+    result = invoke("verify", path, "--json", "--devices", "cpu", "--allow-nonfinite-key", "w")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    failed = verify_module.verify(path, devices=stand_ins())
+    assert not failed.ok and "hold NaN or Inf: w (2 NaN, 1 Inf)" in failed.failure
+    report = verify_module.verify(path, devices=stand_ins(), allow_nonfinite=["w"]).to_json()
+    assert report["ok"], report["failure"]
     assert [row["device"] for row in report["devices"]] == FAKE_DEVICES
     for row in report["devices"]:
         assert row["weights_identical"] and row["nonfinite"] == {"w": {"nan": 2, "inf": 1}}
     assert report["notes"] == ["1 weight tensor(s) hold NaN or Inf: w"]
 
 
-def test_weights_only_verify_fails_when_a_transfer_changes_bits(tmp_path: Path, fake_gpus: None,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weights_only_verify_fails_when_a_transfer_changes_bits(tmp_path: Path) -> None:
     path = tmp_path / "w.pt"
     torch.save({"a": torch.ones(3), "b": torch.zeros(2)}, path)
 
-    def flips(value: Any, device: str) -> Any:
-        return value.to("cpu") * -1 if device == "cuda:0" else value.to("cpu")  # -0.0 != 0.0 bit for bit
+    def flips(value: Any) -> Any:
+        return value * -1  # -0.0 != 0.0 bit for bit
 
-    monkeypatch.setattr(verify_module, "_to_device", flips)
-    report = verify_module.verify(path)
+    report = verify_module.verify(path, devices=stand_ins(cuda0=flips))
     rows = {row.device: row for row in report.devices}
     assert rows["cuda:0"].differing_weights == ["a", "b"] and not report.ok
     assert rows["cuda:1"].ok
@@ -501,5 +512,5 @@ def test_against_names_a_truncated_checkpoint_before_its_truncated_reference(tmp
     os_truncate(a, left.tensors["y"].contiguous_byte_range().offset + 10)
     os_truncate(b, right.tensors["x"].contiguous_byte_range().offset + 10)
     with pytest.raises(InputError, match="file is truncated") as caught:
-        verify_module._check_cpu_weights_against(left, right, None)
+        verify_module.check_cpu_weights_against(left, right, None)
     assert caught.value.path == a

@@ -24,11 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
-import os
 import pickle
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -52,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ckptool.atomic import fsync_dir
+from ckptool.atomic import atomic_directory
+from ckptool.errors import OutputError
 from training import TrainingError, UsageError
 from training.checkpoints import (
     DCP_EXTRA_KEY,
@@ -65,8 +64,6 @@ from training.checkpoints import (
     optimizer_state_by_name,
 )
 
-# Beside --out, so the final rename stays on one filesystem; ckptool's temp prefix, so one cleanup rule.
-TEMP_PREFIX = ".ckptool-tmp-"
 # --save-format torch under FSDP: gather every shard into whole CPU tensors on rank 0 (the others get {}).
 FULL_STATE_DICT = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -148,6 +145,8 @@ def save_dcp(state_dict: dict[str, Any], out: Path, *, is_main: bool, distribute
 
     Every rank of the process group must call this with its own share of ``state_dict``; values that
     are not sharded (plain tensors, ints, dicts) must be equal on every rank, because DCP keeps one copy.
+    Rank 0 holds the temp directory through :func:`ckptool.atomic.atomic_directory` (every file
+    fsync'd, then one rename; an existing ``out`` is moved aside and put back if the rename fails).
 
     Args:
         state_dict: ``{"model": ..., "optim": ..., "extra": {...}}`` (any DCP-savable mapping).
@@ -158,21 +157,31 @@ def save_dcp(state_dict: dict[str, Any], out: Path, *, is_main: bool, distribute
     Raises:
         TrainingError: the save failed on some rank, or the rename did (nothing is left behind).
     """
-    parent = out.parent if str(out.parent) else Path(".")
-    temp_name: str | None = None
-    failure: str | None = None
-    if is_main:
-        try:
-            temp_name = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
-        except OSError as e:
-            failure = f"cannot create a temp directory in {parent} ({e.strerror}) — choose a writable directory"
-    if distributed:
-        # the ranks must agree on one directory; a failure on rank 0 must stop them all, not hang them
-        temp_name, failure = _from_rank0((temp_name, failure))
-    if failure is not None:
-        raise TrainingError(f"--out {out}: {failure}")
-    temp = Path(temp_name)
+    try:
+        with contextlib.ExitStack() as folder:
+            temp_name: str | None = None
+            failure: str | None = None
+            if is_main:
+                try:
+                    temp_name = str(folder.enter_context(atomic_directory(out)))
+                except OutputError as e:
+                    failure = e.message
+            if distributed:
+                # the ranks must agree on one directory; a failure on rank 0 must stop them all, not hang them
+                temp_name, failure = _from_rank0((temp_name, failure))
+            if failure is not None:
+                raise TrainingError(f"--out {out}: {failure}")
+            assert temp_name is not None
+            failure, hint = _save_every_rank(state_dict, Path(temp_name), distributed=distributed)
+            if failure is not None:  # raised inside: rank 0's temp directory is removed
+                raise TrainingError(f"--out {out}: DCP save failed ({failure}){hint}; nothing was written")
+    except OutputError as e:  # rank 0 could not move the checkpoint into place
+        raise TrainingError(f"--out {out}: cannot move the checkpoint into place: {e.message}") from e
 
+
+def _save_every_rank(state_dict: dict[str, Any], temp: Path, *, distributed: bool) -> tuple[str | None, str]:
+    """``dcp.save`` into ``temp`` on this rank; the first failure of any rank (None) and a hint, on every rank."""
+    failure: str | None = None
     hint = ""
     try:
         with _quiet_single_process():
@@ -188,45 +197,7 @@ def save_dcp(state_dict: dict[str, Any], out: Path, *, is_main: bool, distribute
     if distributed:
         # also the barrier after which every rank's .distcp file is complete
         failure, hint = next(((f, h) for f, h in _all_gathered((failure, hint)) if f is not None), (None, ""))
-    if failure is not None:
-        if is_main:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise TrainingError(f"--out {out}: DCP save failed ({failure}){hint}; nothing was written")
-    if is_main:
-        try:
-            _move_directory_into_place(temp, out)
-        except OSError as e:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise TrainingError(f"--out {out}: cannot move the checkpoint into place ({e.strerror}); nothing was written") from e
-
-
-def _move_directory_into_place(temp: Path, out: Path) -> None:
-    """fsync every file in ``temp`` and rename it to ``out``, replacing an existing ``out`` directory."""
-    for child in temp.iterdir():
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
-    fsync_dir(temp)
-    os.chmod(temp, 0o755 & ~_umask())
-    if out.exists():
-        # os.replace cannot put a directory onto a non-empty one: move the old one aside first
-        old = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=temp.parent))
-        os.rmdir(old)
-        os.replace(out, old)
-        try:
-            os.replace(temp, out)
-        except OSError:
-            os.replace(old, out)  # put the previous checkpoint back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(temp, out)
-    fsync_dir(temp.parent)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return failure, hint
 
 
 def _from_rank0(value: Any) -> Any:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -449,11 +448,6 @@ def save_checkpoint(
         optimizer_state = optimizer.state_dict()
     saved: object = model_state if config.weights_only else {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state, **extra}
     save_torch(saved, config.out)
-
-
-def save_atomically(obj: object, out: Path) -> None:
-    """``torch.save`` to a temp file beside ``out``, fsync, rename into place (see :func:`training.checkpoints.save_torch`)."""
-    save_torch(obj, out)
 
 
 def run(

@@ -94,6 +94,27 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+def register_with_ckptool() -> None:
+    """Offer these models to ckptool as ``training:lenet|mlp|resnet18`` SPECs, with the synthetic test set.
+
+    The ``ckptool.models`` entry point (training/pyproject.toml) names this function, so an
+    installed ``ckptool verify --model training:lenet`` finds the models without ckptool importing
+    this package; importing :mod:`training.models` calls it too. The test set is the synthetic one
+    the runs evaluate on by default (``--seed 0``), so ``verify`` reports the accuracy a run logged.
+    """
+    from ckptool.models import register
+
+    register("training", MODELS, input_shape=(1, *INPUT_SHAPE), test_set=_default_test_set)
+
+
+def _default_test_set(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from training.data import synthetic_digits
+    from training.options import RunConfig
+
+    images, labels = synthetic_digits(size, seed=RunConfig.seed, train=False).tensors
+    return images, labels
+
+
 def build_model(name: str) -> nn.Module:
     """Build a freshly initialised model by name (initialisation follows torch's global RNG).
 
@@ -116,3 +137,6 @@ def build_model(name: str) -> nn.Module:
         choices = ", ".join(MODELS)
         raise UsageError(f"unknown model {name!r} — choose one of: {choices}") from None
     return factory()
+
+
+register_with_ckptool()

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from .cli import build_parser, main
 from .inputs import Input, make_input, parse_size, size_label
-from .measure import GIB, MIB, REPO, Run, measure
+from .measure import GIB, MIB, REPO, Run  # not measure(): it would hide the module bench.measure
 from .runner import run_bench
 from .tools import ALIASES, TOOL_NAMES, TOOLS, Tool, select_tools
 
 __all__ = ["ALIASES", "GIB", "MIB", "REPO", "TOOLS", "TOOL_NAMES", "Input", "Run", "Tool", "build_parser", "main",
-           "make_input", "measure", "parse_size", "run_bench", "select_tools", "size_label"]
+           "make_input", "parse_size", "run_bench", "select_tools", "size_label"]

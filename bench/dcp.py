@@ -13,16 +13,14 @@ files), then measures whole processes, like ``python -m bench``:
                      torch's own consolidation, which loads the whole state dict into memory (no fsync),
 
 recording wall time (median of ``--repeat``), peak RssAnon over the interpreter baseline and peak RSS
-(the samplers of bench/__init__.py). Results: ``bench/results/dcp.json`` and ``dcp.md``.
+(the samplers of bench/measure.py). Results: ``bench/results/dcp.json`` and ``dcp.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -33,20 +31,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import (
+from .cache import evict, rewarm, warm
+from .cli import add_last_options
+from .inputs import parse_size, parse_sizes
+from .measure import (
     GIB,
     MIB,
     REPO,
     Run,
-    _git_rev,
-    cached_fraction,
     child_env,
     compile_package,
-    clean_dir,
-    evict,
-    measure,
-    parse_size,
-    warm,
+    git_rev,
+    load_meta,
+    machine_meta,
+    measure_in,
+    stderr_logger,
+    write_results,
 )
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
@@ -257,14 +257,6 @@ def generate(inp: DcpInput, python: str, largest: int, log: Callable[[str], None
     inp.dir_bytes = sum(p.stat().st_size for p in inp.files)
 
 
-def _warm_all(files: list[Path]) -> float | None:
-    fractions = [cached_fraction(p) for p in files]
-    if None not in fractions and min(fractions) < 0.99:
-        warm(files)  # this VM's reclaim evicts page cache between runs: warm again (untimed)
-        fractions = [cached_fraction(p) for p in files]
-    return None if None in fractions else min(fractions)
-
-
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     """Least-squares (slope, intercept) of y over x."""
     if len(points) < 2:
@@ -289,12 +281,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     load_before = os.getloadavg()[0]
     log(f"1-min load average {load_before:.2f} on {os.cpu_count()} CPUs; ckptool bytecode: {compile_package(python)}")
 
-    def one(argv: list[str]) -> Run:
-        clean_dir(out_dir)
-        r = measure(argv, cwd=REPO, env=env, log_dir=log_dir, interval=args.interval)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.sync()
-        return r
+    def one(argv: list[str], output: str = "") -> Run:
+        return measure_in(out_dir, argv, output, cwd=REPO, env=env, log_dir=log_dir, interval=args.interval)
 
     # interpreter baselines (min of a few runs: the floor)
     base: dict[str, float] = {}
@@ -305,21 +293,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         base_rss[name] = min(r.rss_mib for r in runs)
     log(f"baselines: python {base['python']:.1f} MiB anon, import torch {base['import-torch']:.1f} MiB anon")
 
-    inputs: list[DcpInput] = []
-    for nbytes in args.sizes:
-        largest = min(args.largest, nbytes // 2)  # the smoke run's 0.05 GiB: half the checkpoint
-        suffix = {"shard0": "", "shard1": "-shard1", "no_dist": "-nodist"}[args.save]
-        inp = DcpInput(_label(nbytes), nbytes, workdir / f"dcp-{nbytes}-L{largest}-v{GEN_VERSION}{suffix}")
-        free = shutil.disk_usage(workdir).free
-        have = inp.path.is_dir() and inp.path.with_suffix(".json").exists()
-        need = (0 if have else int(nbytes * 1.05)) + int(nbytes * 1.05) + 512 * MIB  # input + one output + margin
-        if free < need:
-            inp.skipped = f"skipped: needs {need / GIB:.1f} GiB of disk in {workdir}, {free / GIB:.1f} GiB free"
-            log(f"{inp.label}: {inp.skipped}")
-        else:
-            generate(inp, python, largest, log,
-                     modes=(args.save, "no_dist") if args.save != "no_dist" else ("no_dist",))
-        inputs.append(inp)
+    inputs = [_input(args, nbytes, log) for nbytes in args.sizes]
     os.sync()
 
     rows: list[dict] = []
@@ -336,59 +310,25 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                     evict(inp.files, "fadvise", python, env)
                     cached = None
                 else:
-                    cached = _warm_all(inp.files)
-                clean_dir(out_dir)
-                r = measure(tool.argv(python, inp, out_dir), cwd=REPO, env=env, log_dir=log_dir,
-                            interval=args.interval)
-                target = out_dir / tool.output if tool.output else None
-                if target is not None and target.is_dir():
-                    r.out_bytes = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
-                elif target is not None and target.exists():
-                    r.out_bytes = target.stat().st_size
-                shutil.rmtree(out_dir, ignore_errors=True)  # untimed; sync so its write-back is not in the next run
-                os.sync()
+                    cached = rewarm(inp.files)
+                r = one(tool.argv(python, inp, out_dir), tool.output)
                 r.cached = cached
                 runs[tool.name].append(r)
                 if r.rc != 0 or (tool.output and not r.out_bytes):
                     last = (r.stderr_tail.strip().splitlines() or [""])[-1]
                     log(f"  {tool.name} [{inp.label}] failed (exit {r.rc}): {last[:300]}")
-        for tool in tools:
-            rs = runs[tool.name]
-            torch_loaded = any(r.torch_loaded for r in rs)
-            # cp+sync is no python process: its memory is shown as is
-            which = None if tool.name == "cp+sync" else "import-torch" if torch_loaded or tool.torch else "python"
-            anon = statistics.median(r.anon_mib for r in rs)
-            rows.append({
-                "size": inp.label, "size_bytes": inp.nbytes, "dir_bytes": inp.dir_bytes, "tool": tool.name,
-                "description": tool.description, "ok": all(r.rc == 0 for r in rs),
-                "exit_codes": sorted({r.rc for r in rs}),
-                "times_s": [round(r.wall_s, 4) for r in rs], "median_s": statistics.median(r.wall_s for r in rs),
-                "min_s": min(r.wall_s for r in rs), "cpu_s": statistics.median(r.cpu_s for r in rs),
-                "anon_peak_mib": anon, "anon_peak_max_mib": max(r.anon_mib for r in rs),
-                "anon_baseline": which, "anon_over_baseline_mib": anon - base[which] if which else anon,
-                "rss_peak_mib": statistics.median(r.rss_mib for r in rs),
-                "torch_loaded": torch_loaded, "out_bytes": max(r.out_bytes for r in rs),
-                "largest_tensor_mib": inp.meta.get("largest_bytes", 0) / MIB,
-                "load1": [round(r.load1, 2) for r in rs], "input_cached": [r.cached for r in rs],
-                "stderr_tail": "" if all(r.rc == 0 for r in rs) else rs[-1].stderr_tail,
-            })
+        rows.extend(_row(inp, tool, runs[tool.name], base) for tool in tools)
     for r in rows:
         ref = next((x for x in rows if x["tool"] == "cp+sync" and x["size"] == r["size"]), None)
         if ref and r["tool"] not in ("cp+sync", "inspect"):
             r["x_cp_sync"] = r["median_s"] / ref["median_s"]
 
-    loads = [x for r in rows for x in r["load1"]]
     meta = {
-        "started": _dt.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "duration_s": round(time.time() - started, 1), "python": python,
-        "python_version": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1),
+        **machine_meta(started, python),
         "repeat": args.repeat, "statistic": "median", "cache": args.cache, "save": args.save,
         "sampling_interval_s": args.interval,
-        "workdir": str(workdir), "git": _git_rev(), "baseline_anon_mib": base, "baseline_rss_mib": base_rss,
-        "load1_before": round(load_before, 2),
-        "load1_during_median": round(statistics.median(loads), 2) if loads else None,
-        "load1_during_max": round(max(loads), 2) if loads else None,
+        "workdir": str(workdir), "git": git_rev(), "baseline_anon_mib": base, "baseline_rss_mib": base_rss,
+        **load_meta(load_before, [x for r in rows for x in r["load1"]]),
     }
     result = {"meta": meta, "inputs": [{"label": i.label, "path": str(i.path), "dir_bytes": i.dir_bytes,
                                         "files": len(i.files), "generated_s": i.gen_s, "reused": i.reused,
@@ -396,6 +336,46 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     result["fits"] = fits(rows)
     result["projection"] = project(result["fits"], rows)
     return result
+
+
+def _input(args: argparse.Namespace, nbytes: int, log: Callable[[str], None]) -> DcpInput:
+    """The input of ``nbytes``, generated unless reused; skipped (saying why) when the disk cannot hold it."""
+    workdir: Path = args.workdir
+    largest = min(args.largest, nbytes // 2)  # the smoke run's 0.05 GiB: half the checkpoint
+    suffix = {"shard0": "", "shard1": "-shard1", "no_dist": "-nodist"}[args.save]
+    inp = DcpInput(_label(nbytes), nbytes, workdir / f"dcp-{nbytes}-L{largest}-v{GEN_VERSION}{suffix}")
+    free = shutil.disk_usage(workdir).free
+    have = inp.path.is_dir() and inp.path.with_suffix(".json").exists()
+    need = (0 if have else int(nbytes * 1.05)) + int(nbytes * 1.05) + 512 * MIB  # input + one output + margin
+    if free < need:
+        inp.skipped = f"skipped: needs {need / GIB:.1f} GiB of disk in {workdir}, {free / GIB:.1f} GiB free"
+        log(f"{inp.label}: {inp.skipped}")
+    else:
+        generate(inp, args.python, largest, log,
+                 modes=(args.save, "no_dist") if args.save != "no_dist" else ("no_dist",))
+    return inp
+
+
+def _row(inp: DcpInput, tool: Tool, rs: list[Run], base: dict[str, float]) -> dict:
+    """One tool's runs on one input, summarized."""
+    torch_loaded = any(r.torch_loaded for r in rs)
+    # cp+sync is no python process: its memory is shown as is
+    which = None if tool.name == "cp+sync" else "import-torch" if torch_loaded or tool.torch else "python"
+    anon = statistics.median(r.anon_mib for r in rs)
+    return {
+        "size": inp.label, "size_bytes": inp.nbytes, "dir_bytes": inp.dir_bytes, "tool": tool.name,
+        "description": tool.description, "ok": all(r.rc == 0 for r in rs),
+        "exit_codes": sorted({r.rc for r in rs}),
+        "times_s": [round(r.wall_s, 4) for r in rs], "median_s": statistics.median(r.wall_s for r in rs),
+        "min_s": min(r.wall_s for r in rs), "cpu_s": statistics.median(r.cpu_s for r in rs),
+        "anon_peak_mib": anon, "anon_peak_max_mib": max(r.anon_mib for r in rs),
+        "anon_baseline": which, "anon_over_baseline_mib": anon - base[which] if which else anon,
+        "rss_peak_mib": statistics.median(r.rss_mib for r in rs),
+        "torch_loaded": torch_loaded, "out_bytes": max(r.out_bytes for r in rs),
+        "largest_tensor_mib": inp.meta.get("largest_bytes", 0) / MIB,
+        "load1": [round(r.load1, 2) for r in rs], "input_cached": [r.cached for r in rs],
+        "stderr_tail": "" if all(r.rc == 0 for r in rs) else rs[-1].stderr_tail,
+    }
 
 
 def fits(rows: list[dict]) -> dict:
@@ -527,14 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where dcp.json/md go (default bench/results)")
     p.add_argument("--interval", type=float, default=0.005, help="memory sampling interval in seconds (default 0.005)")
     p.add_argument("--python", default=sys.executable, help="interpreter for ckptool and torch (default: this one)")
-    p.add_argument("--clean-inputs", action="store_true", help="delete the generated checkpoints at the end")
-    p.add_argument("--quiet", action="store_true")
+    add_last_options(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    args.sizes = parse_sizes(args.sizes)
     args.tools = TOOL_NAMES if args.tools == "all" else [t.strip() for t in args.tools.split(",") if t.strip()]
     unknown = [t for t in args.tools if t not in TOOL_NAMES]
     if unknown:
@@ -542,21 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         raise SystemExit("bench.dcp: --repeat must be >= 1")
 
-    def log(msg: str) -> None:
-        if not args.quiet:
-            print(f"[bench.dcp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-    result = run(args, log)
+    result = run(args, stderr_logger("bench.dcp", args.quiet))
     if args.clean_inputs:
         for i in result["inputs"]:
             shutil.rmtree(i["path"], ignore_errors=True)
             Path(i["path"]).with_suffix(".json").unlink(missing_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
-    md = render(result)
-    (args.results / "dcp.json").write_text(json.dumps(result, indent=2))
-    (args.results / "dcp.md").write_text(md)
-    print(md)
-    print(f"written: {args.results / 'dcp.json'}, {args.results / 'dcp.md'}", file=sys.stderr)
+    write_results(args.results, "dcp", result, render(result))
     return 0
 
 

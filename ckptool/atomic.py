@@ -135,7 +135,7 @@ def atomic_output(out: Path) -> Iterator[tuple[BinaryIO, Path]]:
     except OSError as e:
         raise OutputError(_os_error_message(e), path=out) from e
     tmp = Path(tmp_name)
-    try:
+    with _removed_on_failure(out, tmp, _unlink_quietly):
         with os.fdopen(fd, "w+b") as handle:
             yield handle, tmp
             handle.flush()
@@ -143,11 +143,22 @@ def atomic_output(out: Path) -> Iterator[tuple[BinaryIO, Path]]:
         os.chmod(tmp, 0o644 & ~_umask())
         os.replace(tmp, out)
         fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(out: Path, tmp: Path, remove: Callable[[Path], None], *,
+                        keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """``remove(tmp)`` if the block fails — unless by one of ``keep`` (whose handler needs what ``tmp``
+    holds). An OS error becomes an OutputError naming ``out``."""
+    try:
+        yield
+    except keep:
+        raise
     except OSError as e:
-        _unlink_quietly(tmp)
+        remove(tmp)
         raise OutputError(_os_error_message(e), path=out) from e
     except BaseException:
-        _unlink_quietly(tmp)
+        remove(tmp)
         raise
 
 
@@ -199,16 +210,8 @@ def _temp_folder(out: Path, inside: Path, *, keep: tuple[type[BaseException], ..
         tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=inside))
     except OSError as e:
         raise OutputError(_os_error_message(e), path=out) from e
-    try:
+    with _removed_on_failure(out, tmp, _rmtree_quietly, keep=keep):
         yield tmp
-    except keep:
-        raise
-    except OSError as e:
-        _rmtree_quietly(tmp)
-        raise OutputError(_os_error_message(e), path=out) from e
-    except BaseException:
-        _rmtree_quietly(tmp)
-        raise
 
 
 @contextlib.contextmanager

@@ -20,38 +20,53 @@ class DType:
     is_floating: bool
 
 
-_ALL = (
-    DType("F64", 8, "float64", "DoubleStorage", True),
-    DType("F32", 4, "float32", "FloatStorage", True),
-    DType("F16", 2, "float16", "HalfStorage", True),
-    DType("BF16", 2, "bfloat16", "BFloat16Storage", True),
-    DType("F8_E4M3", 1, "float8_e4m3fn", None, True),
-    DType("F8_E5M2", 1, "float8_e5m2", None, True),
-    DType("F8_E4M3FNUZ", 1, "float8_e4m3fnuz", None, True),
-    DType("F8_E5M2FNUZ", 1, "float8_e5m2fnuz", None, True),
-    DType("C64", 8, "complex64", "ComplexFloatStorage", False),
-    DType("C128", 16, "complex128", "ComplexDoubleStorage", False),
-    DType("I64", 8, "int64", "LongStorage", False),
-    DType("I32", 4, "int32", "IntStorage", False),
-    DType("I16", 2, "int16", "ShortStorage", False),
-    DType("I8", 1, "int8", "CharStorage", False),
-    DType("U64", 8, "uint64", None, False),
-    DType("U32", 4, "uint32", None, False),
-    DType("U16", 2, "uint16", None, False),
-    DType("U8", 1, "uint8", "ByteStorage", False),
-    DType("BOOL", 1, "bool", "BoolStorage", False),
-    # dtypes torch names as globals (its weights_only set) beyond the safetensors format's: a dtype is
-    # data. complex32 is a pair of float16; the others have no arithmetic in torch (bit containers,
-    # packed float4 pairs) or only conversions (float8_e8m0fnu), and are compared as bit patterns.
-    DType("C32", 4, "complex32", None, False),
-    DType("F8_E8M0", 1, "float8_e8m0fnu", None, True),
-    DType("F4_E2M1_X2", 1, "float4_e2m1fn_x2", None, True),
-    DType("BITS8", 1, "bits8", None, False),
-    DType("BITS16", 2, "bits16", None, False),
-    DType("BITS1X8", 1, "bits1x8", None, False),
-    DType("BITS2X4", 1, "bits2x4", None, False),
-    DType("BITS4X2", 1, "bits4x2", None, False),
-)
+# name: safetensors' spelling; size: bytes per element; torch name: the attribute of the torch module;
+# storage class: the legacy typed-storage class pickles name ("-": none); floating: a float dtype
+_SAFETENSORS_DTYPES = """
+# name      size  torch name        storage class         floating
+F64            8  float64           DoubleStorage         yes
+F32            4  float32           FloatStorage          yes
+F16            2  float16           HalfStorage           yes
+BF16           2  bfloat16          BFloat16Storage       yes
+F8_E4M3        1  float8_e4m3fn     -                     yes
+F8_E5M2        1  float8_e5m2       -                     yes
+F8_E4M3FNUZ    1  float8_e4m3fnuz   -                     yes
+F8_E5M2FNUZ    1  float8_e5m2fnuz   -                     yes
+C64            8  complex64         ComplexFloatStorage   no
+C128          16  complex128        ComplexDoubleStorage  no
+I64            8  int64             LongStorage           no
+I32            4  int32             IntStorage            no
+I16            2  int16             ShortStorage          no
+I8             1  int8              CharStorage           no
+U64            8  uint64            -                     no
+U32            4  uint32            -                     no
+U16            2  uint16            -                     no
+U8             1  uint8             ByteStorage           no
+BOOL           1  bool              BoolStorage           no
+"""
+# dtypes torch names as globals (its weights_only set) beyond the safetensors format's: a dtype is
+# data. complex32 is a pair of float16; the others have no arithmetic in torch (bit containers,
+# packed float4 pairs) or only conversions (float8_e8m0fnu), and are compared as bit patterns.
+_TORCH_ONLY_DTYPES = """
+# name      size  torch name        storage class         floating
+C32            4  complex32         -                     no
+F8_E8M0        1  float8_e8m0fnu    -                     yes
+F4_E2M1_X2     1  float4_e2m1fn_x2  -                     yes
+BITS8          1  bits8             -                     no
+BITS16         2  bits16            -                     no
+BITS1X8        1  bits1x8           -                     no
+BITS2X4        1  bits2x4           -                     no
+BITS4X2        1  bits4x2           -                     no
+"""
+
+
+def _parse(table: str) -> tuple[DType, ...]:
+    rows = (line.split() for line in table.strip().splitlines() if not line.startswith("#"))
+    return tuple(DType(name, int(size), torch_name, None if storage == "-" else storage, floating == "yes")
+                 for name, size, torch_name, storage, floating in rows)
+
+
+_ALL = _parse(_SAFETENSORS_DTYPES) + _parse(_TORCH_ONLY_DTYPES)
 
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
 BY_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in _ALL}
@@ -70,7 +85,6 @@ BY_TORCH_NAME.update(
         "chalf": BY_NAME["C32"],
     }
 )
-FLOATING = frozenset(d.name for d in _ALL if d.is_floating)
 # compared bit pattern for bit pattern (diff's exact integer path): torch has no values to subtract
 BIT_PATTERNS = frozenset({"F8_E8M0", "F4_E2M1_X2", "BITS8", "BITS16", "BITS1X8", "BITS2X4", "BITS4X2"})
 # dtypes torch's weights_only load accepts as values (``torch.uint4`` saved in a config), whose

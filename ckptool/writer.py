@@ -9,7 +9,7 @@ in place; any difference deletes it and names the tensor.
 
 Why CRC32 and not the sha256 fingerprint: the check guards against accidental change (a bug, a
 bad disk), not an adversary, and two sha256 passes cost more than the whole durable copy
-(sha256 runs at ~1 GB/s per core here; ``cp`` + ``sync`` of 1 GiB takes ~0.7 s). The sha256
+(sha256 runs at ~1 GB/s per core here; ``cp`` + ``sync`` of 1 GiB takes ~0.8 s). The sha256
 fingerprint — the identity of the weights across formats — is computed on request
 (``fingerprint=True``, ``--fingerprint``) alongside, and recorded in safetensors metadata.
 """

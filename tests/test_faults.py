@@ -53,11 +53,7 @@ main()
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # the inputs here are 32 MB at most
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +138,7 @@ COMMANDS = {  # how each writing command is asked to rewrite the big input
 SUFFIX = {"strip": ".pt", "convert": ".safetensors"}
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c in main.commands])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_kill_9_mid_write_keeps_input_and_previous_output(big_input: Path, tmp_path: Path, command: str,
                                                           ckptool_process, paused_writer) -> None:
     out_dir = tmp_path / "out"
@@ -186,7 +182,7 @@ def _limit_file_size() -> None:  # runs in the child before exec
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c in main.commands])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_full_disk_fails_cleanly(big_input: Path, tmp_path: Path, command: str, ckptool_process) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -283,8 +279,6 @@ def test_output_linked_to_the_input_is_refused(small_input: Path, tmp_path: Path
 
 
 def test_a_folder_output_that_holds_the_input_keeps_it(small_input: Path) -> None:
-    if "convert" not in main.commands:
-        pytest.skip("no convert command")
     before = sha256(small_input)
     result = invoke("convert", small_input, "-o", small_input.parent, "--to", "safetensors", "--force")
     assert result.exit_code == 0, result.stderr

@@ -58,7 +58,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
 
 
 def command_table(out: Path, good: Path) -> dict[str, Callable[[Path], list[str]]]:
-    """Arguments for every command ckptool has (those not yet present are left out)."""
+    """Arguments for every command ckptool has."""
     table: dict[str, Callable[[Path], list]] = {
         "inspect": lambda p: ["inspect", p],
         "scan": lambda p: ["scan", p],
@@ -69,12 +69,15 @@ def command_table(out: Path, good: Path) -> dict[str, Callable[[Path], list[str]
         "verify": lambda p: ["verify", p],
         "diff": lambda p: ["diff", p, good],
     }
-    return {name: (lambda p, make=make: [str(a) for a in make(p)]) for name, make in table.items()
-            if name in main.commands}
+    return {name: (lambda p, make=make: [str(a) for a in make(p)]) for name, make in table.items()}
 
 
-COMMANDS = [name for name in ("inspect", "scan", "strip", "add-prefix", "remap", "convert", "verify", "diff")
-            if name in main.commands]
+COMMANDS = ["inspect", "scan", "strip", "add-prefix", "remap", "convert", "verify", "diff"]
+
+
+def test_the_hostile_suites_run_every_command() -> None:
+    """A command added to the CLI gets a line in command_table, or the hostile suites would leave it out."""
+    assert sorted(COMMANDS) == sorted(main.commands)
 
 
 def expected_exit(command: str, expect: str) -> int:
@@ -149,8 +152,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def test_corpus_is_large_and_covers_both_verdicts(corpus: Corpus) -> None:
     expects = {case.expect for case in corpus.cases}
-    assert len(corpus.cases) >= 40 and expects == {hostile.UNSAFE, hostile.REFUSE}
-    assert sum(case.canary is not None for case in corpus.cases) >= 40
+    # floors just under the corpus's size (196 cases, 89 with a canary): a builder that silently drops
+    # cases fails here; one that adds cases raises the floor when it is worth keeping
+    assert len(corpus.cases) >= 190 and expects == {hostile.UNSAFE, hostile.REFUSE}
+    assert sum(case.canary is not None for case in corpus.cases) >= 85
 
 
 def test_the_mutated_checkpoints_start_out_real(tmp_path: Path) -> None:

@@ -45,8 +45,6 @@ def assert_loaded(model: nn.Module, expected: dict[str, torch.Tensor], *, prefix
                                      "sharded/model.safetensors.index.json", "views.pt", "lightning_mlp.ckpt"])
 def test_to_state_dict_equals_torchs_own_reader(fixtures_dir: Path, fixture: str) -> None:
     path = fixtures_dir / fixture
-    if not path.exists():
-        pytest.skip(f"fixture {fixture} not generated")
     checkpoint = ckptool.load(path)
     state_dict = to_state_dict(checkpoint.tensors)
     if path.suffix == ".safetensors":
@@ -211,8 +209,6 @@ def test_load_into_data_parallel_model_adds_module_prefix(tmp_path: Path) -> Non
                                                  ("gpu_cuda1_ddp_lenet.pt", "lenet"), ("dp_mlp_wrapped.pt", "mlp")])
 def test_load_into_real_fixtures(fixtures_dir: Path, fixture: str, model: str) -> None:
     path = fixtures_dir / fixture
-    if not path.exists():
-        pytest.skip(f"fixture {fixture} not generated")
     network = build_model(model)
     report = load_into(network, path)
     assert not report.rewrite.is_identity

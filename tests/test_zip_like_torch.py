@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-import ckptool  # noqa: E402
+import ckptool
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402 — the corpus generator beside this file

@@ -218,17 +218,17 @@ def test_writeback_is_started_for_every_byte_written(fixtures_dir: Path, tmp_pat
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The early writeback covers the output's data end to end (no region left for the final fsync
     alone), and a platform without sync_file_range still writes correctly (fdatasync thread)."""
-    import ckptool.writer as writer
+    import ckptool.write_check as write_check
 
     kicks: list[tuple[int, int]] = []
-    real = writer._writeback_starter()
+    real = write_check.writeback_starter()
     if real is not None:
         def recording(fd: int, offset: int, length: int, flags: int) -> int:
             kicks.append((offset, length))
             return real(fd, offset, length, flags)
 
-        monkeypatch.setattr(writer, "_writeback_starter", lambda: recording)
-        monkeypatch.setattr(writer, "KICK_EVERY", 4096)
+        monkeypatch.setattr(write_check, "writeback_starter", lambda: recording)
+        monkeypatch.setattr(write_check, "KICK_EVERY", 4096)
         out = tmp_path / f"kicked{suffix}"
         save(ckptool.load(fixtures_dir / "single_lenet.pt"), out)
         assert kicks, "no writeback was started"
@@ -238,7 +238,7 @@ def test_writeback_is_started_for_every_byte_written(fixtures_dir: Path, tmp_pat
             position += length
         data_end = max(t.contiguous_byte_range().offset + t.nbytes for t in ckptool.load(out).tensors.values())
         assert position >= data_end
-    monkeypatch.setattr(writer, "_writeback_starter", lambda: None)
+    monkeypatch.setattr(write_check, "writeback_starter", lambda: None)
     out = tmp_path / f"flushed{suffix}"
     save(ckptool.load(fixtures_dir / "single_lenet.pt"), out)
     assert ckptool.fingerprint(ckptool.load(out).tensors) == ckptool.fingerprint(

@@ -267,7 +267,7 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
     else:
         data = handle.read(member.size)
     if len(data) != member.size:
-        raise InputError(f"zip member {member.name!r} is truncated", path=path)
+        raise InputError.truncated(path, f"zip member {member.name!r} holds fewer than its {member.size} bytes")
     # A member's recorded CRC is not checked, as torch does not check it: large-model savers
     # turn CRCs off (torch then records 0) and files patched after saving record stale ones. What a
     # member holds is validated by what reads it (the pickle guard, the byteorder test).

@@ -58,14 +58,14 @@ def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
     handle.seek(0)
     prefix = handle.read(8)
     if len(prefix) != 8:
-        raise InputError("is too short to be a safetensors file — the file is truncated", path=path)
+        raise InputError.truncated(path, "too short to be a safetensors file")
     (length,) = struct.unpack("<Q", prefix)
     if length < 2:
         raise InputError(f"safetensors header length is {length} — the file is corrupt", path=path)
     if length > MAX_HEADER_BYTES:
         raise InputError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES}) — refused", path=path)
     if 8 + length > file_size:
-        raise InputError(f"safetensors header claims {length} bytes but the file has {file_size} — truncated", path=path)
+        raise InputError.truncated(path, f"safetensors header claims {length} bytes but the file has {file_size}")
     raw = handle.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))

@@ -5,7 +5,9 @@ the expected content of every tensor — name, dtype, shape and a CRC32 of its b
 CRC a zip archive already stores for a storage copied whole, and summing the source for the rest.
 After the copy, the temp file is fsync'd in one thread while the main thread re-reads it through
 the reader (structure and bytes) and sums it again. Only an exact match lets ``os.replace`` put it
-in place; any difference deletes it and names the tensor.
+in place; any difference deletes it and names the tensor. The check is :mod:`ckptool.write_check`
+(one ``checked_output``/``checked_folder`` context around each write), the copying
+:mod:`ckptool.copying`; this module chooses the format and plans the output.
 
 Why CRC32 and not the sha256 fingerprint: the check guards against accidental change (a bug, a
 bad disk), not an adversary, and two sha256 passes cost more than the whole durable copy

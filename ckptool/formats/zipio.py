@@ -282,7 +282,6 @@ class ZipWriter:
         self.handle = handle
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
         self.position = handle.tell()
-        self.on_data = on_data
         self.out = DataOut(handle, on_data)
 
     def release(self) -> None:

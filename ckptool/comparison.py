@@ -17,14 +17,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .byteio import FileCache, read_exact, read_into
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
-from .errors import InputError
 from .keys import detect_prefix
 from .reader import load
 from .refs import ByteRange, TensorRef, check_expansion
@@ -204,31 +203,9 @@ def abs_diff(a: Any, b: Any) -> Any:
         return np.where(np.isnan(difference), np.inf, difference)
 
 
-class OpenFiles:
-    """Read-only descriptors by path, shared by every tensor a diff reads (not an open() per tensor and side).
-
-    At most ``limit`` stay open (a DCP directory can hold a file per rank): the least recently used is
-    closed and reopened when needed. Ask for the descriptor at each read, never keep it across a yield:
-    another reader may have closed it meanwhile.
-    """
-
-    def __init__(self, limit: int = 32) -> None:
-        self._fds: dict[Path, int] = {}
-        self._limit = limit
-
-    def fd(self, path: Path) -> int:
-        fd = self._fds.pop(path, None)
-        if fd is None:
-            if len(self._fds) >= self._limit:
-                os.close(self._fds.pop(next(iter(self._fds))))
-            fd = os.open(path, os.O_RDONLY)
-        self._fds[path] = fd  # the most recently used last
-        return fd
-
-    def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+# the descriptors a diff shares across tensors (not an open() per tensor and side): a byteio.FileCache;
+# the name is imported from here too
+OpenFiles = FileCache
 
 
 def _spans(tensor: TensorRef) -> tuple[ByteRange, ...] | None:
@@ -243,24 +220,15 @@ def _spans(tensor: TensorRef) -> tuple[ByteRange, ...] | None:
     return None if span is None else (span,)
 
 
-def _truncated(path: Path) -> InputError:
-    return InputError("file is truncated: tensor bytes end before the data they promise", path=path)
-
-
-def _read_spans(spans: tuple[ByteRange, ...], size: int, files: OpenFiles) -> Iterator[bytes | bytearray]:
+def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[int]) -> Iterator[bytes | bytearray]:
     """The bytes of ``spans`` end to end in pieces of ``size`` bytes (the last may be shorter), read
     straight into one reused buffer: each piece is valid only until the next is asked for."""
     total = sum(span.length for span in spans)
     if total <= 0:
         return
     if len(spans) == 1 and total <= size:  # a small tensor: one read, no buffer to set up
-        span, data = spans[0], b""
-        while len(data) < total:
-            more = os.pread(files.fd(span.path), total - len(data), span.offset + len(data))
-            if not more:
-                raise _truncated(span.path)
-            data += more
-        yield data
+        span = spans[0]
+        yield read_exact(files.get(span.path), span.offset, total, span.path)
         return
     buffer = bytearray(min(size, total))
     view = memoryview(buffer)
@@ -269,12 +237,10 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: OpenFiles) -> It
         position, end = span.offset, span.offset + span.length
         while position < end:
             piece = view[filled:filled + min(len(buffer) - filled, end - position)]
-            got = os.preadv(files.fd(span.path), [piece], position)
-            if not got:
-                raise _truncated(span.path)
-            filled += got
-            position += got
-            total -= got
+            read_into(files.get(span.path), piece, position, span.path)
+            filled += len(piece)
+            position += len(piece)
+            total -= len(piece)
             if filled == len(buffer):
                 yield buffer  # a bytearray of exactly the piece: == against it is a memcmp
                 filled = 0
@@ -284,7 +250,7 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: OpenFiles) -> It
 
 
 def tensor_chunks(tensor: TensorRef, elements: int | None = None,
-                  files: OpenFiles | None = None) -> Iterator[bytes | bytearray]:
+                  files: FileCache[int] | None = None) -> Iterator[bytes | bytearray]:
     """:func:`element_chunks` (by default of :data:`CHUNK_SIZE` bytes), read with ``os.preadv`` through
     ``files`` when the bytes lie in the file as they are. A chunk may be a reused buffer."""
     if elements is None:
@@ -296,7 +262,7 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
         yield from _read_spans(spans, elements * tensor.dtype.itemsize, files)
 
 
-def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: OpenFiles | None = None,
+def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[int] | None = None,
                    on_a_chunk: ChunkCallback | None = None) -> tuple[bool, float, int, int]:
     """Stream two equal-shape tensors: ``(byte_identical, max_abs_diff, differing, beyond_atol)``.
 
@@ -304,7 +270,7 @@ def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: Open
     calls; ``on_a_chunk`` is called with each chunk of A (for a check that wants A's bytes read once).
     """
     if files is None:
-        with closing(OpenFiles()) as own:
+        with FileCache() as own:
             return compare_values(a, b, atol=atol, files=own, on_a_chunk=on_a_chunk)
     elements = max(1, CHUNK_SIZE // max(a.dtype.itemsize, b.dtype.itemsize))
     same_dtype = a.dtype == b.dtype
@@ -418,7 +384,7 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
     report.only_in_a = [key for key in a_tensors if key not in b_tensors]
     report.only_in_b = [key for key in b_tensors if key not in a_tensors]
-    with closing(OpenFiles()) as files:
+    with FileCache() as files:
         for name, tensor_a in a_tensors.items():
             tensor_b = b_tensors.get(name)
             if tensor_b is None:

@@ -89,8 +89,7 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
     except OSError as e:
         raise InputError(f"cannot be read ({e.strerror}) — check the path", path=span.path) from e
     if span.offset + span.length > file_size:
-        raise InputError(f"storage {storage.key!r} ends after the end of the file — the file is truncated",
-                         path=span.path)
+        raise InputError.truncated(span.path, f"storage {storage.key!r} ends after the end of the file")
     if mmap and span.offset % max(alignment, 1) == 0:
         mapped = np.memmap(span.path, dtype=np.uint8, mode="c", offset=span.offset, shape=(span.length,))
         return torch.from_numpy(mapped).untyped_storage()
@@ -100,7 +99,7 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
         handle.seek(span.offset)
         filled = handle.readinto(view)
     if filled != span.length:
-        raise InputError("file is truncated: tensor bytes end before the data they promise", path=span.path)
+        raise InputError.truncated(span.path)
     return buffer.untyped_storage()
 
 

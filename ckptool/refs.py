@@ -52,7 +52,7 @@ class ByteRange:
             while remaining:
                 data = handle.read(min(chunk_size, remaining))
                 if not data:
-                    raise InputError("file is truncated: tensor bytes end before the data they promise", path=self.path)
+                    raise InputError.truncated(self.path)
                 remaining -= len(data)
                 yield data
 
@@ -79,8 +79,7 @@ class ByteRange:
                 while filled < len(buffer):
                     n = handle.readinto(view[filled:])
                     if not n:
-                        raise InputError("file is truncated: tensor bytes end before the data they promise",
-                                         path=self.path)
+                        raise InputError.truncated(self.path)
                     filled += n
                 del view
                 remaining -= len(buffer)
@@ -283,7 +282,7 @@ class TensorRef:
         item = self.dtype.itemsize
         length = self.offset * item + self.span_bytes()
         if (os.path.getsize(base.path) if produced is None else len(produced)) < base.offset + length:
-            raise InputError("file is truncated: tensor bytes end before the data they promise", path=base.path)
+            raise InputError.truncated(base.path)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
         flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,)) \
             if produced is None else np.frombuffer(produced, dtype=np.uint8, count=length)

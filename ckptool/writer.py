@@ -5,7 +5,9 @@ the expected content of every tensor — name, dtype, shape and a CRC32 of its b
 CRC a zip archive already stores for a storage copied whole, and summing the source for the rest.
 After the copy, the temp file is fsync'd in one thread while the main thread re-reads it through
 the reader (structure and bytes) and sums it again. Only an exact match lets ``os.replace`` put it
-in place; any difference deletes it and names the tensor.
+in place; any difference deletes it and names the tensor. The check is :mod:`ckptool.write_check`
+(one ``checked_output``/``checked_folder`` context around each write), the copying
+:mod:`ckptool.copying`; this module chooses the format and plans the output.
 
 Why CRC32 and not the sha256 fingerprint: the check guards against accidental change (a bug, a
 bad disk), not an adversary, and two sha256 passes cost more than the whole durable copy
@@ -18,30 +20,35 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
-import sys
-import threading
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import dtypes, layouts
-from .atomic import TEMP_PREFIX, atomic_output, check_folder_output, check_output, folder_output, same_file
+from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
 from .digest import PREFIX
-from .digest import fingerprint as weights_fingerprint  # `save` has a parameter named fingerprint
-from .formats import safetensors, torch_zip, zipio
+from .formats import safetensors, torch_zip
 from .refs import StorageRef, TensorRef, check_expansion
 from .tree import map_tensors
+# the content check moved to write_check; these names are imported from here too
+from .write_check import (  # noqa: F401
+    Expectations,
+    OutputSums,
+    StaleSourceCrc,
+    TensorCheck,
+    checked_folder,
+    checked_output,
+    run_in_thread,
+    tensor_checks,
+)
 
 # a path into a write's temp file or temp directory (atomic.TEMP_PREFIX), and what follows it inside
 _TEMP_PATH = re.compile(r"[^\s'\"]*" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_]+(?:\.part)?(/[^\s'\"]*)?")
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
-TARGETS = ("pt", "safetensors", "safetensors-sharded")
 FINGERPRINT_KEY = "ckptool.fingerprint"
 _FINGERPRINT_PLACEHOLDER = PREFIX + "0" * 64
 # how a safetensors header written with a fingerprint begins (safetensors.write_file puts the metadata first)
@@ -64,249 +71,6 @@ class SaveReport:
     checked: int = 0
     aliases: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class TensorCheck:
-    """What must read back for one tensor: dtype, shape and the CRC32 of its C-order bytes.
-
-    ``recorded``: the CRC is the one the source archive recorded, not one summed from its bytes.
-    torch never checks those (a file saved with CRCs off records 0; one written through ``skip_data``
-    or patched later records stale ones), so a mismatch on a recorded CRC is settled by summing the
-    source's bytes.
-
-    For a view that expands its storage (stride 0, overlaps) written to a ``.pt`` — where the
-    storage is copied raw, not expanded — the CRC is that of the storage bytes it spans, and
-    ``view`` holds its offset and strides, which must read back the same.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    crc32: int
-    view: tuple | None = None
-    recorded: bool = field(default=False, compare=False)
-
-
-class _StaleSourceCrc(Exception):
-    """The source archive recorded CRCs that are not its bytes', and a .pt output copied them."""
-
-
-def _stored_crc(tensor: TensorRef) -> int | None:
-    """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage
-    (or, for a storage lying in pieces — DCP row shards — combined from the pieces' recorded CRCs)."""
-    if tensor.conj or tensor.neg:
-        return None  # the archive's CRC is of the stored bytes, not of the values
-    pieces = tensor.whole_pieces()
-    if pieces is not None:
-        return zipio.pieces_crc(pieces)
-    storage = tensor.storage
-    data = storage.data
-    if storage.producer is not None or data is None or data.crc32 is None or not tensor.is_contiguous():
-        return None
-    if tensor.offset != 0 or tensor.nbytes != data.length:
-        return None
-    return data.crc32
-
-
-class OutputSums:
-    """CRC32s of the output's data regions, summed by a worker thread right behind the writer.
-
-    The writer reports each region once it is in the file; the worker reads it back (from the page
-    cache) while the next one is copied, so the re-read costs no extra pass after the copy.
-    Writeback starts as the data comes: every ``KICK_EVERY`` bytes are handed to the disk with
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` (Linux; it does not wait), so the final fsync has
-    little left to wait for — a durable write then costs about the copy, not the copy plus the
-    flush. Elsewhere a thread calls ``fdatasync`` every ``FLUSH_EVERY`` bytes instead.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
-        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        self._unflushed = 0
-        self._done = False
-        self._kick = _writeback_starter()
-        self._kicked = self._end = 0
-        self._fd = -1
-        self._flusher: threading.Thread | None = None
-        self._flush_wanted = threading.Event()
-        if self._kick is not None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            except OSError:
-                self._kick = None
-        if self._kick is None:
-            self._flusher = threading.Thread(target=self._flush_loop, daemon=True)
-            self._flusher.start()
-
-    def written(self, offset: int, length: int) -> None:
-        self._queue.put((offset, length))
-        if self._kick is not None:
-            self._end = max(self._end, offset + length)
-            if self._end - self._kicked >= KICK_EVERY:
-                self._start_writeback()
-            return
-        self._unflushed += length
-        if self._unflushed >= FLUSH_EVERY:
-            self._unflushed = 0
-            self._flush_wanted.set()
-
-    def _start_writeback(self) -> None:
-        if self._kick is not None and self._end > self._kicked:
-            # a failure here only loses the head start: the final fsync reports real errors
-            self._kick(self._fd, self._kicked, self._end - self._kicked, _SYNC_FILE_RANGE_WRITE)
-            self._kicked = self._end
-
-    def _flush_loop(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            while True:
-                self._flush_wanted.wait()
-                self._flush_wanted.clear()
-                if self._done:
-                    return
-                try:
-                    os.fdatasync(fd)
-                except OSError:  # the final fsync reports real errors
-                    return
-        finally:
-            os.close(fd)
-
-    def _run(self) -> None:
-        buffer = bytearray(CHUNK)  # one buffer, reused: no allocation per read
-        view = memoryview(buffer)
-        with open(self.path, "rb", buffering=0) as handle:
-            fd = handle.fileno()
-            while (item := self._queue.get()) is not None:
-                if self._error is not None:
-                    continue
-                offset, length = item
-                try:
-                    crc, done = 0, 0
-                    while done < length:
-                        n = _pread_into(fd, view[:min(CHUNK, length - done)], offset + done)
-                        if not n:
-                            break
-                        crc = zlib.crc32(view[:n], crc)
-                        done += n
-                    self.sums[offset] = (length, crc)
-                except OSError as e:  # re-read errors surface as a missing sum: the check re-reads itself
-                    self._error = e
-
-    def crc_of(self, offset: int, length: int) -> int | None:
-        """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
-        they cover exactly that span (a large copy is reported in steps: their CRCs are combined)."""
-        if length == 0:
-            return 0
-        crc, position, end = 0, offset, offset + length
-        while position < end:
-            region = self.sums.get(position)
-            if region is None or position + region[0] > end:
-                return None
-            crc = region[1] if position == offset else zipio.crc32_combine(crc, region[1], region[0])
-            position += region[0]
-        return crc
-
-    def finish(self) -> dict[int, tuple[int, int]]:
-        """Wait for every reported region to be summed (idempotent)."""
-        self._start_writeback()
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        if self._flusher is not None and self._flusher.is_alive():
-            self._done = True
-            self._flush_wanted.set()
-            self._flusher.join()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        return self.sums
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [view], offset)
-    data = os.pread(fd, len(view), offset)  # platforms without preadv
-    view[:len(data)] = data
-    return len(data)
-
-
-def _writeback_starter() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` where there is one (Linux), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-CHUNK = 8 * 1024 * 1024
-FLUSH_EVERY = 128 * 1024 * 1024
-KICK_EVERY = 8 * 1024 * 1024
-
-
-def _span_crc(tensor: TensorRef) -> int:
-    """CRC32 of the storage bytes an expanding view spans (read once, never expanded)."""
-    crc = 0
-    data = tensor.storage.byte_range()
-    for chunk in data.iter_reused(tensor.offset * tensor.dtype.itemsize, tensor.span_bytes()):
-        crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
-                  known: Callable[[str, int, int], int | None] | None = None,
-                  views_raw: bool = False) -> dict[str, TensorCheck]:
-    """The content of every tensor.
-
-    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known(path, offset, length)``
-    gives CRCs of byte ranges already summed (by :class:`OutputSums`), or None. ``views_raw`` (a
-    ``.pt`` output, whose storages are copied as they are) checks an expanding view by the bytes
-    it spans and its strides, so a stride-0 view is never expanded to be summed.
-    """
-    checks: dict[str, TensorCheck] = {}
-    by_storage: dict[tuple, int] = {}  # tied tensors are summed once
-    for name, tensor in tensors.items():
-        # a conjugate or negative view of a storage holds other values than the plain view
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
-                    tensor.conj, tensor.neg)
-        if views_raw and tensor.storage.producer is None and tensor.storage.pieces is None and tensor.expands():
-            crc = by_storage.get(identity)
-            if crc is None:
-                crc = by_storage[identity] = _span_crc(tensor)
-            checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
-            continue
-        crc = by_storage.get(identity)
-        recorded = False
-        if crc is None:
-            crc = _stored_crc(tensor) if trust_stored else None
-            recorded = crc is not None
-        if crc is None and known:
-            span = tensor.contiguous_byte_range()
-            if span is not None:
-                crc = known(str(span.path), span.offset, span.length)
-        if crc is None:
-            crc = 0
-            for chunk in tensor.iter_reused():
-                crc = zlib.crc32(chunk, crc)
-        by_storage[identity] = crc
-        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=recorded)
-    return checks
 
 
 def suffix_format(out: Path) -> str | None:
@@ -408,80 +172,6 @@ def _same_path(a: Path, b: Path) -> bool:
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
 
 
-def _run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # re-raised in the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-
-    def join() -> Any:
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        return result["value"]
-
-    return join
-
-
-def _verify(written: Path, expected_join: Callable[[], dict[str, TensorCheck]],
-            read_back: Callable[[Path], Mapping[str, TensorRef]], sync: Callable[[], None],
-            sums: list[OutputSums] | None = None, recheck: Callable[[str], TensorCheck] | None = None, *,
-            views_raw: bool = False) -> int:
-    """Re-read ``written`` (while ``sync`` runs) and compare every tensor with the expectation.
-
-    The structure (names, dtypes, shapes, where the bytes lie) is re-read through the reader; the
-    bytes' CRCs come from ``sums`` where the worker already read that exact region back, else from
-    reading it now.
-    """
-    sync_join = _run_in_thread(sync)
-    try:
-        by_path: dict[str, OutputSums] = {}
-        for output_sums in sums or []:
-            output_sums.finish()
-            by_path[str(output_sums.path)] = output_sums
-
-        def known(path: str, offset: int, length: int) -> int | None:
-            output_sums = by_path.get(path)
-            return output_sums.crc_of(offset, length) if output_sums is not None else None
-
-        written_tensors = read_back(written)
-        actual = tensor_checks(written_tensors, trust_stored=False, known=known, views_raw=views_raw)
-    finally:
-        sync_join()
-    expected = expected_join()
-    if actual.keys() != expected.keys():
-        missing = sorted(expected.keys() - actual.keys())
-        extra = sorted(actual.keys() - expected.keys())
-        raise FingerprintMismatchError(
-            f"the output reads back with other tensor names (missing {missing[:3]}, extra {extra[:3]}) — "
-            "it was deleted; nothing changed"
-        )
-    stale = []
-    for name, check in expected.items():
-        if actual[name] != check:
-            if check.recorded and recheck is not None and recheck(name) == actual[name]:
-                stale.append(name)  # the source's recorded CRC was stale; its bytes are what was written
-                continue
-            raise FingerprintMismatchError(
-                f"tensor {name!r} reads back different from what was written ({actual[name]} != {check}) — "
-                "the output was deleted; check the disk and try again"
-            )
-    for name, tensor in written_tensors.items():  # the CRC the output's zip records must be that of its bytes
-        recorded = _stored_crc(tensor)
-        if recorded is not None and recorded != actual[name].crc32:
-            if stale:
-                raise _StaleSourceCrc(stale)
-            raise FingerprintMismatchError(
-                f"tensor {name!r}: the CRC recorded in the output's zip ({recorded:08x}) is not that of the bytes "
-                f"written ({actual[name].crc32:08x}) — the output was deleted; nothing changed")
-    return len(actual)
-
 
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input."""
@@ -539,15 +229,6 @@ def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool) -> d
     return metadata
 
 
-@dataclass
-class _Expectations:
-    """Work started before the copy: the content check, and the sha256 fingerprint if asked."""
-
-    checks: Callable[[], dict[str, TensorCheck]]
-    fingerprint: Callable[[], str | None]
-    wants_fingerprint: bool
-    recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
-
 
 def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, force: bool = False,
          in_place: bool = False, max_shard_size: int | None = None, duplicate_tied: bool = False,
@@ -602,12 +283,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
                             in_place=in_place)
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
-    expect = _Expectations(
-        checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=True, views_raw=views_raw)),
-        fingerprint=_run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None),
-        wants_fingerprint=fingerprint,
-        recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
-    )
+    expect = Expectations.start(tensors, fingerprint=fingerprint, views_raw=views_raw)
     try:
         if target == "pt":
             report = _save_pt(checkpoint, out, nest, expect)
@@ -622,11 +298,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
             raise type(e)(_TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), e.message), path=out) from e
         raise
     finally:
-        for join in (expect.checks, expect.fingerprint):
-            try:
-                join()
-            except BaseException:  # the write already failed or succeeded; its error is the one to report
-                pass
+        expect.settle()
     report.tensors = len(tensors)
     report.bytes = sum(t.nbytes for t in tensors.values())
     if checkpoint.format == "torch-legacy" and target == "pt":
@@ -646,33 +318,26 @@ def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:
     return read
 
 
-def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: _Expectations) -> SaveReport:
+def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expectations) -> SaveReport:
     container = pt_container(checkpoint, nest)
     try:
         checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=True)
-    except _StaleSourceCrc:
+    except StaleSourceCrc:
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
-        expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
-                                                                             views_raw=True)))
+        expect = replace(expect, checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
+                                                                            views_raw=True)))
         checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=False)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 
 
-def _write_pt(container: Any, out: Path, expect: _Expectations,
+def _write_pt(container: Any, out: Path, expect: Expectations,
               read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool) -> int:
-    with atomic_output(out) as (handle, tmp):
-        sums = OutputSums(tmp)
-        try:
-            torch_zip.write(handle, container, archive_name=_archive_name(out), on_data=sums.written,
-                            trust_recorded_crcs=trust_recorded)
-            handle.flush()
-        except BaseException:
-            sums.finish()
-            raise
-        return _verify(tmp, expect.checks, read_back, lambda: os.fsync(handle.fileno()), [sums],
-                       recheck=expect.recheck, views_raw=True)
+    with checked_output(out, expect, read_back, views_raw=True) as output:
+        torch_zip.write(output.handle, container, archive_name=_archive_name(out), on_data=output.on_data,
+                        trust_recorded_crcs=trust_recorded)
+    return output.checked
 
 
 def _archive_name(out: Path) -> str:
@@ -705,22 +370,16 @@ def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
 
 
 def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool,
-                      expect: _Expectations) -> SaveReport:
+                      expect: Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
-    with atomic_output(out) as (handle, tmp):
-        sums = OutputSums(tmp)
-        try:
-            aliases = safetensors.write_file(handle, tensors, metadata, duplicate_tied=duplicate_tied,
-                                             on_data=sums.written)
-        except BaseException:
-            sums.finish()
-            raise
+    with checked_output(out, expect, _read_back(checkpoint)) as output:
+        aliases = safetensors.write_file(output.handle, tensors, metadata, duplicate_tied=duplicate_tied,
+                                         on_data=output.on_data)
         value = expect.fingerprint()
         if value:
-            _patch_fingerprint(handle, value)
-        checked = _verify(tmp, expect.checks, _read_back(checkpoint), lambda: os.fsync(handle.fileno()), [sums],
-                          recheck=expect.recheck)
-    return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=checked, aliases=aliases)
+            _patch_fingerprint(output.handle, value)
+    return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=output.checked,
+                      aliases=aliases)
 
 
 @dataclass
@@ -776,7 +435,7 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
     return _ShardPlan(aliases, stored, shards, names, removes, notes)
 
 
-def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _Expectations) -> SaveReport:
+def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
     # the container's entries go into the first shard only (the reader merges every shard's metadata):
     # a large config copied into thousands of headers would multiply it
@@ -784,8 +443,8 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _
     weight_map: dict[str, str] = {}
     files: list[Path] = []
     # shards and index are written into a temp folder, checked, then moved in: the index last
-    with folder_output(out, last=safetensors.INDEX_NAME, remove=plan.removes) as tmp_dir:
-        all_sums: list[OutputSums] = []
+    with checked_folder(out, expect, _read_back(checkpoint), last=safetensors.INDEX_NAME,
+                        remove=plan.removes) as folder:
         for index, (name, names) in enumerate(zip(plan.names, plan.shards)):
             shard_tensors = {k: plan.stored[k] for k in names}
             # an alias lives in the shard that stores its target
@@ -795,30 +454,22 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: _
                 shard_metadata["ckptool.entries"] = entries
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
-            with open(tmp_dir / name, "w+b") as handle:
-                shard_sums = OutputSums(tmp_dir / name)  # its thread re-reads the file: created first
-                all_sums.append(shard_sums)
-                try:
-                    safetensors._write_one(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
-                finally:
-                    # one shard's re-read thread and buffer at a time, however many shards there are
-                    shard_sums.finish()
+            with folder.file(name) as (handle, shard_sums):
+                safetensors._write_one(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
             weight_map.update({k: name for k in names})
             files.append(out / name)
         value = expect.fingerprint()
         if value:
             for name in files:
-                with open(tmp_dir / name.name, "r+b") as handle:
+                with open(folder.directory / name.name, "r+b") as handle:
                     _patch_fingerprint(handle, value)
         index_metadata: dict[str, Any] = {"total_size": sum(t.nbytes for t in plan.stored.values())}
         if value:
             index_metadata[FINGERPRINT_KEY] = value
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp_dir / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        checked = _verify(tmp_dir / safetensors.INDEX_NAME, expect.checks, _read_back(checkpoint), lambda: None,
-                          all_sums, recheck=expect.recheck)
+        (folder.directory / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     report = SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
-                        fingerprint=value, checked=checked, aliases=plan.aliases, notes=list(plan.notes))
+                        fingerprint=value, checked=folder.checked, aliases=plan.aliases, notes=list(plan.notes))
     if plan.removes:
         report.notes.append(f"removed {len(plan.removes)} shard(s) of the earlier set ({', '.join(plan.removes[:3])}"
                             f"{', ...' if len(plan.removes) > 3 else ''})")

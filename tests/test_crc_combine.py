@@ -1,4 +1,4 @@
-"""crc32_combine (zipio's pure-Python port of zlib's) and ZipWriter.add_pieces, which uses it.
+"""crc32_combine (ckptool.copying's pure-Python port of zlib's) and ZipWriter.add_pieces, which uses it.
 
 A member made of pieces whose CRCs are all known (DCP row shards, each a whole zip member of its
 own) gets its CRC combined and its bytes copied by the kernel; a piece without a CRC makes the
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ckptool import copying
+from ckptool.copying import crc32_combine, pieces_crc
 from ckptool.formats import zipio
-from ckptool.formats.zipio import ZipWriter, crc32_combine, pieces_crc
+from ckptool.formats.zipio import ZipWriter
 from ckptool.refs import ByteRange
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -155,7 +157,7 @@ def test_pieces_with_known_crcs_are_copied_by_the_kernel_under_their_combined_cr
     def no_streaming(*args, **kwargs):
         raise AssertionError("streamed although every piece's CRC was known")
 
-    monkeypatch.setattr(zipio, "_stream_with_crc", no_streaming)
+    monkeypatch.setattr(copying, "stream_with_crc", no_streaming)
     regions = _write(tmp_path / "out.zip", pieces)
     with zipfile.ZipFile(tmp_path / "out.zip") as archive:
         assert archive.testzip() is None  # every member's bytes match its recorded CRC
@@ -175,13 +177,13 @@ def test_a_piece_without_a_crc_makes_the_member_stream_and_sum(tmp_path: Path, m
     pieces, expected = _sources(tmp_path)
     pieces[2].crc32 = None
     streamed: list[int] = []
-    original = zipio._stream_with_crc
+    original = copying.stream_with_crc
 
     def counting(*args, **kwargs):
         streamed.append(args[2])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(zipio, "_stream_with_crc", counting)
+    monkeypatch.setattr(copying, "stream_with_crc", counting)
     _write(tmp_path / "out.zip", pieces)
     assert sorted(streamed) == sorted(p.length for p in pieces if p.length)
     with zipfile.ZipFile(tmp_path / "out.zip") as archive:

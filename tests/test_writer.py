@@ -185,10 +185,10 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
     """A copy that lands one wrong byte (a writer bug, a bad disk): the re-read check refuses and deletes it."""
     import os as os_
 
+    from ckptool import copying
     from ckptool.errors import FingerprintMismatchError
-    from ckptool.formats import zipio
 
-    real_copy = zipio._copy_range  # every kernel copy (zip members, safetensors tensors) goes through it
+    real_copy = copying.copy_range  # every kernel copy (zip members, safetensors tensors) goes through it
     calls = {"n": 0}
 
     def corrupting_copy(source, offset, size, out, out_offset):
@@ -198,15 +198,15 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
             byte = os_.pread(out.fileno(), 1, out_offset)
             os_.pwrite(out.fileno(), bytes([byte[0] ^ 0xFF]), out_offset)
 
-    real_read = zipio.DataOut.read_source
+    real_read = copying.DataOut.read_source
 
     def corrupting_read(self, source, offset, size):  # small tensors are read and written through the buffer
         data = real_read(self, source, offset, size)
         calls["n"] += 1
         return bytes([data[0] ^ 0xFF]) + data[1:] if calls["n"] == 2 and size else data
 
-    monkeypatch.setattr(zipio, "_copy_range", corrupting_copy)
-    monkeypatch.setattr(zipio.DataOut, "read_source", corrupting_read)
+    monkeypatch.setattr(copying, "copy_range", corrupting_copy)
+    monkeypatch.setattr(copying.DataOut, "read_source", corrupting_read)
     with pytest.raises(FingerprintMismatchError, match="reads back different"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / f"out{suffix}")
     assert calls["n"] >= 2
@@ -218,17 +218,17 @@ def test_writeback_is_started_for_every_byte_written(fixtures_dir: Path, tmp_pat
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The early writeback covers the output's data end to end (no region left for the final fsync
     alone), and a platform without sync_file_range still writes correctly (fdatasync thread)."""
-    import ckptool.writer as writer
+    import ckptool.write_check as write_check
 
     kicks: list[tuple[int, int]] = []
-    real = writer._writeback_starter()
+    real = write_check.writeback_starter()
     if real is not None:
         def recording(fd: int, offset: int, length: int, flags: int) -> int:
             kicks.append((offset, length))
             return real(fd, offset, length, flags)
 
-        monkeypatch.setattr(writer, "_writeback_starter", lambda: recording)
-        monkeypatch.setattr(writer, "KICK_EVERY", 4096)
+        monkeypatch.setattr(write_check, "writeback_starter", lambda: recording)
+        monkeypatch.setattr(write_check, "KICK_EVERY", 4096)
         out = tmp_path / f"kicked{suffix}"
         save(ckptool.load(fixtures_dir / "single_lenet.pt"), out)
         assert kicks, "no writeback was started"
@@ -238,7 +238,7 @@ def test_writeback_is_started_for_every_byte_written(fixtures_dir: Path, tmp_pat
             position += length
         data_end = max(t.contiguous_byte_range().offset + t.nbytes for t in ckptool.load(out).tensors.values())
         assert position >= data_end
-    monkeypatch.setattr(writer, "_writeback_starter", lambda: None)
+    monkeypatch.setattr(write_check, "writeback_starter", lambda: None)
     out = tmp_path / f"flushed{suffix}"
     save(ckptool.load(fixtures_dir / "single_lenet.pt"), out)
     assert ckptool.fingerprint(ckptool.load(out).tensors) == ckptool.fingerprint(
@@ -272,12 +272,12 @@ def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, 
     tensor's instead of reading the output a second time, and still catches a wrong byte."""
     import os
 
+    from ckptool import copying
     from ckptool.errors import FingerprintMismatchError
-    from ckptool.formats import zipio
     from ckptool.refs import TensorRef
 
-    monkeypatch.setattr(zipio, "COPY_STEP", 1000)  # odd steps: CRCs combined across unaligned boundaries
-    monkeypatch.setattr(zipio, "SMALL_MEMBER", 0)  # every tensor through the kernel copy
+    monkeypatch.setattr(copying, "COPY_STEP", 1000)  # odd steps: CRCs combined across unaligned boundaries
+    monkeypatch.setattr(copying, "SMALL_MEMBER", 0)  # every tensor through the kernel copy
     reads = {"n": 0}
     real_iter = TensorRef.iter_reused
 
@@ -289,7 +289,7 @@ def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, 
     source = ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt")
     report = save(source.strip_prefix(), tmp_path / f"ok{suffix}")
     assert report.checked == len(source.tensors) and reads["n"] == 0
-    real_copy = zipio._copy_range
+    real_copy = copying.copy_range
     calls = {"n": 0}
 
     def corrupting_copy(src, offset, size, out, out_offset):
@@ -299,7 +299,7 @@ def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, 
             position = out_offset + size // 2
             os.pwrite(out.fileno(), bytes([os.pread(out.fileno(), 1, position)[0] ^ 1]), position)
 
-    monkeypatch.setattr(zipio, "_copy_range", corrupting_copy)
+    monkeypatch.setattr(copying, "copy_range", corrupting_copy)
     with pytest.raises(FingerprintMismatchError):
         save(source.strip_prefix(), tmp_path / f"bad{suffix}")
     assert not (tmp_path / f"bad{suffix}").exists()

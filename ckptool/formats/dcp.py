@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import dtypes, inputs, pickles
+from ..byteio import FileCache
 from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride, human_size
@@ -425,23 +426,16 @@ class _Window(io.RawIOBase):
         return got or 0
 
 
-class _Files:
-    """Open data files, each opened once per read."""
+class _Files(FileCache[BinaryIO]):
+    """Open data files, each opened once per read (none closed before the read ends: windows share them)."""
 
     def __init__(self) -> None:
-        self.handles: dict[Path, BinaryIO] = {}
+        super().__init__(_open_data_file, lambda handle: handle.close(), limit=None)
 
-    def get(self, path: Path) -> BinaryIO:
-        handle = self.handles.get(path)
-        if handle is None:
-            # the same rule as when the metadata named it: a regular file of the checkpoint directory
-            handle = self.handles[path] = inputs.open_member(path.parent, path, what=f"DCP data file {path.name!r}",
-                                                             report=path.parent)
-        return handle
 
-    def close(self) -> None:
-        for handle in self.handles.values():
-            handle.close()
+def _open_data_file(path: Path) -> BinaryIO:
+    # the same rule as when the metadata named it: a regular file of the checkpoint directory
+    return inputs.open_member(path.parent, path, what=f"DCP data file {path.name!r}", report=path.parent)
 
 
 def _archive(files: _Files, storage: _Storage, what: str, directory: Path

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .. import dtypes, inputs
+from ..copying import DataOut
 from ..errors import InputError, OutputError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
-from . import zipio
-from .zipio import DataOut, copy_reporting
 
 FORMAT = "safetensors"
 SHARDED_FORMAT = "safetensors-sharded"
@@ -59,14 +58,14 @@ def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
     handle.seek(0)
     prefix = handle.read(8)
     if len(prefix) != 8:
-        raise InputError("is too short to be a safetensors file — the file is truncated", path=path)
+        raise InputError.truncated(path, "too short to be a safetensors file")
     (length,) = struct.unpack("<Q", prefix)
     if length < 2:
         raise InputError(f"safetensors header length is {length} — the file is corrupt", path=path)
     if length > MAX_HEADER_BYTES:
         raise InputError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES}) — refused", path=path)
     if 8 + length > file_size:
-        raise InputError(f"safetensors header claims {length} bytes but the file has {file_size} — truncated", path=path)
+        raise InputError.truncated(path, f"safetensors header claims {length} bytes but the file has {file_size}")
     raw = handle.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -308,20 +307,10 @@ def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
             tensor = tensors[name]
             span = tensor.contiguous_byte_range()
             pieces = tensor.whole_pieces()
-            if span is not None and 0 < span.length <= zipio.SMALL_MEMBER:  # through the buffer: no flush, no copy
-                handle.write(out.read_source(span.path, span.offset, span.length))
-                out.written(out_offset, span.length)
-            elif span is not None and span.length:
-                out.report()
-                copy_reporting(span.path, span.offset, span.length, handle, out_offset, on_data)
-                handle.seek(out_offset + span.length)
+            if span is not None and span.length:
+                out.copy(span.path, span.offset, span.length, out_offset)
             elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
-                out.report()
-                position = out_offset
-                for piece in pieces:
-                    copy_reporting(piece.path, piece.offset, piece.length, handle, position, on_data)
-                    position += piece.length
-                handle.seek(position)
+                out.copy_pieces(pieces, out_offset)
             elif tensor.nbytes:
                 for chunk in tensor.iter_bytes():
                     handle.write(chunk)

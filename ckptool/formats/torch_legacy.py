@@ -112,7 +112,7 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
             raise InputError(f"legacy storage {pickles.brief(key)} is listed but never used — the file is corrupt", path=path)
         header = handle.read(8)
         if len(header) != 8:
-            raise InputError(f"legacy storage {pickles.brief(key)} is missing — the file is truncated", path=path)
+            raise InputError.truncated(path, f"legacy storage {pickles.brief(key)} is missing")
         (numel,) = struct.unpack("<q", header)
         if numel != storage.numel:
             raise InputError(
@@ -121,7 +121,7 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
             )
         start = position + 8
         if start + storage.nbytes > file_size:
-            raise InputError(f"legacy storage {pickles.brief(key)} ends past the end of the file — the file is truncated", path=path)
+            raise InputError.truncated(path, f"legacy storage {pickles.brief(key)} ends past the end of the file")
         storage.data = ByteRange(path, start, storage.nbytes)
         position = start + storage.nbytes
         handle.seek(position)
@@ -131,5 +131,5 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
     missing = [key for key, storage in storages.items() if storage.data is None]
     missing += [key for key, (view, _, _) in views.items() if view.data is None]
     if missing:
-        raise InputError(f"legacy storages {missing[:3]} have no data — the file is truncated", path=path)
+        raise InputError.truncated(path, f"legacy storages {missing[:3]} have no data")
     return LegacyContents(container=container, storages=storages)

@@ -5,7 +5,7 @@ needs on top — the exact offset of each member's bytes (so storages are copied
 located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
 case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,
 encryption) — and a writer that aligns member data to 64 bytes as torch does (so loaders can
-mmap storages) and copies storage bytes with ``copy_file_range``.
+mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.copying`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+# the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
+from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..errors import InputError
 from ..refs import ByteRange
 
@@ -26,8 +28,6 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
 _CENTRAL_SIG = 0x02014B50
 ALIGNMENT = 64
-SMALL_MEMBER = 1 << 20  # copied members up to this size are read and written through the buffer
-REPORT_EVERY = 8 << 20  # small members' regions are reported to ``on_data`` in batches of this many bytes
 # deflate reaches ~1000:1 on zeros; real pickles compress 2-5:1 (100k tensors: 4.7:1). The bound is
 # tight because a pickle's cost is per byte of opcodes: 85:1 let a 3 MB file take minutes to read.
 MAX_COMPRESSION_RATIO = 16
@@ -267,64 +267,11 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
     else:
         data = handle.read(member.size)
     if len(data) != member.size:
-        raise InputError(f"zip member {member.name!r} is truncated", path=path)
+        raise InputError.truncated(path, f"zip member {member.name!r} holds fewer than its {member.size} bytes")
     # A member's recorded CRC is not checked, as torch does not check it: large-model savers
     # turn CRCs off (torch then records 0) and files patched after saving record stale ones. What a
     # member holds is validated by what reads it (the pickle guard, the byteorder test).
     return data
-
-
-class DataOut:
-    """A writer's output and its ``on_data`` reports; small pieces are read through cached descriptors.
-
-    ``on_data(offset, length)`` is told of each data region once it is in the file (flushed). Regions
-    written through the buffer (small members, biases and norms) are told in batches of about
-    ``REPORT_EVERY`` bytes, and the rest at :meth:`report`; so a thousand small tensors cost neither a
-    flush nor an ``open`` each.
-    """
-
-    def __init__(self, handle: BinaryIO, on_data: Callable[[int, int], None] | None) -> None:
-        self.handle = handle
-        self.on_data = on_data
-        self._pending: list[tuple[int, int]] = []
-        self._pending_bytes = 0
-        self._sources: dict[Path, int] = {}
-
-    def written(self, offset: int, length: int) -> None:
-        """``length`` bytes at ``offset`` were written through the buffer."""
-        if self.on_data is not None:
-            self._pending.append((offset, length))
-            self._pending_bytes += length
-            if self._pending_bytes >= REPORT_EVERY:
-                self.report()
-
-    def report(self) -> None:
-        """Flush and tell ``on_data`` of every region written so far."""
-        if self._pending and self.on_data is not None:
-            self.handle.flush()
-            for offset, length in self._pending:
-                self.on_data(offset, length)
-        self._pending.clear()
-        self._pending_bytes = 0
-
-    def read_source(self, source: Path, offset: int, size: int) -> bytes:
-        """``size`` bytes of ``source`` at ``offset`` (a small piece: one read)."""
-        fd = self._sources.get(source)
-        if fd is None:
-            fd = self._sources[source] = os.open(source, os.O_RDONLY)
-        data = os.pread(fd, size, offset)
-        while len(data) < size:
-            more = os.pread(fd, size - len(data), offset + len(data))
-            if not more:
-                raise InputError("file is truncated: storage bytes end early", path=source)
-            data += more
-        return data
-
-    def release(self) -> None:
-        """Close the source descriptors (also after a failed write)."""
-        for fd in self._sources.values():
-            os.close(fd)
-        self._sources.clear()
 
 
 class ZipWriter:
@@ -335,7 +282,6 @@ class ZipWriter:
         self.handle = handle
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
         self.position = handle.tell()
-        self.on_data = on_data
         self.out = DataOut(handle, on_data)
 
     def release(self) -> None:
@@ -367,23 +313,18 @@ class ZipWriter:
     def add_copy(self, name: str, source: Path, offset: int, size: int, crc: int | None) -> None:
         """Add a member whose bytes are ``size`` bytes of ``source`` at ``offset``.
 
-        With a known ``crc`` (the bytes are a zip member copied unchanged) the kernel copies them
-        (``copy_file_range``) and nothing is checksummed; otherwise they are streamed and summed.
+        With a known ``crc`` (the bytes are a zip member copied unchanged) they are copied as they
+        are (:meth:`DataOut.copy`) and nothing is checksummed; otherwise they are streamed and summed.
         """
         if crc is None:
             self.add_pieces(name, (ByteRange(source, offset, size),))
-            return
-        if size <= SMALL_MEMBER:  # a bias or a norm: one read, written through the buffer (no flush, no syscall storm)
-            self.add_bytes(name, self.out.read_source(source, offset, size), crc)
             return
         encoded = name.encode("utf-8")
         header_offset = self.position
         header = self._local_header(encoded, size, crc)
         self.handle.write(header)
         data_start = self.position + len(header)
-        self.out.report()
-        copy_reporting(source, offset, size, self.handle, data_start, self.on_data)
-        self.handle.seek(data_start + size)
+        self.out.copy(source, offset, size, data_start)
         self.entries.append((encoded, header_offset, size, crc))
         self.position = data_start + size
 
@@ -397,27 +338,19 @@ class ZipWriter:
         encoded = name.encode("utf-8")
         size = sum(piece.length for piece in pieces)
         header_offset = self.position
-        combined = pieces_crc(pieces)
-        header = self._local_header(encoded, size, 0 if combined is None else combined)
+        crc = pieces_crc(pieces)
+        header = self._local_header(encoded, size, 0 if crc is None else crc)
         self.handle.write(header)
         data_start = self.position + len(header)
-        if combined is not None:
-            self.out.report()
-            position = data_start
-            for piece in pieces:
-                copy_reporting(piece.path, piece.offset, piece.length, self.handle, position, self.on_data)
-                position += piece.length
-            crc = combined
+        if crc is not None:
+            self.out.copy_pieces(pieces, data_start)
         else:
-            crc = 0
-            for piece in pieces:
-                if piece.length:
-                    crc = _stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
+            crc = self.out.stream_pieces(pieces)
             self.handle.flush()
             self.handle.seek(header_offset + 14)
             self.handle.write(struct.pack("<I", crc))
             self.out.written(data_start, size)
-        self.handle.seek(data_start + size)
+            self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
         self.position = data_start + size
 
@@ -454,121 +387,3 @@ class ZipWriter:
         else:
             self.handle.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, central_size, central_start, 0))
         self.handle.flush()
-
-
-COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re-read and writeback follow closely
-
-
-def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int,
-                   on_data: Callable[[int, int], None] | None) -> None:
-    """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
-    telling ``on_data`` of each step once it is in the file."""
-    done = 0
-    while done < size:
-        step = min(COPY_STEP, size - done)
-        _copy_range(source, offset + done, step, out, out_offset + done)
-        if on_data is not None:
-            on_data(out_offset + done, step)
-        done += step
-
-
-def _copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int) -> None:
-    out.flush()
-    with open(source, "rb") as src:
-        in_fd, out_fd = src.fileno(), out.fileno()
-        copied = 0
-        try:
-            while copied < size:
-                n = os.copy_file_range(in_fd, out_fd, min(size - copied, 1 << 30), offset + copied, out_offset + copied)
-                if n == 0:
-                    raise InputError("file is truncated: storage bytes end early", path=source)
-                copied += n
-            return
-        except (AttributeError, OSError) as e:
-            if copied or (isinstance(e, OSError) and e.errno not in (18, 38, 95, 22, 1)):  # EXDEV ENOSYS EOPNOTSUPP EINVAL EPERM
-                raise
-        out.seek(out_offset)
-        src.seek(offset)
-        remaining = size
-        while remaining:
-            chunk = src.read(min(remaining, 8 << 20))
-            if not chunk:
-                raise InputError("file is truncated: storage bytes end early", path=source)
-            out.write(chunk)
-            remaining -= len(chunk)
-
-
-def _stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: int = 0) -> int:
-    buffer = bytearray(min(size, 8 << 20) or 1)
-    view = memoryview(buffer)
-    with open(source, "rb", buffering=0) as src:
-        src.seek(offset)
-        remaining = size
-        while remaining:
-            n = src.readinto(view[: min(remaining, len(buffer))])
-            if not n:
-                raise InputError("file is truncated: tensor bytes end early", path=source)
-            crc = zlib.crc32(view[:n], crc)
-            out.write(view[:n])
-            remaining -= n
-    return crc
-
-
-# ---------------------------------------------------------------------------------------------
-# CRC-32 of a concatenation from the parts' CRCs (zlib's crc32_combine, which Python's zlib lacks)
-
-_CRC_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected: bit 31 is the coefficient of x^0
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC polynomial (reflected representation)."""
-    m, p = 1 << 31, 0
-    while m:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):  # no lower powers left
-                break
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1  # b * x
-    return p
-
-
-def _x2n_table() -> tuple[int, ...]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return tuple(table)
-
-
-_X2N = _x2n_table()  # x^(2^k) mod P; x^(2^32) == x (the order of x divides 2^32 - 1), so k wraps at 32
-
-
-def _x8nmodp(length: int) -> int:
-    """x^(8 * length) modulo the CRC polynomial."""
-    p, k = 1 << 31, 3  # x^0; 8 * length = length * 2^3
-    while length:
-        if length & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        length >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
-    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``length2 = len(b)``."""
-    if length2 < 0:
-        raise ValueError("length2 must be non-negative")
-    return _multmodp(_x8nmodp(length2), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
-
-
-def pieces_crc(pieces: tuple[ByteRange, ...] | list[ByteRange]) -> int | None:
-    """The CRC-32 of the pieces' bytes end to end, from their stored CRCs; None if one is unknown."""
-    crc = 0
-    for piece in pieces:
-        if not piece.length:
-            continue  # the CRC of nothing is 0, whatever was recorded
-        if piece.crc32 is None:
-            return None
-        crc = crc32_combine(crc, piece.crc32, piece.length)
-    return crc

@@ -1,0 +1,230 @@
+"""The copy engine every writer uses: source bytes into the output, each region reported once it is in the file.
+
+A storage or tensor is copied raw from where it lies: large ones by the kernel
+(``copy_file_range``) in :data:`COPY_STEP` steps, small ones (biases, norms: up to
+:data:`SMALL_MEMBER`) read once and written through the output's buffer. Each region written is
+told to ``on_data(offset, length)`` once it is in the file, so the write check re-reads it right
+behind the writer. A member lying in pieces (DCP row shards) is copied piece by piece, under a CRC
+combined from the pieces' own (:func:`crc32_combine`) when each piece's is known.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+from .byteio import FileCache, read_exact, read_into
+from .errors import InputError
+from .refs import ByteRange
+
+SMALL_MEMBER = 1 << 20  # copied pieces up to this size are read and written through the buffer
+REPORT_EVERY = 8 << 20  # small pieces' regions are reported to ``on_data`` in batches of this many bytes
+COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re-read and writeback follow closely
+_BUFFER = 8 << 20  # the buffer of a copy the kernel cannot make, and of a copy that sums its bytes
+
+OnData = Callable[[int, int], None]
+
+
+class DataOut:
+    """A writer's output and its ``on_data`` reports; small pieces are read through cached descriptors.
+
+    ``on_data(offset, length)`` is told of each data region once it is in the file (flushed). Regions
+    written through the buffer (small pieces, biases and norms) are told in batches of about
+    ``REPORT_EVERY`` bytes, and the rest at :meth:`report`; so a thousand small tensors cost neither a
+    flush nor an ``open`` each.
+    """
+
+    def __init__(self, handle: BinaryIO, on_data: OnData | None) -> None:
+        self.handle = handle
+        self.on_data = on_data
+        self._pending: list[tuple[int, int]] = []
+        self._pending_bytes = 0
+        self._sources: FileCache[int] = FileCache()
+
+    def written(self, offset: int, length: int) -> None:
+        """``length`` bytes at ``offset`` were written through the buffer."""
+        if self.on_data is not None:
+            self._pending.append((offset, length))
+            self._pending_bytes += length
+            if self._pending_bytes >= REPORT_EVERY:
+                self.report()
+
+    def report(self) -> None:
+        """Flush and tell ``on_data`` of every region written so far."""
+        if self._pending and self.on_data is not None:
+            self.handle.flush()
+            for offset, length in self._pending:
+                self.on_data(offset, length)
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def read_source(self, source: Path, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``source`` at ``offset`` (a small piece: one read)."""
+        return read_exact(self._sources.get(source), offset, size, source)
+
+    def copy(self, source: Path, offset: int, size: int, out_offset: int) -> None:
+        """Copy ``size`` bytes of ``source`` at ``offset`` to the output at ``out_offset``, where it stands.
+
+        Up to :data:`SMALL_MEMBER` bytes are read once and written through the buffer (no flush, no
+        syscall storm for a thousand biases); more are copied by the kernel, in reported steps.
+        The output stands after the bytes copied.
+        """
+        if size <= SMALL_MEMBER:
+            self.handle.write(self.read_source(source, offset, size))
+            self.written(out_offset, size)
+            return
+        self.report()
+        copy_reporting(source, offset, size, self.handle, out_offset, self.on_data)
+        self.handle.seek(out_offset + size)
+
+    def copy_pieces(self, pieces: Iterable[ByteRange], out_offset: int) -> int:
+        """Copy the pieces end to end to ``out_offset`` by the kernel; returns where they end (the output stands there)."""
+        self.report()
+        position = out_offset
+        for piece in pieces:
+            copy_reporting(piece.path, piece.offset, piece.length, self.handle, position, self.on_data)
+            position += piece.length
+        self.handle.seek(position)
+        return position
+
+    def stream_pieces(self, pieces: Iterable[ByteRange]) -> int:
+        """Write the pieces end to end where the output stands, summing them: their CRC-32.
+
+        Nothing is reported: the caller reports the whole region (:meth:`written`) once it is complete.
+        """
+        crc = 0
+        for piece in pieces:
+            if piece.length:
+                crc = stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
+        return crc
+
+    def release(self) -> None:
+        """Close the source descriptors (also after a failed write)."""
+        self._sources.close()
+
+
+def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int,
+                   on_data: OnData | None) -> None:
+    """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
+    telling ``on_data`` of each step once it is in the file."""
+    done = 0
+    while done < size:
+        step = min(COPY_STEP, size - done)
+        copy_range(source, offset + done, step, out, out_offset + done)
+        if on_data is not None:
+            on_data(out_offset + done, step)
+        done += step
+
+
+# errors with which copy_file_range says it cannot copy between these files (the bytes are then
+# read and written): EXDEV, ENOSYS, EOPNOTSUPP, EINVAL, EPERM
+_NO_KERNEL_COPY = (18, 38, 95, 22, 1)
+
+
+def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int) -> None:
+    """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset``: the one place bytes
+    are copied by the kernel (``copy_file_range``), read and written where it cannot.
+
+    Raises:
+        InputError: ``source`` ends first.
+    """
+    out.flush()
+    with open(source, "rb") as src:
+        in_fd, out_fd = src.fileno(), out.fileno()
+        copied = 0
+        try:
+            while copied < size:
+                n = os.copy_file_range(in_fd, out_fd, min(size - copied, 1 << 30), offset + copied, out_offset + copied)
+                if n == 0:
+                    raise InputError.truncated(source)
+                copied += n
+            return
+        except (AttributeError, OSError) as e:
+            if copied or (isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY):
+                raise
+        out.seek(out_offset)
+        buffer = memoryview(bytearray(min(size, _BUFFER)))
+        done = 0
+        while done < size:
+            piece = buffer[:min(len(buffer), size - done)]
+            read_into(in_fd, piece, offset + done, source)
+            out.write(piece)
+            done += len(piece)
+
+
+def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: int = 0) -> int:
+    """Write ``size`` bytes of ``source`` at ``offset`` where ``out`` stands, continuing ``crc`` over them."""
+    buffer = memoryview(bytearray(min(size, _BUFFER) or 1))
+    with open(source, "rb", buffering=0) as src:
+        fd = src.fileno()
+        done = 0
+        while done < size:
+            piece = buffer[:min(len(buffer), size - done)]
+            read_into(fd, piece, offset + done, source)
+            crc = zlib.crc32(piece, crc)
+            out.write(piece)
+            done += len(piece)
+    return crc
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC-32 of a concatenation from the parts' CRCs (zlib's crc32_combine, which Python's zlib lacks)
+
+_CRC_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected: bit 31 is the coefficient of x^0
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (reflected representation)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):  # no lower powers left
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1  # b * x
+    return p
+
+
+def _x2n_table() -> tuple[int, ...]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return tuple(table)
+
+
+_X2N = _x2n_table()  # x^(2^k) mod P; x^(2^32) == x (the order of x divides 2^32 - 1), so k wraps at 32
+
+
+def _x8nmodp(length: int) -> int:
+    """x^(8 * length) modulo the CRC polynomial."""
+    p, k = 1 << 31, 3  # x^0; 8 * length = length * 2^3
+    while length:
+        if length & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``length2 = len(b)``."""
+    if length2 < 0:
+        raise ValueError("length2 must be non-negative")
+    return _multmodp(_x8nmodp(length2), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+def pieces_crc(pieces: tuple[ByteRange, ...] | list[ByteRange]) -> int | None:
+    """The CRC-32 of the pieces' bytes end to end, from their stored CRCs; None if one is unknown."""
+    crc = 0
+    for piece in pieces:
+        if not piece.length:
+            continue  # the CRC of nothing is 0, whatever was recorded
+        if piece.crc32 is None:
+            return None
+        crc = crc32_combine(crc, piece.crc32, piece.length)
+    return crc

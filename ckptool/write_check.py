@@ -1,0 +1,441 @@
+"""The content check every write passes before it is put in place.
+
+Before the copy starts, a thread works out what every tensor must read back as
+(:class:`TensorCheck`: name, dtype, shape, CRC32 of its bytes), taking the CRC a source zip
+already stores for a storage copied whole (:class:`Expectations`). While the bytes are copied,
+:class:`OutputSums` re-reads each region of the output right behind the writer and starts its
+writeback. When the write ends, the output is fsync'd in one thread while the main thread re-reads
+its structure through the reader and compares every tensor (:func:`verify_output`). A writer gets
+all of it from one context: :func:`checked_output` for a file, :func:`checked_folder` for a
+folder of shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import sys
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .atomic import atomic_output, folder_output
+from .byteio import read_into
+from .copying import crc32_combine, pieces_crc
+from .errors import CkptError, FingerprintMismatchError
+from .digest import fingerprint as weights_fingerprint
+from .refs import TensorRef
+
+# reads an output back: its tensors as the reader finds them
+ReadBack = Callable[[Path], Mapping[str, TensorRef]]
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """What must read back for one tensor: dtype, shape and the CRC32 of its C-order bytes.
+
+    ``recorded``: the CRC is the one the source archive recorded, not one summed from its bytes.
+    torch never checks those (a file saved with CRCs off records 0; one written through ``skip_data``
+    or patched later records stale ones), so a mismatch on a recorded CRC is settled by summing the
+    source's bytes.
+
+    For a view that expands its storage (stride 0, overlaps) written to a ``.pt`` — where the
+    storage is copied raw, not expanded — the CRC is that of the storage bytes it spans, and
+    ``view`` holds its offset and strides, which must read back the same.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int
+    view: tuple | None = None
+    recorded: bool = field(default=False, compare=False)
+
+
+class StaleSourceCrc(Exception):
+    """The source archive recorded CRCs that are not its bytes', and a .pt output copied them."""
+
+
+def _stored_crc(tensor: TensorRef) -> int | None:
+    """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage
+    (or, for a storage lying in pieces — DCP row shards — combined from the pieces' recorded CRCs)."""
+    if tensor.conj or tensor.neg:
+        return None  # the archive's CRC is of the stored bytes, not of the values
+    pieces = tensor.whole_pieces()
+    if pieces is not None:
+        return pieces_crc(pieces)
+    storage = tensor.storage
+    data = storage.data
+    if storage.producer is not None or data is None or data.crc32 is None or not tensor.is_contiguous():
+        return None
+    if tensor.offset != 0 or tensor.nbytes != data.length:
+        return None
+    return data.crc32
+
+
+class OutputSums:
+    """CRC32s of the output's data regions, summed by a worker thread right behind the writer.
+
+    The writer reports each region once it is in the file; the worker reads it back (from the page
+    cache) while the next one is copied, so the re-read costs no extra pass after the copy.
+    Writeback starts as the data comes: every ``KICK_EVERY`` bytes are handed to the disk with
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` (Linux; it does not wait), so the final fsync has
+    little left to wait for — a durable write then costs about the copy, not the copy plus the
+    flush. Elsewhere a thread calls ``fdatasync`` every ``FLUSH_EVERY`` bytes instead.
+
+    One read-only descriptor of the output serves the re-read, the writeback and the flushes; it is
+    closed by :meth:`finish`. Where it cannot be opened nothing is summed: the check re-reads the
+    output itself.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
+        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            self._fd, self._error = -1, e
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._unflushed = 0
+        self._done = False
+        self._kick = writeback_starter() if self._fd >= 0 else None
+        self._kicked = self._end = 0
+        self._flusher: threading.Thread | None = None
+        self._flush_wanted = threading.Event()
+        if self._kick is None and self._fd >= 0:
+            self._flusher = threading.Thread(target=self._flush_loop, daemon=True)
+            self._flusher.start()
+
+    def written(self, offset: int, length: int) -> None:
+        self._queue.put((offset, length))
+        if self._kick is not None:
+            self._end = max(self._end, offset + length)
+            if self._end - self._kicked >= KICK_EVERY:
+                self._start_writeback()
+            return
+        self._unflushed += length
+        if self._unflushed >= FLUSH_EVERY:
+            self._unflushed = 0
+            self._flush_wanted.set()
+
+    def _start_writeback(self) -> None:
+        if self._kick is not None and self._end > self._kicked:
+            # a failure here only loses the head start: the final fsync reports real errors
+            self._kick(self._fd, self._kicked, self._end - self._kicked, _SYNC_FILE_RANGE_WRITE)
+            self._kicked = self._end
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            if self._done:
+                return
+            try:
+                os.fdatasync(self._fd)
+            except OSError:  # the final fsync reports real errors
+                return
+
+    def _run(self) -> None:
+        view = memoryview(bytearray(CHUNK)) if self._fd >= 0 else None  # one buffer, reused: no allocation per read
+        while (item := self._queue.get()) is not None:
+            if self._error is not None or view is None:
+                continue
+            offset, length = item
+            try:
+                crc, done = 0, 0
+                while done < length:
+                    piece = view[:min(CHUNK, length - done)]
+                    read_into(self._fd, piece, offset + done, self.path)
+                    crc = zlib.crc32(piece, crc)
+                    done += len(piece)
+                self.sums[offset] = (length, crc)
+            except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads itself
+                self._error = e
+
+    def crc_of(self, offset: int, length: int) -> int | None:
+        """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
+        they cover exactly that span (a large copy is reported in steps: their CRCs are combined)."""
+        if length == 0:
+            return 0
+        crc, position, end = 0, offset, offset + length
+        while position < end:
+            region = self.sums.get(position)
+            if region is None or position + region[0] > end:
+                return None
+            crc = region[1] if position == offset else crc32_combine(crc, region[1], region[0])
+            position += region[0]
+        return crc
+
+    def finish(self) -> dict[int, tuple[int, int]]:
+        """Wait for every reported region to be summed (idempotent)."""
+        self._start_writeback()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._flusher is not None and self._flusher.is_alive():
+            self._done = True
+            self._flush_wanted.set()
+            self._flusher.join()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        return self.sums
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def writeback_starter() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` where there is one (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+CHUNK = 8 * 1024 * 1024
+FLUSH_EVERY = 128 * 1024 * 1024
+KICK_EVERY = 8 * 1024 * 1024
+
+
+def _span_crc(tensor: TensorRef) -> int:
+    """CRC32 of the storage bytes an expanding view spans (read once, never expanded)."""
+    crc = 0
+    data = tensor.storage.byte_range()
+    for chunk in data.iter_reused(tensor.offset * tensor.dtype.itemsize, tensor.span_bytes()):
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
+                  known: Callable[[str, int, int], int | None] | None = None,
+                  views_raw: bool = False) -> dict[str, TensorCheck]:
+    """The content of every tensor.
+
+    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known(path, offset, length)``
+    gives CRCs of byte ranges already summed (by :class:`OutputSums`), or None. ``views_raw`` (a
+    ``.pt`` output, whose storages are copied as they are) checks an expanding view by the bytes
+    it spans and its strides, so a stride-0 view is never expanded to be summed.
+    """
+    checks: dict[str, TensorCheck] = {}
+    by_storage: dict[tuple, int] = {}  # tied tensors are summed once
+    for name, tensor in tensors.items():
+        # a conjugate or negative view of a storage holds other values than the plain view
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
+                    tensor.conj, tensor.neg)
+        if views_raw and tensor.storage.producer is None and tensor.storage.pieces is None and tensor.expands():
+            crc = by_storage.get(identity)
+            if crc is None:
+                crc = by_storage[identity] = _span_crc(tensor)
+            checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
+            continue
+        crc = by_storage.get(identity)
+        recorded = False
+        if crc is None:
+            crc = _stored_crc(tensor) if trust_stored else None
+            recorded = crc is not None
+        if crc is None and known:
+            span = tensor.contiguous_byte_range()
+            if span is not None:
+                crc = known(str(span.path), span.offset, span.length)
+        if crc is None:
+            crc = 0
+            for chunk in tensor.iter_reused():
+                crc = zlib.crc32(chunk, crc)
+        by_storage[identity] = crc
+        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=recorded)
+    return checks
+
+
+
+def run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def join() -> Any:
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return join
+
+
+def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync: Callable[[], None],
+                  sums: Iterable[OutputSums] = (), *, views_raw: bool = False) -> int:
+    """Re-read ``written`` (while ``sync`` runs) and compare every tensor with ``expect``; returns how many.
+
+    The structure (names, dtypes, shapes, where the bytes lie) is re-read through the reader; the
+    bytes' CRCs come from ``sums`` where the worker already read that exact region back, else from
+    reading it now.
+
+    Raises:
+        FingerprintMismatchError: a tensor reads back different, or under a CRC its bytes do not have.
+        StaleSourceCrc: what differs is a CRC the source recorded and its bytes do not have.
+    """
+    recheck = expect.recheck
+    sync_join = run_in_thread(sync)
+    try:
+        by_path: dict[str, OutputSums] = {}
+        for output_sums in sums:
+            output_sums.finish()
+            by_path[str(output_sums.path)] = output_sums
+
+        def known(path: str, offset: int, length: int) -> int | None:
+            output_sums = by_path.get(path)
+            return output_sums.crc_of(offset, length) if output_sums is not None else None
+
+        written_tensors = read_back(written)
+        actual = tensor_checks(written_tensors, trust_stored=False, known=known, views_raw=views_raw)
+    finally:
+        sync_join()
+    expected = expect.checks()
+    if actual.keys() != expected.keys():
+        missing = sorted(expected.keys() - actual.keys())
+        extra = sorted(actual.keys() - expected.keys())
+        raise FingerprintMismatchError(
+            f"the output reads back with other tensor names (missing {missing[:3]}, extra {extra[:3]}) — "
+            "it was deleted; nothing changed"
+        )
+    stale = []
+    for name, check in expected.items():
+        if actual[name] != check:
+            if check.recorded and recheck is not None and recheck(name) == actual[name]:
+                stale.append(name)  # the source's recorded CRC was stale; its bytes are what was written
+                continue
+            raise FingerprintMismatchError(
+                f"tensor {name!r} reads back different from what was written ({actual[name]} != {check}) — "
+                "the output was deleted; check the disk and try again"
+            )
+    for name, tensor in written_tensors.items():  # the CRC the output's zip records must be that of its bytes
+        recorded = _stored_crc(tensor)
+        if recorded is not None and recorded != actual[name].crc32:
+            if stale:
+                raise StaleSourceCrc(stale)
+            raise FingerprintMismatchError(
+                f"tensor {name!r}: the CRC recorded in the output's zip ({recorded:08x}) is not that of the bytes "
+                f"written ({actual[name].crc32:08x}) — the output was deleted; nothing changed")
+    return len(actual)
+
+
+@dataclass
+class Expectations:
+    """Work started before the copy: the content check, and the sha256 fingerprint if asked.
+
+    ``checks`` and ``fingerprint`` wait for their threads and return (or raise) what they computed.
+    """
+
+    checks: Callable[[], dict[str, TensorCheck]]
+    fingerprint: Callable[[], str | None]
+    wants_fingerprint: bool
+    recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
+
+    @classmethod
+    def start(cls, tensors: Mapping[str, TensorRef], *, fingerprint: bool, views_raw: bool) -> Expectations:
+        """Start working out what ``tensors`` must read back as (and their fingerprint, if asked) in threads."""
+        return cls(
+            checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=True, views_raw=views_raw)),
+            fingerprint=run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None),
+            wants_fingerprint=fingerprint,
+            recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
+        )
+
+    def settle(self) -> None:
+        """Wait for the threads, dropping what they raise: the write already failed or succeeded, and
+        its own error is the one to report."""
+        for join in (self.checks, self.fingerprint):
+            try:
+                join()
+            except BaseException:
+                pass
+
+
+@dataclass
+class CheckedFile:
+    """The file a :func:`checked_output` body writes: tell ``on_data`` of each data region once it is in the file."""
+
+    handle: BinaryIO
+    on_data: Callable[[int, int], None]
+    checked: int = 0  # tensors compared, once the check has passed
+
+
+@contextlib.contextmanager
+def checked_output(out: Path, expect: Expectations, read_back: ReadBack, *,
+                   views_raw: bool = False) -> Iterator[CheckedFile]:
+    """An atomic output (:func:`ckptool.atomic.atomic_output`) put in place only once its content checks out.
+
+    The body writes through ``handle`` and reports its data regions to ``on_data`` (re-read and summed
+    right behind it). When the body ends, the file is fsync'd in one thread while it is read back
+    and every tensor compared with ``expect`` (:func:`verify_output`); only then does it replace
+    ``out``. A failure of the body or the check deletes it.
+    """
+    with atomic_output(out) as (handle, tmp):
+        sums = OutputSums(tmp)
+        output = CheckedFile(handle, sums.written)
+        try:
+            yield output
+            handle.flush()
+        except BaseException:
+            sums.finish()
+            raise
+        output.checked = verify_output(tmp, expect, read_back, lambda: os.fsync(handle.fileno()), [sums],
+                                       views_raw=views_raw)
+
+
+class CheckedFolder:
+    """The temp folder a :func:`checked_folder` body writes its files into, each summed as it is written."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.sums: list[OutputSums] = []
+        self.checked = 0  # tensors compared, once the check has passed
+
+    @contextlib.contextmanager
+    def file(self, name: str) -> Iterator[tuple[BinaryIO, OutputSums]]:
+        """A new file of the folder, and the sums that take its regions (``sums.written``)."""
+        with open(self.directory / name, "w+b") as handle:
+            sums = OutputSums(self.directory / name)  # its thread re-reads the file: created first
+            self.sums.append(sums)
+            try:
+                yield handle, sums
+            finally:
+                # one file's re-read thread and buffer at a time, however many files there are
+                sums.finish()
+
+
+@contextlib.contextmanager
+def checked_folder(out: Path, expect: Expectations, read_back: ReadBack, *, last: str,
+                   remove: Iterable[str] = ()) -> Iterator[CheckedFolder]:
+    """A folder output (:func:`ckptool.atomic.folder_output`) put in place only once its content checks out.
+
+    The body writes its files with :meth:`CheckedFolder.file`, ``last`` (the index) among them; the
+    folder is then read back through ``last`` and every tensor compared with ``expect``
+    (``folder_output`` fsyncs the files as it moves them in). ``remove`` names the earlier set's
+    files to remove once the new set is in place.
+    """
+    with folder_output(out, last=last, remove=remove) as tmp_dir:
+        folder = CheckedFolder(tmp_dir)
+        yield folder
+        folder.checked = verify_output(tmp_dir / last, expect, read_back, lambda: None, folder.sums)
+

@@ -6,14 +6,14 @@ to read it into :class:`Contents` (a container of lazy references; the reader bu
 the facts other modules need about it (capabilities). :data:`REGISTRY` lists them in sniffing
 order. Adding a format is one new module here plus one line in :data:`REGISTRY`.
 
-The registry is loaded on first use, so importing one format module (or ``ckptool --help``)
-does not import the others.
+The registry imports a format module only when a search reaches it: importing one format module
+(or ``ckptool --help``) imports no other, and reading a ``.pt`` imports no folder format.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -21,16 +21,18 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 if TYPE_CHECKING:  # pragma: no cover
     from .. import pickles
 
-# Sniffing order: the first format whose ``sniff`` claims an input reads it. Files: the zip magic
-# before a safetensors header before a JSON index before a legacy pickle stream (whose first byte
-# is any of several pickle opcodes). Folders: a DCP ``.metadata`` before a safetensors index.
-# An entry is ``module:attribute``; a module name with a leading dot lies in this package.
+# Sniffing order: the first format whose ``sniff`` claims an input reads it: the zip magic before
+# a safetensors header before a JSON index before a legacy pickle stream (whose first byte is any
+# of several pickle opcodes). A folder is claimed by a format's ``sniff`` (DCP's ``.metadata``)
+# before any format looks in it for its file (a safetensors index). Entries are imported as the
+# search reaches them, so a file input never imports the folder formats after it. An entry is
+# ``module:attribute``; a module name with a leading dot lies in this package.
 REGISTRY: list[str] = [
-    ".dcp:FORMAT",            # a folder holding .metadata
     ".torch_zip:FORMAT",      # "PK\x03\x04"
     ".safetensors:FORMAT",    # a u64 header length, then "{"
     ".safetensors:SHARDED",   # a *.safetensors.index.json (and a folder holding one)
     ".torch_legacy:FORMAT",   # a pickle opcode first
+    ".dcp:FORMAT",            # a folder holding .metadata
 ]
 
 
@@ -133,20 +135,22 @@ class Format:
         return self.pickle_blobs(path, options)
 
 
-_loaded: tuple[tuple[str, ...], tuple[Format, ...]] | None = None
+_loaded: dict[str, Format] = {}
+
+
+def _formats() -> Iterator[Format]:
+    """The registered formats in order, each imported when the iteration reaches it."""
+    for entry in list(REGISTRY):
+        fmt = _loaded.get(entry)
+        if fmt is None:
+            module, _, attribute = entry.partition(":")
+            fmt = _loaded[entry] = getattr(importlib.import_module(module, __name__), attribute)
+        yield fmt
 
 
 def registered() -> tuple[Format, ...]:
-    """Every registered format, in sniffing order (imported on first use)."""
-    global _loaded
-    key = tuple(REGISTRY)
-    if _loaded is None or _loaded[0] != key:
-        found = []
-        for entry in key:
-            module, _, attribute = entry.partition(":")
-            found.append(getattr(importlib.import_module(module, __name__), attribute))
-        _loaded = (key, tuple(found))
-    return _loaded[1]
+    """Every registered format, in sniffing order."""
+    return tuple(_formats())
 
 
 def for_name(name: str) -> Format:
@@ -155,7 +159,7 @@ def for_name(name: str) -> Format:
     Raises:
         KeyError: no registered format has that name.
     """
-    for fmt in registered():
+    for fmt in _formats():
         if fmt.name == name:
             return fmt
     raise KeyError(f"no checkpoint format is named {name!r}")
@@ -163,7 +167,7 @@ def for_name(name: str) -> Format:
 
 def sniff(head: bytes | None, path: Path) -> Format | None:
     """The first registered format that claims the input (``head`` None for a folder), or None."""
-    for fmt in registered():
+    for fmt in _formats():
         if fmt.sniff(head, path):
             return fmt
     return None
@@ -171,7 +175,7 @@ def sniff(head: bytes | None, path: Path) -> Format | None:
 
 def in_folder(directory: Path) -> Path | None:
     """The file a folder input is read through (a safetensors index, or its one file), or None."""
-    for fmt in registered():
+    for fmt in _formats():
         if fmt.find_in_folder is not None:
             found = fmt.find_in_folder(directory)
             if found is not None:
@@ -182,7 +186,7 @@ def in_folder(directory: Path) -> Path | None:
 def for_suffix(path: Path) -> Format | None:
     """The format an output file's suffix names (compared ignoring case), or None."""
     suffix = path.suffix.lower()
-    for fmt in registered():
+    for fmt in _formats():
         if suffix in fmt.suffixes:
             return fmt
     return None
@@ -190,7 +194,7 @@ def for_suffix(path: Path) -> Format | None:
 
 def for_target(to: str, *, sharded: bool = False) -> Format | None:
     """The format ``--to`` names (its sharded variant with ``sharded``), or None."""
-    for fmt in registered():
+    for fmt in _formats():
         if fmt.target == to and fmt.sharded == sharded:
             return fmt
     return None
@@ -198,7 +202,7 @@ def for_target(to: str, *, sharded: bool = False) -> Format | None:
 
 def folder_output() -> Format:
     """The format a folder output (or an output name without a suffix) is written in."""
-    return next(fmt for fmt in registered() if fmt.folder_output)
+    return next(fmt for fmt in _formats() if fmt.folder_output)
 
 
 # ---------------------------------------------------------------------------------------------

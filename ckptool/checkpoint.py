@@ -66,12 +66,12 @@ class Checkpoint:
 
     Attributes:
         path: the file or directory read.
-        format: ``torch-zip``, ``torch-legacy``, ``safetensors``, ``safetensors-sharded`` or ``dcp``.
+        format: the name of its :class:`~ckptool.formats.Format`: ``torch-zip``, ``torch-legacy``,
+            ``safetensors``, ``safetensors-sharded`` or ``dcp``.
         container: the top-level object (dicts, lists and :class:`~ckptool.refs.TensorRef` leaves).
         layout: key path to the weights inside ``container`` (``()`` for a bare state_dict).
         globals: every pickle global used, with counts (empty for safetensors).
         metadata: safetensors metadata (string to string).
-        archive_name: the zip folder name (torch-zip).
         files: every file the checkpoint spans.
 
     Example:
@@ -87,7 +87,6 @@ class Checkpoint:
     layout: tuple[Any, ...] | None
     globals: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
-    archive_name: str = "archive"
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 

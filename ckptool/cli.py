@@ -349,12 +349,13 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     """
     from .devices import location_mapper
     from .errors import UsageError
+    from .formats import for_name
     from .reader import load
     from .writer import rewrite_format, save
 
     mapper = location_mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals)
-    if checkpoint.format.startswith("safetensors"):
+    if not for_name(checkpoint.format).has_location_tags:
         raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
     target = _resolve_out(ckpt, out, in_place)
     before = checkpoint.saved_devices()

@@ -313,7 +313,9 @@ def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef
 
 
 def _strip_command(checkpoint: Checkpoint, prefix: str) -> str:
-    suffix = ".safetensors" if checkpoint.format.startswith("safetensors") else ".pt"
+    from . import formats
+
+    suffix = formats.for_name(checkpoint.format).default_suffix
     stem = checkpoint.path.name.split(".")[0] or "checkpoint"
     command = f"ckptool strip {checkpoint.path} -o {checkpoint.path.with_name(stem + '.stripped' + suffix)}"
     return command if prefix == checkpoint.prefix else f"{command} --prefix {prefix}"

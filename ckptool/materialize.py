@@ -307,7 +307,9 @@ def _quote(path: Path | str) -> str:
 
 def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str) -> str:
     """The ckptool command(s) that apply ``rewrite`` to the file at ``path``."""
-    suffix = ".safetensors" if format_.startswith("safetensors") else ".pt"
+    from . import formats
+
+    suffix = formats.for_name(format_).default_suffix
     stem = path.name.split(".")[0] or "checkpoint"
     commands = []
     source = path

@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, pickles
+from . import dtypes, formats, pickles
 from .errors import CkptError, InputError, UnsupportedFormatError
-from .formats import safetensors, zipio
 from .refs import StorageRef
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -38,7 +37,6 @@ class ScanReport:
     opcodes: dict[str, int]
     pickles: list[str]
     problems: list[str] = field(default_factory=list)
-    readable: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,108 +97,16 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...]) -> tuple[dict[s
     return dict(resolver.seen), error
 
 
-_PICKLE_FIRST_BYTES = b"\x80(cSVIJKLFGN]}l)dtq."
-_UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
-
-
-def _split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes]]:
-    """Up to ``limit`` consecutive pickles from ``stream``'s position (a pickle may hide another after STOP)."""
-    blobs: list[tuple[str, bytes]] = []
-    for index in range(limit):
-        start = stream.tell()
-        first = stream.read(1)
-        if not first or first[0] not in _PICKLE_FIRST_BYTES:
-            break
-        stream.seek(start)
-        try:
-            data = pickles.read_pickle(stream)
-        except InputError:  # refused or malformed: list what its opcodes name anyway, from a bounded prefix
-            stream.seek(start)
-            data = stream.read(_UNCHECKED_PICKLE_BYTES)
-            data = data[: _pickle_end(data, 0)]
-            stream.seek(start + len(data))
-        blobs.append((label if index == 0 else f"{label} (after STOP, pickle {index + 1})", data))
-        if not data:
-            break
-    return blobs
-
-
-def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
-    """The pickles inside a file: zip members ending .pkl, or a stream of consecutive pickles."""
+def _pickles(path: Path, allow_globals: tuple[str, ...]) -> tuple[formats.Format | None, formats.Pickles]:
+    """The format that claims a file and the pickles in it, read as its format lists them."""
     with open(path, "rb") as handle:
-        head = handle.read(16)
+        head = handle.read(64)
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
-        if head.startswith(b"PK\x03\x04"):
-            blobs = _zip_pickles(path, handle)
-            if any(name.endswith("/constants.pkl") for name, _ in blobs):
-                return "torchscript", blobs
-            return "torch-zip", blobs
-        if safetensors.looks_like_safetensors(head):
-            return "safetensors", []
-        handle.seek(0)
-        # a legacy checkpoint is five pickles then raw bytes; a plain pickle file is one
-        blobs = _split_pickles(handle, "pickle", 5)
-    return "pickle", [(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)]
-
-
-LOADED_MARK = " (the data.pkl torch reads)"
-
-
-def _is_pickle_member(member: zipio.Member, head: bytes) -> bool:
-    """Whether scan reads a zip member as a pickle: any ``.pkl`` (in any case, anywhere), or any member
-    outside a ``data/`` folder of storages that opens with a protocol 2–5 pickle header."""
-    name = zipio.fold_name(member.name)
-    if name.endswith(".pkl"):
-        return True
-    in_storages = "/data/" in f"/{name}"  # storage bytes are data, never unpickled by torch
-    return not in_storages and len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
-
-
-def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
-    """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
-
-    Nothing about the archive's structure stops the scan: a member torch would run is read even
-    where loading refuses the archive (overlapping members), and members of one name are each
-    read, labelled by their place in the directory (and the one a load reads marked as such).
-    """
-    listing = zipio.list_members(path, handle)
-    counts = Counter(member.name for member in listing.members)
-    seen: Counter = Counter()
-    blobs: list[tuple[str, bytes]] = []
-    top = listing.members[0].name.split("/", 1)[0] if listing.members else ""
-    try:
-        loaded = zipio.Members(path, listing.members).get(f"{top}/data.pkl")  # the one a load reads
-    except InputError:  # too many members to tell which duplicate: every one is run dry
-        loaded = None
-    for member in listing.members:
-        seen[member.name] += 1
-        label = member.name if counts[member.name] == 1 else \
-            f"{member.name} (member {seen[member.name]} of {counts[member.name]} so named)"
-        if member is loaded:
-            label += LOADED_MARK
-        if member.encrypted:
-            continue  # its plaintext cannot be read; torch cannot read it either
-        handle.seek(member.data_offset)
-        head = handle.read(2) if not member.compressed else b""
-        if not _is_pickle_member(member, head):
-            continue
-        try:
-            data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
-        except InputError:
-            continue  # unreadable: the load (and its one-line refusal) speaks for it
-        blobs += _split_pickles(io.BytesIO(data), label, 5)
-    return blobs
-
-
-def _pickle_end(data: bytes, offset: int) -> int:
-    try:
-        for opcode, _, position in pickletools.genops(io.BytesIO(data[offset:])):
-            if opcode.name == "STOP":
-                return offset + position + 1
-    except Exception:
-        pass
-    return len(data)
+        fmt = formats.sniff(head, path)
+        if fmt is None:  # no checkpoint: the load names what it is
+            return None, formats.Pickles("", [])
+        return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, pickles.GlobalResolver(allow_globals)))
 
 
 def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport:
@@ -220,30 +126,34 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     is_dir = path.is_dir()
     if not is_dir and not path.is_file():  # opening a FIFO would wait forever for a writer
         raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
-    if is_dir:
-        from .formats import dcp
-    if is_dir and not dcp.is_dcp(path):
+    fmt = formats.sniff(None, path) if is_dir else None
+    if is_dir and fmt is None:  # a folder of safetensors: nothing pickled
         from .reader import load
 
         checkpoint = load(path, allow_globals=allow_globals)
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
                           pickles=[])
     try:
-        kind, blobs = ("dcp", dcp.pickle_blobs(path, allow_globals)) if is_dir else _pickle_blobs(path)
+        if fmt is not None:
+            found = fmt.scan_pickles(path, formats.ReadOptions(None, b"", pickles.GlobalResolver(allow_globals)))
+        else:
+            fmt, found = _pickles(path, allow_globals)
     except PermissionError as e:
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:
         raise InputError(f"cannot be read ({e.strerror})", path=path) from e
+    blobs = found.blobs
     resolver = pickles.GlobalResolver(allow_globals)
-    if kind == "dcp":  # DCP's metadata classes are read as inert placeholders too
-        resolver = dcp.MetadataResolver(resolver)
+    if fmt is not None and fmt.scan_resolver is not None:  # DCP's metadata classes are read as inert placeholders too
+        resolver = fmt.scan_resolver(resolver)
     from .reader import load
 
     globals_: Counter = Counter()
     opcodes: Counter = Counter()
     problems: list[str] = []
     static_names: list[str] = []
-    for _, data in blobs:
+    for blob in blobs:
+        data = blob.data
         try:  # the guard walked every pickle it passed already (read_pickle); its record is kept
             stats = pickles.guard_stats(data)
             opcodes.update(stats.opcode_names())
@@ -258,23 +168,22 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         globals_.update(checkpoint.globals)
         load_error: CkptError | None = None
         # the pickles the load did not read (a zip's other .pkl members) are still run dry
-        is_zip = kind in ("torch-zip", "torchscript")
-        unread = [(name, data) for name, data in blobs if is_zip and not name.endswith(LOADED_MARK)]
+        unread = [blob for blob in blobs if not blob.read_by_load]
     except CkptError as e:
         load_error = e
         unread = blobs
-    for name, data in unread:
-        dynamic, dynamic_error = dry_run_globals(data, allow_globals)
+    for blob in unread:
+        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals)
         globals_.update(dynamic)
         if dynamic_error and load_error is not None:
-            problems.append(f"{name}: {dynamic_error}")
+            problems.append(f"{blob.label}: {dynamic_error}")
     for full_name in static_names:
         if full_name not in globals_:
             globals_[full_name] += 1
     unsafe = sorted(g for g in globals_ if not resolver.is_allowed(g))
-    report = ScanReport(path=str(path), format=kind, safe=not unsafe, unsafe=unsafe,
+    report = ScanReport(path=str(path), format=found.kind, safe=not unsafe, unsafe=unsafe,
                         globals=dict(sorted(globals_.items())), opcodes=dict(sorted(opcodes.items())),
-                        pickles=[name for name, _ in blobs], problems=problems)
+                        pickles=[blob.label for blob in blobs], problems=problems)
     if unsafe:
         return report
     if load_error is not None:

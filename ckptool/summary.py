@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import layouts
+from . import formats, layouts
 from .checkpoint import Checkpoint
 from .digest import fingerprint
 from .pickles import OpaqueObject
@@ -115,8 +115,9 @@ def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
 def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     name = checkpoint.path.name
     stem = checkpoint.path.name.split(".")[0]
+    fmt = formats.for_name(checkpoint.format)
     # strip keeps the input's format, so the suggested output keeps its suffix
-    suffix = ".safetensors" if checkpoint.format.startswith("safetensors") else ".pt"
+    suffix = fmt.default_suffix
     hints: list[Hint] = []
     if summary.prefix:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
@@ -127,9 +128,8 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
         hints.append(Hint(f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU",
                           f"ckptool remap {name} -o {stem}.cpu.pt --to cpu"))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
-    if checkpoint.format == "dcp":  # its .metadata classes are DCP's own, read as inert records
-        hints.append(Hint("a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
-                          f"ckptool convert {name} -o {stem}.safetensors"))
+    if fmt.torch_load_refuses:  # then its globals are its own metadata's (DCP's), read as inert records
+        hints.append(Hint(fmt.torch_load_refuses, f"ckptool convert {name} -o {stem}.safetensors"))
     elif extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
                           f"ckptool convert {name} -o {stem}.safetensors"))
@@ -158,8 +158,9 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         parameters=sum(t.numel for t in tensors.values()),
         bytes=sum(t.nbytes for t in tensors.values()),
         dtypes=dict(sorted(dtype_counts.items())),
-        # safetensors stores no location tags: everything loads where the reader asks
-        saved_devices={} if checkpoint.format.startswith("safetensors") else dict(sorted(checkpoint.saved_devices().items())),
+        # a format without location tags (safetensors) loads everything where the reader asks
+        saved_devices=dict(sorted(checkpoint.saved_devices().items()))
+        if formats.for_name(checkpoint.format).has_location_tags else {},
         tied=tied_groups(tensors),
         entries={str(k): describe_entry(v) for k, v in checkpoint.entries().items()},
         globals=sorted(checkpoint.globals),

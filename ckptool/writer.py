@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, layouts
+from . import dtypes, formats, layouts
 from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
@@ -48,7 +48,6 @@ from .write_check import (  # noqa: F401
 
 # a path into a write's temp file or temp directory (atomic.TEMP_PREFIX), and what follows it inside
 _TEMP_PATH = re.compile(r"[^\s'\"]*" + re.escape(TEMP_PREFIX) + r"[A-Za-z0-9_]+(?:\.part)?(/[^\s'\"]*)?")
-PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 FINGERPRINT_KEY = "ckptool.fingerprint"
 _FINGERPRINT_PLACEHOLDER = PREFIX + "0" * 64
 # how a safetensors header written with a fingerprint begins (safetensors.write_file puts the metadata first)
@@ -75,10 +74,8 @@ class SaveReport:
 
 def suffix_format(out: Path) -> str | None:
     """The format a file name's suffix says: ``"safetensors"``, ``"pt"``, or None for another suffix."""
-    suffix = out.suffix.lower()
-    if suffix == ".safetensors":
-        return "safetensors"
-    return "pt" if suffix in PT_SUFFIXES else None
+    named = formats.for_suffix(out)
+    return named.target if named is not None else None
 
 
 def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) -> str:
@@ -91,11 +88,11 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
             holds besides its weights (a rewrite keeps the whole container), or for ``remap``
             (safetensors has no device tags to rewrite).
     """
-    own = "safetensors" if checkpoint.format.startswith("safetensors") else "pt"
+    own = formats.for_name(checkpoint.format).rewrite_target
     wanted = suffix_format(out) if out is not None else None
     if wanted is None or wanted == own:
         return own
-    if wanted == "pt":
+    if not formats.for_target(wanted).weights_only:
         return wanted  # the weights, as convert writes them: nothing a .pt cannot hold
     source = checkpoint.path
     if command == "remap":
@@ -114,26 +111,29 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
     return wanted
 
 
-def target_format(out: Path, to: str | None, max_shard_size: int | None) -> str:
-    """Choose the output format from ``--to``, the suffix, or a directory."""
+def target_format(out: Path, to: str | None, max_shard_size: int | None) -> formats.Format:
+    """Choose the output format from ``--to``, the suffix, or a directory (a registered format)."""
     if to is not None:
-        if to not in ("pt", "safetensors"):
+        chosen = formats.for_target(to)
+        if chosen is None:
             raise UsageError(f"--to {to!r}: choose pt or safetensors")
         named = suffix_format(out)
         if named is not None and named != to:
             raise UsageError(f"--to {to} contradicts the name {out.name} — drop --to, or name the output "
-                             f"{out.stem}{'.pt' if to == 'pt' else '.safetensors'}")
-        if to == "safetensors" and (max_shard_size is not None or out.is_dir() or not out.suffix):
-            return "safetensors-sharded" if max_shard_size is not None or out.is_dir() else "safetensors"
-        return to
-    if suffix_format(out) == "safetensors":
-        return "safetensors-sharded" if max_shard_size is not None else "safetensors"
-    if suffix_format(out) == "pt":
-        if max_shard_size is not None:
+                             f"{out.stem}{chosen.default_suffix}")
+        if max_shard_size is not None or out.is_dir():  # a format without shards ignores both
+            return formats.for_target(to, sharded=True) or chosen
+        return chosen
+    named_format = formats.for_suffix(out)
+    if named_format is not None:
+        if max_shard_size is None:
+            return named_format
+        sharded = formats.for_target(named_format.target or "", sharded=True)
+        if sharded is None:
             raise UsageError("--max-shard-size applies to safetensors output — write to a directory or .safetensors")
-        return "pt"
+        return sharded
     if out.is_dir() or not out.suffix:
-        return "safetensors-sharded"
+        return formats.folder_output()
     raise UsageError(f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass --to")
 
 
@@ -175,7 +175,7 @@ def _same_path(a: Path, b: Path) -> bool:
 
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input."""
-    if checkpoint.format.startswith("safetensors"):
+    if formats.for_name(checkpoint.format).weights_only:
         container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle()))
         return {nest: container} if nest else container
     if nest:
@@ -261,7 +261,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     out = Path(out)
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
-    if target == "pt":
+    if not target.weights_only:
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
     else:  # weights only: one without them is refused (state_dict says so); every refusal comes
         # before a thread reads the input or a byte is written, the layouts' before any of their
@@ -271,12 +271,12 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         tensors = checkpoint.tensors
         safetensors.check_dtypes(tensors, out=out)
     # a .pt output copies storages raw: only its fingerprint would stream the views in full
-    views_raw = target == "pt"
+    views_raw = not target.weights_only
     if not views_raw or fingerprint:
         check_expansion(tensors, allow=allow_expansion, path=checkpoint.path,
                         doing="write" if not views_raw else "fingerprint")
     plan: _ShardPlan | None = None
-    if target == "safetensors-sharded":
+    if target.sharded:
         plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
                             checkpoint.path)
         check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
@@ -285,9 +285,9 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         check_output(out, inputs=inputs, force=force, in_place=in_place)
     expect = Expectations.start(tensors, fingerprint=fingerprint, views_raw=views_raw)
     try:
-        if target == "pt":
+        if not target.weights_only:
             report = _save_pt(checkpoint, out, nest, expect)
-        elif target == "safetensors":
+        elif not target.sharded:
             report = _save_safetensors(checkpoint, tensors, out, duplicate_tied, expect)
         else:
             assert plan is not None
@@ -301,8 +301,9 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         expect.settle()
     report.tensors = len(tensors)
     report.bytes = sum(t.nbytes for t in tensors.values())
-    if checkpoint.format == "torch-legacy" and target == "pt":
-        report.notes.append("the input used the legacy (pre-1.6) format; the output is in the zip format")
+    rewrite_note = formats.for_name(checkpoint.format).rewrite_note
+    if rewrite_note and not target.weights_only:
+        report.notes.append(rewrite_note)
     return report
 
 
@@ -455,7 +456,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
             with folder.file(name) as (handle, shard_sums):
-                safetensors._write_one(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
+                safetensors.write_tensors(handle, shard_tensors, shard_metadata, on_data=shard_sums.written)
             weight_map.update({k: name for k in names})
             files.append(out / name)
         value = expect.fingerprint()

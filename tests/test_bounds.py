@@ -213,7 +213,7 @@ def test_many_shards_are_written_one_at_a_time_in_bounded_memory(tmp_path: Path)
 
 def test_a_failed_sharded_write_leaves_no_temp_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = safetensors._write_one
+    real = safetensors.write_tensors
 
     def second_fails(*args: object, **kwargs: object) -> None:
         calls.append(1)
@@ -221,7 +221,7 @@ def test_a_failed_sharded_write_leaves_no_temp_folder(tmp_path: Path, monkeypatc
             raise MemoryError
         real(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors, "_write_one", second_fails)
+    monkeypatch.setattr(safetensors, "write_tensors", second_fails)
     source = _views_of_one_storage(3, tmp_path / "three.pt")
     out = tmp_path / "out"
     out.mkdir()

@@ -30,12 +30,10 @@ from typing import Any, BinaryIO
 
 from .. import dtypes, inputs, pickles
 from ..byteio import FileCache
-from ..checkpoint import Checkpoint, find_layout
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import DTypeRef, StorageRef, TensorRef, contiguous_stride, human_size
-from . import torch_zip, zipio
+from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zipio
 
-FORMAT = "dcp"
 METADATA_NAME = ".metadata"
 
 _META = "torch.distributed.checkpoint.metadata"
@@ -118,9 +116,9 @@ class MetadataResolver(pickles.GlobalResolver):
         return super().resolve(module, name)
 
 
-def is_dcp(path: Path) -> bool:
-    """A directory holding a DCP ``.metadata`` file."""
-    return path.is_dir() and (path / METADATA_NAME).is_file()
+def sniff(head: bytes | None, path: Path) -> bool:
+    """A folder holding a DCP ``.metadata`` file."""
+    return head is None and (path / METADATA_NAME).is_file()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,14 +608,15 @@ def _nest(values: list[tuple[str, Any]], paths: dict[str, tuple[str | int, ...]]
 # entry points
 
 
-def read(directory: Path, resolver: pickles.GlobalResolver) -> Checkpoint:
-    """Read a DCP checkpoint directory into a :class:`Checkpoint` (format ``dcp``) without torch.
+def read(directory: Path, options: ReadOptions) -> Contents:
+    """Read a DCP checkpoint directory without torch: the nested state dict, ``.metadata`` and the data files.
 
     Raises:
         InputError: missing, truncated or inconsistent metadata or data files, or paths outside the directory.
         UnsupportedFormatError: entries saved with storage transforms or a non-torch.save serialization.
         pickles.RefusedGlobal: a pickle names a global outside the allowlist (the reader reports it).
     """
+    resolver = options.resolver
     metadata = parse_metadata(directory, resolver)
     files = _Files()
     values: list[tuple[str, Any]] = []
@@ -639,16 +638,20 @@ def read(directory: Path, resolver: pickles.GlobalResolver) -> Checkpoint:
     notes = []
     if split:
         notes.append(f"{split} tensor(s) were saved in several chunks (sharded); their bytes are assembled on read")
-    return Checkpoint(path=directory, format=FORMAT, container=container, layout=find_layout(container),
-                      globals=dict(resolver.seen), files=[directory / METADATA_NAME, *metadata.files], notes=notes)
+    return Contents(container=container, files=[directory / METADATA_NAME, *metadata.files], notes=notes)
 
 
-def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = ()) -> list[tuple[str, bytes]]:
+def pickle_blobs(directory: Path, options: ReadOptions) -> Pickles:
     """The pickles of a DCP checkpoint, for scanning: ``.metadata``, then each embedded ``data.pkl``.
 
-    The embedded ones are listed only when ``.metadata`` itself reads under the allowlist (otherwise
-    where they lie cannot be trusted); nothing is unpickled beyond that placeholder read.
+    The embedded ones are listed only when ``.metadata`` itself reads under the allowlist of
+    ``options.resolver`` (otherwise where they lie cannot be trusted); nothing is unpickled beyond
+    that placeholder read. A load reads every one of them.
     """
+    return Pickles(FORMAT.name, [PickleBlob(label, data) for label, data in _pickle_blobs(directory, options.resolver)])
+
+
+def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tuple[str, bytes]]:
     meta_path = directory / METADATA_NAME
     try:
         with inputs.open_member(directory, meta_path, what=f"DCP {METADATA_NAME}", report=directory) as handle:
@@ -656,7 +659,7 @@ def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = (
     except OSError as e:
         raise InputError(f"DCP {METADATA_NAME} cannot be read ({e.strerror})", path=directory) from e
     try:
-        metadata = parse_metadata(directory, pickles.GlobalResolver(allow_globals))
+        metadata = parse_metadata(directory, resolver)
     except (pickles.RefusedGlobal, InputError):
         return blobs
     files = _Files()
@@ -671,3 +674,9 @@ def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = (
     finally:
         files.close()
     return blobs
+
+
+FORMAT = Format(
+    name="dcp", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=MetadataResolver,
+    torch_load_refuses="a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
+)

@@ -23,11 +23,10 @@ from typing import BinaryIO
 
 from .. import dtypes, inputs
 from ..copying import DataOut
-from ..errors import InputError, OutputError, UsageError
+from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
+from . import Contents, Format, ReadOptions
 
-FORMAT = "safetensors"
-SHARDED_FORMAT = "safetensors-sharded"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
@@ -50,6 +49,33 @@ class SafetensorsContents:
 def looks_like_safetensors(head: bytes) -> bool:
     """A safetensors file starts with a u64 header length then ``{``."""
     return len(head) >= 9 and head[8:9] == b"{"
+
+
+def sniff(head: bytes | None, path: Path) -> bool:
+    """One safetensors file."""
+    return head is not None and looks_like_safetensors(head)
+
+
+def sniff_index(head: bytes | None, path: Path) -> bool:
+    """A JSON file: a sharded checkpoint's index if its name ends ``.json`` (refused otherwise)."""
+    return head is not None and head.lstrip().startswith(b"{")
+
+
+def read(path: Path, options: ReadOptions) -> Contents:
+    """One safetensors file: its tensors (re-tied), metadata and file."""
+    assert options.handle is not None
+    return _contents(read_file(path, options.handle))
+
+
+def read_sharded(path: Path, options: ReadOptions) -> Contents:
+    """A sharded checkpoint read through its index: every shard's tensors and metadata."""
+    if not path.name.endswith(".json"):
+        raise UnsupportedFormatError("is a JSON file, not a checkpoint", path=path)
+    return _contents(read_index(path))
+
+
+def _contents(contents: SafetensorsContents) -> Contents:
+    return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
 
 
 def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
@@ -279,8 +305,10 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     return aliases
 
 
-def _write_one(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
-               on_data: Callable[[int, int], None] | None = None) -> None:
+def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
+                  on_data: Callable[[int, int], None] | None = None) -> None:
+    """Write one safetensors file holding each of ``tensors`` as stored (no aliasing: ties are
+    planned by the caller) and ``metadata`` as given; one shard of a sharded checkpoint."""
     # larger element types first keeps every tensor aligned to its element size (as safetensors does)
     order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -331,8 +359,10 @@ def write_file(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
     metadata = dict(metadata)
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    _write_one(handle, stored, metadata, on_data)
+    write_tensors(handle, stored, metadata, on_data)
     return aliases
+
+
 
 
 def plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int) -> list[list[str]]:
@@ -350,3 +380,15 @@ def plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int) -> list[l
 
 def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+FORMAT = Format(
+    name="safetensors", sniff=sniff, read=read,
+    default_suffix=".safetensors", rewrite_target="safetensors", target="safetensors", suffixes=(".safetensors",),
+    weights_only=True, has_location_tags=False,
+)
+SHARDED = Format(
+    name="safetensors-sharded", sniff=sniff_index, read=read_sharded, find_in_folder=find_index,
+    default_suffix=".safetensors", rewrite_target="safetensors", target="safetensors", sharded=True,
+    folder_output=True, weights_only=True, has_location_tags=False,
+)

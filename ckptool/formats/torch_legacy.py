@@ -9,27 +9,43 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles
-from ..errors import InputError, UnsupportedFormatError
+from ..errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
+from . import PICKLE_FIRST_BYTES, Contents, Format, PickleBlob, Pickles, ReadOptions, describe, looks_like_text
+from .pickle_stream import split_pickles
 
-FORMAT = "torch-legacy"
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 
 
-@dataclass
-class LegacyContents:
-    container: Any
-    storages: dict[str, StorageRef]
+def sniff(head: bytes | None, path: Path) -> bool:
+    """A file opening with a pickle opcode (checked after every other format's signature)."""
+    return bool(head) and head[0] in PICKLE_FIRST_BYTES
 
 
-def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> LegacyContents:
-    """Read a legacy checkpoint; the first pickle must be torch's magic number."""
+def read(path: Path, options: ReadOptions) -> Contents:
+    """Read a legacy checkpoint: refuse a file that is another kind of file (a GIF and a GGUF open
+    with a byte that is also a pickle opcode), and name a text file as such."""
+    what = describe(options.head)
+    if what is not None:
+        raise UnsupportedFormatError(f"is {what}, not a PyTorch checkpoint", path=path)
+    assert options.handle is not None
+    try:
+        container = _read(path, options.handle, options.resolver)
+    except InputError as e:
+        if looks_like_text(options.head) and not isinstance(e, UnsafeCheckpointError):
+            raise UnsupportedFormatError("is a text file, not a PyTorch checkpoint", path=path) from e
+        raise
+    return Contents(container=container, files=[path],
+                    notes=["legacy (pre-1.6) serialization: rewrites are written in the zip format"])
+
+
+def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any:
+    """The object tree of a legacy checkpoint; the first pickle must be torch's magic number."""
     handle.seek(0)
     plain = pickles.GlobalResolver()  # the preamble pickles hold plain values only
     magic = pickles.loads(handle, plain)
@@ -132,4 +148,19 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Lega
     missing += [key for key, (view, _, _) in views.items() if view.data is None]
     if missing:
         raise InputError.truncated(path, f"legacy storages {missing[:3]} have no data")
-    return LegacyContents(container=container, storages=storages)
+    return container
+
+
+def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
+    """The file's consecutive pickles (five in a legacy checkpoint; one in a plain pickle file);
+    scan calls the file a ``pickle`` until a load reads it as a checkpoint."""
+    assert options.handle is not None
+    options.handle.seek(0)
+    blobs = split_pickles(options.handle, "pickle", 5)
+    return Pickles("pickle", [PickleBlob(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)])
+
+
+FORMAT = Format(
+    name="torch-legacy", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
+    rewrite_note="the input used the legacy (pre-1.6) format; the output is in the zip format",
+)

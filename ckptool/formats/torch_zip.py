@@ -7,25 +7,26 @@ key or location rewrite never deserializes a tensor.
 
 from __future__ import annotations
 
+import io
 import secrets
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
-from . import zipio
+from . import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
+from .pickle_stream import split_pickles
 
-FORMAT = "torch-zip"
+ZIP_MAGIC = b"PK\x03\x04"
 
 
-@dataclass
-class ZipContents:
-    container: Any
-    archive_name: str
-    storages: dict[str, StorageRef]
+def sniff(head: bytes | None, path: Path) -> bool:
+    """A zip archive (its first local header)."""
+    return head is not None and head.startswith(ZIP_MAGIC)
 
 
 def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
@@ -38,8 +39,10 @@ def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
     return tops.pop()
 
 
-def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipContents:
+def read(path: Path, options: ReadOptions) -> Contents:
     """Read a torch zip checkpoint's object tree with lazy storages."""
+    handle = options.handle
+    assert handle is not None
     members = zipio.read_members(path, handle)
     if not members:
         raise UnsupportedFormatError("is an empty zip archive, not a PyTorch checkpoint", path=path)
@@ -65,8 +68,8 @@ def read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> ZipC
     data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
     storages: dict[str, StorageRef] = {}
     persistent_load = storage_loader(path, members, top, storages, big_endian=big_endian)
-    container = pickles.loads(data, resolver, persistent_load)
-    return ZipContents(container=container, archive_name=top, storages=storages)
+    container = pickles.loads(data, options.resolver, persistent_load)
+    return Contents(container=container, files=[path])
 
 
 def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, storages: dict[str, StorageRef], *,
@@ -175,3 +178,66 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         writer.close()
     finally:
         writer.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# scan: every pickle member, located as torch's reader locates members
+
+LOADED_MARK = " (the data.pkl torch reads)"
+
+
+def _is_pickle_member(member: zipio.Member, head: bytes) -> bool:
+    """Whether scan reads a zip member as a pickle: any ``.pkl`` (in any case, anywhere), or any member
+    outside a ``data/`` folder of storages that opens with a protocol 2–5 pickle header."""
+    name = zipio.fold_name(member.name)
+    if name.endswith(".pkl"):
+        return True
+    in_storages = "/data/" in f"/{name}"  # storage bytes are data, never unpickled by torch
+    return not in_storages and len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
+    """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
+
+    Nothing about the archive's structure stops the scan: a member torch would run is read even
+    where loading refuses the archive (overlapping members), and members of one name are each
+    read, labelled by their place in the directory (and the one a load reads marked as such).
+    An archive with a ``constants.pkl`` is scanned as ``torchscript``.
+    """
+    handle = options.handle
+    assert handle is not None
+    listing = zipio.list_members(path, handle)
+    counts = Counter(member.name for member in listing.members)
+    seen: Counter = Counter()
+    blobs: list[tuple[str, bytes]] = []
+    top = listing.members[0].name.split("/", 1)[0] if listing.members else ""
+    try:
+        loaded = zipio.Members(path, listing.members).get(f"{top}/data.pkl")  # the one a load reads
+    except InputError:  # too many members to tell which duplicate: every one is run dry
+        loaded = None
+    for member in listing.members:
+        seen[member.name] += 1
+        label = member.name if counts[member.name] == 1 else \
+            f"{member.name} (member {seen[member.name]} of {counts[member.name]} so named)"
+        if member is loaded:
+            label += LOADED_MARK
+        if member.encrypted:
+            continue  # its plaintext cannot be read; torch cannot read it either
+        handle.seek(member.data_offset)
+        head = handle.read(2) if not member.compressed else b""
+        if not _is_pickle_member(member, head):
+            continue
+        try:
+            data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
+        except InputError:
+            continue  # unreadable: the load (and its one-line refusal) speaks for it
+        blobs += split_pickles(io.BytesIO(data), label, 5)
+    kind = "torchscript" if any(name.endswith("/constants.pkl") for name, _ in blobs) else FORMAT.name
+    # a load reads the one data.pkl (not what follows its STOP): the rest are run dry
+    return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs])
+
+
+FORMAT = Format(
+    name="torch-zip", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
+    target="pt", suffixes=(".pt", ".pth", ".bin", ".ckpt", ".tar"),
+)

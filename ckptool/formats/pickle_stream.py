@@ -1,0 +1,50 @@
+"""Consecutive pickles in a byte stream, split for scan without unpickling anything.
+
+A legacy torch file is five pickles then raw bytes; a pickle may also hide another after its
+STOP. Each is cut at its end as the guard finds it (:func:`ckptool.pickles.read_pickle`), or,
+for one the guard refuses, from a bounded prefix as ``pickletools`` walks it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+from typing import Any
+
+from .. import pickles
+from ..errors import InputError
+from . import PICKLE_FIRST_BYTES
+
+_UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
+
+
+def split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes]]:
+    """Up to ``limit`` consecutive pickles from ``stream``'s position (a pickle may hide another after STOP)."""
+    blobs: list[tuple[str, bytes]] = []
+    for index in range(limit):
+        start = stream.tell()
+        first = stream.read(1)
+        if not first or first[0] not in PICKLE_FIRST_BYTES:
+            break
+        stream.seek(start)
+        try:
+            data = pickles.read_pickle(stream)
+        except InputError:  # refused or malformed: list what its opcodes name anyway, from a bounded prefix
+            stream.seek(start)
+            data = stream.read(_UNCHECKED_PICKLE_BYTES)
+            data = data[: _pickle_end(data, 0)]
+            stream.seek(start + len(data))
+        blobs.append((label if index == 0 else f"{label} (after STOP, pickle {index + 1})", data))
+        if not data:
+            break
+    return blobs
+
+
+def _pickle_end(data: bytes, offset: int) -> int:
+    try:
+        for opcode, _, position in pickletools.genops(io.BytesIO(data[offset:])):
+            if opcode.name == "STOP":
+                return offset + position + 1
+    except Exception:
+        pass
+    return len(data)

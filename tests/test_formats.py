@@ -1,0 +1,162 @@
+"""The format registry: the one place formats are named, and enough to add a format with one file and one line."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptool
+from ckptool import formats
+
+PACKAGE = Path(ckptool.__file__).resolve().parent
+# what scan calls a file before it is read, besides the registered names (torch_zip, torch_legacy)
+SCAN_KINDS = {"torchscript", "pickle"}
+
+
+def _format_names() -> set[str]:
+    return {fmt.name for fmt in formats.registered()} | SCAN_KINDS
+
+
+def _constants(node: ast.AST) -> list[str]:
+    """The string constants ``node`` is, or holds as a tuple, list or set literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return [value for element in node.elts for value in _constants(element)]
+    return []
+
+
+def _branches_on_format_names(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """Comparisons (``==``, ``in``, ``match``/``case``, ``startswith``/``endswith``) against a format name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        operands: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("startswith", "endswith"):
+            operands = list(node.args)
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        for operand in operands:
+            for value in _constants(operand):
+                if value in names:
+                    found.append((node.lineno, value))
+    return found
+
+
+def test_only_the_registry_names_formats() -> None:
+    names = _format_names()
+    assert {"torch-zip", "torch-legacy", "safetensors", "safetensors-sharded", "dcp"} <= names
+    offenders = []
+    for module in sorted(PACKAGE.rglob("*.py")):
+        relative = module.relative_to(PACKAGE)
+        if relative.parts[0] == "formats":
+            continue
+        for line, name in _branches_on_format_names(module.read_text(), names):
+            offenders.append(f"ckptool/{relative.as_posix()}:{line} compares with {name!r}")
+    assert not offenders, "branch on a capability of formats.for_name(...) instead:\n" + "\n".join(offenders)
+
+
+def test_the_check_finds_each_kind_of_branch() -> None:
+    source = textwrap.dedent("""
+        if checkpoint.format == "dcp": pass
+        if kind in ("torch-zip", "torchscript"): pass
+        if fmt.startswith("safetensors"): pass
+        match fmt:
+            case "torch-legacy": pass
+        if suffix == ".safetensors" or to == "pt": pass
+    """)
+    found = _branches_on_format_names(source, _format_names())
+    assert sorted(found) == [(2, "dcp"), (3, "torch-zip"), (3, "torchscript"), (4, "safetensors"), (6, "torch-legacy")]
+
+
+# A format added as one module and one registry line: a magic line, a JSON line of
+# {name: [dtype, shape]}, then each tensor's bytes in that order.
+TOY_MODULE = """
+import json
+import math
+from pathlib import Path
+
+from ckptool import dtypes
+from ckptool.errors import InputError
+from ckptool.formats import Contents, Format, ReadOptions
+from ckptool.refs import ByteRange, StorageRef, TensorRef, contiguous_stride
+
+MAGIC = b"TOYCKPT1\\n"
+
+
+def sniff(head, path):
+    return head is not None and head.startswith(MAGIC)
+
+
+def read(path: Path, options: ReadOptions) -> Contents:
+    handle = options.handle
+    handle.seek(len(MAGIC))
+    try:
+        header = json.loads(handle.readline())
+    except ValueError as e:
+        raise InputError("toy header is not JSON", path=path) from e
+    position = handle.tell()
+    tensors = {}
+    for name, (dtype_name, shape) in header.items():
+        dtype = dtypes.BY_NAME[dtype_name]
+        numel = math.prod(shape)
+        storage = StorageRef(key=name, dtype=dtype, numel=numel, location="cpu",
+                             data=ByteRange(path, position, numel * dtype.itemsize))
+        tensors[name] = TensorRef(storage=storage, dtype=dtype, shape=tuple(shape), stride=contiguous_stride(shape))
+        position += numel * dtype.itemsize
+    return Contents(container={"model": tensors, "step": 7}, files=[path])
+
+
+FORMAT = Format(name="toy", sniff=sniff, read=read, has_location_tags=False)
+"""
+
+
+def _toy_file(path: Path, weights: dict[str, torch.Tensor]) -> Path:
+    import json
+
+    names = {"torch.float32": "F32", "torch.int64": "I64"}
+    header = {name: [names[str(t.dtype)], list(t.shape)] for name, t in weights.items()}
+    with open(path, "wb") as handle:
+        handle.write(b"TOYCKPT1\n" + json.dumps(header).encode() + b"\n")
+        for tensor in weights.values():
+            handle.write(tensor.contiguous().numpy().tobytes())
+    return path
+
+
+def test_a_format_is_one_module_and_one_registry_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = {"fc.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "fc.bias": torch.tensor([5, -1])}
+    source = _toy_file(tmp_path / "model.toy", weights)
+    with pytest.raises(ckptool.UnsupportedFormatError, match="is a text file, not a PyTorch checkpoint"):
+        ckptool.load(source)
+
+    package = tmp_path / "plugins"
+    package.mkdir()
+    (package / "toyformat.py").write_text(TOY_MODULE)
+    monkeypatch.syspath_prepend(str(package))
+    monkeypatch.setattr(formats, "REGISTRY", [*formats.REGISTRY, "toyformat:FORMAT"])
+    try:
+        checkpoint = ckptool.load(source)
+        assert checkpoint.format == "toy" and checkpoint.layout == ("model",)
+        assert sorted(checkpoint.tensors) == ["fc.bias", "fc.weight"]
+        summary = ckptool.inspect(source)  # its capabilities answer for it: no location tags
+        assert summary.format == "toy" and summary.saved_devices == {} and summary.tensors == 2
+        report = ckptool.scan(source)
+        assert report.safe and report.format == "toy" and report.pickles == []
+        saved = ckptool.save(checkpoint, tmp_path / "model.safetensors")
+        from safetensors.torch import load_file
+
+        written = load_file(saved.path)
+        assert written.keys() == weights.keys()
+        assert all(torch.equal(written[name], tensor) for name, tensor in weights.items())
+    finally:
+        monkeypatch.undo()  # the registry line removed
+        sys.modules.pop("toyformat", None)
+    with pytest.raises(ckptool.UnsupportedFormatError, match="is a text file, not a PyTorch checkpoint"):
+        ckptool.load(source)

@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DEMO := demo-out
-# pytest-xdist workers; --dist loadfile keeps each test file (and its module-scoped training runs) on one worker
+# pytest-xdist workers; --dist loadfile keeps each test file (and its module-scoped training runs) on one worker;
+# tests/conftest.py hands the longest files out first
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench fixtures clean
@@ -21,6 +22,7 @@ demo: venv
 	bash scripts/demo.sh
 
 test: venv
+	$(PY) -m compileall -q ckptool training  # up-to-date .pyc: the tests start hundreds of processes
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: venv

@@ -8,13 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from training_runs import run_training
+from training_runs import TORCHRUN_VARIABLES, train_in_process
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # `pytest` as well as `python -m pytest` imports ckptool and training
-# torchrun's variables: a test process must not look like a torchrun worker to python -m training
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="session")
@@ -47,10 +45,20 @@ def python_executable() -> str:
     return sys.executable
 
 
-# Files whose real training runs take most of the suite's time, longest first: under
-# ``pytest -n 2 --dist loadfile`` (make test) the workers start on these and the many short files
-# fill in around them, instead of one worker taking the longest file last.
-LONGEST_FILES = ("test_training.py", "test_training_dcp.py", "test_fixtures.py", "test_bench.py", "test_dcp.py", "test_hostile.py")
+# Files that take most of the suite's time, longest first (CPU-seconds: the torchrun chain, the fixture
+# regeneration, the benchmark's ~35 processes, the hostile corpus through every command, ...). Under
+# ``pytest -n 2 --dist loadfile`` (make test) the workers start on these and the many short files fill
+# in around them, instead of one worker taking a long file last while the other idles.
+LONGEST_FILES = (
+    "test_training_dcp.py", "test_fixtures.py", "test_bench.py", "test_hostile.py", "test_training.py",
+    "test_bounds.py", "test_dcp.py", "test_verify.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hand files to xdist workers in LONGEST_FILES order, not xdist's default of most tests first."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile/loadscope
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -78,11 +86,15 @@ def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def train(subprocess_env: dict[str, str], repo_root: Path, python_executable: str):
-    """Run ``python -m training ARGS`` (or under torchrun); fail the test with its stderr if it fails."""
+def train():
+    """Run ``python -m training ARGS`` in this process (tests/training_runs.py); fail the test with its stderr if it fails.
 
-    def _train(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess[str]:
-        completed = run_training(list(args), env=subprocess_env, cwd=repo_root, python=python_executable, torchrun=torchrun)
+    Real processes are kept for what only a process shows: the torchrun launches (test_training_dcp.py)
+    and the exit codes and one-line errors of a failing run (test_training.py).
+    """
+
+    def _train(*args: str) -> subprocess.CompletedProcess[str]:
+        completed = train_in_process(list(args))
         assert completed.returncode == 0, completed.stderr[-4000:]
         return completed
 

@@ -1,19 +1,22 @@
-"""training/: real single, DataParallel and 2-process gloo DDP and FSDP runs through the CLI, and their checkpoints.
+"""training/: real single and DataParallel runs through the CLI, and their checkpoints; its errors and pieces.
 
-Accuracy is checked once per mode on the default 6000/1000 synthetic split; the other runs use small
-splits because only what they save matters. DCP directories are read back with torch's own
-``dcp_to_torch_save``, never with ckptool.
+The runs go through ``python -m training``'s ``main`` in the test process (tests/training_runs.py):
+a process per run would pay the interpreter and torch start-up each time. The failing runs whose
+exit code and one-line stderr are the point run as real processes. The 2-process gloo DDP, multi-node
+and FSDP runs (real torchrun launches) are in test_training_dcp.py.
+
+Accuracy is checked once per mode on a split big enough to reach it; the other runs use small
+splits because only what they save matters.
 """
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from training_runs import run_training
+from training_runs import run_training, train_in_process
 
 from training import UsageError
 from training.data import class_prototypes, load_dataset, synthetic_digits
@@ -50,7 +53,7 @@ def assert_loads_strictly(state_dict: dict[str, torch.Tensor], model_name: str) 
 
 
 # --------------------------------------------------------------------------------------------
-# the three modes, for real
+# single and DataParallel, for real
 
 
 def test_single_lenet_trains_to_accuracy_and_saves_plain_keys(train, tmp_path: Path) -> None:
@@ -78,66 +81,6 @@ def test_dp_wrapped_keeps_module_prefix(train, tmp_path: Path) -> None:
     assert_loads_strictly(strip_wrapper_prefix(checkpoint["model"]), "mlp")
 
 
-def test_real_two_process_ddp_wrapped_and_unwrapped(train, tmp_path: Path) -> None:
-    wrapped, unwrapped = tmp_path / "wrapped.pt", tmp_path / "unwrapped.pt"
-    args = ["--mode", "ddp", "--model", "lenet", "--epochs", "2", *DDP_TO_ACCURACY]
-    completed = train(*args, "--save-style", "wrapped", "--out", str(wrapped), torchrun=True)
-    train(*args, "--save-style", "unwrapped", "--out", str(unwrapped), torchrun=True)
-
-    wrapped_checkpoint = load_checkpoint(wrapped)
-    assert_training_container(wrapped_checkpoint, epoch=2)
-    assert wrapped_checkpoint["config"]["world_size"] == 2
-    assert wrapped_checkpoint["metrics"]["test_accuracy"] >= 0.8
-    assert all(key.startswith("module.") for key in wrapped_checkpoint["model"])
-    assert completed.stdout.count("final test_accuracy") == 1, "only rank 0 may log and save"
-
-    unwrapped_checkpoint = load_checkpoint(unwrapped)
-    assert_training_container(unwrapped_checkpoint, epoch=2)
-    assert not any(key.startswith("module.") for key in unwrapped_checkpoint["model"])
-    assert_loads_strictly(unwrapped_checkpoint["model"], "lenet")
-    # same seed, same run: the two saves differ only by the wrapper prefix (DDP over gloo is deterministic)
-    assert_loads_strictly(strip_wrapper_prefix(wrapped_checkpoint["model"]), "lenet")
-    for key, tensor in unwrapped_checkpoint["model"].items():
-        assert torch.equal(tensor, wrapped_checkpoint["model"]["module." + key]), key
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
-
-
-PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
-
-
-def test_multi_node_flags_two_agents(subprocess_env: dict[str, str], repo_root: Path, python_executable: str, tmp_path: Path) -> None:
-    """Two torchrun agents ("nodes") of one process each rendezvous over c10d, as on two machines."""
-    out = tmp_path / "multinode.pt"
-    environment = dict(subprocess_env, OMP_NUM_THREADS="1")
-    # both agents must be told the port before either binds it: a free port can be taken by
-    # another process in between, so a run that lost its port is retried on a fresh one
-    for _attempt in range(5):
-        endpoint = f"localhost:{free_port()}"
-        agents = [
-            subprocess.Popen(
-                [python_executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                 "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                 "-m", "training", "--mode", "ddp", "--model", "mlp", "--epochs", "1", *SMALL, "--out", str(out)],
-                cwd=repo_root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )
-            for node_rank in (0, 1)
-        ]
-        outputs = [agent.communicate(timeout=600) for agent in agents]
-        if all(agent.returncode == 0 for agent in agents) or \
-                not any(marker in stderr for _stdout, stderr in outputs for marker in PORT_TAKEN):
-            break
-    for agent, (_stdout, stderr) in zip(agents, outputs):
-        assert agent.returncode == 0, stderr[-4000:]
-    checkpoint = load_checkpoint(out)
-    assert checkpoint["config"]["world_size"] == 2
-    assert_loads_strictly(checkpoint["model"], "mlp")
-
-
 # --------------------------------------------------------------------------------------------
 # resume and weights-only
 
@@ -161,11 +104,11 @@ def test_resume_continues_exactly_where_it_stopped(train, tmp_path: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def weights_only_lenet(tmp_path_factory, subprocess_env: dict[str, str], repo_root: Path, python_executable: str) -> Path:
+def weights_only_lenet(tmp_path_factory) -> Path:
     """One real ``--weights-only`` run, shared: one test checks what it saved, another that it cannot be resumed."""
     out = tmp_path_factory.mktemp("weights_only") / "weights.pt"
     args = ["--mode", "single", "--model", "lenet", "--epochs", "1", "--weights-only", *SMALL, "--out", str(out)]
-    completed = run_training(args, env=subprocess_env, cwd=repo_root, python=python_executable)
+    completed = train_in_process(args)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return out
 

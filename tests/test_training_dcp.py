@@ -1,7 +1,9 @@
-"""training/: --save-format dcp and --mode fsdp, for real (2-process gloo runs through the CLI).
+"""training/: 2-process gloo DDP (one node and two), --save-format dcp and --mode fsdp, for real.
 
-Apart from test_training.py so that a parallel test run (``make test``: xdist, a file per worker)
-spreads the two files' real runs over both workers. DCP directories are read back with torch's own
+Every torchrun launch of the training tests is in this file, in one chain of runs that the tests
+below share (a launch is three processes that each import torch: most of a small run's cost). Apart
+from test_training.py so that a parallel test run (``make test``: xdist, a file per worker) spreads
+the two files over both workers. DCP directories are read back with torch's own
 ``dcp_to_torch_save``, never with ckptool.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import warnings
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_training import (  # the shared helpers and the `train` fixture, beside this file
+    DDP_TO_ACCURACY,
     SMALL,
     assert_loads_strictly,
     assert_training_container,
@@ -27,28 +31,68 @@ from training import TrainingError, UsageError
 from training.checkpoints import optimizer_state_by_index, optimizer_state_by_name
 from training.dcp_io import dcp_state_dict, load_dcp, save_dcp
 from training.data import load_dataset
+from training.loop import strip_wrapper_prefix
 from training.models import INPUT_SHAPE, build_model
 
 # --------------------------------------------------------------------------------------------
-# --save-format dcp and --mode fsdp, for real: one chain of runs shared by the tests below
+# torchrun, for real: one chain of runs shared by the tests below (the MLP, seed 0, the split
+# DDP_TO_ACCURACY; OMP_NUM_THREADS=1)
 #
 #   ddp.pt      torchrun ddp, 1 epoch, --save-format torch          (the reference)
 #   ddp.dcp     torchrun ddp, 1 epoch, --save-format dcp            (same seed: same weights)
+#   straight.pt torchrun ddp, 2 epochs, torch                       (unwrapped; what both resumed runs must equal)
+#   wrapped.pt  2 torchrun agents of 1 process each (--nnodes 2, c10d rendezvous, as on two machines),
+#               ddp, 2 epochs, --save-style wrapped                 (straight.pt but for the 'module.' prefix)
 #   fsdp.dcp    torchrun fsdp, --resume ddp.dcp, 1 more epoch, dcp  (2 DDP replicas -> 2 FSDP shards)
 #   fsdp.pt     torchrun fsdp, --resume ddp.pt, 1 more epoch, torch (whole state -> shards -> gathered on rank 0)
-#   straight.pt torchrun ddp, 2 epochs, torch                       (what both resumed runs must equal)
+
+LAUNCH = ["-m", "torch.distributed.run"]
+PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def start_two_agents(python: str, args: list[str], **popen) -> list[subprocess.Popen]:
+    """Two torchrun agents ("nodes") of one process each that rendezvous over c10d on a free port."""
+    endpoint = f"localhost:{free_port()}"
+    return [
+        subprocess.Popen([python, *LAUNCH, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "-m", "training", *args], **popen)
+        for node_rank in (0, 1)
+    ]
+
+
+def finish_two_agents(agents: list[subprocess.Popen], restart) -> list[str]:
+    """Wait for both agents; their stdouts. Both must exit 0.
+
+    Both agents must be told the port before either binds it: a free port can be taken by another
+    process in between, so a run that lost its port is retried on a fresh one (``restart()``).
+    """
+    for _attempt in range(5):
+        outputs = [agent.communicate(timeout=900) for agent in agents]
+        if all(agent.returncode == 0 for agent in agents) or \
+                not any(marker in stderr for _stdout, stderr in outputs for marker in PORT_TAKEN):
+            break
+        agents = restart()
+    for agent, (_stdout, stderr) in zip(agents, outputs):
+        assert agent.returncode == 0, f"two agents: {stderr[-4000:]}"
+    return [stdout for stdout, _stderr in outputs]
 
 
 @pytest.fixture(scope="module")
 def dcp_runs(tmp_path_factory, subprocess_env, repo_root, python_executable) -> dict[str, Path]:
-    """The chain of real 2-process gloo runs above (the MLP on the small split), by name.
+    """The chain of real gloo runs above, by name.
 
     Runs that do not depend on each other run side by side: most of a small run's time is start-up
-    and rendezvous, not arithmetic.
+    and rendezvous, not arithmetic. Every run must exit 0 with one "final" line (only rank 0 logs).
     """
     directory = tmp_path_factory.mktemp("dcp_runs")
-    paths = {name: directory / name for name in ("ddp.pt", "ddp.dcp", "fsdp.dcp", "fsdp.pt", "straight.pt")}
-    base = ["--model", "mlp", *SMALL]
+    paths = {name: directory / name for name in ("ddp.pt", "ddp.dcp", "straight.pt", "wrapped.pt", "fsdp.dcp", "fsdp.pt")}
+    base = ["--model", "mlp", *DDP_TO_ACCURACY]
     waves = [
         [
             ["--mode", "ddp", "--epochs", "1", "--out", str(paths["ddp.pt"])],
@@ -60,18 +104,48 @@ def dcp_runs(tmp_path_factory, subprocess_env, repo_root, python_executable) -> 
             ["--mode", "fsdp", "--epochs", "1", "--resume", str(paths["ddp.pt"]), "--out", str(paths["fsdp.pt"])],
         ],
     ]
-    launcher = [python_executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "training"]
-    environment = dict(subprocess_env, OMP_NUM_THREADS="1")  # the workers share two cores
-    for wave in waves:
-        runs = [
-            subprocess.Popen([*launcher, *base, *args], cwd=repo_root, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for args in wave
-        ]
+    two_agents = ["--mode", "ddp", "--epochs", "2", "--save-style", "wrapped", *base, "--out", str(paths["wrapped.pt"])]
+    popen = dict(cwd=repo_root, env=dict(subprocess_env, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    standalone = [python_executable, *LAUNCH, "--standalone", "--nproc-per-node", "2", "-m", "training", *base]
+    for number, wave in enumerate(waves):
+        runs = [subprocess.Popen([*standalone, *args], **popen) for args in wave]
+        agents = start_two_agents(python_executable, two_agents, **popen) if number == 0 else None
         for run, args in zip(runs, wave):
             stdout, stderr = run.communicate(timeout=900)
             assert run.returncode == 0, f"{args}: {stderr[-4000:]}"
             assert stdout.count("final test_accuracy") == 1, "only rank 0 may log"
+        if agents is not None:
+            outputs = finish_two_agents(agents, lambda: start_two_agents(python_executable, two_agents, **popen))
+            assert sum(stdout.count("final test_accuracy") for stdout in outputs) == 1, "only rank 0 may log"
     return paths
+
+
+def test_real_two_process_ddp_wrapped_and_unwrapped(dcp_runs: dict[str, Path]) -> None:
+    wrapped_checkpoint, unwrapped_checkpoint = load_checkpoint(dcp_runs["wrapped.pt"]), load_checkpoint(dcp_runs["straight.pt"])
+
+    assert_training_container(wrapped_checkpoint, epoch=2)
+    assert wrapped_checkpoint["config"]["world_size"] == 2
+    assert wrapped_checkpoint["metrics"]["test_accuracy"] >= 0.8
+    assert all(key.startswith("module.") for key in wrapped_checkpoint["model"])
+
+    assert_training_container(unwrapped_checkpoint, epoch=2)
+    assert unwrapped_checkpoint["config"]["world_size"] == 2
+    assert unwrapped_checkpoint["metrics"]["test_accuracy"] >= 0.8
+    assert not any(key.startswith("module.") for key in unwrapped_checkpoint["model"])
+    assert_loads_strictly(unwrapped_checkpoint["model"], "mlp")
+    # same seed, same run: the two saves differ only by the wrapper prefix (DDP over gloo is
+    # deterministic, and a sum of the 2 ranks' gradients is the same whichever agent holds rank 0)
+    assert_loads_strictly(strip_wrapper_prefix(wrapped_checkpoint["model"]), "mlp")
+    for key, tensor in unwrapped_checkpoint["model"].items():
+        assert torch.equal(tensor, wrapped_checkpoint["model"]["module." + key]), key
+    assert wrapped_checkpoint["metrics"] == unwrapped_checkpoint["metrics"]
+
+
+def test_multi_node_flags_two_agents(dcp_runs: dict[str, Path]) -> None:
+    """Two torchrun agents ("nodes") of one process each rendezvous over c10d, as on two machines."""
+    checkpoint = load_checkpoint(dcp_runs["wrapped.pt"])
+    assert checkpoint["config"]["world_size"] == 2 and checkpoint["config"]["mode"] == "ddp"
+    assert_loads_strictly(strip_wrapper_prefix(checkpoint["model"]), "mlp")
 
 
 def dcp_as_torch(directory: Path, tmp_path: Path) -> dict:
@@ -150,7 +224,7 @@ def test_one_process_resumes_fsdp_shards_into_an_existing_dcp_directory(dcp_runs
     # the saved accuracy is the saved weights' accuracy
     model = build_model("mlp").eval()
     model.load_state_dict(converted["model"])
-    images, labels = load_dataset("synthetic", data_dir=None, train=False, seed=0, size=128).tensors
+    images, labels = load_dataset("synthetic", data_dir=None, train=False, seed=0, size=128).tensors  # SMALL's test split
     with torch.no_grad():
         accuracy = (model(images).argmax(dim=1) == labels).float().mean().item()
     assert accuracy == pytest.approx(converted["extra"]["metrics"]["test_accuracy"])

@@ -89,8 +89,14 @@ def seed_everything(seed: int) -> None:
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     # warn_only: some CUDA backward kernels (adaptive average pooling in resnet18) have no
-    # deterministic version; they should warn, not stop the run.
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # deterministic version; they should warn, not stop the run. The C switch is the one
+    # torch.use_deterministic_algorithms sets; the public call also sets torch.compile's own flag,
+    # importing inductor, dynamo and sympy (~2 s of CPU per process) for runs that never compile.
+    set_switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_switch is None:  # a torch without the C switch: the public call does the same and more
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        set_switch(True, warn_only=True)
 
 
 def select_device(mode: str, info: ProcessInfo) -> torch.device:

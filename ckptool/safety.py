@@ -75,9 +75,10 @@ def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
     return found, opcodes, error
 
 
-def dry_run_globals(data: bytes, allow_globals: tuple[str, ...]) -> tuple[dict[str, int], str | None]:
+def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
+                    guard_cache: pickles.GuardCache | None = None) -> tuple[dict[str, int], str | None]:
     """Globals a load would import, found by unpickling with inert placeholders for everything."""
-    resolver = pickles.GlobalResolver(allow_globals, permissive=True)
+    resolver = pickles.GlobalResolver(allow_globals, permissive=True, guard_cache=guard_cache)
     stand_ins: dict[Any, StorageRef] = {}
 
     def persistent_load(pid: Any) -> Any:
@@ -103,7 +104,7 @@ _PICKLE_FIRST_BYTES = b"\x80(cSVIJKLFGN]}l)dtq."
 _UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
 
 
-def _split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes]]:
+def _split_pickles(stream: Any, label: str, limit: int, cache: pickles.GuardCache) -> list[tuple[str, bytes]]:
     """Up to ``limit`` consecutive pickles from ``stream``'s position (a pickle may hide another after STOP)."""
     blobs: list[tuple[str, bytes]] = []
     for index in range(limit):
@@ -113,7 +114,7 @@ def _split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes
             break
         stream.seek(start)
         try:
-            data = pickles.read_pickle(stream)
+            data = pickles.read_pickle(stream, cache)
         except InputError:  # refused or malformed: list what its opcodes name anyway, from a bounded prefix
             stream.seek(start)
             data = stream.read(_UNCHECKED_PICKLE_BYTES)
@@ -125,14 +126,14 @@ def _split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes
     return blobs
 
 
-def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
+def _pickle_blobs(path: Path, cache: pickles.GuardCache) -> tuple[str, list[tuple[str, bytes]]]:
     """The pickles inside a file: zip members ending .pkl, or a stream of consecutive pickles."""
     with open(path, "rb") as handle:
         head = handle.read(16)
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
         if head.startswith(b"PK\x03\x04"):
-            blobs = _zip_pickles(path, handle)
+            blobs = _zip_pickles(path, handle, cache)
             if any(name.endswith("/constants.pkl") for name, _ in blobs):
                 return "torchscript", blobs
             return "torch-zip", blobs
@@ -140,7 +141,7 @@ def _pickle_blobs(path: Path) -> tuple[str, list[tuple[str, bytes]]]:
             return "safetensors", []
         handle.seek(0)
         # a legacy checkpoint is five pickles then raw bytes; a plain pickle file is one
-        blobs = _split_pickles(handle, "pickle", 5)
+        blobs = _split_pickles(handle, "pickle", 5, cache)
     return "pickle", [(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)]
 
 
@@ -157,7 +158,7 @@ def _is_pickle_member(member: zipio.Member, head: bytes) -> bool:
     return not in_storages and len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
-def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
+def _zip_pickles(path: Path, handle: Any, cache: pickles.GuardCache) -> list[tuple[str, bytes]]:
     """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
 
     Nothing about the archive's structure stops the scan: a member torch would run is read even
@@ -189,7 +190,7 @@ def _zip_pickles(path: Path, handle: Any) -> list[tuple[str, bytes]]:
             data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
         except InputError:
             continue  # unreadable: the load (and its one-line refusal) speaks for it
-        blobs += _split_pickles(io.BytesIO(data), label, 5)
+        blobs += _split_pickles(io.BytesIO(data), label, 5, cache)
     return blobs
 
 
@@ -228,8 +229,9 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         checkpoint = load(path, allow_globals=allow_globals)
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
                           pickles=[])
+    cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
     try:
-        kind, blobs = ("dcp", dcp.pickle_blobs(path, allow_globals)) if is_dir else _pickle_blobs(path)
+        kind, blobs = ("dcp", dcp.pickle_blobs(path, allow_globals, cache)) if is_dir else _pickle_blobs(path, cache)
     except PermissionError as e:
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:
@@ -245,7 +247,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     static_names: list[str] = []
     for _, data in blobs:
         try:  # the guard walked every pickle it passed already (read_pickle); its record is kept
-            stats = pickles.guard_stats(data)
+            stats = pickles.guard_stats(data, cache)
             opcodes.update(stats.opcode_names())
             static_names += stats.globals
         except InputError:  # refused: list what its opcodes name anyway
@@ -254,7 +256,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
             static_names += static
     try:
         # a restricted load names exactly the globals it resolves; if it succeeds, no dry run of what it read
-        checkpoint = load(path, allow_globals=allow_globals)
+        checkpoint = load(path, allow_globals=allow_globals, guard_cache=cache)
         globals_.update(checkpoint.globals)
         load_error: CkptError | None = None
         # the pickles the load did not read (a zip's other .pkl members) are still run dry
@@ -264,7 +266,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         load_error = e
         unread = blobs
     for name, data in unread:
-        dynamic, dynamic_error = dry_run_globals(data, allow_globals)
+        dynamic, dynamic_error = dry_run_globals(data, allow_globals, cache)
         globals_.update(dynamic)
         if dynamic_error and load_error is not None:
             problems.append(f"{name}: {dynamic_error}")

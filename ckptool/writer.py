@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, layouts
+from . import dtypes, layouts, pickles
 from .atomic import TEMP_PREFIX, atomic_output, check_folder_output, check_output, folder_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
@@ -634,13 +634,15 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     return report
 
 
-def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:
-    """A reader for the output that accepts the globals the input was read with."""
+def _read_back(source: Checkpoint,
+               guard_cache: pickles.GuardCache | None = None) -> Callable[[Path], Mapping[str, TensorRef]]:
+    """A reader for the output that accepts the globals the input was read with (and needs no walk of
+    the pickles ``guard_cache`` says the write emitted)."""
 
     def read(path: Path) -> Mapping[str, TensorRef]:
         from .reader import load
 
-        written = load(path, allow_globals=tuple(source.globals))
+        written = load(path, allow_globals=tuple(source.globals), guard_cache=guard_cache)
         return written.tensors if written.has_weights else {}
 
     return read
@@ -648,25 +650,27 @@ def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:
 
 def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: _Expectations) -> SaveReport:
     container = pt_container(checkpoint, nest)
+    cache = pickles.GuardCache()  # the pickle this write emits, which its read-back need not walk
     try:
-        checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=True)
+        checked = _write_pt(container, out, expect, _read_back(checkpoint, cache), trust_recorded=True, cache=cache)
     except _StaleSourceCrc:
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
         expect = replace(expect, checks=_run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
                                                                              views_raw=True)))
-        checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=False)
+        checked = _write_pt(container, out, expect, _read_back(checkpoint, cache), trust_recorded=False, cache=cache)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 
 
 def _write_pt(container: Any, out: Path, expect: _Expectations,
-              read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool) -> int:
+              read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool,
+              cache: pickles.GuardCache | None = None) -> int:
     with atomic_output(out) as (handle, tmp):
         sums = OutputSums(tmp)
         try:
             torch_zip.write(handle, container, archive_name=_archive_name(out), on_data=sums.written,
-                            trust_recorded_crcs=trust_recorded)
+                            trust_recorded_crcs=trust_recorded, guard_cache=cache)
             handle.flush()
         except BaseException:
             sums.finish()

@@ -649,7 +649,8 @@ def read(directory: Path, resolver: pickles.GlobalResolver) -> Checkpoint:
                       globals=dict(resolver.seen), files=[directory / METADATA_NAME, *metadata.files], notes=notes)
 
 
-def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = ()) -> list[tuple[str, bytes]]:
+def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = (),
+                 guard_cache: pickles.GuardCache | None = None) -> list[tuple[str, bytes]]:
     """The pickles of a DCP checkpoint, for scanning: ``.metadata``, then each embedded ``data.pkl``.
 
     The embedded ones are listed only when ``.metadata`` itself reads under the allowlist (otherwise
@@ -662,7 +663,7 @@ def pickle_blobs(directory: Path, allow_globals: tuple[str, ...] | list[str] = (
     except OSError as e:
         raise InputError(f"DCP {METADATA_NAME} cannot be read ({e.strerror})", path=directory) from e
     try:
-        metadata = parse_metadata(directory, pickles.GlobalResolver(allow_globals))
+        metadata = parse_metadata(directory, pickles.GlobalResolver(allow_globals, guard_cache=guard_cache))
     except (pickles.RefusedGlobal, InputError):
         return blobs
     files = _Files()

@@ -144,14 +144,16 @@ def _swapped(storage: StorageRef) -> Callable[[], bytes] | None:
 
 
 def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
-          on_data: Callable[[int, int], None] | None = None, trust_recorded_crcs: bool = True) -> None:
+          on_data: Callable[[int, int], None] | None = None, trust_recorded_crcs: bool = True,
+          guard_cache: pickles.GuardCache | None = None) -> None:
     """Write ``container`` as torch.save would: pickle first, storages raw, torch's bookkeeping records.
 
     Storages are renumbered 0..n-1 in order of first appearance; bytes of a storage read from a zip
     member are copied by the kernel with their CRC kept, others are streamed and summed. With
     ``trust_recorded_crcs`` off (a source whose recorded CRCs proved stale) every storage is summed.
+    ``guard_cache`` (the write's) remembers the pickle, so reading the output back need not walk it.
     """
-    pickle_bytes, storages = pickles.dump(container, renumber_storages=True)
+    pickle_bytes, storages = pickles.dump(container, renumber_storages=True, guard_cache=guard_cache)
     writer = zipio.ZipWriter(handle, on_data)
     try:
         writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)

@@ -15,7 +15,8 @@ The modules, each using only those above it:
 - :mod:`.placeholders` — the inert types globals become (``StorageTypeRef``, ``OpaqueObject``, ``StateDict``);
 - :mod:`.rebuilds` — what the allowed callables do instead (check their arguments, build records);
 - :mod:`.allowlist` — ``TORCH_GLOBALS``, ``DEFAULT_EXTRA_GLOBALS`` and the ``GlobalResolver`` applying them;
-- :mod:`.guard` — the opcode walk that refuses what would hang or flood the C unpickler, and ``GuardCache``;
+- :mod:`.guard_cache` — ``PickleStats`` (what a walk saw) and ``GuardCache`` (what one operation walked);
+- :mod:`.opcode_guard` — ``guard``: the opcode walk refusing what would hang or flood the C unpickler;
 - :mod:`.unpickle` — ``loads``: guard, restricted unpickler, tree check;
 - :mod:`.emit` — ``dump``, the writer, which needs only the placeholder types.
 
@@ -28,7 +29,8 @@ from __future__ import annotations
 from . import limits
 from .allowlist import DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal, python3_name
 from .emit import dump
-from .guard import GuardCache, PickleStats, guard, guard_stats
+from .guard_cache import GuardCache, PickleStats
+from .opcode_guard import guard, guard_stats
 from .limits import (MAX_EXPANDED_NODES, MAX_EXPANDED_TEXT, MAX_HASH_COLLISIONS, MAX_KEY_NODES, MAX_NESTING,
                      MAX_PICKLE_BYTES, MAX_UNPICKLED_BYTES, brief)
 from .placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef, opaque_type

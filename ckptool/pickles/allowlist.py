@@ -20,7 +20,7 @@ from .rebuilds import (_builtin_bytearray, _builtin_complex, _builtin_set, _code
                        _rebuild_tensor_v3, _torch_device, _torch_size)
 
 if TYPE_CHECKING:
-    from .guard import GuardCache
+    from .guard_cache import GuardCache
 
 
 class RefusedGlobal(Exception):

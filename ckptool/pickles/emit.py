@@ -18,7 +18,7 @@ from ..refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 from .placeholders import OpaqueObject, StorageTypeRef, TypeRef
 
 if TYPE_CHECKING:
-    from .guard import GuardCache
+    from .guard_cache import GuardCache
 
 _P = pickle
 

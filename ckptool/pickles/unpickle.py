@@ -1,9 +1,10 @@
 """Unpickling: one pickle read, walked by the guard, run through the restricted unpickler, checked.
 
-:func:`loads` is the only way ckptool turns pickle bytes into objects: :func:`~ckptool.pickles.guard.guard`
-first (what would hang the C unpickler or exhaust memory is refused before it runs), then
-:class:`RestrictedUnpickler` (every global through a :class:`GlobalResolver`), then
-:func:`check_tree` (nesting, and sharing that would expand the tree when copied).
+:func:`loads` is the only way ckptool turns pickle bytes into objects:
+:func:`~ckptool.pickles.opcode_guard.guard` first (what would hang the C unpickler or exhaust
+memory is refused before it runs), then :class:`RestrictedUnpickler` (every global through a
+:class:`GlobalResolver`), then :func:`check_tree` (nesting, and sharing that would expand the
+tree when copied).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from ..errors import InputError
 from ..refs import DeviceRef, TensorRef, human_size
 from . import limits
 from .allowlist import GlobalResolver, RefusedGlobal
-from .guard import GuardCache, Truncated, guard
+from .guard_cache import GuardCache
+from .opcode_guard import Truncated, guard
 from .limits import refuse
 from .placeholders import OpaqueObject
 

@@ -126,9 +126,20 @@ def _new_tuple(items: list[Value]) -> Value:
             hashable = False
         elif item.value is OPAQUE:
             predictable = False
-    value = tuple([item.value for item in items]) if predictable and hashable else OPAQUE
     max_nodes = limits.MAX_KEY_NODES
-    return Value("tuple", None, nodes if nodes <= max_nodes else max_nodes + 1, hashable, value)
+    if nodes > max_nodes:
+        nodes = max_nodes + 1
+    if not (predictable and hashable):
+        # records never change: tuples alike but for values the guard cannot know share one
+        record = _OPAQUE_TUPLES.get((nodes, hashable))
+        if record is None:
+            record = _OPAQUE_TUPLES[nodes, hashable] = Value("tuple", None, nodes, hashable, OPAQUE)
+        return record
+    return Value("tuple", None, nodes, hashable, tuple([item.value for item in items]))
+
+
+# at most 2 * (MAX_KEY_NODES + 1) records, none holding anything a pickle wrote
+_OPAQUE_TUPLES: dict[tuple[int, bool], Value] = {}
 
 
 def _made_by(callable_: Value) -> Receiver:

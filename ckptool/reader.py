@@ -9,7 +9,8 @@ from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
 
 
-def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -> Checkpoint:
+def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
+         guard_cache: pickles.GuardCache | None = None) -> Checkpoint:
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
@@ -17,6 +18,7 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -
             safetensors directory or its ``*.index.json``.
         allow_globals: extra pickle globals to accept by name (e.g. ``"mylib.Config"``); they are
             recorded as placeholders, never imported.
+        guard_cache: pickles the calling operation has already walked (a scan, a write's read-back).
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
@@ -29,7 +31,7 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -
         ('torch-zip', 'module.', 10)
     """
     path = Path(path)
-    resolver = pickles.GlobalResolver(allow_globals)
+    resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
         return _load(path, resolver)
     except pickles.RefusedGlobal as e:

@@ -73,9 +73,10 @@ def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
     return found, opcodes, error
 
 
-def dry_run_globals(data: bytes, allow_globals: tuple[str, ...]) -> tuple[dict[str, int], str | None]:
+def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
+                    guard_cache: pickles.GuardCache | None = None) -> tuple[dict[str, int], str | None]:
     """Globals a load would import, found by unpickling with inert placeholders for everything."""
-    resolver = pickles.GlobalResolver(allow_globals, permissive=True)
+    resolver = pickles.GlobalResolver(allow_globals, permissive=True, guard_cache=guard_cache)
     stand_ins: dict[Any, StorageRef] = {}
 
     def persistent_load(pid: Any) -> Any:
@@ -97,7 +98,8 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...]) -> tuple[dict[s
     return dict(resolver.seen), error
 
 
-def _pickles(path: Path, allow_globals: tuple[str, ...]) -> tuple[formats.Format | None, formats.Pickles]:
+def _pickles(path: Path, allow_globals: tuple[str, ...],
+             cache: pickles.GuardCache) -> tuple[formats.Format | None, formats.Pickles]:
     """The format that claims a file and the pickles in it, read as its format lists them."""
     with open(path, "rb") as handle:
         head = handle.read(64)
@@ -106,7 +108,8 @@ def _pickles(path: Path, allow_globals: tuple[str, ...]) -> tuple[formats.Format
         fmt = formats.sniff(head, path)
         if fmt is None:  # no checkpoint: the load names what it is
             return None, formats.Pickles("", [])
-        return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, pickles.GlobalResolver(allow_globals)))
+        resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
+        return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
 
 
 def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport:
@@ -133,11 +136,13 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         checkpoint = load(path, allow_globals=allow_globals)
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
                           pickles=[])
+    cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
     try:
         if fmt is not None:
-            found = fmt.scan_pickles(path, formats.ReadOptions(None, b"", pickles.GlobalResolver(allow_globals)))
+            resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
+            found = fmt.scan_pickles(path, formats.ReadOptions(None, b"", resolver))
         else:
-            fmt, found = _pickles(path, allow_globals)
+            fmt, found = _pickles(path, allow_globals, cache)
     except PermissionError as e:
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:
@@ -155,7 +160,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     for blob in blobs:
         data = blob.data
         try:  # the guard walked every pickle it passed already (read_pickle); its record is kept
-            stats = pickles.guard_stats(data)
+            stats = pickles.guard_stats(data, cache)
             opcodes.update(stats.opcode_names())
             static_names += stats.globals
         except InputError:  # refused: list what its opcodes name anyway
@@ -164,7 +169,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
             static_names += static
     try:
         # a restricted load names exactly the globals it resolves; if it succeeds, no dry run of what it read
-        checkpoint = load(path, allow_globals=allow_globals)
+        checkpoint = load(path, allow_globals=allow_globals, guard_cache=cache)
         globals_.update(checkpoint.globals)
         load_error: CkptError | None = None
         # the pickles the load did not read (a zip's other .pkl members) are still run dry
@@ -173,7 +178,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         load_error = e
         unread = blobs
     for blob in unread:
-        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals)
+        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals, cache)
         globals_.update(dynamic)
         if dynamic_error and load_error is not None:
             problems.append(f"{blob.label}: {dynamic_error}")

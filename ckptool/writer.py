@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, formats, layouts
+from . import dtypes, formats, layouts, pickles
 from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
@@ -307,13 +307,15 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     return report
 
 
-def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:
-    """A reader for the output that accepts the globals the input was read with."""
+def _read_back(source: Checkpoint,
+               guard_cache: pickles.GuardCache | None = None) -> Callable[[Path], Mapping[str, TensorRef]]:
+    """A reader for the output that accepts the globals the input was read with (and needs no walk of
+    the pickles ``guard_cache`` says the write emitted)."""
 
     def read(path: Path) -> Mapping[str, TensorRef]:
         from .reader import load
 
-        written = load(path, allow_globals=tuple(source.globals))
+        written = load(path, allow_globals=tuple(source.globals), guard_cache=guard_cache)
         return written.tensors if written.has_weights else {}
 
     return read
@@ -321,23 +323,25 @@ def _read_back(source: Checkpoint) -> Callable[[Path], Mapping[str, TensorRef]]:
 
 def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expectations) -> SaveReport:
     container = pt_container(checkpoint, nest)
+    cache = pickles.GuardCache()  # the pickle this write emits, which its read-back need not walk
     try:
-        checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=True)
+        checked = _write_pt(container, out, expect, _read_back(checkpoint, cache), trust_recorded=True, cache=cache)
     except StaleSourceCrc:
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
         expect = replace(expect, checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
                                                                             views_raw=True)))
-        checked = _write_pt(container, out, expect, _read_back(checkpoint), trust_recorded=False)
+        checked = _write_pt(container, out, expect, _read_back(checkpoint, cache), trust_recorded=False, cache=cache)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 
 
 def _write_pt(container: Any, out: Path, expect: Expectations,
-              read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool) -> int:
+              read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool,
+              cache: pickles.GuardCache | None = None) -> int:
     with checked_output(out, expect, read_back, views_raw=True) as output:
         torch_zip.write(output.handle, container, archive_name=_archive_name(out), on_data=output.on_data,
-                        trust_recorded_crcs=trust_recorded)
+                        trust_recorded_crcs=trust_recorded, guard_cache=cache)
     return output.checked
 
 

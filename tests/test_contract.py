@@ -208,7 +208,7 @@ def test_a_failed_read_back_names_the_output_not_its_temp_file(tmp_path: Path,
     source = tmp_path / "in.pt"
     torch.save({"w": torch.ones(3)}, source)
 
-    def read_back(checkpoint: object):
+    def read_back(checkpoint: object, guard_cache: object = None):
         def read(path: Path):
             raise InputError(f"truncated: {path} ends early", path=path)
         return read

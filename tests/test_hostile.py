@@ -232,7 +232,7 @@ def test_real_processes_print_one_line_and_no_traceback(corpus: Corpus, clean_en
 
 def test_a_memory_flood_is_refused_before_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     # 4 GiB of estimated objects is the real limit; a smaller one keeps the test small
-    monkeypatch.setattr(pickles, "MAX_UNPICKLED_BYTES", 16 << 20)
+    monkeypatch.setattr(pickles.limits, "MAX_UNPICKLED_BYTES", 16 << 20)
     flood = hostile.PROTO2 + b"\x8f\x940" * 200_000 + b"N."  # EMPTY_SET, MEMOIZE, POP: 200k live sets
     with pytest.raises(InputError, match="memory bomb"):
         pickles.loads(flood, pickles.GlobalResolver())

@@ -18,7 +18,8 @@ from . import PICKLE_FIRST_BYTES
 _UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
 
 
-def split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes]]:
+def split_pickles(stream: Any, label: str, limit: int,
+                  cache: pickles.GuardCache | None = None) -> list[tuple[str, bytes]]:
     """Up to ``limit`` consecutive pickles from ``stream``'s position (a pickle may hide another after STOP)."""
     blobs: list[tuple[str, bytes]] = []
     for index in range(limit):
@@ -28,7 +29,7 @@ def split_pickles(stream: Any, label: str, limit: int) -> list[tuple[str, bytes]
             break
         stream.seek(start)
         try:
-            data = pickles.read_pickle(stream)
+            data = pickles.read_pickle(stream, cache)
         except InputError:  # refused or malformed: list what its opcodes name anyway, from a bounded prefix
             stream.seek(start)
             data = stream.read(_UNCHECKED_PICKLE_BYTES)

@@ -156,7 +156,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
     scan calls the file a ``pickle`` until a load reads it as a checkpoint."""
     assert options.handle is not None
     options.handle.seek(0)
-    blobs = split_pickles(options.handle, "pickle", 5)
+    blobs = split_pickles(options.handle, "pickle", 5, options.resolver.guard_cache)
     return Pickles("pickle", [PickleBlob(f"pickle {index}", data) for index, (_, data) in enumerate(blobs)])
 
 

@@ -147,14 +147,16 @@ def _swapped(storage: StorageRef) -> Callable[[], bytes] | None:
 
 
 def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
-          on_data: Callable[[int, int], None] | None = None, trust_recorded_crcs: bool = True) -> None:
+          on_data: Callable[[int, int], None] | None = None, trust_recorded_crcs: bool = True,
+          guard_cache: pickles.GuardCache | None = None) -> None:
     """Write ``container`` as torch.save would: pickle first, storages raw, torch's bookkeeping records.
 
     Storages are renumbered 0..n-1 in order of first appearance; bytes of a storage read from a zip
     member are copied by the kernel with their CRC kept, others are streamed and summed. With
     ``trust_recorded_crcs`` off (a source whose recorded CRCs proved stale) every storage is summed.
+    ``guard_cache`` (the write's) remembers the pickle, so reading the output back need not walk it.
     """
-    pickle_bytes, storages = pickles.dump(container, renumber_storages=True)
+    pickle_bytes, storages = pickles.dump(container, renumber_storages=True, guard_cache=guard_cache)
     writer = zipio.ZipWriter(handle, on_data)
     try:
         writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)
@@ -231,7 +233,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
         except InputError:
             continue  # unreadable: the load (and its one-line refusal) speaks for it
-        blobs += split_pickles(io.BytesIO(data), label, 5)
+        blobs += split_pickles(io.BytesIO(data), label, 5, options.resolver.guard_cache)
     kind = "torchscript" if any(name.endswith("/constants.pkl") for name, _ in blobs) else FORMAT.name
     # a load reads the one data.pkl (not what follows its STOP): the rest are run dry
     return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs])

@@ -1,0 +1,51 @@
+"""Read and write checkpoint pickles without running them.
+
+:class:`RestrictedUnpickler` resolves every global through an allowlist (:class:`GlobalResolver`)
+and builds inert placeholders: tensors become :class:`~ckptool.refs.TensorRef`, storages come from
+the format reader, other allowed objects (``argparse.Namespace``, numpy scalars) become
+:class:`OpaqueObject` records. Nothing a pickle names is ever imported or called.
+
+:func:`dump` writes such an object tree back as a protocol-2 pickle using only the opcodes
+torch's ``weights_only`` unpickler accepts, re-emitting every placeholder as the global it came
+from — so a rewritten checkpoint loads wherever the original did.
+
+The modules, each using only those above it:
+
+- :mod:`.limits` — every ceiling a pickle must stay under, and :func:`brief` for messages;
+- :mod:`.placeholders` — the inert types globals become (``StorageTypeRef``, ``OpaqueObject``, ``StateDict``);
+- :mod:`.rebuilds` — what the allowed callables do instead (check their arguments, build records);
+- :mod:`.allowlist` — ``TORCH_GLOBALS``, ``DEFAULT_EXTRA_GLOBALS`` and the ``GlobalResolver`` applying them;
+- :mod:`.guard_cache` — ``PickleStats`` (what a walk saw) and ``GuardCache`` (what one operation walked);
+- :mod:`.opcode_guard` — ``guard``: the opcode walk refusing what would hang or flood the C unpickler;
+- :mod:`.unpickle` — ``loads``: guard, restricted unpickler, tree check;
+- :mod:`.emit` — ``dump``, the writer, which needs only the placeholder types.
+
+A limit is read as ``limits.NAME`` wherever it applies: change it there (``pickles.limits``), not
+through the copy this package re-exports.
+"""
+
+from __future__ import annotations
+
+from . import limits
+from .allowlist import DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal, python3_name
+from .emit import dump
+from .guard_cache import GuardCache, PickleStats
+from .opcode_guard import guard, guard_stats
+from .limits import (MAX_EXPANDED_NODES, MAX_EXPANDED_TEXT, MAX_HASH_COLLISIONS, MAX_KEY_NODES, MAX_NESTING,
+                     MAX_PICKLE_BYTES, MAX_UNPICKLED_BYTES, brief)
+from .placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef, opaque_type
+from .rebuilds import PARAMETER_DESCRIPTORS
+from .unpickle import RestrictedUnpickler, check_tree, loads, read_pickle
+
+__all__ = [
+    "DEFAULT_EXTRA_GLOBALS", "MAX_EXPANDED_NODES", "MAX_EXPANDED_TEXT", "MAX_HASH_COLLISIONS", "MAX_KEY_NODES",
+    "MAX_NESTING", "MAX_PICKLE_BYTES", "MAX_UNPICKLED_BYTES", "PARAMETER_DESCRIPTORS", "TORCH_GLOBALS", "GlobalResolver",
+    "GuardCache", "OpaqueObject", "PickleStats", "RefusedGlobal", "RestrictedUnpickler", "StateDict", "StorageTypeRef",
+    "TypeRef", "brief", "check_tree", "dump", "guard", "guard_stats", "limits", "loads", "opaque_type", "python3_name",
+    "read_pickle",
+]
+
+# Sparse and nested tensors, quantized storages and the layouts they name: placeholders of their
+# rebuild calls, which ckptool.layouts (built on OpaqueObject) adds to TORCH_GLOBALS as it is
+# imported — last, since it imports this package's names.
+from .. import layouts as _layouts  # noqa: E402, F401

@@ -1,0 +1,270 @@
+"""The writer: a placeholder tree back into a pickle torch's ``weights_only`` loader reads.
+
+:func:`dump` emits protocol 2 using only the opcodes torch's ``weights_only`` unpickler accepts,
+re-emitting every placeholder as the global it came from, so a rewritten checkpoint loads wherever
+the original did. It needs nothing of the reading side but the placeholder types.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from collections import Counter, OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InputError
+from ..refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
+from .placeholders import OpaqueObject, StorageTypeRef, TypeRef
+
+if TYPE_CHECKING:
+    from .guard_cache import GuardCache
+
+_P = pickle
+
+
+class _Emitter:
+    """A protocol-2 pickler restricted to the opcodes torch's weights_only unpickler reads."""
+
+    def __init__(self, renumber: bool) -> None:
+        self.renumber = renumber
+        self.storages: dict[int, tuple[str, StorageRef]] = {}
+        self.out = io.BytesIO()
+        self.write = self.out.write
+        self.memo: dict[int, int] = {}
+        self.keep: list[Any] = []  # keep memoized objects alive so ids stay unique
+        self.global_memo: dict[str, int] = {}
+
+    # memo -------------------------------------------------------------------------------------
+    def _put(self, obj: Any) -> None:
+        index = len(self.memo) + len(self.global_memo)
+        self.memo[id(obj)] = index
+        self.keep.append(obj)
+        self._write_put(index)
+
+    def _write_put(self, index: int) -> None:
+        if index < 256:
+            self.write(_P.BINPUT + bytes([index]))
+        else:
+            self.write(_P.LONG_BINPUT + struct.pack("<I", index))
+
+    def _get(self, index: int) -> None:
+        if index < 256:
+            self.write(_P.BINGET + bytes([index]))
+        else:
+            self.write(_P.LONG_BINGET + struct.pack("<I", index))
+
+    def global_(self, full_name: str) -> None:
+        index = self.global_memo.get(full_name)
+        if index is not None:
+            self._get(index)
+            return
+        module, name = full_name.rsplit(".", 1)
+        self.write(_P.GLOBAL + module.encode() + b"\n" + name.encode() + b"\n")
+        index = len(self.memo) + len(self.global_memo)
+        self.global_memo[full_name] = index
+        self._write_put(index)
+
+    def _storage_key(self, storage: StorageRef) -> str:
+        entry = self.storages.get(id(storage))
+        if entry is None:
+            key = str(len(self.storages)) if self.renumber else storage.key
+            entry = self.storages[id(storage)] = (key, storage)
+        return entry[0]
+
+    # values -----------------------------------------------------------------------------------
+    def save(self, obj: Any) -> None:
+        if obj is None:
+            self.write(_P.NONE)
+        elif obj is True:
+            self.write(_P.NEWTRUE)
+        elif obj is False:
+            self.write(_P.NEWFALSE)
+        elif type(obj) is int:
+            self._int(obj)
+        elif type(obj) is float:
+            self.write(_P.BINFLOAT + struct.pack(">d", obj))
+        elif type(obj) is str:
+            data = obj.encode("utf-8", "surrogatepass")
+            self.write(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
+        elif id(obj) in self.memo:
+            self._get(self.memo[id(obj)])
+        elif type(obj) is bytes:
+            self._reduce_call("_codecs.encode", (obj.decode("latin1"), "latin1"), obj)
+        elif type(obj) is bytearray:
+            self._reduce_call("builtins.bytearray", (bytes(obj),), obj)
+        elif type(obj) is complex:
+            self._reduce_call("builtins.complex", (obj.real, obj.imag), obj)
+        elif isinstance(obj, TensorRef):
+            self._tensor(obj)
+        elif isinstance(obj, StorageRef):
+            # the persistent id torch writes: ('storage', storage class, key, location, numel)
+            self.write(_P.MARK)
+            self.save("storage")
+            self.global_(obj.type_global or f"torch.{obj.dtype.storage_class or 'UntypedStorage'}")
+            self.save(self._storage_key(obj))
+            self.save(obj.location)
+            self.save(obj.numel)
+            self.write(_P.TUPLE + _P.BINPERSID)
+        elif isinstance(obj, SizeRef):
+            self._reduce_call("torch.Size", (tuple(obj),), obj)
+        elif isinstance(obj, tuple):
+            self._tuple(obj)
+        elif isinstance(obj, DeviceRef):
+            self._reduce_call("torch.device", obj.args, obj)
+        elif isinstance(obj, DTypeRef):
+            self.global_(f"{obj.module}.{obj.name}")
+        elif isinstance(obj, StorageTypeRef | TypeRef):
+            self.global_(f"{obj.module}.{obj.name}")
+        elif type(obj) is list:
+            self.write(_P.EMPTY_LIST)
+            self._put(obj)
+            self._appends(obj)
+        elif type(obj) is dict:
+            self.write(_P.EMPTY_DICT)
+            self._put(obj)
+            self._setitems(list(dict.items(obj)))
+        elif isinstance(obj, Counter):
+            self._reduce_call("collections.Counter", (dict(obj),), obj)
+        elif isinstance(obj, OrderedDict):
+            self.global_("collections.OrderedDict")
+            self.write(_P.EMPTY_TUPLE + _P.REDUCE)
+            self._put(obj)
+            self._setitems(list(dict.items(obj)))
+            state = getattr(obj, "__dict__", None)
+            if state:
+                self.save(dict(state))
+                self.write(_P.BUILD)
+        elif type(obj) is set:
+            self._reduce_call("builtins.set", (list(obj),), obj)
+        elif isinstance(obj, OpaqueObject):
+            self._opaque(obj)
+        else:
+            raise InputError(f"cannot write a {type(obj).__name__} into a checkpoint pickle")
+
+    def _int(self, value: int) -> None:
+        if 0 <= value < 256:
+            self.write(_P.BININT1 + bytes([value]))
+        elif 0 <= value < 65536:
+            self.write(_P.BININT2 + struct.pack("<H", value))
+        elif -(2**31) <= value < 2**31:
+            self.write(_P.BININT + struct.pack("<i", value))
+        else:
+            encoded = pickle.encode_long(value)
+            if len(encoded) > 255:
+                raise InputError("an integer in the checkpoint is too large to write")
+            self.write(_P.LONG1 + bytes([len(encoded)]) + encoded)
+
+    def _tuple(self, obj: tuple) -> None:
+        if not obj:
+            self.write(_P.EMPTY_TUPLE)
+            return
+        if len(obj) <= 3:
+            for item in obj:
+                self.save(item)
+            if id(obj) in self.memo:  # a recursive tuple was completed while saving its items
+                self.write(_P.POP * len(obj))
+                self._get(self.memo[id(obj)])
+                return
+            self.write((_P.TUPLE1, _P.TUPLE2, _P.TUPLE3)[len(obj) - 1])
+        else:
+            self.write(_P.MARK)
+            for item in obj:
+                self.save(item)
+            self.write(_P.TUPLE)
+        self._put(obj)
+
+    def _appends(self, items: list) -> None:
+        for start in range(0, len(items), 1000):
+            batch = items[start : start + 1000]
+            self.write(_P.MARK)
+            for item in batch:
+                self.save(item)
+            self.write(_P.APPENDS)
+
+    def _setitems(self, items: list) -> None:
+        for start in range(0, len(items), 1000):
+            batch = items[start : start + 1000]
+            self.write(_P.MARK)
+            for key, value in batch:
+                self.save(key)
+                self.save(value)
+            self.write(_P.SETITEMS)
+
+    def _reduce_call(self, full_name: str, args: tuple, obj: Any) -> None:
+        self.global_(full_name)
+        self.save(tuple(args))
+        self.write(_P.REDUCE)
+        self._put(obj)
+
+    def _tensor(self, tensor: TensorRef) -> None:
+        if tensor.subclass is not None:
+            # _rebuild_from_type_v2(func, type, args, state): the rebuild's global, then its arguments
+            self.global_("torch._tensor._rebuild_from_type_v2")
+            self.write(_P.MARK)
+            self.global_(tensor.rebuild)
+            self.global_(tensor.subclass[0])
+            self.write(_P.MARK)
+            for value in self._tensor_args(tensor):
+                self.save(value)
+            self.write(_P.TUPLE)
+            self.save(tensor.subclass[1])
+            self.write(_P.TUPLE + _P.REDUCE)
+            self._put(tensor)
+            return
+        if tensor.parameter is not None:
+            self.global_(tensor.parameter[0])
+            self.write(_P.MARK)
+        self.global_(tensor.rebuild)
+        self.save(self._tensor_args(tensor))
+        self.write(_P.REDUCE)
+        if tensor.parameter is not None:
+            for value in tensor.parameter[1:]:
+                self.save(value)
+            self.write(_P.TUPLE + _P.REDUCE)
+        self._put(tensor)
+
+    @staticmethod
+    def _tensor_args(tensor: TensorRef) -> tuple:
+        args: list[Any] = [tensor.storage, tensor.offset, tuple(tensor.shape), tuple(tensor.stride)]
+        if tensor.rebuild != "torch._utils._rebuild_tensor":
+            hooks = tensor.backward_hooks if tensor.backward_hooks is not None else OrderedDict()
+            args += [tensor.requires_grad, hooks]
+        if tensor.rebuild == "torch._utils._rebuild_tensor_v3":
+            args.append(DTypeRef("torch", tensor.dtype.torch_name))
+        return tuple(args + list(tensor.extra))
+
+    def _opaque(self, obj: OpaqueObject) -> None:
+        self.global_(obj._global)
+        self.save(tuple(obj._args))
+        self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
+        self._put(obj)
+        if obj._items:
+            self._appends(obj._items)
+        if obj._setitems:
+            self._setitems(obj._setitems)
+        if obj._state is not None:
+            self.save(obj._state)
+            self.write(_P.BUILD)
+
+
+def dump(obj: Any, *, renumber_storages: bool = False,
+         guard_cache: GuardCache | None = None) -> tuple[bytes, list[tuple[str, StorageRef]]]:
+    """Pickle a container of placeholders as torch would (protocol 2, weights_only-readable).
+
+    Returns the pickle and the storages it references as ``(key, storage)`` in order of first
+    appearance; with ``renumber_storages`` keys become "0", "1", ... (for storages from many sources).
+    ``guard_cache`` (the write's own) remembers the pickle, so the write's read-back need not walk it:
+    it holds only what torch's weights_only loader reads, emitted from a tree that was itself checked.
+    """
+    emitter = _Emitter(renumber_storages)
+    emitter.write(_P.PROTO + b"\x02")
+    try:
+        emitter.save(obj)
+    except RecursionError as e:
+        raise InputError("checkpoint object is nested too deeply to write") from e
+    emitter.write(_P.STOP)
+    blob = emitter.out.getvalue()
+    if guard_cache is not None:
+        guard_cache.add_emitted(blob)
+    return blob, list(emitter.storages.values())

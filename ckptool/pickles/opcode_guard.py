@@ -1,0 +1,602 @@
+"""The guard: what the C unpickler would do, in one linear pass, before it does it.
+
+find_class keeps every callable inert, but the C unpickler itself can still be made to hang or
+to allocate without bound by a few bytes of opcodes: hashing a dict key that is a tuple of
+tuples shared through the memo (2**60 steps), keys whose hashes all collide (quadratic), a
+PUT at memo index 2**32 (a 64 GiB memo table), or BUILD setting attributes on a placeholder
+after it was validated. The guard mirrors the unpickler's stack and memo with small records of
+what each value is (:class:`Value`), and refuses those pickles; it never builds the values themselves.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InputError
+from . import limits
+from .allowlist import TORCH_GLOBALS
+from .guard_cache import GuardCache, PickleStats
+from .limits import refuse
+
+
+class Truncated(InputError):
+    """The pickle runs past the end of the bytes given (the stream reader then reads more)."""
+
+    def __init__(self, message: str = "pickle is truncated (it ends before its STOP opcode)", *,
+                 path: object = None) -> None:
+        super().__init__(message, path=path)  # type: ignore[arg-type]
+
+
+OPAQUE = object()  # the guard does not know the value (salted hash, or not hashable)
+
+
+class Value:
+    """The guard's record of one stack or memo value (never the value itself).
+
+    ``kind``: "str", "literal", "bytes", "tuple", "global", "object", "container", "list" or
+    "other"; ``name``: a str's raw bytes (≤ 256) or the global a global/object came from;
+    ``nodes``: what hashing it visits (tuples: every element, recursively); ``hashable``;
+    ``value``: ints, floats, None and tuples of them — hashes a pickle can predict — else OPAQUE.
+    A class with slots: its fields read as fast as a tuple's items in the per-opcode loop.
+    """
+
+    __slots__ = ("kind", "name", "nodes", "hashable", "value")
+
+    def __init__(self, kind: str, name: Any, nodes: int, hashable: bool, value: Any) -> None:
+        self.kind, self.name, self.nodes, self.hashable, self.value = kind, name, nodes, hashable, value
+
+
+class Receiver(Value):
+    """The record of a value that takes keys (a dict, a set, an object), each its own: ``buckets``
+    holds its predictable keys by hash, to catch collision floods."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self, kind: str, name: str | None = None, hashable: bool = False) -> None:
+        self.kind, self.name, self.nodes, self.hashable, self.value = kind, name, 1, hashable, OPAQUE
+        self.buckets: dict[int, set] | None = None
+
+
+_STR = Value("str", None, 1, True, OPAQUE)
+_BYTES = Value("bytes", None, 1, True, OPAQUE)
+_OTHER = Value("other", None, 1, False, OPAQUE)
+_LIST = Value("list", None, 1, False, OPAQUE)  # lists take APPENDs, never keys: one record serves all
+_EMPTY_TUPLE = Value("tuple", None, 1, True, ())
+_UNKNOWN_GLOBAL = Value("global", None, 1, True, OPAQUE)
+_NONE, _TRUE, _FALSE = (Value("literal", None, 1, True, value) for value in (None, True, False))
+_BYTE_INTS = [Value("literal", None, 1, True, value) for value in range(256)]
+_PLACEHOLDER_COST = 512  # a TensorRef, StorageRef or OpaqueObject record
+_CANONICAL_INT = re.compile(rb"-?(0|[1-9][0-9]*)")
+_DIGITS = re.compile(rb"[0-9]+")
+_MAX_TEXT_NAME = 256  # longer strings are never a global's module or name
+
+
+def _text(raw: bytes) -> Value:
+    return Value("str", raw, 1, True, OPAQUE) if len(raw) <= _MAX_TEXT_NAME else _STR
+
+
+def _literal(value: Any) -> Value:
+    return Value("literal", None, 1, True, value)
+
+
+def guard(data: bytes, cache: GuardCache | None = None) -> int:
+    """Walk one pickle's opcodes as the unpickler would, refusing what would hang it or blow it up.
+
+    Returns the pickle's length (up to and including STOP); raises :class:`Truncated` if ``data``
+    ends first. Refused: BUILD on anything but an OrderedDict or an allowed object placeholder;
+    dict keys and set elements that are not plain hashable values, nest over MAX_KEY_NODES values,
+    cost more hashing in all than the pickle's length allows, or collide (over MAX_HASH_COLLISIONS
+    distinct keys with one hash in one dict); memo indices no pickler writes; over
+    MAX_UNPICKLED_BYTES of objects (estimated). Arguments must be in the form Python's pickler
+    writes them (``INT 010`` is 8 to the C unpickler and 10 to Python's ``int``: refused).
+    """
+    return guard_stats(data, cache).size
+
+
+def guard_stats(data: bytes, cache: GuardCache | None = None) -> PickleStats:
+    """:func:`guard`, returning what it saw (:class:`PickleStats`); a pickle ``cache`` holds is not walked again."""
+    if cache is not None:
+        stats = cache.walked(data)
+        if stats is not None:
+            return stats
+    counts = [0] * 256
+    names: list[str] = []
+    collecting = gc.isenabled()
+    gc.disable()  # the walk's records hold no references to each other: no cycle for a collection to find
+    try:
+        stats = PickleStats(_Walk(data, counts, names).run(), counts, names)
+    finally:
+        if collecting:
+            gc.enable()
+    if cache is not None:
+        cache.add_walked(data if stats.size == len(data) else data[:stats.size], stats)
+    return stats
+
+
+def _new_tuple(items: list[Value]) -> Value:
+    nodes = 1
+    hashable = predictable = True
+    for item in items:
+        nodes += item.nodes
+        if not item.hashable:
+            hashable = False
+        elif item.value is OPAQUE:
+            predictable = False
+    max_nodes = limits.MAX_KEY_NODES
+    if nodes > max_nodes:
+        nodes = max_nodes + 1
+    if not (predictable and hashable):
+        # records never change: tuples alike but for values the guard cannot know share one
+        record = _OPAQUE_TUPLES.get((nodes, hashable))
+        if record is None:
+            record = _OPAQUE_TUPLES[nodes, hashable] = Value("tuple", None, nodes, hashable, OPAQUE)
+        return record
+    return Value("tuple", None, nodes, hashable, tuple([item.value for item in items]))
+
+
+# at most 2 * (MAX_KEY_NODES + 1) records, none holding anything a pickle wrote
+_OPAQUE_TUPLES: dict[tuple[int, bool], Value] = {}
+
+
+def _made_by(callable_: Value) -> Receiver:
+    """The record of an object a callable builds (REDUCE, NEWOBJ, OBJ): it may receive items."""
+    name = callable_.name if callable_.kind == "global" else None
+    # a placeholder object hashes by identity; _codecs.encode gives bytes (salted hash)
+    return Receiver("object", name, name is not None and (name == "_codecs.encode" or name not in TORCH_GLOBALS))
+
+
+def _text_name(raw: bytes | None) -> str | None:
+    if raw is None or len(raw) > _MAX_TEXT_NAME:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _line(data: bytes, i: int) -> tuple[bytes, int]:
+    """The text argument starting at ``i`` (up to its newline), and where the next opcode starts."""
+    newline = data.find(b"\n", i)
+    if newline < 0:
+        raise Truncated()
+    return data[i:newline], newline + 1
+
+
+def _pop_mark(stack: list[Value], marks: list[int]) -> tuple[list[Value], int]:
+    """The values above the last MARK, taken off the stack, and the stack's new fence."""
+    if not marks:
+        raise refuse("has no MARK where one is needed (corrupt)")
+    index = marks.pop()
+    items = stack[index:]
+    del stack[index:]
+    return items, marks[-1] if marks else 0
+
+
+class _Walk:
+    """One pass over one pickle: the unpickler's stack, marks and memo, as records.
+
+    :meth:`run` handles the opcodes of a state-dict entry inline; every other opcode has its own
+    method in :data:`_RARE`, which reads and updates the walk's position (``at``), ``fence`` (the
+    stack's depth at the last MARK: nothing may be taken from below it) and ``memory`` estimate.
+    """
+
+    __slots__ = ("data", "end", "counts", "names", "stack", "marks", "memo", "at", "fence", "ops", "hashing",
+                 "memory")
+
+    def __init__(self, data: bytes, counts: list[int], names: list[str]) -> None:
+        self.data, self.end, self.counts, self.names = data, len(data), counts, names
+        self.stack: list[Value] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Value] = {}
+        self.at = self.fence = self.ops = self.hashing = self.memory = 0
+
+    def run(self) -> int:
+        """Walk to STOP; return the pickle's length.
+
+        One loop, longer than a function should be, because it is the hot path: a 100k-tensor
+        pickle is 3 million opcodes, and a call per opcode would cost a quarter of the walk. The
+        ~15 opcodes torch's pickles are made of (a state-dict entry is ~30 of them) are handled
+        here, in order of frequency, with the walk's state in local variables; each other opcode
+        has its own method, reached through :data:`_RARE`.
+        """
+        data, end, counts = self.data, self.end, self.counts
+        stack, marks, memo = self.stack, self.marks, self.memo
+        push = stack.append
+        rare = _RARE
+        byte_ints = _BYTE_INTS
+        max_memory, max_pickle = limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES
+        i = fence = ops = memory = 0
+        try:
+            while True:
+                code = data[i]  # IndexError past the end: truncated
+                i += 1
+                ops += 1
+                counts[code] += 1
+                if code == 0x72 or code == 0x71 or code == 0x94 or code == 0x70:  # LONG_BINPUT BINPUT MEMOIZE PUT
+                    if code == 0x72:
+                        index = int.from_bytes(data[i:i + 4], "little")
+                        i += 4
+                        if i > end:
+                            raise Truncated()
+                    elif code == 0x71:
+                        index = data[i]
+                        i += 1
+                    elif code == 0x94:
+                        index = len(memo)
+                    else:
+                        raw, i = _line(data, i)
+                        if not _DIGITS.fullmatch(raw):
+                            raise refuse(f"has a malformed PUT index {raw[:20]!r}")
+                        index = int(raw)
+                    if index > ops:
+                        raise refuse(f"stores memo index {index}, which no pickler writes (a memory bomb)")
+                    if len(stack) <= fence:
+                        raise refuse("stores a value below its stack (corrupt)")
+                    memo[index] = stack[-1]
+                    memory += 16
+                elif code == 0x68 or code == 0x6A or code == 0x67:  # BINGET LONG_BINGET GET
+                    if code == 0x68:
+                        index = data[i]
+                        i += 1
+                    elif code == 0x6A:
+                        index = int.from_bytes(data[i:i + 4], "little")
+                        i += 4
+                        if i > end:
+                            raise Truncated()
+                    else:
+                        raw, i = _line(data, i)
+                        index = int(raw) if _DIGITS.fullmatch(raw) else -1
+                    value = memo.get(index)
+                    if value is None:
+                        raise refuse(f"reads memo index {index}, which was never stored (corrupt)")
+                    push(value)
+                    memory += 8
+                elif code == 0x4B:  # BININT1
+                    push(byte_ints[data[i]])
+                    i += 1
+                elif code == 0x28:  # MARK
+                    fence = len(stack)
+                    marks.append(fence)
+                    memory += 8
+                elif code == 0x58 or code == 0x8C:  # BINUNICODE SHORT_BINUNICODE
+                    if code == 0x58:
+                        size = int.from_bytes(data[i:i + 4], "little")
+                        i += 4
+                    else:
+                        size = data[i]
+                        i += 1
+                    if i + size > end:
+                        if i + size > max_pickle:
+                            raise refuse(f"has a {size}-byte value, over the {max_pickle}-byte pickle limit")
+                        raise Truncated()
+                    push(Value("str", data[i:i + size], 1, True, OPAQUE) if size <= _MAX_TEXT_NAME else _STR)
+                    i += size
+                    memory += 56 + size
+                elif code == 0x74 or 0x85 <= code <= 0x87:  # TUPLE TUPLE1 TUPLE2 TUPLE3
+                    if code == 0x74:
+                        items, fence = _pop_mark(stack, marks)
+                    else:
+                        count = code - 0x84
+                        if len(stack) - count < fence:
+                            raise refuse("builds a tuple from below its stack (corrupt)")
+                        items = stack[-count:]
+                        del stack[-count:]
+                    push(_new_tuple(items) if items else _EMPTY_TUPLE)
+                    memory += 56 + 8 * len(items)
+                elif code == 0x52 or code == 0x81 or code == 0x92:  # REDUCE NEWOBJ NEWOBJ_EX
+                    count = 3 if code == 0x92 else 2
+                    if len(stack) - count < fence:
+                        raise refuse("calls with too few values on its stack (corrupt)")
+                    callable_ = stack[-count]
+                    del stack[-count:]
+                    push(_made_by(callable_))
+                    memory += _PLACEHOLDER_COST
+                elif code == 0x51:  # BINPERSID
+                    if len(stack) <= fence:
+                        raise refuse("has BINPERSID without an id (corrupt)")
+                    stack[-1] = _OTHER
+                    memory += _PLACEHOLDER_COST
+                elif code == 0x89 or code == 0x88 or code == 0x4E:  # NEWFALSE NEWTRUE NONE
+                    push(_FALSE if code == 0x89 else _TRUE if code == 0x88 else _NONE)
+                    memory += 8
+                elif code == 0x29:  # EMPTY_TUPLE
+                    push(_EMPTY_TUPLE)
+                elif code == 0x2E:  # STOP
+                    if len(stack) <= fence:
+                        raise refuse("stops with nothing on its stack (corrupt)")
+                    break
+                else:
+                    handler = rare.get(code)
+                    if handler is None:  # NEXT_BUFFER (out-of-band data a file cannot carry), or no opcode
+                        raise refuse(f"has byte 0x{code:02x} at offset {i - 1}, which is not an opcode ckptool reads")
+                    self.at, self.fence, self.ops, self.memory = i, fence, ops, memory
+                    handler(self, code)
+                    i, fence, memory = self.at, self.fence, self.memory
+                if memory > max_memory:
+                    raise refuse(f"would build over {max_memory} bytes of objects (a memory bomb)")
+        except (IndexError, struct.error):
+            raise Truncated() from None
+        return i
+
+    # helpers of the methods below --------------------------------------------------------------
+    def line(self) -> bytes:
+        raw, self.at = _line(self.data, self.at)
+        return raw
+
+    def pop_mark(self) -> list[Value]:
+        items, self.fence = _pop_mark(self.stack, self.marks)
+        return items
+
+    def has(self, count: int) -> bool:
+        """Whether ``count`` values lie on the stack above its fence."""
+        return len(self.stack) - count >= self.fence
+
+    def counted(self, width: int, signed: bool = False) -> int:
+        """A length of ``width`` bytes at the position, checked against the bytes that follow it."""
+        i = self.at
+        size = int.from_bytes(self.data[i:i + width], "little", signed=signed)
+        i = self.at = i + width
+        if size < 0:
+            raise refuse(f"has a negative length {size} at offset {i - width} (corrupt)")
+        if i + size > limits.MAX_PICKLE_BYTES:
+            raise refuse(f"has a {size}-byte value, over the {limits.MAX_PICKLE_BYTES}-byte pickle limit")
+        if i + size > self.end:
+            raise Truncated()
+        return size
+
+    def add_keys(self, target: Value, keys: list[Value]) -> None:
+        """Keys (or set elements) going into ``target``: each hashed by the unpickler, so each must be
+        hashable, small, and not one of a flood of keys sharing one hash."""
+        if target.kind != "container" and target.kind != "object":
+            raise refuse(f"adds items to a {target.kind}, which holds none (corrupt)")
+        assert isinstance(target, Receiver)
+        max_nodes, max_collisions = limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS
+        for key in keys:
+            if not key.hashable:
+                raise refuse(f"uses a {key.kind} {key.name or ''} as a dict key or set element")
+            if key.nodes > max_nodes:
+                raise refuse(f"uses a dict key or set element of {key.nodes}+ nested values (a hashing bomb)")
+            self.hashing += key.nodes
+            value = key.value
+            if value is not OPAQUE:
+                if target.buckets is None:
+                    target.buckets = {}
+                bucket = target.buckets.setdefault(hash(value), set())
+                bucket.add(value)
+                if len(bucket) > max_collisions:
+                    raise refuse(f"puts {len(bucket)} distinct keys with one hash into a dict or set "
+                                 "(a hash-collision flood)")
+        if self.hashing > 8 * self.ops + 100_000:
+            raise refuse("hashes more nested keys than its size allows (a hashing bomb)")
+
+    # one method per opcode (or family of opcodes alike but for their argument's width) ---------
+    def sized(self, code: int) -> None:  # BINUNICODE8, and the BINBYTES and BINSTRING families
+        width, signed, kind = _SIZED[code]
+        size = self.counted(width, signed)
+        raw = self.data[self.at:self.at + size]
+        self.stack.append(_text(raw) if kind == "str" else _BYTES if kind == "bytes" else Receiver("container"))
+        self.at += size
+        self.memory += 56 + size
+
+    def binint(self, code: int) -> None:  # BININT2 BININT
+        width = 2 if code == 0x4D else 4
+        if self.at + width > self.end:
+            raise Truncated()
+        self.stack.append(_literal(int.from_bytes(self.data[self.at:self.at + width], "little", signed=code == 0x4A)))
+        self.at += width
+        self.memory += 40
+
+    def long(self, code: int) -> None:  # LONG1 LONG4
+        size = self.counted(1 if code == 0x8A else 4, signed=code == 0x8B)
+        self.stack.append(_literal(int.from_bytes(self.data[self.at:self.at + size], "little", signed=True)))
+        self.at += size
+        self.memory += 32 + size
+
+    def binfloat(self, code: int) -> None:  # BINFLOAT
+        if self.at + 8 > self.end:
+            raise Truncated()
+        self.stack.append(_literal(struct.unpack(">d", self.data[self.at:self.at + 8])[0]))
+        self.at += 8
+        self.memory += 32
+
+    def text_int(self, code: int) -> None:  # INT LONG (text)
+        raw = self.line()
+        if code == 0x4C and raw.endswith(b"L"):
+            raw = raw[:-1]
+        if code == 0x49 and raw in (b"00", b"01"):
+            value: Any = raw == b"01"
+        elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= 4300:
+            value = int(raw)
+        else:
+            raise refuse(f"has an integer {raw[:20]!r} not written the way Python's pickler writes it")
+        self.stack.append(_literal(value))
+        self.memory += 32 + len(raw)
+
+    def text_float(self, code: int) -> None:  # FLOAT (text)
+        raw = self.line()
+        try:
+            value = float(raw)
+        except ValueError:
+            raise refuse(f"has a malformed float {raw[:20]!r}") from None
+        self.stack.append(_literal(value))
+        self.memory += 32
+
+    def text_str(self, code: int) -> None:  # STRING UNICODE (text)
+        raw = self.line()
+        if code == 0x53:
+            quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[:1] in (b"'", b'"')
+            self.stack.append(_text(raw[1:-1]) if quoted and b"\\" not in raw else _STR)
+        else:
+            self.stack.append(_text(raw) if b"\\" not in raw else _STR)
+        self.memory += 56 + len(raw)
+
+    def global_(self, code: int) -> None:  # GLOBAL INST
+        module, attribute = self.line(), self.line()
+        try:
+            full_name = f"{module.decode('utf-8')}.{attribute.decode('utf-8')}"
+        except UnicodeDecodeError:
+            raise refuse("names a global that is not UTF-8") from None
+        self.names.append(full_name)
+        if code == 0x69:
+            self.pop_mark()
+            self.stack.append(Receiver("object", full_name, full_name not in TORCH_GLOBALS))
+            self.memory += _PLACEHOLDER_COST
+        else:
+            self.stack.append(Value("global", full_name, 1, True, OPAQUE))
+
+    def stack_global(self, code: int) -> None:  # STACK_GLOBAL
+        if not self.has(2):
+            raise refuse("has STACK_GLOBAL without a module and name (corrupt)")
+        module, attribute = self.stack[-2:]
+        del self.stack[-2:]
+        module_name = _text_name(module.name) if module.kind == "str" else None
+        attribute_name = _text_name(attribute.name) if attribute.kind == "str" else None
+        known = module_name is not None and attribute_name is not None
+        full_name = f"{module_name}.{attribute_name}" if known else None
+        self.names.append(full_name or "<unresolved STACK_GLOBAL>")
+        self.stack.append(Value("global", full_name, 1, True, OPAQUE))
+
+    def ext(self, code: int) -> None:  # EXT1 EXT2 EXT4: a global from the copyreg registry
+        self.at += {0x82: 1, 0x83: 2, 0x84: 4}[code]
+        if self.at > self.end:
+            raise Truncated()
+        self.stack.append(_UNKNOWN_GLOBAL)
+
+    def obj(self, code: int) -> None:  # OBJ
+        items = self.pop_mark()
+        if not items:
+            raise refuse("has OBJ without a class (corrupt)")
+        self.stack.append(_made_by(items[0]))
+        self.memory += _PLACEHOLDER_COST
+
+    def persid(self, code: int) -> None:  # PERSID (text)
+        self.line()
+        self.stack.append(_OTHER)
+        self.memory += _PLACEHOLDER_COST
+
+    def build(self, code: int) -> None:  # BUILD
+        if not self.has(2):
+            raise refuse("sets state with too few values on its stack (corrupt)")
+        self.stack.pop()
+        target = self.stack[-1]
+        if target.kind != "object" or target.name is None or \
+                (target.name in TORCH_GLOBALS and target.name != "collections.OrderedDict"):
+            raise refuse(f"sets state (BUILD) on {target.name or 'a ' + target.kind}, which torch's loader never does")
+        self.memory += 64
+
+    def empty_list(self, code: int) -> None:  # EMPTY_LIST: takes no keys, so one shared record serves every list
+        self.stack.append(_LIST)
+        self.memory += 88  # the list, its GC header and the slot that holds it
+
+    def empty_keyed(self, code: int) -> None:  # EMPTY_DICT EMPTY_SET: a record of their own (key buckets)
+        self.stack.append(Receiver("container"))
+        self.memory += 360 if code == 0x8F else 240  # the object with its GC header, and the guard's record
+
+    def collection(self, code: int) -> None:  # DICT FROZENSET LIST
+        items = self.pop_mark()
+        container = _LIST if code == 0x6C else Receiver("container")
+        if code == 0x64:
+            if len(items) % 2:
+                raise refuse("has an odd number of items for DICT (corrupt)")
+            self.add_keys(container, items[::2])
+        elif code == 0x91:
+            self.add_keys(container, items)
+        self.stack.append(container)
+        self.memory += 216 + 100 * len(items)
+
+    def set_items(self, code: int) -> None:  # SETITEMS SETITEM ADDITEMS
+        if code == 0x73:
+            if not self.has(2):
+                raise refuse("has SETITEM without a key and value (corrupt)")
+            keys = [self.stack[-2]]
+            del self.stack[-2:]
+        else:
+            items = self.pop_mark()
+            if code == 0x75 and len(items) % 2:
+                raise refuse("has an odd number of items for SETITEMS (corrupt)")
+            keys = items[::2] if code == 0x75 else items
+        if not self.has(1):
+            raise refuse("adds items with no dict or set below them (corrupt)")
+        self.add_keys(self.stack[-1], keys)
+        self.memory += 100 * len(keys)
+
+    def append(self, code: int) -> None:  # APPEND APPENDS
+        if code == 0x61:
+            if not self.has(2):
+                raise refuse("has APPEND without a list (corrupt)")
+            self.stack.pop()
+            self.memory += 16
+        else:
+            self.memory += 16 * len(self.pop_mark())
+            if not self.has(1):
+                raise refuse("has APPENDS without a list (corrupt)")
+
+    def pop(self, code: int) -> None:  # POP: the top value, or a MARK with nothing above it
+        if self.marks and self.marks[-1] == len(self.stack):
+            self.marks.pop()
+            self.fence = self.marks[-1] if self.marks else 0
+        elif not self.has(1):
+            raise refuse("pops below its stack (corrupt)")
+        else:
+            self.stack.pop()
+
+    def pop_mark_op(self, code: int) -> None:  # POP_MARK
+        self.pop_mark()
+
+    def dup(self, code: int) -> None:  # DUP
+        if not self.has(1):
+            raise refuse("has DUP on an empty stack (corrupt)")
+        self.stack.append(self.stack[-1])
+        self.memory += 8
+
+    def frame(self, code: int) -> None:  # PROTO FRAME: nothing to check
+        self.at += 1 if code == 0x80 else 8
+        if self.at > self.end:
+            raise Truncated()
+
+    def readonly_buffer(self, code: int) -> None:  # READONLY_BUFFER
+        if not self.has(1):
+            raise refuse("has READONLY_BUFFER on an empty stack (corrupt)")
+
+
+# opcode: (width of its length, whether the length is signed, what it pushes)
+_SIZED: dict[int, tuple[int, bool, str]] = {
+    0x8D: (8, False, "str"),  # BINUNICODE8
+    0x54: (4, True, "str"),  # BINSTRING (a Python 2 str, decoded as UTF-8 here)
+    0x55: (1, False, "str"),  # SHORT_BINSTRING
+    0x42: (4, False, "bytes"),  # BINBYTES
+    0x43: (1, False, "bytes"),  # SHORT_BINBYTES
+    0x8E: (8, False, "bytes"),  # BINBYTES8
+    0x96: (8, False, "bytearray"),  # BYTEARRAY8: mutable, so no key (a container record)
+}
+
+# The opcodes :meth:`_Walk.run` does not handle inline, each with its method.
+_RARE: dict[int, Callable[[_Walk, int], None]] = {
+    **dict.fromkeys(_SIZED, _Walk.sized),
+    0x4D: _Walk.binint, 0x4A: _Walk.binint,  # BININT2 BININT
+    0x8A: _Walk.long, 0x8B: _Walk.long,  # LONG1 LONG4
+    0x47: _Walk.binfloat,  # BINFLOAT
+    0x49: _Walk.text_int, 0x4C: _Walk.text_int,  # INT LONG
+    0x46: _Walk.text_float,  # FLOAT
+    0x53: _Walk.text_str, 0x56: _Walk.text_str,  # STRING UNICODE
+    0x63: _Walk.global_, 0x69: _Walk.global_,  # GLOBAL INST
+    0x93: _Walk.stack_global,  # STACK_GLOBAL
+    0x82: _Walk.ext, 0x83: _Walk.ext, 0x84: _Walk.ext,  # EXT1 EXT2 EXT4
+    0x6F: _Walk.obj,  # OBJ
+    0x50: _Walk.persid,  # PERSID
+    0x62: _Walk.build,  # BUILD
+    0x5D: _Walk.empty_list,  # EMPTY_LIST
+    0x7D: _Walk.empty_keyed, 0x8F: _Walk.empty_keyed,  # EMPTY_DICT EMPTY_SET
+    0x64: _Walk.collection, 0x91: _Walk.collection, 0x6C: _Walk.collection,  # DICT FROZENSET LIST
+    0x75: _Walk.set_items, 0x73: _Walk.set_items, 0x90: _Walk.set_items,  # SETITEMS SETITEM ADDITEMS
+    0x61: _Walk.append, 0x65: _Walk.append,  # APPEND APPENDS
+    0x30: _Walk.pop,  # POP
+    0x31: _Walk.pop_mark_op,  # POP_MARK
+    0x32: _Walk.dup,  # DUP
+    0x80: _Walk.frame, 0x95: _Walk.frame,  # PROTO FRAME
+    0x98: _Walk.readonly_buffer,  # READONLY_BUFFER
+}

@@ -1,0 +1,141 @@
+"""The inert stand-ins the restricted unpickler builds for the globals it allows.
+
+A pickle's globals never become the classes or functions they name: a storage class becomes a
+:class:`StorageTypeRef`, ``torch.Tensor`` a :class:`TypeRef`, an allowed class ckptool does not
+model an :class:`OpaqueObject` recording how it was built, and ``collections.OrderedDict`` a
+:class:`StateDict` that refuses attributes hiding its contents. (Tensors, storages, dtypes, sizes
+and devices are the format-neutral records of :mod:`ckptool.refs`, which the safetensors and DCP
+readers build too; these types exist only because a pickle names them.)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ..dtypes import DType
+from ..errors import InputError
+from .limits import brief
+
+
+def refuse_build(state: Any) -> None:
+    """``__setstate__`` of every shared placeholder: BUILD on one would change it for every later load."""
+    raise InputError("pickle sets state (BUILD) on an allowlisted global — torch never writes that; refused")
+
+
+class TypeRef:
+    """A class global torch's weights_only set allows as a value (``torch.Tensor``): a name, never the class."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __setstate__(self, state: Any) -> None:  # one instance per class is shared by every load
+        refuse_build(state)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class StorageTypeRef:
+    """A storage class global (``torch.FloatStorage``, ``torch.storage.UntypedStorage``)."""
+
+    __slots__ = ("module", "name", "dtype")
+
+    def __init__(self, module: str, name: str, dtype: DType) -> None:
+        self.module, self.name, self.dtype = module, name, dtype
+
+    def __setstate__(self, state: Any) -> None:  # one instance per class is shared by every load
+        refuse_build(state)
+
+
+class OpaqueObject:
+    """An allowed object of a class ckptool does not model: its construction is recorded, never run.
+
+    ``_mode`` is ``"newobj"`` (built by NEWOBJ: ``cls.__new__(cls, *args)``) or ``"reduce"``
+    (built by calling the global). State from BUILD and items from APPEND/SETITEM are kept so
+    :func:`dump` can re-emit the object exactly.
+    """
+
+    _global: str = ""
+
+    def __new__(cls, *args: Any) -> OpaqueObject:
+        obj = object.__new__(cls)
+        obj._args = args
+        obj._mode = "newobj"
+        obj._state = None
+        obj._items: list = []
+        obj._setitems: list = []
+        return obj
+
+    def __init__(self, *args: Any) -> None:
+        self._mode = "reduce"
+
+    def __setstate__(self, state: Any) -> None:
+        self._state = state
+
+    def append(self, item: Any) -> None:
+        self._items.append(item)
+
+    def extend(self, items: Any) -> None:
+        self._items.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._setitems.append((key, value))
+
+    def __repr__(self) -> str:
+        return f"<{self._global}>"
+
+    @property
+    def global_name(self) -> str:
+        return self._global
+
+    @property
+    def state(self) -> Any:
+        return self._state
+
+
+_OPAQUE_TYPES: dict[str, type] = {}
+
+
+def opaque_type(full_name: str) -> type:
+    """The placeholder class standing for global ``full_name`` (one class per name)."""
+    cls = _OPAQUE_TYPES.get(full_name)
+    if cls is None:
+        cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), {"_global": full_name, "__slots__": ()})
+        _OPAQUE_TYPES[full_name] = cls
+    return cls
+
+
+class StateDict(OrderedDict):
+    """The ``collections.OrderedDict`` a pickle builds (a state_dict), whose attributes a pickle cannot
+    turn against its readers.
+
+    torch's loader applies BUILD state to an OrderedDict as ``__dict__.update(state)``; torch.save
+    writes one attribute that way, ``_metadata`` (module versions). An attribute named like a method
+    (``items``, ``keys``, ``get``...) would shadow it for every reader that calls ``obj.items()`` —
+    ckptool, json, other tools — while torch's own value is the mapping's real contents. Such state
+    is refused; other attributes are kept as torch keeps them.
+    """
+
+    __slots__ = ()  # instances still have a __dict__ (OrderedDict's), which BUILD fills
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise InputError(f"pickle sets the state of an OrderedDict to {brief(state)}, not a dict of "
+                             "attributes — refused")
+        for name in dict.keys(state):
+            if type(name) is not str or hasattr(OrderedDict, name) or name.startswith("__"):
+                raise InputError(f"pickle sets attribute {brief(name)} on an OrderedDict, hiding its own "
+                                 "contents from readers (torch.save never writes that) — refused")
+        self.__dict__.update(state)
+
+    def __reduce__(self) -> Any:  # copy/deepcopy/pickle treat it as the OrderedDict it stands for
+        state = dict(self.__dict__) or None
+        return (OrderedDict, (), state, None, iter(dict.items(self)))
+
+
+# shown as what the file holds (repr, inspect's entries, error messages): an OrderedDict
+StateDict.__name__ = StateDict.__qualname__ = "OrderedDict"
+

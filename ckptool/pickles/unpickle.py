@@ -1,0 +1,190 @@
+"""Unpickling: one pickle read, walked by the guard, run through the restricted unpickler, checked.
+
+:func:`loads` is the only way ckptool turns pickle bytes into objects:
+:func:`~ckptool.pickles.opcode_guard.guard` first (what would hang the C unpickler or exhaust
+memory is refused before it runs), then :class:`RestrictedUnpickler` (every global through a
+:class:`GlobalResolver`), then :func:`check_tree` (nesting, and sharing that would expand the
+tree when copied).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InputError
+from ..refs import DeviceRef, TensorRef, human_size
+from . import limits
+from .allowlist import GlobalResolver, RefusedGlobal
+from .guard_cache import GuardCache
+from .opcode_guard import Truncated, guard
+from .limits import refuse
+from .placeholders import OpaqueObject
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """A pickle.Unpickler whose globals come only from a :class:`GlobalResolver`."""
+
+    def __init__(self, file: io.BufferedIOBase, resolver: GlobalResolver,
+                 persistent_load: Callable[[Any], Any] | None) -> None:
+        super().__init__(file, encoding="utf-8")
+        self._resolver = resolver
+        self._persistent = persistent_load
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D102 — the only door to globals
+        return self._resolver.resolve(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
+        if self._persistent is None:
+            raise InputError("pickle references external data (persistent id) outside a checkpoint")
+        return self._persistent(pid)
+
+
+def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
+          persistent_load: Callable[[Any], Any] | None = None) -> Any:
+    """Unpickle ``data`` through ``resolver``; errors surface as RefusedGlobal or InputError.
+
+    ``data`` is one whole pickle (bytes after its STOP are refused), or a stream positioned at a
+    pickle, which is left just after that pickle's STOP. Before the C unpickler runs, :func:`guard`
+    walks the opcodes once (unless ``resolver.guard_cache`` holds them already) and refuses what
+    would make it hang or exhaust memory; after, the object tree's nesting and sharing are checked
+    (:func:`check_tree`).
+    """
+    cache = resolver.guard_cache
+    if isinstance(data, bytes | bytearray | memoryview):
+        blob = bytes(data)
+        if len(blob) > limits.MAX_PICKLE_BYTES:
+            raise InputError(f"pickle is {len(blob)} bytes, over the {limits.MAX_PICKLE_BYTES}-byte limit — refused")
+        # a write's check re-reads the pickle it just emitted: those bytes need no guard
+        size = len(blob) if cache is not None and cache.is_emitted(blob) else guard(blob, cache)
+        if size != len(blob):
+            raise InputError(f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
+                             "torch never writes that; refused")
+    else:
+        blob = read_pickle(data, cache)
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(blob), resolver, persistent_load).load()
+    except (RefusedGlobal, InputError):
+        raise
+    except RecursionError as e:
+        raise InputError("pickle is nested too deeply to read safely") from e
+    except MemoryError as e:
+        raise InputError("pickle would need more memory than is available to read") from e
+    except Exception as e:  # any malformed-pickle error from the C unpickler
+        raise InputError(f"pickle is corrupt or truncated ({type(e).__name__}: {_short(e)})") from e
+    check_tree(obj, source_bytes=len(blob))
+    return obj
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return text[:160]
+
+
+def read_pickle(stream: Any, guard_cache: GuardCache | None = None) -> bytes:
+    """Read the one pickle at ``stream``'s position (checked by :func:`guard`); leave the stream after it."""
+    start = stream.tell()
+    chunk = 1 << 20
+    while True:
+        stream.seek(start)
+        blob = stream.read(chunk)
+        try:
+            size = guard(blob, guard_cache)
+        except Truncated:
+            if len(blob) < chunk:
+                raise
+            if chunk > limits.MAX_PICKLE_BYTES:
+                raise InputError(f"pickle is over the {limits.MAX_PICKLE_BYTES}-byte limit — refused") from None
+            chunk = min(chunk * 4, limits.MAX_PICKLE_BYTES + 1)
+            continue
+        stream.seek(start + size)
+        return blob[:size]
+
+
+_ATOMS = frozenset({str, bytes, int, float, bool, type(None)})  # leaves of every tree
+_TEXT = frozenset({str, bytes, bytearray})  # leaves a copy (json, repr, a header) costs their length
+_EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})  # empty ones are leaves too
+
+
+def _tree_children(obj: Any) -> list[Any]:
+    if type(obj) is TensorRef:
+        if obj.extra == () and not obj.backward_hooks and obj.parameter is None and obj.subclass is None:
+            return []  # the usual tensor: a leaf
+        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ()),
+                *(obj.subclass[1:] if obj.subclass else ())]
+    if isinstance(obj, dict):
+        kids = [*dict.keys(obj), *dict.values(obj)]
+        state = getattr(obj, "__dict__", None)
+        return kids + list(state.values()) if state else kids
+    if isinstance(obj, list | tuple | set | frozenset):
+        return list(obj)
+    if isinstance(obj, OpaqueObject):
+        return [obj._args, obj._items, obj._state, *(value for pair in obj._setitems for value in pair)]
+    if isinstance(obj, TensorRef):
+        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ())]
+    if isinstance(obj, DeviceRef):
+        return [obj.args]
+    return []
+
+
+def check_tree(root: Any, *, source_bytes: int = 0) -> None:
+    """Refuse an unpickled tree nested over MAX_NESTING deep, or whose shared references would expand
+    it when copied by a naive walk (json, repr, str, a safetensors header): past MAX_EXPANDED_NODES
+    objects (and 16-fold), or past MAX_EXPANDED_TEXT bytes of strings (and 16 times ``source_bytes``,
+    the pickle's length) — one 8 MiB string referenced 300 times is 2.4 GiB once json writes it.
+
+    Atoms and empty containers are counted where they are referenced, never visited: a list of 10
+    million empty lists costs one pass over it, not a record per list."""
+    done: dict[int, tuple[int, int, int]] = {}  # id -> (height, expanded objects, expanded text bytes)
+    on_path: set[int] = set()
+    edges = 0
+    text_limit = max(limits.MAX_EXPANDED_TEXT, 16 * source_bytes)
+    stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
+    while stack:
+        obj, kids = stack[-1]
+        key = id(obj)
+        if kids is None:
+            if key in done:
+                stack.pop()
+                continue
+            kids = _tree_children(obj)
+            if not kids:
+                done[key] = (1, 1, len(obj) if type(obj) in _TEXT else 0)
+                stack.pop()
+                continue
+            edges += len(kids)
+            on_path.add(key)
+            stack[-1] = (obj, kids)
+            stack.extend((kid, None) for kid in kids
+                         if type(kid) not in _ATOMS and (kid or type(kid) not in _EMPTYABLE)
+                         and id(kid) not in done and id(kid) not in on_path)
+            continue
+        stack.pop()
+        on_path.discard(key)
+        height, size, text = 1, 1, 0
+        for kid in kids:
+            kind = type(kid)
+            if kind in _ATOMS:
+                size += 1
+                if kind is str or kind is bytes:
+                    text += len(kid)
+                continue
+            entry = done.get(id(kid))
+            if entry is None:  # an empty container, or a cycle back to an ancestor: a leaf
+                size += 1
+                continue
+            if entry[0] >= height:
+                height = entry[0] + 1
+            size += entry[1]
+            text += entry[2]
+        if height > limits.MAX_NESTING:
+            raise refuse(f"nests its objects over {limits.MAX_NESTING} levels deep")
+        if size > limits.MAX_EXPANDED_NODES and size > 16 * (edges + 1):
+            raise refuse(f"shares sub-objects so that walking it visits over {limits.MAX_EXPANDED_NODES} objects "
+                          "(a memo expansion bomb)")
+        if text > text_limit:
+            raise refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
+                          "(a memo expansion bomb)")
+        done[key] = (height, min(size, limits.MAX_EXPANDED_NODES + 1), min(text, text_limit + 1))

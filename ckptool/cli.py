@@ -11,6 +11,7 @@ Text output escapes every control character that came from a file (see :mod:`ckp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -18,17 +19,19 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from . import __version__
+from . import __version__, exitcodes
 from .errors import CkptError, InternalError
+from .suggest import flag
 from .text import printable
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INPUT = 0, 1, 2, 3
-EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): a bug in ckptool, not a verdict on the input
-EXIT_CLOSED_PIPE = 128 + signal.SIGPIPE  # what a shell reports for git or cat killed by a closed pipe
+if TYPE_CHECKING:
+    from .operations import WriteReport
+
+EXIT_INTERNAL, EXIT_CLOSED_PIPE = exitcodes.INTERNAL, exitcodes.CLOSED_PIPE  # the names tests import
 
 
 def _echo(text: str = "", *, err: bool = False) -> None:
@@ -36,8 +39,13 @@ def _echo(text: str = "", *, err: bool = False) -> None:
     click.echo(printable(text), err=err)
 
 
+def _error_text(error: CkptError) -> str:
+    """The error's one line, each option it asks for spelled as this command line's flag."""
+    return error.render(flag)
+
+
 def _fail(error: CkptError) -> None:
-    _echo(f"ckptool: error: {error}", err=True)
+    _echo(f"ckptool: error: {_error_text(error)}", err=True)
     sys.exit(error.exit_code)
 
 
@@ -48,7 +56,7 @@ def _closed_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # no real file descriptor (an in-process test runner)
         pass
-    sys.exit(EXIT_CLOSED_PIPE)
+    sys.exit(exitcodes.CLOSED_PIPE)
 
 
 def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,19 +78,19 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             _fail(e)
         except KeyboardInterrupt:
             _echo("ckptool: interrupted — nothing was written", err=True)
-            sys.exit(130)
+            sys.exit(exitcodes.INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
             _echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
                   "machine", err=True)
-            sys.exit(EXIT_INPUT)
+            sys.exit(exitcodes.INPUT)
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
             _echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
                   "input; rerun with CKPTOOL_DEBUG=1 and report it", err=True)
-            sys.exit(EXIT_INTERNAL)
+            sys.exit(exitcodes.INTERNAL)
 
     return wrapper
 
@@ -136,7 +144,7 @@ def main() -> None:  # noqa: D401 — click uses the docstring as help
 
 def _terminate(signum: int, frame: Any) -> None:
     _echo("ckptool: terminated — nothing was written", err=True)
-    raise SystemExit(128 + signum)
+    raise SystemExit(exitcodes.killed_by(signum))
 
 
 # ------------------------------------------------------------------------------------------------ inspect
@@ -238,37 +246,19 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
         if report.unsafe:
             _echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
                   "ckptool refuses to load this file")
-    sys.exit(EXIT_OK if report.safe else EXIT_PROBLEM)
+    sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
 
 
 # ------------------------------------------------------------------------------------------------ rewrites
+# (operations.py does each job; these parse its options and render its WriteReport)
 
 
-def _resolve_out(ckpt: Path, out: Path | None, in_place: bool) -> Path:
-    from .errors import UsageError
-
-    if out is None:
-        if in_place:
-            return ckpt
-        raise UsageError("missing -o OUT (or --in-place to rewrite the input)")
-    return out
-
-
-def _check_line(checked: int, fingerprint: str | None) -> list[str]:
-    line = f"  checked: all {checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
-    return [line, f"  fingerprint {fingerprint}"] if fingerprint else [line]
-
-
-def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: str) -> None:
-    data = {"output": str(report.path), "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
-            "checked": report.checked, "fingerprint": report.fingerprint, "files": [str(f) for f in report.files],
-            "notes": report.notes, **extra}
-    if as_json:
-        _emit_json(data)
-        return
-    _echo(message)
-    for line in _check_line(report.checked, report.fingerprint):
-        _echo(line)
+def _render_write(report: WriteReport, headline: str) -> None:
+    _echo(headline)
+    line = f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
+    _echo(line)
+    if report.saved.fingerprint:
+        _echo(f"  fingerprint {report.saved.fingerprint}")
     for note in report.notes:
         _echo(f"  note: {note}")
 
@@ -298,18 +288,16 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
     Example: ckptool strip ddp.pt -o model.pt
     """
-    from .reader import load
-    from .writer import rewrite_format, save
+    from . import operations
 
-    checkpoint = load(ckpt, allow_globals=allow_globals)
-    target = _resolve_out(ckpt, out, in_place)
-    used = prefix if prefix is not None else checkpoint.prefix
-    stripped = checkpoint.strip_prefix(prefix)
-    renamed = sum(1 for key in checkpoint.state_dict if isinstance(key, str) and key.startswith(used))
-    report = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
-                  in_place=in_place, fingerprint=with_fingerprint)
-    _report_write(report, {"input": str(ckpt), "prefix": used, "renamed": renamed}, as_json,
-                  f'stripped "{used}" from {renamed} keys: {ckpt} -> {target}')
+    report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
+                              fingerprint=with_fingerprint)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        details = report.details
+        _render_write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
+                              f'{report.target}')
 
 
 @main.command("add-prefix")
@@ -322,16 +310,14 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
     """
-    from .reader import load
-    from .writer import rewrite_format, save
+    from . import operations
 
-    checkpoint = load(ckpt, allow_globals=allow_globals)
-    target = _resolve_out(ckpt, out, in_place)
-    prefixed = checkpoint.add_prefix(prefix)
-    report = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
-                  in_place=in_place, fingerprint=with_fingerprint)
-    _report_write(report, {"input": str(ckpt), "prefix": prefix, "renamed": len(checkpoint.state_dict)}, as_json,
-                  f'added "{prefix}" to {len(checkpoint.state_dict)} keys: {ckpt} -> {target}')
+    report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
+                                   allow_globals=allow_globals, fingerprint=with_fingerprint)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        _render_write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
 
 
 @main.command()
@@ -347,23 +333,15 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
     Example: ckptool remap gpu.pt -o cpu.pt --to cpu
     """
-    from .devices import location_mapper
-    from .errors import UsageError
-    from .reader import load
-    from .writer import rewrite_format, save
+    from . import operations
 
-    mapper = location_mapper(to_device, mapping)
-    checkpoint = load(ckpt, allow_globals=allow_globals)
-    if checkpoint.format.startswith("safetensors"):
-        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
-    target = _resolve_out(ckpt, out, in_place)
-    before = checkpoint.saved_devices()
-    remapped = checkpoint.remap(mapper)
-    after = remapped.saved_devices()
-    report = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
-                  in_place=in_place, fingerprint=with_fingerprint)
-    _report_write(report, {"input": str(ckpt), "devices_before": before, "devices_after": after}, as_json,
-                  f"remapped {ckpt} -> {target}: {before} -> {after}")
+    report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
+                              allow_globals=allow_globals, fingerprint=with_fingerprint)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        _render_write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
+                              f"{report.details['devices_after']}")
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -402,89 +380,27 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
 
     Example: ckptool convert ddp.pt -o model.safetensors --strip
     """
-    from .errors import UsageError
-    from .formats.safetensors import parse_size
+    from . import operations
 
-    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-    if (out is None) == (out_dir is None):
-        raise UsageError("give exactly one of -o OUT (one input) or --out-dir DIR (any number of inputs)")
-    if out is not None and len(ckpts) != 1:
-        raise UsageError("-o takes one input; use --out-dir DIR to convert several")
-    jobs: list[tuple[Path, Path]]
-    if out is not None:
-        jobs = [(ckpts[0], out)]
-    else:
-        from .writer import plan_outputs
-
-        assert out_dir is not None
-        jobs = plan_outputs(ckpts, out_dir, to_format)  # every output planned (and collisions refused) first
-    results: list[dict[str, Any]] = []
-    failures: list[Any] = []
-    show_progress = len(jobs) > 1 and not as_json
-    with click.progressbar(jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
-            _null_progress(jobs) as bar:
-        for source, target in bar:
-            try:
-                results.append(_convert_one(source, target, to_format, strip_wrappers, shard_bytes, duplicate_tied,
-                                            nest, dtype, force, allow_globals, with_fingerprint,
-                                            allow_overflow=allow_overflow, allow_expansion=allow_expansion))
-            except CkptError as e:
-                if len(jobs) == 1:
-                    raise
-                failures.append(e)
+    plan = operations.plan_convert(ckpts, out=out, out_dir=out_dir, to=to_format, max_shard_size=max_shard_size)
+    options = operations.ConvertOptions(
+        to=to_format, strip=strip_wrappers, duplicate_tied=duplicate_tied, nest=nest, dtype=dtype,
+        allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
+        fingerprint=with_fingerprint)
+    show_progress = len(plan.jobs) > 1 and not as_json
+    with click.progressbar(plan.jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
+            contextlib.nullcontext(plan.jobs) as jobs:
+        report = operations.convert(plan, options, jobs=jobs)
     if as_json:
-        _emit_json(results[0] if out is not None else {"converted": results, "failed": [str(e) for e in failures]})
+        _emit_json(report.to_json(_error_text))
     else:
-        for result in results:
-            _echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
-                  f"{_human_bytes(result['bytes'])})")
-            for line in _check_line(result["checked"], result["fingerprint"]):
-                _echo(line)
-            for note in result["notes"]:
-                _echo(f"  note: {note}")
-    for failure in failures:
-        _echo(f"ckptool: error: {failure}", err=True)
-    if failures:
-        sys.exit(max(f.exit_code for f in failures))
-
-
-class _null_progress:
-    def __init__(self, items: list) -> None:
-        self.items = items
-
-    def __enter__(self) -> list:
-        return self.items
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappers: bool, shard_bytes: int | None,
-                 duplicate_tied: bool, nest: str | None, dtype: str | None, force: bool,
-                 allow_globals: tuple[str, ...], with_fingerprint: bool, *, allow_overflow: bool = False,
-                 allow_expansion: bool = False) -> dict[str, Any]:
-    from .reader import load
-    from .writer import save
-
-    checkpoint = load(source, allow_globals=allow_globals)
-    notes: list[str] = []
-    if strip_wrappers and checkpoint.prefix:
-        notes.append(f'stripped "{checkpoint.prefix}" from the keys')
-        checkpoint = checkpoint.strip_prefix()
-    if dtype is not None:
-        from .cast import cast_weights
-
-        checkpoint = cast_weights(checkpoint, dtype, allow_overflow=allow_overflow, allow_expansion=allow_expansion)
-        notes.append(f"cast floating weights to {dtype}")
-    report = save(checkpoint, target, to=to_format, force=force, max_shard_size=shard_bytes,
-                  duplicate_tied=duplicate_tied, nest=nest, fingerprint=with_fingerprint,
-                  allow_expansion=allow_expansion)
-    if report.aliases:
-        notes.append(f"{len(report.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
-    return {"input": str(source), "output": str(report.path), "format": report.format, "tensors": report.tensors,
-            "bytes": report.bytes, "checked": report.checked, "fingerprint": report.fingerprint,
-            "files": [str(f) for f in report.files],
-            "aliases": report.aliases, "notes": notes + report.notes}
+        for result in report.converted:
+            _render_write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
+                                  f"{result.saved.tensors} tensors, {_human_bytes(result.saved.bytes)})")
+    for failure in report.failed:
+        _echo(f"ckptool: error: {_error_text(failure)}", err=True)
+    if report.failed:
+        sys.exit(report.exit_code)
 
 
 # ------------------------------------------------------------------------------------------------ verify, diff
@@ -631,7 +547,7 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
         _render_verify(report)
     if not report.ok:
         _echo(f"ckptool: verify failed: {report.failure}", err=True)
-    sys.exit(EXIT_OK if report.ok else EXIT_PROBLEM)
+    sys.exit(exitcodes.OK if report.ok else exitcodes.PROBLEM)
 
 
 def _render_diff(report: Any) -> None:
@@ -696,4 +612,4 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
         _emit_json(report.to_json())
     else:
         _render_diff(report)
-    sys.exit(EXIT_OK if report.identical else EXIT_PROBLEM)
+    sys.exit(exitcodes.OK if report.identical else exitcodes.PROBLEM)

@@ -1,9 +1,11 @@
 """The ckptool command line: parse, call one library function, render text or --json.
 
-Exit codes: 0 ok; 1 a check found a problem (verify, diff, scan) or there was nothing to do;
-2 usage; 3 input unreadable, unsafe or refused, or output refused; 70 an internal error (a bug in
-ckptool, never a verdict on the input); 130/143 interrupted; 141 stdout was closed early (``| head``),
-which ends the command quietly, as it ends git.
+The write jobs live in :mod:`ckptool.operations`, the suggested fix commands and the spelling of
+options in :mod:`ckptool.suggest`, the exit codes in :mod:`ckptool.exitcodes`: 0 ok; 1 a check
+found a problem (verify, diff, scan) or there was nothing to do; 2 usage; 3 input unreadable,
+unsafe or refused, or output refused; 70 an internal error (a bug in ckptool, never a verdict on
+the input); 130/143 interrupted; 141 stdout was closed early (``| head``), which ends the command
+quietly, as it ends git.
 
 Text output escapes every control character that came from a file (see :mod:`ckptool.text`);
 --json output is exact, and ASCII (``json.dumps`` escapes controls and non-ASCII itself).
@@ -123,15 +125,13 @@ fingerprint_write_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             help="Make any PyTorch checkpoint portable, and prove it.\n\nReads .pt/.pth/.bin/.ckpt (zip or "
+                  "legacy), safetensors (single or sharded) without running pickle code. Exit codes: "
+                  f"{exitcodes.help_text()}.")
 @click.version_option(__version__, prog_name="ckptool")
-def main() -> None:  # noqa: D401 — click uses the docstring as help
-    """Make any PyTorch checkpoint portable, and prove it.
-
-    Reads .pt/.pth/.bin/.ckpt (zip or legacy), safetensors (single or sharded) without running
-    pickle code. Exit codes: 0 ok, 1 a check found a problem, 2 usage, 3 unreadable/unsafe input,
-    70 internal error (a bug: report it), 141 output pipe closed early (quiet, as git).
-    """
+def main() -> None:
+    """The ckptool command group (its help text lists the exit codes from :mod:`ckptool.exitcodes`)."""
     # a polite kill (SIGTERM) unwinds like Ctrl-C, so half-written temp files are removed
     signal.signal(signal.SIGTERM, _terminate)
     if not os.environ.get("CKPTOOL_DEBUG"):

@@ -43,7 +43,8 @@ class InputError(CkptError):
 class UnsafeCheckpointError(InputError):
     """The pickle references a global outside the allowlist; nothing was executed."""
 
-    def __init__(self, message: str, *, path: Path | str | None = None, globals_: list[str] | None = None) -> None:
+    def __init__(self, message: str | Wording, *, path: Path | str | None = None,
+                 globals_: list[str] | None = None) -> None:
         super().__init__(message, path=path)
         self.globals = list(globals_ or [])
 

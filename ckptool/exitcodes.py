@@ -18,6 +18,16 @@ TERMINATED = 128 + signal.SIGTERM  # a polite kill: 143
 CLOSED_PIPE = 128 + signal.SIGPIPE  # what a shell reports for git or cat killed by a closed pipe: 141
 
 
+# what the help text says of each code a command exits with on its own (signals end it with the others)
+HELP = {OK: "ok", PROBLEM: "a check found a problem", USAGE: "usage", INPUT: "unreadable/unsafe input",
+        INTERNAL: "internal error (a bug: report it)", CLOSED_PIPE: "output pipe closed early (quiet, as git)"}
+
+
+def help_text() -> str:
+    """The codes as the help text lists them: ``0 ok, 1 a check found a problem, ...``."""
+    return ", ".join(f"{code} {meaning}" for code, meaning in HELP.items())
+
+
 def killed_by(signum: int) -> int:
     """The code a shell reports for a process ended by signal ``signum``."""
     return 128 + signum

@@ -21,24 +21,15 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from . import __version__, exitcodes
+from . import __version__, exitcodes, render
 from .errors import CkptError, InternalError
 from .suggest import flag
-from .text import printable
-
-if TYPE_CHECKING:
-    from .operations import WriteReport
 
 EXIT_INTERNAL, EXIT_CLOSED_PIPE = exitcodes.INTERNAL, exitcodes.CLOSED_PIPE  # the names tests import
-
-
-def _echo(text: str = "", *, err: bool = False) -> None:
-    """One line of text output; whatever came from a file is escaped, never sent to the terminal raw."""
-    click.echo(printable(text), err=err)
 
 
 def _error_text(error: CkptError) -> str:
@@ -47,7 +38,7 @@ def _error_text(error: CkptError) -> str:
 
 
 def _fail(error: CkptError) -> None:
-    _echo(f"ckptool: error: {_error_text(error)}", err=True)
+    render.echo(f"ckptool: error: {_error_text(error)}", err=True)
     sys.exit(error.exit_code)
 
 
@@ -79,18 +70,18 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             _fail(e)
         except KeyboardInterrupt:
-            _echo("ckptool: interrupted — nothing was written", err=True)
+            render.echo("ckptool: interrupted — nothing was written", err=True)
             sys.exit(exitcodes.INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
-            _echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
+            render.echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
                   "machine", err=True)
             sys.exit(exitcodes.INPUT)
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            _echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
+            render.echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
                   "input; rerun with CKPTOOL_DEBUG=1 and report it", err=True)
             sys.exit(exitcodes.INTERNAL)
 
@@ -100,12 +91,6 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 def _emit_json(data: Any) -> None:
     # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
     click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=True))
-
-
-def _human_bytes(size: int) -> str:
-    from .summary import _human_bytes as human
-
-    return human(size)
 
 
 allow_global_option = click.option(
@@ -143,48 +128,11 @@ def main() -> None:
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    _echo("ckptool: terminated — nothing was written", err=True)
+    render.echo("ckptool: terminated — nothing was written", err=True)
     raise SystemExit(exitcodes.killed_by(signum))
 
 
 # ------------------------------------------------------------------------------------------------ inspect
-
-
-def _render_summary(summary: Any) -> None:
-    echo = _echo
-    echo(f"{summary.path}")
-    echo(f"  format         {summary.format}  ({_human_bytes(summary.file_bytes)} on disk)")
-    layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
-                                                          " -> ".join(repr(k) for k in summary.layout))
-    echo(f"  weights at     {layout}")
-    echo(f"  wrapper prefix {summary.prefix or '(none)'}")
-    dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
-    echo(f"  tensors        {summary.tensors}  ({summary.parameters:,} parameters, {_human_bytes(summary.bytes)}; {dtypes})")
-    devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
-    echo(f"  saved devices  {devices}  (storages per location tag)")
-    if summary.tied:
-        echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
-    for key, description in summary.entries.items():
-        echo(f"  entry          {key}: {description}")
-    if summary.globals:
-        echo(f"  pickle globals {', '.join(summary.globals)}")
-    for key, value in summary.metadata.items():
-        shown = value if len(value) <= 70 else value[:67] + "..."
-        echo(f"  metadata       {key} = {shown}")
-    if summary.fingerprint:
-        echo(f"  fingerprint    {summary.fingerprint}")
-    for note in summary.notes:
-        echo(f"  note           {note}")
-    if summary.tensor_list is not None:
-        echo("")
-        width = max((len(t.name) for t in summary.tensor_list), default=4)
-        for tensor in summary.tensor_list:
-            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<5} {str(tensor.shape):<20} {tensor.device}")
-    if summary.hints:
-        echo("")
-        for hint in summary.hints:
-            echo(f"  ! {hint.problem}")
-            echo(f"    fix: {hint.fix}")
 
 
 @main.command()
@@ -211,7 +159,7 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     if as_json:
         _emit_json(summary.to_json())
     else:
-        _render_summary(summary)
+        render.summary(summary)
 
 
 # ------------------------------------------------------------------------------------------------ scan
@@ -235,32 +183,12 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
     if as_json:
         _emit_json(report.to_json())
     else:
-        verdict = "safe" if report.safe else "UNSAFE"
-        _echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
-              f"{sum(report.opcodes.values())} opcodes)")
-        for name, count in report.globals.items():
-            mark = "  " if name not in report.unsafe else "! "
-            _echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
-        for problem in report.problems:
-            _echo(f"  note: {problem}")
-        if report.unsafe:
-            _echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
-                  "ckptool refuses to load this file")
+        render.scan(report)
     sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
 
 
 # ------------------------------------------------------------------------------------------------ rewrites
 # (operations.py does each job; these parse its options and render its WriteReport)
-
-
-def _render_write(report: WriteReport, headline: str) -> None:
-    _echo(headline)
-    line = f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
-    _echo(line)
-    if report.saved.fingerprint:
-        _echo(f"  fingerprint {report.saved.fingerprint}")
-    for note in report.notes:
-        _echo(f"  note: {note}")
 
 
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,7 +224,7 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
         _emit_json(report.to_json())
     else:
         details = report.details
-        _render_write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
+        render.write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
                               f'{report.target}')
 
 
@@ -317,7 +245,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     if as_json:
         _emit_json(report.to_json())
     else:
-        _render_write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
+        render.write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
 
 
 @main.command()
@@ -340,7 +268,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     if as_json:
         _emit_json(report.to_json())
     else:
-        _render_write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
+        render.write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
                               f"{report.details['devices_after']}")
 
 
@@ -395,108 +323,16 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
         _emit_json(report.to_json(_error_text))
     else:
         for result in report.converted:
-            _render_write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
-                                  f"{result.saved.tensors} tensors, {_human_bytes(result.saved.bytes)})")
+            render.write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
+                                  f"{result.saved.tensors} tensors, {render.human_bytes(result.saved.bytes)})")
     for failure in report.failed:
-        _echo(f"ckptool: error: {_error_text(failure)}", err=True)
+        render.echo(f"ckptool: error: {_error_text(failure)}", err=True)
     if report.failed:
         sys.exit(report.exit_code)
 
 
 # ------------------------------------------------------------------------------------------------ verify, diff
-# (verify.py, diff.py, materialize.py, models.py)
-
-
-def _fmt_err(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    return "0" if value == 0 else f"{value:.3g}"
-
-
-def _fmt_fraction(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _key_groups(groups: dict[str, list[str]]) -> str:
-    shown = [f"{module} ({len(keys)})" for module, keys in list(groups.items())[:8]]
-    return ", ".join(shown) + (", ..." if len(groups) > 8 else "")
-
-
-def _render_diagnosis(diagnosis: dict[str, Any]) -> None:
-    echo = _echo
-    echo(f"  load     FAILED: {diagnosis['problem']}")
-    echo(f"           fix: {diagnosis['fix']}")
-    for label, groups in (("missing", diagnosis["missing"]), ("unexpected", diagnosis["unexpected"])):
-        if groups:
-            count = sum(len(keys) for keys in groups.values())
-            echo(f"           {label} ({count} keys, by module): {_key_groups(groups)}")
-    for mismatch in diagnosis["mismatched"][:5]:
-        echo(f"           shape differs: {mismatch['key']} {mismatch['checkpoint_shape']} in the checkpoint, "
-             f"{mismatch['model_shape']} in the model")
-    after = diagnosis["after_rewrite"]
-    if diagnosis["rewrite"] and (after["missing"] or after["unexpected"] or after["mismatched"]):
-        echo(f"           after {diagnosis['rewrite']}: {after['matched']} of {diagnosis['model_keys']} keys fit")
-
-
-def _render_verify(report: Any) -> None:
-    echo = _echo
-    head = f"verify {report.path} ({report.format})"
-    if report.model:
-        head += f" with {report.model} ({report.model_class})"
-        if report.input_shape:
-            head += f", input {'x'.join(map(str, report.input_shape))}"
-        if report.dtype:
-            head += f", {report.dtype} atol {report.atol:g} rtol {report.rtol:g}"
-    echo(head)
-    load = report.load
-    if not load.get("ok"):
-        _render_diagnosis(load["diagnosis"])
-    else:
-        keys = load.get("rewrite") or "keys as stored"
-        count = load.get("matched", load.get("tensors"))
-        echo(f"  load     ok — {count} tensors, {keys}")
-    if report.devices:
-        echo(f"  {'device':<9}{'result':<8}{'weights':<11}{'max abs err':<13}{'max rel err':<13}{'argmax':<8}accuracy")
-        for row in report.devices:
-            weights = "identical" if row.weights_identical else ("-" if row.error and not row.differing_weights
-                                                                  else "CHANGED")
-            echo(f"  {row.device:<9}{'ok' if row.ok else 'FAILED':<8}{weights:<11}{_fmt_err(row.max_abs_err):<13}"
-                 f"{_fmt_err(row.max_rel_err):<13}{_fmt_fraction(row.argmax_agreement):<8}"
-                 f"{_fmt_fraction(row.accuracy)}")
-            if row.differing_weights:
-                echo(f"           changed on {row.device}: {', '.join(row.differing_weights[:5])}")
-            if row.error:
-                echo(f"           error on {row.device}: {row.error}")
-            for name, counts in list(row.nonfinite.items())[:5]:
-                echo(f"           {name}: {counts['nan']} NaN, {counts['inf']} Inf")
-    against = report.against
-    if against is not None:
-        weights = against.diff
-        if weights.identical:
-            text = f"weights identical ({weights.byte_identical} of {weights.compared} tensors byte-identical)"
-        else:
-            text = (f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
-                    f"{len(weights.only_in_b)} only there")
-        if against.within_tolerance is not None:
-            text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + \
-                ("" if against.within_tolerance else " (beyond tolerance)")
-        echo(f"  against  {against.path} ({against.format}): {text}")
-        for change in weights.changed[:5]:
-            echo(f"           {change.name}: {' and '.join(change.kinds)}"
-                 + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else ""))
-        if against.error:
-            echo(f"           {against.error}")
-        for note in weights.notes:
-            echo(f"           note: {note}")
-    for note in report.notes:
-        echo(f"  note     {note}")
-    if report.ok:
-        where = ", ".join(row.device for row in report.devices)
-        echo(f"verified: ok on {where}" + (" and against " + report.against.path if report.against else ""))
-    else:
-        echo("verify FAILED")
+# (verification.py, comparison.py)
 
 
 @main.command()
@@ -544,47 +380,10 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
     if as_json:
         _emit_json(report.to_json())
     else:
-        _render_verify(report)
+        render.verify(report)
     if not report.ok:
-        _echo(f"ckptool: verify failed: {report.failure}", err=True)
+        render.echo(f"ckptool: verify failed: {report.failure}", err=True)
     sys.exit(exitcodes.OK if report.ok else exitcodes.PROBLEM)
-
-
-def _render_diff(report: Any) -> None:
-    echo = _echo
-    echo(f"A  {report.a} ({report.a_format}, {report.a_tensors} tensors)")
-    echo(f"B  {report.b} ({report.b_format}, {report.b_tensors} tensors)")
-    for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
-        if names:
-            echo(f"  {label:<10} {len(names)}: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
-    for change in report.changed:
-        parts = []
-        if "dtype" in change.kinds:
-            parts.append(f"dtype {change.a_dtype} -> {change.b_dtype}")
-        if "shape" in change.kinds:
-            parts.append(f"shape {list(change.a_shape)} -> {list(change.b_shape)}")
-        if change.max_abs_diff is not None and change.differing:
-            parts.append(f"max abs diff {_fmt_err(change.max_abs_diff)} ({change.beyond_atol} of "
-                         f"{_numel(change.a_shape)} elements beyond atol {report.atol:g})")
-        echo(f"  changed    {change.name}: {'; '.join(parts)}")
-    if report.compared:
-        echo(f"  same       {report.byte_identical} of {report.compared} common tensors byte-identical"
-             + (f"; max abs diff {_fmt_err(report.max_abs_diff)}" if report.max_abs_diff else ""))
-    for note in report.notes:
-        echo(f"  note       {note}")
-    if report.identical:
-        echo(f"identical: {report.compared} tensors" + (" byte for byte" if report.byte_identical == report.compared
-                                                          else f" within atol {report.atol:g}"))
-    else:
-        echo(f"different: {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
-             f"{len(report.only_in_b)} only in B")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 @main.command()
@@ -611,5 +410,5 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     if as_json:
         _emit_json(report.to_json())
     else:
-        _render_diff(report)
+        render.diff(report)
     sys.exit(exitcodes.OK if report.identical else exitcodes.PROBLEM)

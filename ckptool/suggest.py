@@ -35,6 +35,11 @@ class Metavar(str):
     on the command line (``-o OUT``), as the bare keyword in the API (``out``)."""
 
 
+class Given(str):
+    """The value the caller gave, shown as this text after the flag (``--dtype 'bf17'``) or the
+    keyword (``dtype='bf17'``): a refusal quotes what it refuses, it does not suggest it."""
+
+
 @dataclass(frozen=True)
 class Option:
     """An option the caller can pass: ``name`` is the API's keyword argument; ``value`` is True for
@@ -91,10 +96,17 @@ def option(name: str, value: Any = True) -> Option:
     return Option(name, value)
 
 
+def given(name: str, value: Any) -> Option:
+    """The option ``name`` as the caller gave it, ``value`` shown as its ``repr``."""
+    return Option(name, Given(repr(value)))
+
+
 def keyword(item: Option) -> str:
     """``item`` as the Python API takes it: ``force=True``, ``allow_globals=['pkg.Name']``, ``out``."""
     if item.value is None or isinstance(item.value, Metavar):
         return item.name
+    if isinstance(item.value, Given):
+        return f"{item.name}={item.value}"
     return f"{item.name}={item.value!r}"
 
 
@@ -104,7 +116,7 @@ def flag(item: Option) -> str:
     value = item.value
     if value is True or value is None:
         return name
-    if isinstance(value, Metavar):
+    if isinstance(value, Metavar | Given):
         return f"{name} {value}"
     if isinstance(value, list | tuple):
         return " ".join(f"{name} {quote(each)}" for each in value)

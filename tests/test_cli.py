@@ -98,6 +98,8 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
     """The API's error names keyword arguments; the CLI's line for the same error names flags."""
     import ckptool
     from ckptool import operations
+    from ckptool.cast import cast_weights
+    from ckptool.keys import strip_prefix
     from ckptool.suggest import flag
 
     taken = tmp_path / "taken.pt"
@@ -106,7 +108,9 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
     for call in (lambda: ckptool.save(ckptool.load(fixtures_dir / "ddp_lenet_wrapped.pt"), taken),
                  lambda: operations.strip(fixtures_dir / "ddp_lenet_wrapped.pt"),
                  lambda: operations.plan_convert([fixtures_dir / "single_lenet.pt"]),
-                 lambda: operations.plan_convert([taken, taken], out=tmp_path / "x.pt")):
+                 lambda: operations.plan_convert([taken, taken], out=tmp_path / "x.pt"),
+                 lambda: strip_prefix({"w": 1}, ""),
+                 lambda: cast_weights(ckptool.load(fixtures_dir / "single_lenet.pt"), "bf17")):
         with pytest.raises(ckptool.CkptError) as raised:
             call()
         refusals.append(raised.value)
@@ -123,6 +127,8 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
         "missing -o OUT (or --in-place to rewrite the input)",
         "give exactly one of -o OUT (one input) or --out-dir DIR (any number of inputs)",
         "-o takes one input; use --out-dir DIR to convert several",
+        "the prefix to strip is empty — pass --prefix, e.g. --prefix module.",
+        "--dtype 'bf17': choose bf16, fp16 or fp32",
         "pickle imports collections.deque, which could run code — refused, nothing was executed (if you trust this "
         "file, allow it by name: --allow-global collections.deque)"]
     assert "pass force=True to overwrite it" in str(refusals[0])

@@ -122,7 +122,7 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
     refusals.append(raised.value)
     for error in refusals:
         assert not re.search(r"(^|\s)--?[a-z]", str(error)), str(error)
-    assert [error.render(flag).split(": ", 1)[-1] for error in refusals] == [
+    assert [error.render(flag).removeprefix(f"{error.path}: ") for error in refusals] == [
         "already exists — pass --force to overwrite it, or choose another -o",
         "missing -o OUT (or --in-place to rewrite the input)",
         "give exactly one of -o OUT (one input) or --out-dir DIR (any number of inputs)",

@@ -26,8 +26,7 @@ from typing import Any
 PROGRAM = "ckptool"
 
 # keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
-_FLAGS = {"out": "-o", "allow_globals": "--allow-global", "to_device": "--to", "mapping": "--map",
-          "to_format": "--to", "strip_wrappers": "--strip"}
+_FLAGS = {"out": "-o", "allow_globals": "--allow-global"}
 
 
 class Metavar(str):

@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import OutputError
+from .suggest import option
 
 TEMP_PREFIX = ".ckptool-tmp-"
+# the option is named as the caller passes it: a flag on the command line, a keyword in the API
+_NOT_THE_INPUT = option("in_place") + " given but the output is not the input — drop " + option("in_place")
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -39,21 +42,20 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
     for source in inputs:
         if out.exists() and same_file(out, source):
             if not in_place:
-                raise OutputError(
-                    "is the input file; refusing to overwrite it — write elsewhere with -o, or pass --in-place",
-                    path=out,
-                )
+                raise OutputError("is the input file; refusing to overwrite it — write elsewhere with "
+                                  + option("out", None) + ", or pass " + option("in_place"), path=out)
             return
     if in_place:
-        raise OutputError("--in-place given but the output is not the input — drop --in-place", path=out)
+        raise OutputError(_NOT_THE_INPUT, path=out)
     if out.is_dir():  # replacing a directory deletes what is in it
         root = out.resolve()
         for source in inputs:
             if root in Path(source).resolve().parents:
                 raise OutputError(f"is a directory holding the input {source} — replacing it would delete the input; "
-                                  "choose another -o", path=out)
+                                  "choose another " + option("out", None), path=out)
     if out.exists() and not force:
-        raise OutputError("already exists — pass --force to overwrite it, or choose another -o", path=out)
+        raise OutputError("already exists — pass " + option("force") + " to overwrite it, or choose another "
+                          + option("out", None), path=out)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"directory {parent} does not exist — create it first", path=out)
@@ -76,10 +78,10 @@ def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inp
         return
     output_is_input = any(same_file(out, source) for source in inputs if os.path.lexists(source))
     if output_is_input and not in_place:
-        raise OutputError("is the input folder; refusing to rewrite it — write elsewhere with -o, or pass --in-place",
-                          path=out)
+        raise OutputError("is the input folder; refusing to rewrite it — write elsewhere with " + option("out", None)
+                          + ", or pass " + option("in_place"), path=out)
     if in_place and not output_is_input:
-        raise OutputError("--in-place given but the output is not the input — drop --in-place", path=out)
+        raise OutputError(_NOT_THE_INPUT, path=out)
     existing = []
     for name in [*writes, *removes]:
         path = out / name
@@ -87,18 +89,18 @@ def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inp
             continue
         if path.is_dir() and not path.is_symlink():
             raise OutputError(f"{name} in it is a directory, where the output writes a file — move it away, or "
-                              "choose another -o", path=out)
+                              "choose another " + option("out", None), path=out)
         for source in inputs:
             if not in_place and os.path.lexists(source) and same_file(path, source):
                 raise OutputError(f"holds the input {source} as {name}, which this output would replace — "
-                                  "choose another -o", path=out)
+                                  "choose another " + option("out", None), path=out)
         existing.append(name)
     if existing and not force and not in_place:  # --in-place is the ask to replace the input's own set
         # the last file written (an index) names the earlier set best
         shown = writes[-1] if writes and writes[-1] in existing else existing[0]
         raise OutputError(f"already holds {shown}{' and more of its files' if len(existing) > 1 else ''} "
-                          "— pass --force to replace the earlier set (only its shards and index; nothing else in "
-                          "the folder is touched), or choose another -o", path=out)
+                          "— pass " + option("force") + " to replace the earlier set (only its shards and index; "
+                          "nothing else in the folder is touched), or choose another " + option("out", None), path=out)
 
 
 def _os_error_message(error: OSError) -> str:

@@ -9,6 +9,7 @@ from . import dtypes
 from .checkpoint import Checkpoint
 from .errors import InputError, UsageError
 from .refs import StorageRef, TensorRef, check_expansion, contiguous_stride
+from .suggest import given, option
 from .tree import map_tensors
 
 
@@ -84,9 +85,9 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
     try:
         target = dtypes.by_name(dtype)
     except KeyError as e:
-        raise UsageError(f"--dtype {dtype!r}: choose bf16, fp16 or fp32") from e
+        raise UsageError(given("dtype", dtype) + ": choose bf16, fp16 or fp32") from e
     if not target.is_floating:
-        raise UsageError(f"--dtype {dtype!r} is not a floating type: choose bf16, fp16 or fp32")
+        raise UsageError(given("dtype", dtype) + " is not a floating type: choose bf16, fp16 or fp32")
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="cast")
     if not allow_overflow:
@@ -95,8 +96,8 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
             shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
                                                                    else "")
             raise InputError(f"casting to {dtype} would turn finite values into Inf in {len(names)} tensor(s): "
-                             f"{shown} — choose a wider --dtype (bf16 keeps fp32's range), or pass --allow-overflow "
-                             "to accept it", path=checkpoint.path)
+                             f"{shown} — choose a wider " + option("dtype", None) + " (bf16 keeps fp32's range), or "
+                             "pass " + option("allow_overflow") + " to accept it", path=checkpoint.path)
     memo: dict[tuple, TensorRef] = {}
 
     def convert(tensor: TensorRef) -> TensorRef:

@@ -1,9 +1,11 @@
 """The ckptool command line: parse, call one library function, render text or --json.
 
-Exit codes: 0 ok; 1 a check found a problem (verify, diff, scan) or there was nothing to do;
-2 usage; 3 input unreadable, unsafe or refused, or output refused; 70 an internal error (a bug in
-ckptool, never a verdict on the input); 130/143 interrupted; 141 stdout was closed early (``| head``),
-which ends the command quietly, as it ends git.
+The write jobs live in :mod:`ckptool.operations`, the suggested fix commands and the spelling of
+options in :mod:`ckptool.suggest`, the exit codes in :mod:`ckptool.exitcodes`: 0 ok; 1 a check
+found a problem (verify, diff, scan) or there was nothing to do; 2 usage; 3 input unreadable,
+unsafe or refused, or output refused; 70 an internal error (a bug in ckptool, never a verdict on
+the input); 130/143 interrupted; 141 stdout was closed early (``| head``), which ends the command
+quietly, as it ends git.
 
 Text output escapes every control character that came from a file (see :mod:`ckptool.text`);
 --json output is exact, and ASCII (``json.dumps`` escapes controls and non-ASCII itself).
@@ -11,6 +13,7 @@ Text output escapes every control character that came from a file (see :mod:`ckp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -22,22 +25,20 @@ from typing import Any
 
 import click
 
-from . import __version__
+from . import __version__, exitcodes, render
 from .errors import CkptError, InternalError
-from .text import printable
+from .suggest import flag
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INPUT = 0, 1, 2, 3
-EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): a bug in ckptool, not a verdict on the input
-EXIT_CLOSED_PIPE = 128 + signal.SIGPIPE  # what a shell reports for git or cat killed by a closed pipe
+EXIT_INTERNAL, EXIT_CLOSED_PIPE = exitcodes.INTERNAL, exitcodes.CLOSED_PIPE  # the names tests import
 
 
-def _echo(text: str = "", *, err: bool = False) -> None:
-    """One line of text output; whatever came from a file is escaped, never sent to the terminal raw."""
-    click.echo(printable(text), err=err)
+def _error_text(error: CkptError) -> str:
+    """The error's one line, each option it asks for spelled as this command line's flag."""
+    return error.render(flag)
 
 
 def _fail(error: CkptError) -> None:
-    _echo(f"ckptool: error: {error}", err=True)
+    render.echo(f"ckptool: error: {_error_text(error)}", err=True)
     sys.exit(error.exit_code)
 
 
@@ -48,7 +49,7 @@ def _closed_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # no real file descriptor (an in-process test runner)
         pass
-    sys.exit(EXIT_CLOSED_PIPE)
+    sys.exit(exitcodes.CLOSED_PIPE)
 
 
 def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,20 +70,20 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             _fail(e)
         except KeyboardInterrupt:
-            _echo("ckptool: interrupted — nothing was written", err=True)
-            sys.exit(130)
+            render.echo("ckptool: interrupted — nothing was written", err=True)
+            sys.exit(exitcodes.INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
-            _echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
+            render.echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
                   "machine", err=True)
-            sys.exit(EXIT_INPUT)
+            sys.exit(exitcodes.INPUT)
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            _echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
+            render.echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
                   "input; rerun with CKPTOOL_DEBUG=1 and report it", err=True)
-            sys.exit(EXIT_INTERNAL)
+            sys.exit(exitcodes.INTERNAL)
 
     return wrapper
 
@@ -90,12 +91,6 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 def _emit_json(data: Any) -> None:
     # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
     click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=True))
-
-
-def _human_bytes(size: int) -> str:
-    from .summary import _human_bytes as human
-
-    return human(size)
 
 
 allow_global_option = click.option(
@@ -115,15 +110,13 @@ fingerprint_write_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             help="Make any PyTorch checkpoint portable, and prove it.\n\nReads .pt/.pth/.bin/.ckpt (zip or "
+                  "legacy), safetensors (single or sharded) without running pickle code. Exit codes: "
+                  f"{exitcodes.help_text()}.")
 @click.version_option(__version__, prog_name="ckptool")
-def main() -> None:  # noqa: D401 — click uses the docstring as help
-    """Make any PyTorch checkpoint portable, and prove it.
-
-    Reads .pt/.pth/.bin/.ckpt (zip or legacy), safetensors (single or sharded) without running
-    pickle code. Exit codes: 0 ok, 1 a check found a problem, 2 usage, 3 unreadable/unsafe input,
-    70 internal error (a bug: report it), 141 output pipe closed early (quiet, as git).
-    """
+def main() -> None:
+    """The ckptool command group (its help text lists the exit codes from :mod:`ckptool.exitcodes`)."""
     # a polite kill (SIGTERM) unwinds like Ctrl-C, so half-written temp files are removed
     signal.signal(signal.SIGTERM, _terminate)
     if not os.environ.get("CKPTOOL_DEBUG"):
@@ -135,48 +128,11 @@ def main() -> None:  # noqa: D401 — click uses the docstring as help
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    _echo("ckptool: terminated — nothing was written", err=True)
-    raise SystemExit(128 + signum)
+    render.echo("ckptool: terminated — nothing was written", err=True)
+    raise SystemExit(exitcodes.killed_by(signum))
 
 
 # ------------------------------------------------------------------------------------------------ inspect
-
-
-def _render_summary(summary: Any) -> None:
-    echo = _echo
-    echo(f"{summary.path}")
-    echo(f"  format         {summary.format}  ({_human_bytes(summary.file_bytes)} on disk)")
-    layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
-                                                          " -> ".join(repr(k) for k in summary.layout))
-    echo(f"  weights at     {layout}")
-    echo(f"  wrapper prefix {summary.prefix or '(none)'}")
-    dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
-    echo(f"  tensors        {summary.tensors}  ({summary.parameters:,} parameters, {_human_bytes(summary.bytes)}; {dtypes})")
-    devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
-    echo(f"  saved devices  {devices}  (storages per location tag)")
-    if summary.tied:
-        echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
-    for key, description in summary.entries.items():
-        echo(f"  entry          {key}: {description}")
-    if summary.globals:
-        echo(f"  pickle globals {', '.join(summary.globals)}")
-    for key, value in summary.metadata.items():
-        shown = value if len(value) <= 70 else value[:67] + "..."
-        echo(f"  metadata       {key} = {shown}")
-    if summary.fingerprint:
-        echo(f"  fingerprint    {summary.fingerprint}")
-    for note in summary.notes:
-        echo(f"  note           {note}")
-    if summary.tensor_list is not None:
-        echo("")
-        width = max((len(t.name) for t in summary.tensor_list), default=4)
-        for tensor in summary.tensor_list:
-            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<5} {str(tensor.shape):<20} {tensor.device}")
-    if summary.hints:
-        echo("")
-        for hint in summary.hints:
-            echo(f"  ! {hint.problem}")
-            echo(f"    fix: {hint.fix}")
 
 
 @main.command()
@@ -203,7 +159,7 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     if as_json:
         _emit_json(summary.to_json())
     else:
-        _render_summary(summary)
+        render.summary(summary)
 
 
 # ------------------------------------------------------------------------------------------------ scan
@@ -227,50 +183,12 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
     if as_json:
         _emit_json(report.to_json())
     else:
-        verdict = "safe" if report.safe else "UNSAFE"
-        _echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
-              f"{sum(report.opcodes.values())} opcodes)")
-        for name, count in report.globals.items():
-            mark = "  " if name not in report.unsafe else "! "
-            _echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
-        for problem in report.problems:
-            _echo(f"  note: {problem}")
-        if report.unsafe:
-            _echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
-                  "ckptool refuses to load this file")
-    sys.exit(EXIT_OK if report.safe else EXIT_PROBLEM)
+        render.scan(report)
+    sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
 
 
 # ------------------------------------------------------------------------------------------------ rewrites
-
-
-def _resolve_out(ckpt: Path, out: Path | None, in_place: bool) -> Path:
-    from .errors import UsageError
-
-    if out is None:
-        if in_place:
-            return ckpt
-        raise UsageError("missing -o OUT (or --in-place to rewrite the input)")
-    return out
-
-
-def _check_line(checked: int, fingerprint: str | None) -> list[str]:
-    line = f"  checked: all {checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
-    return [line, f"  fingerprint {fingerprint}"] if fingerprint else [line]
-
-
-def _report_write(report: Any, extra: dict[str, Any], as_json: bool, message: str) -> None:
-    data = {"output": str(report.path), "format": report.format, "tensors": report.tensors, "bytes": report.bytes,
-            "checked": report.checked, "fingerprint": report.fingerprint, "files": [str(f) for f in report.files],
-            "notes": report.notes, **extra}
-    if as_json:
-        _emit_json(data)
-        return
-    _echo(message)
-    for line in _check_line(report.checked, report.fingerprint):
-        _echo(line)
-    for note in report.notes:
-        _echo(f"  note: {note}")
+# (operations.py does each job; these parse its options and render its WriteReport)
 
 
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -298,18 +216,16 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
     Example: ckptool strip ddp.pt -o model.pt
     """
-    from .reader import load
-    from .writer import rewrite_format, save
+    from . import operations
 
-    checkpoint = load(ckpt, allow_globals=allow_globals)
-    target = _resolve_out(ckpt, out, in_place)
-    used = prefix if prefix is not None else checkpoint.prefix
-    stripped = checkpoint.strip_prefix(prefix)
-    renamed = sum(1 for key in checkpoint.state_dict if isinstance(key, str) and key.startswith(used))
-    report = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
-                  in_place=in_place, fingerprint=with_fingerprint)
-    _report_write(report, {"input": str(ckpt), "prefix": used, "renamed": renamed}, as_json,
-                  f'stripped "{used}" from {renamed} keys: {ckpt} -> {target}')
+    report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
+                              fingerprint=with_fingerprint)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        details = report.details
+        render.write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
+                              f'{report.target}')
 
 
 @main.command("add-prefix")
@@ -322,16 +238,14 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
     """
-    from .reader import load
-    from .writer import rewrite_format, save
+    from . import operations
 
-    checkpoint = load(ckpt, allow_globals=allow_globals)
-    target = _resolve_out(ckpt, out, in_place)
-    prefixed = checkpoint.add_prefix(prefix)
-    report = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
-                  in_place=in_place, fingerprint=with_fingerprint)
-    _report_write(report, {"input": str(ckpt), "prefix": prefix, "renamed": len(checkpoint.state_dict)}, as_json,
-                  f'added "{prefix}" to {len(checkpoint.state_dict)} keys: {ckpt} -> {target}')
+    report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
+                                   allow_globals=allow_globals, fingerprint=with_fingerprint)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        render.write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
 
 
 @main.command()
@@ -347,24 +261,15 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
     Example: ckptool remap gpu.pt -o cpu.pt --to cpu
     """
-    from .devices import location_mapper
-    from .errors import UsageError
-    from .formats import for_name
-    from .reader import load
-    from .writer import rewrite_format, save
+    from . import operations
 
-    mapper = location_mapper(to_device, mapping)
-    checkpoint = load(ckpt, allow_globals=allow_globals)
-    if not for_name(checkpoint.format).has_location_tags:
-        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
-    target = _resolve_out(ckpt, out, in_place)
-    before = checkpoint.saved_devices()
-    remapped = checkpoint.remap(mapper)
-    after = remapped.saved_devices()
-    report = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
-                  in_place=in_place, fingerprint=with_fingerprint)
-    _report_write(report, {"input": str(ckpt), "devices_before": before, "devices_after": after}, as_json,
-                  f"remapped {ckpt} -> {target}: {before} -> {after}")
+    report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
+                              allow_globals=allow_globals, fingerprint=with_fingerprint)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        render.write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
+                              f"{report.details['devices_after']}")
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -403,185 +308,31 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
 
     Example: ckptool convert ddp.pt -o model.safetensors --strip
     """
-    from .errors import UsageError
-    from .formats.safetensors import parse_size
+    from . import operations
 
-    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-    if (out is None) == (out_dir is None):
-        raise UsageError("give exactly one of -o OUT (one input) or --out-dir DIR (any number of inputs)")
-    if out is not None and len(ckpts) != 1:
-        raise UsageError("-o takes one input; use --out-dir DIR to convert several")
-    jobs: list[tuple[Path, Path]]
-    if out is not None:
-        jobs = [(ckpts[0], out)]
-    else:
-        from .writer import plan_outputs
-
-        assert out_dir is not None
-        jobs = plan_outputs(ckpts, out_dir, to_format)  # every output planned (and collisions refused) first
-    results: list[dict[str, Any]] = []
-    failures: list[Any] = []
-    show_progress = len(jobs) > 1 and not as_json
-    with click.progressbar(jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
-            _null_progress(jobs) as bar:
-        for source, target in bar:
-            try:
-                results.append(_convert_one(source, target, to_format, strip_wrappers, shard_bytes, duplicate_tied,
-                                            nest, dtype, force, allow_globals, with_fingerprint,
-                                            allow_overflow=allow_overflow, allow_expansion=allow_expansion))
-            except CkptError as e:
-                if len(jobs) == 1:
-                    raise
-                failures.append(e)
+    plan = operations.plan_convert(ckpts, out=out, out_dir=out_dir, to=to_format, max_shard_size=max_shard_size)
+    options = operations.ConvertOptions(
+        to=to_format, strip=strip_wrappers, duplicate_tied=duplicate_tied, nest=nest, dtype=dtype,
+        allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
+        fingerprint=with_fingerprint)
+    show_progress = len(plan.jobs) > 1 and not as_json
+    with click.progressbar(plan.jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
+            contextlib.nullcontext(plan.jobs) as jobs:
+        report = operations.convert(plan, options, jobs=jobs)
     if as_json:
-        _emit_json(results[0] if out is not None else {"converted": results, "failed": [str(e) for e in failures]})
+        _emit_json(report.to_json(_error_text))
     else:
-        for result in results:
-            _echo(f"{result['input']} -> {result['output']} ({result['format']}, {result['tensors']} tensors, "
-                  f"{_human_bytes(result['bytes'])})")
-            for line in _check_line(result["checked"], result["fingerprint"]):
-                _echo(line)
-            for note in result["notes"]:
-                _echo(f"  note: {note}")
-    for failure in failures:
-        _echo(f"ckptool: error: {failure}", err=True)
-    if failures:
-        sys.exit(max(f.exit_code for f in failures))
-
-
-class _null_progress:
-    def __init__(self, items: list) -> None:
-        self.items = items
-
-    def __enter__(self) -> list:
-        return self.items
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _convert_one(source: Path, target: Path, to_format: str | None, strip_wrappers: bool, shard_bytes: int | None,
-                 duplicate_tied: bool, nest: str | None, dtype: str | None, force: bool,
-                 allow_globals: tuple[str, ...], with_fingerprint: bool, *, allow_overflow: bool = False,
-                 allow_expansion: bool = False) -> dict[str, Any]:
-    from .reader import load
-    from .writer import save
-
-    checkpoint = load(source, allow_globals=allow_globals)
-    notes: list[str] = []
-    if strip_wrappers and checkpoint.prefix:
-        notes.append(f'stripped "{checkpoint.prefix}" from the keys')
-        checkpoint = checkpoint.strip_prefix()
-    if dtype is not None:
-        from .cast import cast_weights
-
-        checkpoint = cast_weights(checkpoint, dtype, allow_overflow=allow_overflow, allow_expansion=allow_expansion)
-        notes.append(f"cast floating weights to {dtype}")
-    report = save(checkpoint, target, to=to_format, force=force, max_shard_size=shard_bytes,
-                  duplicate_tied=duplicate_tied, nest=nest, fingerprint=with_fingerprint,
-                  allow_expansion=allow_expansion)
-    if report.aliases:
-        notes.append(f"{len(report.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
-    return {"input": str(source), "output": str(report.path), "format": report.format, "tensors": report.tensors,
-            "bytes": report.bytes, "checked": report.checked, "fingerprint": report.fingerprint,
-            "files": [str(f) for f in report.files],
-            "aliases": report.aliases, "notes": notes + report.notes}
+        for result in report.converted:
+            render.write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
+                                  f"{result.saved.tensors} tensors, {render.human_bytes(result.saved.bytes)})")
+    for failure in report.failed:
+        render.echo(f"ckptool: error: {_error_text(failure)}", err=True)
+    if report.failed:
+        sys.exit(report.exit_code)
 
 
 # ------------------------------------------------------------------------------------------------ verify, diff
-# (verify.py, diff.py, materialize.py, models.py)
-
-
-def _fmt_err(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    return "0" if value == 0 else f"{value:.3g}"
-
-
-def _fmt_fraction(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _key_groups(groups: dict[str, list[str]]) -> str:
-    shown = [f"{module} ({len(keys)})" for module, keys in list(groups.items())[:8]]
-    return ", ".join(shown) + (", ..." if len(groups) > 8 else "")
-
-
-def _render_diagnosis(diagnosis: dict[str, Any]) -> None:
-    echo = _echo
-    echo(f"  load     FAILED: {diagnosis['problem']}")
-    echo(f"           fix: {diagnosis['fix']}")
-    for label, groups in (("missing", diagnosis["missing"]), ("unexpected", diagnosis["unexpected"])):
-        if groups:
-            count = sum(len(keys) for keys in groups.values())
-            echo(f"           {label} ({count} keys, by module): {_key_groups(groups)}")
-    for mismatch in diagnosis["mismatched"][:5]:
-        echo(f"           shape differs: {mismatch['key']} {mismatch['checkpoint_shape']} in the checkpoint, "
-             f"{mismatch['model_shape']} in the model")
-    after = diagnosis["after_rewrite"]
-    if diagnosis["rewrite"] and (after["missing"] or after["unexpected"] or after["mismatched"]):
-        echo(f"           after {diagnosis['rewrite']}: {after['matched']} of {diagnosis['model_keys']} keys fit")
-
-
-def _render_verify(report: Any) -> None:
-    echo = _echo
-    head = f"verify {report.path} ({report.format})"
-    if report.model:
-        head += f" with {report.model} ({report.model_class})"
-        if report.input_shape:
-            head += f", input {'x'.join(map(str, report.input_shape))}"
-        if report.dtype:
-            head += f", {report.dtype} atol {report.atol:g} rtol {report.rtol:g}"
-    echo(head)
-    load = report.load
-    if not load.get("ok"):
-        _render_diagnosis(load["diagnosis"])
-    else:
-        keys = load.get("rewrite") or "keys as stored"
-        count = load.get("matched", load.get("tensors"))
-        echo(f"  load     ok — {count} tensors, {keys}")
-    if report.devices:
-        echo(f"  {'device':<9}{'result':<8}{'weights':<11}{'max abs err':<13}{'max rel err':<13}{'argmax':<8}accuracy")
-        for row in report.devices:
-            weights = "identical" if row.weights_identical else ("-" if row.error and not row.differing_weights
-                                                                  else "CHANGED")
-            echo(f"  {row.device:<9}{'ok' if row.ok else 'FAILED':<8}{weights:<11}{_fmt_err(row.max_abs_err):<13}"
-                 f"{_fmt_err(row.max_rel_err):<13}{_fmt_fraction(row.argmax_agreement):<8}"
-                 f"{_fmt_fraction(row.accuracy)}")
-            if row.differing_weights:
-                echo(f"           changed on {row.device}: {', '.join(row.differing_weights[:5])}")
-            if row.error:
-                echo(f"           error on {row.device}: {row.error}")
-            for name, counts in list(row.nonfinite.items())[:5]:
-                echo(f"           {name}: {counts['nan']} NaN, {counts['inf']} Inf")
-    against = report.against
-    if against is not None:
-        weights = against.diff
-        if weights.identical:
-            text = f"weights identical ({weights.byte_identical} of {weights.compared} tensors byte-identical)"
-        else:
-            text = (f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
-                    f"{len(weights.only_in_b)} only there")
-        if against.within_tolerance is not None:
-            text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + \
-                ("" if against.within_tolerance else " (beyond tolerance)")
-        echo(f"  against  {against.path} ({against.format}): {text}")
-        for change in weights.changed[:5]:
-            echo(f"           {change.name}: {' and '.join(change.kinds)}"
-                 + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else ""))
-        if against.error:
-            echo(f"           {against.error}")
-        for note in weights.notes:
-            echo(f"           note: {note}")
-    for note in report.notes:
-        echo(f"  note     {note}")
-    if report.ok:
-        where = ", ".join(row.device for row in report.devices)
-        echo(f"verified: ok on {where}" + (" and against " + report.against.path if report.against else ""))
-    else:
-        echo("verify FAILED")
+# (verification.py, comparison.py)
 
 
 @main.command()
@@ -629,47 +380,10 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
     if as_json:
         _emit_json(report.to_json())
     else:
-        _render_verify(report)
+        render.verify(report)
     if not report.ok:
-        _echo(f"ckptool: verify failed: {report.failure}", err=True)
-    sys.exit(EXIT_OK if report.ok else EXIT_PROBLEM)
-
-
-def _render_diff(report: Any) -> None:
-    echo = _echo
-    echo(f"A  {report.a} ({report.a_format}, {report.a_tensors} tensors)")
-    echo(f"B  {report.b} ({report.b_format}, {report.b_tensors} tensors)")
-    for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
-        if names:
-            echo(f"  {label:<10} {len(names)}: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
-    for change in report.changed:
-        parts = []
-        if "dtype" in change.kinds:
-            parts.append(f"dtype {change.a_dtype} -> {change.b_dtype}")
-        if "shape" in change.kinds:
-            parts.append(f"shape {list(change.a_shape)} -> {list(change.b_shape)}")
-        if change.max_abs_diff is not None and change.differing:
-            parts.append(f"max abs diff {_fmt_err(change.max_abs_diff)} ({change.beyond_atol} of "
-                         f"{_numel(change.a_shape)} elements beyond atol {report.atol:g})")
-        echo(f"  changed    {change.name}: {'; '.join(parts)}")
-    if report.compared:
-        echo(f"  same       {report.byte_identical} of {report.compared} common tensors byte-identical"
-             + (f"; max abs diff {_fmt_err(report.max_abs_diff)}" if report.max_abs_diff else ""))
-    for note in report.notes:
-        echo(f"  note       {note}")
-    if report.identical:
-        echo(f"identical: {report.compared} tensors" + (" byte for byte" if report.byte_identical == report.compared
-                                                          else f" within atol {report.atol:g}"))
-    else:
-        echo(f"different: {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
-             f"{len(report.only_in_b)} only in B")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+        render.echo(f"ckptool: verify failed: {report.failure}", err=True)
+    sys.exit(exitcodes.OK if report.ok else exitcodes.PROBLEM)
 
 
 @main.command()
@@ -696,5 +410,5 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     if as_json:
         _emit_json(report.to_json())
     else:
-        _render_diff(report)
-    sys.exit(EXIT_OK if report.identical else EXIT_PROBLEM)
+        render.diff(report)
+    sys.exit(exitcodes.OK if report.identical else exitcodes.PROBLEM)

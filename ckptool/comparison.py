@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .byteio import FileCache, read_exact, read_into
+from . import suggest
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
@@ -313,12 +314,8 @@ def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef
 
 
 def _strip_command(checkpoint: Checkpoint, prefix: str) -> str:
-    from . import formats
-
-    suffix = formats.for_name(checkpoint.format).default_suffix
-    stem = checkpoint.path.name.split(".")[0] or "checkpoint"
-    command = f"ckptool strip {checkpoint.path} -o {checkpoint.path.with_name(stem + '.stripped' + suffix)}"
-    return command if prefix == checkpoint.prefix else f"{command} --prefix {prefix}"
+    return suggest.strip(checkpoint.path, format_=checkpoint.format,
+                         prefix=None if prefix == checkpoint.prefix else prefix)
 
 
 def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
@@ -381,7 +378,7 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         sides = [(side, prefix, checkpoint) for side, prefix, checkpoint in (("A", prefixes[0], left),
                                                                             ("B", prefixes[1], right)) if prefix]
         which = " and ".join(f'"{prefix}" on {side}' for side, prefix, _ in sides)
-        commands = " && ".join(_strip_command(checkpoint, prefix) for _, prefix, checkpoint in sides)
+        commands = suggest.each([_strip_command(checkpoint, prefix) for _, prefix, checkpoint in sides])
         noun = "prefix" if len(sides) == 1 else "prefixes"
         report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
     report.only_in_a = [key for key in a_tensors if key not in b_tensors]

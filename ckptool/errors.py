@@ -3,24 +3,37 @@
 The CLI turns a :class:`CkptError` into one line on stderr and its ``exit_code``; anything
 else escaping a command is a bug. ``str(error)`` is always one printable line: what a message
 quotes from the file (a key, a global, a file name) has its control characters escaped.
+
+A message that asks for an option (``--force``, ``--allow-global NAME``) is a
+:class:`~ckptool.suggest.Wording`: ``str(error)`` spells the option as the API's keyword argument
+(``force=True``), :meth:`CkptError.render` with :func:`ckptool.suggest.flag` as the CLI's flag.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+from . import exitcodes
+from .suggest import Option, Wording, keyword
 from .text import printable
 
 
 class CkptError(Exception):
     """Base class: an expected failure with an actionable one-line message."""
 
-    exit_code = 3
+    exit_code = exitcodes.INPUT
 
-    def __init__(self, message: str, *, path: Path | str | None = None) -> None:
+    def __init__(self, message: str | Wording, *, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else None
-        self.message = message
-        super().__init__(printable(f"{self.path}: {message}" if self.path is not None else message))
+        self.wording = message if isinstance(message, Wording) else None
+        self.message = str(message)  # an option it names spelled as the API's keyword argument
+        super().__init__(self.render(keyword))
+
+    def render(self, spell: Callable[[Option], str]) -> str:
+        """The one-line message with each option it asks for spelled by ``spell``."""
+        message = self.wording.render(spell) if self.wording is not None else self.message
+        return printable(f"{self.path}: {message}" if self.path is not None else message)
 
 
 class InputError(CkptError):
@@ -36,7 +49,8 @@ class InputError(CkptError):
 class UnsafeCheckpointError(InputError):
     """The pickle references a global outside the allowlist; nothing was executed."""
 
-    def __init__(self, message: str, *, path: Path | str | None = None, globals_: list[str] | None = None) -> None:
+    def __init__(self, message: str | Wording, *, path: Path | str | None = None,
+                 globals_: list[str] | None = None) -> None:
         super().__init__(message, path=path)
         self.globals = list(globals_ or [])
 
@@ -56,19 +70,19 @@ class KeyCollisionError(CkptError):
 class NothingToDoError(CkptError):
     """The requested change would leave the checkpoint as it is (e.g. no key carries the prefix)."""
 
-    exit_code = 1
+    exit_code = exitcodes.PROBLEM
 
 
 class FingerprintMismatchError(CkptError):
     """A written file did not read back with the weights' fingerprint; it was deleted."""
 
-    exit_code = 1
+    exit_code = exitcodes.PROBLEM
 
 
 class UsageError(CkptError):
     """The arguments contradict each other or name something that does not exist."""
 
-    exit_code = 2
+    exit_code = exitcodes.USAGE
 
 
 class ResourceError(CkptError):
@@ -82,4 +96,4 @@ class InternalError(CkptError):
     its traceback stay on ``__cause__``); the CLI gives it its own exit code, 70 (EX_SOFTWARE).
     """
 
-    exit_code = 70
+    exit_code = exitcodes.INTERNAL

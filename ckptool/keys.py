@@ -6,12 +6,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import KeyCollisionError, NothingToDoError, UsageError
+from .suggest import Wording, option
 from .tree import copy_mapping
 
 DDP_PREFIX = "module."  # nn.DataParallel / DistributedDataParallel: model.state_dict() of the wrapper
 COMPILE_PREFIX = "_orig_mod."  # torch.compile: the OptimizedModule keeps the model as _orig_mod
 LIGHTNING_PREFIX = "model."  # Lightning convention: the LightningModule holds the network as self.model
 WRAPPER_PREFIXES = (DDP_PREFIX, COMPILE_PREFIX, LIGHTNING_PREFIX)
+
+
+def _empty_prefix(doing: str) -> Wording:
+    return f"the prefix to {doing} is empty — pass " + option("prefix", None) + ", e.g. " + option("prefix", DDP_PREFIX)
 
 
 def detect_prefix(keys: Iterable[str], *, lightning: bool = False) -> str:
@@ -69,7 +74,7 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
         KeyCollisionError: two keys would become one.
     """
     if not prefix:
-        raise UsageError("the prefix to strip is empty — pass --prefix, e.g. --prefix module.")
+        raise UsageError(_empty_prefix("strip"))
     if not any(isinstance(key, str) and key.startswith(prefix) for key in state_dict):
         raise NothingToDoError(f'no key starts with "{prefix}" — nothing to strip')
     items: list[tuple[Any, Any]] = []
@@ -96,7 +101,7 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
 def add_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
     """Put ``prefix`` in front of every key (e.g. to resume a DDP run from plain weights)."""
     if not prefix:
-        raise UsageError("the prefix to add is empty — pass --prefix, e.g. --prefix module.")
+        raise UsageError(_empty_prefix("add"))
     items = [(prefix + key if isinstance(key, str) else key, value) for key, value in state_dict.items()]
     head = prefix[:-1] if prefix.endswith(".") else prefix
 

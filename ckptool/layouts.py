@@ -298,10 +298,12 @@ def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
     """A safetensors file holds dense tensors only: name the sparse and nested ones, write nothing."""
     found = layout_tensors(state_dict)
     if found:
+        from . import suggest
         from .errors import OutputError
 
         shown = ", ".join(f"{key!r} ({value.layout})" for key, value in list(found.items())[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
         raise OutputError(f"safetensors holds dense tensors only, but {shown}{more} "
                           f"{'is' if len(found) == 1 else 'are'} sparse or nested — nothing was written; write .pt "
-                          "(ckptool convert ... -o OUT.pt), or make them dense with torch first", path=out)
+                          f"({suggest.command('convert', '...', out='OUT.pt')}), or make them dense with torch first",
+                          path=out)

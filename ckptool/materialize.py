@@ -17,13 +17,13 @@ instead of torch's wall of keys.
 from __future__ import annotations
 
 import os
-import shlex
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import suggest
 from .checkpoint import Checkpoint
 from .dtypes import DType
 from .errors import CkptError, InputError
@@ -301,29 +301,20 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _quote(path: Path | str) -> str:
-    return shlex.quote(str(path))
-
-
 def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str) -> str:
     """The ckptool command(s) that apply ``rewrite`` to the file at ``path``."""
-    from . import formats
-
-    suffix = formats.for_name(format_).default_suffix
-    stem = path.name.split(".")[0] or "checkpoint"
+    suffix = suggest.weights_suffix(format_)
     commands = []
     source = path
     if rewrite.strip:
-        target = path.with_name(f"{stem}.stripped{suffix}")
-        command = f"ckptool strip {_quote(source)} -o {_quote(target)}"
-        if rewrite.strip != checkpoint_prefix:
-            command += f" --prefix {rewrite.strip}"
-        commands.append(command)
+        target = suggest.sibling(path, "stripped", suffix)
+        commands.append(suggest.command("strip", source, out=target,
+                                        prefix=rewrite.strip if rewrite.strip != checkpoint_prefix else None))
         source = target
     if rewrite.add:
-        target = path.with_name(f"{stem}.prefixed{suffix}")
-        commands.append(f"ckptool add-prefix {_quote(source)} -o {_quote(target)} --prefix {rewrite.add}")
-    return " && ".join(commands)
+        commands.append(suggest.command("add-prefix", source, out=suggest.sibling(path, "prefixed", suffix),
+                                        prefix=rewrite.add))
+    return suggest.each(commands)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 from . import formats, inputs, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from .suggest import option
 
 
 def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
@@ -37,12 +38,12 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     except pickles.RefusedGlobal as e:
         raise UnsafeCheckpointError(
             f"pickle imports {e.name}, which could run code — refused, nothing was executed "
-            f"(if you trust this file, allow it by name: --allow-global {e.name})",
+            "(if you trust this file, allow it by name: " + option("allow_globals", [e.name]) + ")",
             path=path, globals_=resolver.refused,
         ) from None
     except CkptError as e:
         if e.path is None:
-            raise type(e)(e.message, path=path) from e
+            raise type(e)(e.wording or e.message, path=path) from e
         raise
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import formats, layouts
+from . import formats, layouts, suggest
 from .checkpoint import Checkpoint
 from .digest import fingerprint
 from .pickles import OpaqueObject
@@ -113,26 +113,23 @@ def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
 
 
 def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
-    name = checkpoint.path.name
-    stem = checkpoint.path.name.split(".")[0]
+    path = checkpoint.path  # as given: the commands run from where inspect was run
     fmt = formats.for_name(checkpoint.format)
-    # strip keeps the input's format, so the suggested output keeps its suffix
-    suffix = fmt.default_suffix
     hints: list[Hint] = []
     if summary.prefix:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
         hints.append(Hint(f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys',
-                          f"ckptool strip {name} -o {stem}.stripped{suffix}"))
+                          suggest.strip(path, format_=checkpoint.format)))
     gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
     if gpu:
         hints.append(Hint(f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU",
-                          f"ckptool remap {name} -o {stem}.cpu.pt --to cpu"))
+                          suggest.remap_to_cpu(path)))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
     if fmt.torch_load_refuses:  # then its globals are its own metadata's (DCP's), read as inert records
-        hints.append(Hint(fmt.torch_load_refuses, f"ckptool convert {name} -o {stem}.safetensors"))
+        hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path)))
     elif extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
-                          f"ckptool convert {name} -o {stem}.safetensors"))
+                          suggest.to_safetensors(path)))
     if checkpoint.layout is None:
         hints.append(Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint"))
     return hints

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, formats, layouts, pickles
+from . import dtypes, formats, layouts, pickles, suggest
 from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
@@ -97,14 +97,14 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
     source = checkpoint.path
     if command == "remap":
         raise UsageError("is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
-                         f"drop the tags with: ckptool convert {source} -o {out}", path=out)
+                         f"drop the tags with: {suggest.command('convert', source, out=out)}", path=out)
     extra = [repr(key) for key in checkpoint.entries()]
     if checkpoint.has_weights:
         extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
     if checkpoint.layout is None or extra:
         shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
-        hint = (f"ckptool convert {source} -o {out} --strip" if command == "strip"
-                else f"ckptool {command} {source} -o OUT.pt, then ckptool convert OUT.pt -o {out}")
+        hint = (suggest.command("convert", source, out=out, strip=True) if command == "strip" else
+                f"{suggest.command(command, source, out='OUT.pt')}, then {suggest.command('convert', 'OUT.pt', out=out)}")
         raise UsageError(f"is a safetensors name, which holds weights only, but {source} also holds "
                          f"{shown or 'no weights'}, which {command} keeps — write .pt, or keep just the weights: {hint}",
                          path=out)

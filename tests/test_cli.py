@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,10 +48,129 @@ def test_inspect_json_has_the_documented_keys(fixtures_dir: Path) -> None:
 
 
 def test_inspect_text_names_problem_and_fix(fixtures_dir: Path) -> None:
-    code, out, _ = run("inspect", fixtures_dir / "gpu_cuda1_ddp_lenet.pt")
+    path = fixtures_dir / "gpu_cuda1_ddp_lenet.pt"
+    code, out, _ = run("inspect", path)
     assert code == 0
-    assert "ckptool strip gpu_cuda1_ddp_lenet.pt -o" in out
-    assert "ckptool remap gpu_cuda1_ddp_lenet.pt -o" in out and "--to cpu" in out
+    assert f"fix: ckptool strip {path} -o {fixtures_dir / 'gpu_cuda1_ddp_lenet.stripped.pt'}\n" in out
+    assert f"fix: ckptool remap {path} -o {fixtures_dir / 'gpu_cuda1_ddp_lenet.cpu.pt'} --to cpu\n" in out
+
+
+def test_inspect_fix_commands_run_as_printed_from_another_folder(fixtures_dir: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each suggested command, pasted into a shell where inspect ran, names the input and runs."""
+    folder = tmp_path / "my models"
+    folder.mkdir()
+    shutil.copy(fixtures_dir / "gpu_cuda1_ddp_lenet.pt", folder / "gpu run.pt")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, _ = run("inspect", Path("..") / "my models" / "gpu run.pt")
+    fixes = [line.split("fix: ", 1)[1] for line in out.splitlines() if line.strip().startswith("fix: ")]
+    assert code == 0 and len(fixes) == 2, out
+    for fix in fixes:
+        argv = shlex.split(fix)
+        assert argv[:1] == ["ckptool"] and Path(argv[2]).exists(), fix
+        code, _, err = run(*argv[1:])
+        assert code == 0, (fix, err)
+        assert Path(argv[argv.index("-o") + 1]).exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["gpu run.cpu.pt", "gpu run.pt", "gpu run.stripped.pt"]
+
+
+def test_refusal_names_the_global_to_allow_as_a_shell_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The --allow-global a refusal suggests, pasted as printed, allows exactly the refused global."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    module = types.ModuleType("a b;c")
+    module.d = type("d", (), {"__module__": "a b;c", "__qualname__": "d"})
+    monkeypatch.setitem(sys.modules, "a b;c", module)  # so that pickle can name the class
+    odd = tmp_path / "odd.pt"
+    torch.save({"w": torch.ones(2), "kind": module.d}, odd)
+    code, _, err = run("inspect", odd)
+    assert code == 3 and "pickle imports a b;c.d" in err, err
+    suggested = err.rsplit("allow it by name: ", 1)[1].rstrip(")\n")
+    assert suggested == "--allow-global 'a b;c.d'"
+    code, out, err = run("inspect", odd, *shlex.split(suggested), "--json")
+    assert code == 0 and json.loads(out)["globals"] == ["a b;c.d", "collections.OrderedDict",
+                                                          "torch.FloatStorage", "torch._utils._rebuild_tensor_v2"]
+
+
+def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: Path, tmp_path: Path) -> None:
+    """The API's error names keyword arguments; the CLI's line for the same error names flags."""
+    import ckptool
+    from ckptool import operations
+    from ckptool.cast import cast_weights
+    from ckptool.keys import strip_prefix
+    from ckptool.suggest import flag
+
+    taken = tmp_path / "taken.pt"
+    taken.write_bytes(b"keep me")
+    refusals = []
+    for call in (lambda: ckptool.save(ckptool.load(fixtures_dir / "ddp_lenet_wrapped.pt"), taken),
+                 lambda: operations.strip(fixtures_dir / "ddp_lenet_wrapped.pt"),
+                 lambda: operations.plan_convert([fixtures_dir / "single_lenet.pt"]),
+                 lambda: operations.plan_convert([taken, taken], out=tmp_path / "x.pt"),
+                 lambda: strip_prefix({"w": 1}, ""),
+                 lambda: cast_weights(ckptool.load(fixtures_dir / "single_lenet.pt"), "bf17")):
+        with pytest.raises(ckptool.CkptError) as raised:
+            call()
+        refusals.append(raised.value)
+    deque = tmp_path / "deque.pt"
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(1), "c": collections.deque()}, deque)
+    with pytest.raises(ckptool.UnsafeCheckpointError) as raised:
+        ckptool.load(deque)
+    refusals.append(raised.value)
+    for error in refusals:
+        assert not re.search(r"(^|\s)--?[a-z]", str(error)), str(error)
+    assert [error.render(flag).removeprefix(f"{error.path}: ") for error in refusals] == [
+        "already exists — pass --force to overwrite it, or choose another -o",
+        "missing -o OUT (or --in-place to rewrite the input)",
+        "give exactly one of -o OUT (one input) or --out-dir DIR (any number of inputs)",
+        "-o takes one input; use --out-dir DIR to convert several",
+        "the prefix to strip is empty — pass --prefix, e.g. --prefix module.",
+        "--dtype 'bf17': choose bf16, fp16 or fp32",
+        "pickle imports collections.deque, which could run code — refused, nothing was executed (if you trust this "
+        "file, allow it by name: --allow-global collections.deque)"]
+    assert "pass force=True to overwrite it" in str(refusals[0])
+    assert "allow_globals=['collections.deque']" in str(refusals[-1])
+
+
+def test_write_commands_report_one_json_shape(fixtures_dir: Path, tmp_path: Path) -> None:
+    """strip, add-prefix, remap and convert report the same fields, in the order they always had."""
+    written = ["output", "format", "tensors", "bytes", "checked", "fingerprint", "files"]
+    shapes = {
+        ("strip", fixtures_dir / "ddp_lenet_wrapped.pt"): [*written, "notes", "input", "prefix", "renamed"],
+        ("add-prefix", fixtures_dir / "single_lenet.pt"): [*written, "notes", "input", "prefix", "renamed"],
+        ("remap", fixtures_dir / "gpu_cuda0_lenet.pt", "--to", "cpu"): [
+            *written, "notes", "input", "devices_before", "devices_after"],
+        ("convert", fixtures_dir / "single_lenet.pt"): ["input", *written, "aliases", "notes"],
+    }
+    for number, (args, keys) in enumerate(shapes.items()):
+        code, out, err = run(*args, "-o", tmp_path / f"{number}.pt", "--json")
+        assert code == 0, err
+        assert list(json.loads(out)) == keys, args
+    code, out, _ = run("convert", fixtures_dir / "single_lenet.pt", tmp_path / "missing.pt", "--out-dir", tmp_path,
+                       "--to", "pt", "--json")
+    data = json.loads(out)
+    assert code == 3 and list(data) == ["converted", "failed"] and list(data["converted"][0]) == shapes[
+        ("convert", fixtures_dir / "single_lenet.pt")]
+    assert len(data["failed"]) == 1 and "missing.pt" in data["failed"][0]
+
+
+def test_exit_codes_are_listed_where_users_read_them() -> None:
+    from ckptool import exitcodes
+
+    codes = {name: value for name, value in vars(exitcodes).items() if name.isupper() and isinstance(value, int)}
+    assert codes == {"OK": 0, "PROBLEM": 1, "USAGE": 2, "INPUT": 3, "INTERNAL": 70, "INTERRUPTED": 130,
+                     "TERMINATED": 143, "CLOSED_PIPE": 141}
+    _, help_text, _ = run("--help")
+    readme = (REPO / "README.md").read_text()
+    listed = readme[readme.index("exit codes are"):]
+    listed = listed[:listed.index("as git does")]
+    for name, code in codes.items():
+        assert re.search(rf"(^|\D){code}(\D|$)", listed), f"README does not list exit code {code} ({name})"
+    for code in exitcodes.HELP:
+        assert re.search(rf"\b{code} [a-z]", " ".join(help_text.split())), f"--help does not list exit code {code}"
 
 
 def test_scan_verdicts(fixtures_dir: Path, tmp_path: Path) -> None:

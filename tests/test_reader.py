@@ -76,7 +76,7 @@ def test_unsafe_global_refused_naming_flag(tmp_path: Path) -> None:
 
     path = tmp_path / "custom.pt"
     torch.save({"model": {"w": torch.ones(2)}, "counter": collections.deque([1])}, path)
-    with pytest.raises(ckptool.UnsafeCheckpointError, match=r"collections\.deque.*--allow-global collections\.deque"):
+    with pytest.raises(ckptool.UnsafeCheckpointError, match=r"collections\.deque.*allow_globals=\['collections\.deque'\]"):
         ckptool.load(path)
     checkpoint = ckptool.load(path, allow_globals=("collections.deque",))
     assert list(checkpoint.tensors) == ["w"]

@@ -155,7 +155,7 @@ def test_existing_output_and_input_are_protected(fixtures_dir: Path, tmp_path: P
     with pytest.raises(OutputError, match="is the input"):
         save(checkpoint, tmp_path / "link.pt")
     (tmp_path / "taken.pt").write_bytes(b"keep me")
-    with pytest.raises(OutputError, match="--force"):
+    with pytest.raises(OutputError, match="force=True"):
         save(checkpoint, tmp_path / "taken.pt")
     assert (tmp_path / "taken.pt").read_bytes() == b"keep me"
     assert source_path.read_bytes() == before

@@ -1,0 +1,266 @@
+"""The jobs behind the write commands (strip, add-prefix, remap, convert), one function each.
+
+Each reads its input, applies one rule, writes through :func:`ckptool.writer.save` and returns a
+:class:`WriteReport`; the command line only parses its options, calls one of these and renders the
+report. Nothing here prints, and no message names a command-line flag (options a refusal asks for
+are :class:`~ckptool.suggest.Option` s).
+
+Example:
+    >>> report = strip("ddp.pt", "model.pt")                    # doctest: +SKIP
+    >>> report.details                                          # doctest: +SKIP
+    {'prefix': 'module.', 'renamed': 8}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CkptError, UsageError
+from .suggest import Metavar, option
+
+if TYPE_CHECKING:  # the writer is imported by the job that writes, so --help stays fast
+    from .writer import SaveReport
+
+
+@dataclass
+class WriteReport:
+    """What one write command did: its input, what was written and checked, what it changed.
+
+    Attributes:
+        command: the job (``strip``, ``add-prefix``, ``remap``, ``convert``).
+        input: the input as given.
+        target: the output as asked for (the input itself for an in-place rewrite).
+        saved: the writer's report (format, files, tensors checked, fingerprint, aliases).
+        notes: what the job did besides the write (a stripped prefix, a cast), then the writer's notes.
+        details: what the job changed, by name: ``prefix`` and ``renamed`` keys for strip and
+            add-prefix, ``devices_before`` and ``devices_after`` for remap.
+    """
+
+    command: str
+    input: Path
+    target: Path
+    saved: SaveReport
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The --json object: the same fields for every write command."""
+        written = {"output": str(self.saved.path), "format": self.saved.format, "tensors": self.saved.tensors,
+                   "bytes": self.saved.bytes, "checked": self.saved.checked, "fingerprint": self.saved.fingerprint,
+                   "files": [str(f) for f in self.saved.files]}
+        if self.command == "convert":  # convert's object leads with its input and lists the aliases it recorded
+            return {"input": str(self.input), **written, "aliases": self.saved.aliases, "notes": self.notes}
+        return {**written, "notes": self.notes, "input": str(self.input), **self.details}
+
+
+def _target(ckpt: Path, out: Path | None, in_place: bool) -> Path:
+    if out is None:
+        if in_place:
+            return ckpt
+        raise UsageError("missing " + option("out", Metavar("OUT")) + " (or " + option("in_place")
+                         + " to rewrite the input)")
+    return out
+
+
+def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None = None, force: bool = False,
+          in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False) -> WriteReport:
+    """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``.
+
+    Raises:
+        NothingToDoError: no key carries the prefix.
+        UsageError: no ``out`` and not ``in_place``.
+    """
+    from .reader import load
+    from .writer import rewrite_format, save
+
+    ckpt, out = Path(ckpt), _optional_path(out)
+    checkpoint = load(ckpt, allow_globals=allow_globals)
+    target = _target(ckpt, out, in_place)
+    used = prefix if prefix is not None else checkpoint.prefix
+    stripped = checkpoint.strip_prefix(prefix)
+    renamed = count_keys(checkpoint.state_dict, prefix=used)
+    saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
+                 in_place=in_place, fingerprint=fingerprint)
+    return WriteReport("strip", ckpt, target, saved, saved.notes, {"prefix": used, "renamed": renamed})
+
+
+def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str = "module.", force: bool = False,
+               in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False) -> WriteReport:
+    """Put ``prefix`` in front of every weight key and write the result to ``out``."""
+    from .reader import load
+    from .writer import rewrite_format, save
+
+    ckpt, out = Path(ckpt), _optional_path(out)
+    checkpoint = load(ckpt, allow_globals=allow_globals)
+    target = _target(ckpt, out, in_place)
+    prefixed = checkpoint.add_prefix(prefix)
+    saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
+                 in_place=in_place, fingerprint=fingerprint)
+    return WriteReport("add-prefix", ckpt, target, saved, saved.notes,
+                       {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)})
+
+
+def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | None = None,
+          mapping: Iterable[str] = (), force: bool = False, in_place: bool = False,
+          allow_globals: tuple[str, ...] = (), fingerprint: bool = False) -> WriteReport:
+    """Rewrite the saved storage device tags (every one to ``to_device``, or ``mapping``'s ``old=new``).
+
+    Raises:
+        UsageError: neither or both of ``to_device`` and ``mapping``, or a safetensors input (no tags).
+    """
+    from . import formats
+    from .devices import location_mapper
+    from .reader import load
+    from .writer import rewrite_format, save
+
+    ckpt, out = Path(ckpt), _optional_path(out)
+    mapper = location_mapper(to_device, mapping)
+    checkpoint = load(ckpt, allow_globals=allow_globals)
+    if not formats.for_name(checkpoint.format).has_location_tags:
+        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
+    target = _target(ckpt, out, in_place)
+    before = checkpoint.saved_devices()
+    remapped = checkpoint.remap(mapper)
+    after = remapped.saved_devices()
+    saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
+                 in_place=in_place, fingerprint=fingerprint)
+    return WriteReport("remap", ckpt, target, saved, saved.notes, {"devices_before": before, "devices_after": after})
+
+
+def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
+    """How many keys of ``state_dict`` a rewrite renames: those starting with ``prefix`` (every key
+    when None). Keys that are not strings carry no prefix."""
+    if prefix is None:
+        return len(state_dict)
+    return sum(1 for key in state_dict if isinstance(key, str) and key.startswith(prefix))
+
+
+def _optional_path(path: Path | str | None) -> Path | None:
+    return Path(path) if path is not None else None
+
+
+# ------------------------------------------------------------------------------------------------ convert
+
+
+@dataclass
+class ConvertPlan:
+    """Every ``(input, output)`` of a convert, planned (and collisions refused) before anything is written.
+
+    Attributes:
+        jobs: the pairs, in the order given.
+        one_output: the output was named (``out``): the one job's failure is raised, not collected.
+        max_shard_bytes: bytes per shard of a sharded safetensors output (None: the format's default).
+    """
+
+    jobs: list[tuple[Path, Path]]
+    one_output: bool
+    max_shard_bytes: int | None = None
+
+
+@dataclass
+class ConvertOptions:
+    """How each input of a convert is written (see :func:`convert_file`)."""
+
+    to: str | None = None
+    strip: bool = False
+    duplicate_tied: bool = False
+    nest: str | None = None
+    dtype: str | None = None
+    allow_overflow: bool = False
+    allow_expansion: bool = False
+    force: bool = False
+    allow_globals: tuple[str, ...] = ()
+    fingerprint: bool = False
+
+
+@dataclass
+class ConvertReport:
+    """Every input converted, and every refusal of a many-input convert (the others still ran)."""
+
+    plan: ConvertPlan
+    converted: list[WriteReport] = field(default_factory=list)
+    failed: list[CkptError] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """The worst failure's exit code; 0 when every input was converted."""
+        return max((error.exit_code for error in self.failed), default=0)
+
+    def to_json(self, describe: Callable[[CkptError], str] = str) -> dict[str, Any]:
+        """The --json object: one write report for a named output, else every result and failure."""
+        if self.plan.one_output:
+            return self.converted[0].to_json()
+        return {"converted": [report.to_json() for report in self.converted],
+                "failed": [describe(error) for error in self.failed]}
+
+
+def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None, out_dir: Path | str | None = None,
+                 to: str | None = None, max_shard_size: str | int | None = None) -> ConvertPlan:
+    """Plan a convert: one input to ``out``, or any number into the folder ``out_dir``.
+
+    Raises:
+        UsageError: both or neither of ``out`` and ``out_dir``; several inputs with ``out``; a
+            shard size that is not a size.
+        OutputError: two inputs would be written to one output in ``out_dir``.
+    """
+    from .formats.safetensors import parse_size
+
+    sources = [Path(source) for source in sources]
+    shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    if (out is None) == (out_dir is None):
+        raise UsageError("give exactly one of " + option("out", Metavar("OUT")) + " (one input) or "
+                         + option("out_dir", Metavar("DIR")) + " (any number of inputs)")
+    if out is not None:
+        if len(sources) != 1:
+            raise UsageError(option("out", None) + " takes one input; use " + option("out_dir", Metavar("DIR"))
+                             + " to convert several")
+        return ConvertPlan([(sources[0], Path(out))], True, shard_bytes)
+    from .writer import plan_outputs
+
+    assert out_dir is not None
+    return ConvertPlan(plan_outputs(sources, Path(out_dir), to), False, shard_bytes)
+
+
+def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
+                 ) -> WriteReport:
+    """Convert ``source`` to ``target``: strip the wrapper prefix and cast if asked, write, check."""
+    from .reader import load
+    from .writer import save
+
+    checkpoint = load(source, allow_globals=options.allow_globals)
+    notes: list[str] = []
+    if options.strip and checkpoint.prefix:
+        notes.append(f'stripped "{checkpoint.prefix}" from the keys')
+        checkpoint = checkpoint.strip_prefix()
+    if options.dtype is not None:
+        from .cast import cast_weights
+
+        checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
+                                  allow_expansion=options.allow_expansion)
+        notes.append(f"cast floating weights to {options.dtype}")
+    saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
+                 duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
+                 allow_expansion=options.allow_expansion)
+    if saved.aliases:
+        notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
+    return WriteReport("convert", source, target, saved, notes + saved.notes)
+
+
+def convert(plan: ConvertPlan, options: ConvertOptions, *, jobs: Iterable[tuple[Path, Path]] | None = None
+            ) -> ConvertReport:
+    """Run every job of ``plan`` (or ``jobs``, the same pairs — e.g. wrapped in a progress bar).
+
+    A many-input convert goes on past a refused input (the report lists it); a single one raises.
+    """
+    report = ConvertReport(plan)
+    for source, target in plan.jobs if jobs is None else jobs:
+        try:
+            report.converted.append(convert_file(source, target, options, max_shard_bytes=plan.max_shard_bytes))
+        except CkptError as e:
+            if len(plan.jobs) == 1:
+                raise
+            report.failed.append(e)
+    return report

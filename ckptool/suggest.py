@@ -1,0 +1,173 @@
+"""Every fix ckptool suggests, spelled in one place: ckptool command lines and the options a refusal names.
+
+A command line (``ckptool strip ddp.pt -o ddp.stripped.pt``) quotes every path and value with
+:func:`shlex.quote`, so a suggestion pasted into a POSIX shell runs the command it shows, whatever
+the file is called. An option a refusal asks for (``force``, ``allow_globals``, ``in_place``) is an
+:class:`Option` inside the error's :class:`Wording`: the command line spells it as its flag
+(``--allow-global NAME``), the Python API as the keyword argument (``allow_globals=['NAME']``), so
+no library message names a flag an API caller cannot pass.
+
+Example:
+    >>> command("strip", "my model.pt", out="model.pt")
+    "ckptool strip 'my model.pt' -o model.pt"
+    >>> wording = "already exists — pass " + option("force") + " to overwrite it"
+    >>> wording.render(flag), str(wording)
+    ('already exists — pass --force to overwrite it', 'already exists — pass force=True to overwrite it')
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROGRAM = "ckptool"
+
+# keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
+_FLAGS = {"out": "-o", "allow_globals": "--allow-global"}
+
+
+class Metavar(str):
+    """A stand-in for a value the user chooses (``OUT``, ``DIR``): shown as the flag and the stand-in
+    on the command line (``-o OUT``), as the bare keyword in the API (``out``)."""
+
+
+class Given(str):
+    """The value the caller gave, shown as this text after the flag (``--dtype 'bf17'``) or the
+    keyword (``dtype='bf17'``): a refusal quotes what it refuses, it does not suggest it."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option the caller can pass: ``name`` is the API's keyword argument; ``value`` is True for
+    a switch, a value (a list for a repeatable option), a :class:`Metavar`, or None for the option
+    itself whatever its value (``choose another -o``)."""
+
+    name: str
+    value: Any = True
+
+    def __add__(self, other: str | Option | Wording) -> Wording:
+        return Wording(self) + other
+
+    def __radd__(self, other: str) -> Wording:
+        return other + Wording(self)
+
+
+class Wording:
+    """A message whose options are spelled by the reader: flags for the CLI, keywords for the API.
+
+    Built with ``+`` from strings and :class:`Option` s; the strings are the message's own words
+    and whatever it quotes from a file, the options are never text (a file cannot forge one).
+    """
+
+    def __init__(self, *parts: str | Option) -> None:
+        self.parts = tuple(parts)
+
+    def __add__(self, other: str | Option | Wording) -> Wording:
+        return Wording(*self.parts, *_parts(other))
+
+    def __radd__(self, other: str) -> Wording:
+        return Wording(*_parts(other), *self.parts)
+
+    def render(self, spell: Callable[[Option], str]) -> str:
+        """The text, each option spelled by ``spell`` (:func:`flag` or :func:`keyword`)."""
+        return "".join(part if isinstance(part, str) else spell(part) for part in self.parts)
+
+    def __str__(self) -> str:
+        return self.render(keyword)
+
+    def __repr__(self) -> str:
+        return f"Wording({str(self)!r})"
+
+
+def _parts(other: str | Option | Wording) -> tuple[str | Option, ...]:
+    if isinstance(other, Wording):
+        return other.parts
+    if isinstance(other, str | Option):
+        return (other,)
+    return NotImplemented
+
+
+def option(name: str, value: Any = True) -> Option:
+    """The option ``name`` (an API keyword argument) with ``value``, for a :class:`Wording`."""
+    return Option(name, value)
+
+
+def given(name: str, value: Any) -> Option:
+    """The option ``name`` as the caller gave it, ``value`` shown as its ``repr``."""
+    return Option(name, Given(repr(value)))
+
+
+def keyword(item: Option) -> str:
+    """``item`` as the Python API takes it: ``force=True``, ``allow_globals=['pkg.Name']``, ``out``."""
+    if item.value is None or isinstance(item.value, Metavar):
+        return item.name
+    if isinstance(item.value, Given):
+        return f"{item.name}={item.value}"
+    return f"{item.name}={item.value!r}"
+
+
+def flag(item: Option) -> str:
+    """``item`` as the command line takes it: ``--force``, ``--allow-global pkg.Name``, ``-o OUT``."""
+    name = _FLAGS.get(item.name, "--" + item.name.replace("_", "-"))
+    value = item.value
+    if value is True or value is None:
+        return name
+    if isinstance(value, Metavar | Given):
+        return f"{name} {value}"
+    if isinstance(value, list | tuple):
+        return " ".join(f"{name} {quote(each)}" for each in value)
+    return f"{name} {quote(value)}"
+
+
+def quote(value: Path | str) -> str:
+    """A path or value as a POSIX shell reads it back unchanged (the one quoting rule for suggestions)."""
+    return shlex.quote(str(value))
+
+
+def command(name: str, *arguments: Path | str, **options: Any) -> str:
+    """The ckptool command line ``name`` with its quoted ``arguments`` and ``options`` (keyword -> value).
+
+    Example:
+        >>> command("remap", "gpu.pt", out="gpu.cpu.pt", to="cpu")
+        'ckptool remap gpu.pt -o gpu.cpu.pt --to cpu'
+    """
+    words = [PROGRAM, name, *(quote(argument) for argument in arguments)]
+    words += [flag(Option(key, value)) for key, value in options.items() if value is not None and value is not False]
+    return " ".join(words)
+
+
+def sibling(path: Path, tag: str, suffix: str) -> Path:
+    """Where a suggested command writes: beside ``path``, named ``<stem>.<tag><suffix>`` (``<stem><suffix>``
+    with no tag), the stem being the name up to its first dot."""
+    stem = path.name.split(".")[0] or "checkpoint"
+    return path.with_name(f"{stem}.{tag}{suffix}" if tag else f"{stem}{suffix}")
+
+
+def weights_suffix(format_: str) -> str:
+    """The suffix a rewrite keeps for an input of ``format_`` (a rewrite keeps the input's format)."""
+    from . import formats  # imported when used: errors, which formats' readers raise, use this module
+
+    return formats.for_name(format_).default_suffix
+
+
+def strip(path: Path, *, format_: str, prefix: str | None = None) -> str:
+    """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack)."""
+    return command("strip", path, out=sibling(path, "stripped", weights_suffix(format_)), prefix=prefix)
+
+
+def remap_to_cpu(path: Path) -> str:
+    """The remap command that moves every saved storage tag of ``path`` to the CPU."""
+    return command("remap", path, out=sibling(path, "cpu", ".pt"), to="cpu")
+
+
+def to_safetensors(path: Path) -> str:
+    """The convert command that writes ``path``'s weights as safetensors beside it."""
+    return command("convert", path, out=sibling(path, "", ".safetensors"))
+
+
+def each(commands: Sequence[str]) -> str:
+    """Several commands run one after the other, stopping at the first that fails."""
+    return " && ".join(commands)

@@ -141,6 +141,10 @@ class OpaqueObject:
     def __setitem__(self, key: Any, value: Any) -> None:
         self._setitems.append((key, value))
 
+    def reduce_args(self) -> tuple:
+        """The arguments the pickle passes to the global (a placeholder may hold them in another form)."""
+        return self._args
+
     def __repr__(self) -> str:
         return f"<{self._global}>"
 
@@ -235,6 +239,9 @@ def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any
     if not isinstance(requires_grad, bool):
         raise InputError("a tensor's requires_grad is not a bool — the file is corrupt")
     dtype = dtype or storage.dtype
+    if dtype.name not in dtypes.BY_NAME:  # a quantized storage: torch builds its tensors by _rebuild_qtensor only
+        raise InputError(f"a plain tensor rebuild reads a {dtype.torch_name} storage — refused; torch.save writes "
+                         "quantized tensors with _rebuild_qtensor")
     conj = neg = False
     if extra:  # the usual tensor has no metadata: nothing more to check
         conj, neg = _tensor_bits(extra, dtype)
@@ -1510,7 +1517,7 @@ class _Emitter:
 
     def _opaque(self, obj: OpaqueObject) -> None:
         self.global_(obj._global)
-        self.save(tuple(obj._args))
+        self.save(tuple(obj.reduce_args()))
         self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
         self._put(obj)
         if obj._items:

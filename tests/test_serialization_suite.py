@@ -38,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's ckptool, also when run as a script
 import serialization_cases  # noqa: E402 — the generator beside this file
 from serialization_cases import Crafted, _legacy_file, _rebuild, _Stored  # noqa: E402
-from test_differential import assert_agree, raw, torch_tensors, values_of  # noqa: E402
-from test_layouts import assert_same as assert_same_layout  # noqa: E402
+from test_differential import assert_agree, assert_same_tensor, raw, torch_tensors, values_of  # noqa: E402
 
 import ckptool  # noqa: E402
 from ckptool.cli import main  # noqa: E402
@@ -84,9 +83,9 @@ def _valued(tensors: dict) -> dict:
 
 def _same(expected: Any, got: Any, where: str) -> None:
     """Bit for bit: NaN payloads and the sign of zero included (sparse and nested: part by part)."""
-    if expected.is_nested or expected.layout != torch.strided or got.is_nested or got.layout != torch.strided:
+    if not _plain(expected) and not _meta(expected) or not _plain(got) and not _meta(got):
         try:
-            assert_same_layout(expected, got, where)
+            assert_same_tensor(expected, got, where)
         except AssertionError as e:
             raise Wrong(f"{where}: its {expected.layout} parts differ from torch's") from e
         return
@@ -269,7 +268,7 @@ CHECKS = {"inspect": check_inspect, "api": check_api, "safetensors": check_safet
 # ckptool lists a sparse or nested tensor as its component tensors (``key[layout size/role]``), names
 # torch's loaded object does not have: those families run the checks that go through torch's own
 # load of an output (.pt, diff); tests/test_layouts.py compares their API values part by part
-LAYOUT_FAMILIES = {"sparse": ("pt", "diff"), "nested": ("pt", "diff")}
+LAYOUT_FAMILIES = {"sparse": ("pt", "diff"), "nested": ("pt", "diff"), "quantized": ("pt", "diff")}
 
 
 def run_suite(root: Path) -> tuple[dict[str, Counter], list[str]]:

@@ -244,12 +244,15 @@ class _Stored:
         self.location = location
 
 
-def _legacy_file(path: Path, obj: Any, storages: list[_Stored]) -> Path:
+LITTLE_ENDIAN_INFO = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}
+
+
+def _legacy_file(path: Path, obj: Any, storages: list[_Stored], sys_info: Any = LITTLE_ENDIAN_INFO) -> Path:
     """A legacy stream as torch < 1.6 wrote it (torch.serialization._legacy_save's layout), with
-    persistent records torch.save no longer writes: storage views (pre-0.4), torch.cuda storage types."""
+    persistent records torch.save no longer writes: storage views (pre-0.4), torch.cuda storage types;
+    ``sys_info`` is the system-info record (torch ignores it)."""
     buffer = io.BytesIO()
-    for value in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION,
-                  {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}):
+    for value in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION, sys_info):
         pickle.dump(value, buffer, protocol=2)
 
     class Writer(pickle.Pickler):
@@ -287,6 +290,12 @@ def legacy_records(directory: Path) -> list[Path]:
         cuda = _Stored(cuda_type, "c", data, 10)
         made.append(_legacy_file(directory / "legacy_cuda_storage_type.pt",
                                  {"w": _rebuild(cuda, 2, (3,), (2,)), "b": _rebuild(cuda, 0, (10,), (1,))}, [cuda]))
+    # the system-info record torch writes and ignores on load: a big-endian flag, long of 8 bytes, none at all
+    plain = {"w": _rebuild(root, 0, (10,), (1,)), "b": _rebuild(root, 2, (4,), (2,))}
+    for name, info in (("big_endian", {**LITTLE_ENDIAN_INFO, "little_endian": False}),
+                       ("long8", {**LITTLE_ENDIAN_INFO, "type_sizes": {"short": 2, "int": 4, "long": 8}}),
+                       ("none", None), ("empty", {})):
+        made.append(_legacy_file(directory / f"legacy_sys_info_{name}.pt", plain, [root], sys_info=info))
     return made
 
 

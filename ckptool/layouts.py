@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
-from .pickles import TORCH_GLOBALS, OpaqueObject, brief
+from .pickles import TORCH_GLOBALS, OpaqueObject, TypeRef, _check_parameter_state, brief
 from .refs import TensorRef
 
 if TYPE_CHECKING:
@@ -284,3 +284,102 @@ def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
 
 # Quantized tensors: their placeholders build on LayoutTensor above and add torch's globals for them.
 from . import quantized as _quantized  # noqa: E402, F401
+
+
+class WrappedLayoutTensor(LayoutTensor):
+    """A sparse, nested or quantized tensor wrapped as torch.save wraps a tensor: in ``nn.Parameter``
+    (``_rebuild_parameter``, ``_rebuild_parameter_with_state``) or carrying Python attributes
+    (``_rebuild_from_type_v2`` with ``torch.Tensor``). It stands for the tensor it wraps (its parts,
+    its values; the API gives the tensor, as for a plain parameter); a ``.pt`` rewrite re-emits the
+    wrapping call, so torch loads the same parameter or attributes."""
+
+    @property
+    def inner(self) -> LayoutTensor:
+        return self._args[2] if self._global == "torch._tensor._rebuild_from_type_v2" else self._args[0]
+
+    def reduce_args(self) -> tuple:
+        if self._global == "torch._tensor._rebuild_from_type_v2":
+            inner = self._args[2]
+            return (self._args[0], self._args[1], tuple(inner.reduce_args()), self._args[3])
+        return self._args
+
+    @property
+    def layout(self) -> str:
+        return self.inner.layout
+
+    @property
+    def dtype(self) -> Any:
+        return self.inner.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inner.shape
+
+    def components(self) -> list[tuple[str, TensorRef]]:
+        return self.inner.components()
+
+    def label(self) -> str:
+        return self.inner.label()
+
+    def name_tag(self) -> str:
+        return self.inner.name_tag()
+
+    def describe(self) -> str:
+        return self.inner.describe() + (" parameter" if "parameter" in self._global else " with attributes")
+
+    def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.inner.build(parts)
+
+
+def _wrapper(name: str) -> type:
+    return type(name.rsplit(".", 1)[-1], (WrappedLayoutTensor,), {"_global": name})
+
+
+_ParameterOfLayout = _wrapper("torch._utils._rebuild_parameter")
+_ParameterWithStateOfLayout = _wrapper("torch._utils._rebuild_parameter_with_state")
+_LayoutWithAttributes = _wrapper("torch._tensor._rebuild_from_type_v2")
+_PLAIN_REBUILDS = {name: TORCH_GLOBALS[name] for name in (
+    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2")}
+
+
+def _rebuild_parameter(data: Any, *args: Any) -> Any:
+    if not isinstance(data, LayoutTensor):
+        return _PLAIN_REBUILDS["torch._utils._rebuild_parameter"](data, *args)
+    if len(args) != 2 or not isinstance(args[0], bool):
+        raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks) — the file is corrupt")
+    return _ParameterOfLayout(data, *args)
+
+
+def _rebuild_parameter_with_state(data: Any, *args: Any) -> Any:
+    if not isinstance(data, LayoutTensor):
+        return _PLAIN_REBUILDS["torch._utils._rebuild_parameter_with_state"](data, *args)
+    if len(args) != 3 or not isinstance(args[0], bool):
+        raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks, state) — the file is "
+                         "corrupt")
+    _check_parameter_state(args[2])
+    return _ParameterWithStateOfLayout(data, *args)
+
+
+_LAYOUT_REBUILDS = {"torch._utils._rebuild_sparse_tensor", "torch._utils._rebuild_nested_tensor",
+                    "torch._utils._rebuild_qtensor"}
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    name = next((name for name in _LAYOUT_REBUILDS if func is TORCH_GLOBALS.get(name)), None)
+    if name is None:
+        return _PLAIN_REBUILDS["torch._tensor._rebuild_from_type_v2"](func, new_type, args, state)
+    if not isinstance(new_type, TypeRef) or f"{new_type.module}.{new_type.name}" != "torch.Tensor":
+        raise InputError(f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor "
+                         "only — refused")
+    if not isinstance(args, tuple):
+        raise InputError("a tensor with attributes has no argument tuple — the file is corrupt")
+    _check_parameter_state(state)
+    module, _, function = name.rpartition(".")
+    return _LayoutWithAttributes(TypeRef(module, function), new_type, func(*args), state)
+
+
+for _name, _function in (("torch._utils._rebuild_parameter", _rebuild_parameter),
+                         ("torch._utils._rebuild_parameter_with_state", _rebuild_parameter_with_state),
+                         ("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2)):
+    _function.__setstate__ = _refuse_build  # type: ignore[attr-defined]
+    TORCH_GLOBALS[_name] = _function

@@ -465,7 +465,17 @@ def _quantized_files() -> dict[str, Callable[[], dict]]:
             _per_channel(torch.qint8)),
         "quant_with_dense": lambda: {"fc.weight": _per_channel(torch.qint8), "fc.bias": torch.linspace(-1, 1, 4),
                                      "steps": torch.tensor(7)},
+        # wrapped as torch.save wraps any tensor: a Parameter (with state), Python attributes
+        "quant_parameter": lambda: {"p": torch.nn.Parameter(_per_channel(torch.qint8), requires_grad=False),
+                                    "s": _with_attributes(torch.nn.Parameter(
+                                        torch.quantize_per_tensor(weights, 0.1, 3, torch.quint8), requires_grad=False))},
+        "quant_attributes": lambda: {"q": _with_attributes(torch.quantize_per_tensor(weights, 0.1, 3, torch.qint8))},
     }
+
+
+def _with_attributes(tensor: torch.Tensor) -> torch.Tensor:
+    tensor.note = "calibrated"  # a plain Python attribute: torch.save writes it as state
+    return tensor
 
 
 # test_serialization_quantized / qtensor: per-tensor and per-channel schemes, every quantized dtype, views,
@@ -499,7 +509,9 @@ def sparse(directory: Path) -> list[Path]:
                                                       "empty": torch.zeros(3, 3).to_sparse(),
                                                       "dense": torch.ones(2)}),
             _save(directory / "sparse_legacy.pt", {"coo": _dense().to_sparse(), "w": torch.ones(2)},
-                  _use_new_zipfile_serialization=False)]
+                  _use_new_zipfile_serialization=False),
+            _save(directory / "sparse_wrapped.pt", {"p": torch.nn.Parameter(_dense().to_sparse(), requires_grad=False),
+                                                    "a": _with_attributes(_dense().to_sparse_csr())})]
     return [x for x in made if x]
 
 
@@ -510,7 +522,9 @@ def nested(directory: Path) -> list[Path]:
             _save(directory / "nested_kinds.pt", {
                 "grid": torch.nested.nested_tensor([torch.ones(2, 3), torch.arange(8.0).reshape(4, 2)]),
                 "ints": torch.nested.nested_tensor([torch.arange(3), torch.arange(5)]),
-                "w": torch.ones(3)})]
+                "w": torch.ones(3)}),
+            _save(directory / "nested_attributes.pt", {"n": _with_attributes(torch.nested.nested_tensor(
+                [torch.ones(2), torch.arange(3.0)]))})]
     return [x for x in made if x]
 
 

@@ -176,3 +176,37 @@ def test_a_nested_tensor_reaching_past_its_buffer_is_refused(tmp_path: Path) -> 
             continue
         with pytest.raises(ckptool.CkptError, match="past its buffer"):
             to_state_dict(checkpoint.state_dict)
+
+
+@pytest.mark.parametrize("wrap", ["parameter", "parameter with state", "attributes", "state setting data"])
+def test_wrapped_layout_tensors_read_as_torch_or_are_refused(tmp_path: Path, wrap: str) -> None:
+    """A sparse or quantized tensor in nn.Parameter or with Python attributes: torch reads it; so does ckptool,
+    and a .pt rewrite gives torch the same wrapping back. State that would replace the tensor is refused."""
+    from test_differential import Crafted, assert_agree
+
+    sparse = _dense().to_sparse()
+    hooks: Any = __import__("collections").OrderedDict()
+    make = {
+        "parameter": lambda: torch.nn.Parameter(sparse, requires_grad=False),
+        "parameter with state": lambda: Crafted(torch._utils._rebuild_parameter_with_state,
+                                                (sparse, False, hooks, {"tag": 1})),
+        "attributes": lambda: Crafted(torch._tensor._rebuild_from_type_v2,
+                                      (torch._utils._rebuild_sparse_tensor, torch.Tensor,
+                                       (torch.sparse_coo, (sparse._indices(), sparse._values(), sparse.shape, True)),
+                                       {"note": "x"})),
+        "state setting data": lambda: Crafted(torch._utils._rebuild_parameter_with_state,
+                                              (sparse, False, hooks, {"data": torch.zeros(2)})),
+    }[wrap]
+    path = tmp_path / "wrapped.pt"
+    torch.save({"w": make(), "b": torch.ones(1)}, path)
+    outcome = assert_agree(path)
+    assert outcome != "equal" if wrap == "state setting data" else outcome == "equal", outcome
+    if wrap == "state setting data":
+        with pytest.raises(ckptool.CkptError, match="'data'"):
+            ckptool.load(path)
+    if outcome == "equal":
+        code, _, err = run("convert", path, "-o", tmp_path / "out.pt")
+        assert code == 0, err
+        reference, loaded = _torch_load(path)["w"], _torch_load(tmp_path / "out.pt")["w"]
+        assert type(loaded) is type(reference) and loaded.__dict__ == reference.__dict__
+        assert_same(reference, loaded, "w")

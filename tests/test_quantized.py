@@ -8,6 +8,7 @@ with ``torch.load(weights_only=True)`` exactly: dtype, scheme, integers and ever
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 import warnings
@@ -24,7 +25,9 @@ import ckptool  # noqa: E402
 from ckptool.materialize import to_state_dict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_differential import Crafted, assert_agree, assert_same_tensor, raw, run  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_differential import SETTINGS, Crafted, assert_agree, assert_same_tensor, raw, run  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(deprecated|TypedStorage).*")
 
@@ -343,3 +346,47 @@ def test_a_plain_rebuild_over_a_quantized_storage(tmp_path: Path, rebuild: str) 
     if rebuild != "v3 uint8":
         with pytest.raises(ckptool.CkptError):
             ckptool.load(path)
+
+
+@st.composite
+def quantized_tensors(draw: Any) -> Any:
+    """A random quantized tensor as torch makes one: dtype, scheme, shape, parameters, a view."""
+    dtype = draw(st.sampled_from([torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4]))
+    shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    values = torch.tensor(draw(st.lists(st.floats(-100, 100, width=32), min_size=math.prod(shape),
+                                        max_size=math.prod(shape))), dtype=torch.float32).reshape(shape)
+    scheme = draw(st.sampled_from(["tensor", "channel", "float"]))
+    sub_byte = dtype in (torch.quint4x2, torch.quint2x4)
+    if scheme == "channel" and sub_byte:
+        scheme = "float"  # torch quantizes packed types per channel with float parameters only
+    scale = st.floats(1e-6, 1e3, allow_nan=False)
+    if scheme == "tensor":
+        tensor = torch.quantize_per_tensor(values, draw(scale), draw(st.integers(0, 3)), dtype)
+    else:
+        axis = draw(st.integers(0, len(shape) - 1))
+        count = shape[axis]
+        scales = torch.tensor(draw(st.lists(scale, min_size=count, max_size=count)),
+                              dtype=torch.float64 if scheme == "channel" else torch.float32)
+        zero_points = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=count, max_size=count)))
+        tensor = torch.quantize_per_channel(values, scales, zero_points.float() if scheme == "float" else zero_points,
+                                            axis, dtype)
+    if scheme != "float" and not sub_byte and draw(st.booleans()):  # a view: a slice along the first dimension
+        start = draw(st.integers(0, tensor.shape[0] - 1))
+        tensor = tensor[start:]
+        if scheme == "tensor" and tensor.dim() == 2 and draw(st.booleans()):
+            tensor = tensor.t()
+    return tensor
+
+
+@settings(SETTINGS, max_examples=25)
+@given(tensors=st.lists(quantized_tensors(), min_size=1, max_size=3), legacy=st.booleans())
+def test_random_quantized_checkpoints_read_what_torch_reads(tmp_path_factory: pytest.TempPathFactory,
+                                                            tensors: list, legacy: bool) -> None:
+    path = tmp_path_factory.mktemp("q") / "random.pt"
+    _save(path, {f"q{i}": tensor for i, tensor in enumerate(tensors)}, _use_new_zipfile_serialization=not legacy)
+    assert assert_agree(path) == "equal"
+    out = path.with_name("out.pt")
+    ckptool.save(ckptool.load(path), out)
+    reference, loaded = _torch_load(path), _torch_load(out)
+    for key, expected in reference.items():
+        assert_same_tensor(expected, loaded[key], key)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from . import dtypes
 from .checkpoint import Checkpoint
 from .errors import InputError, UsageError
+from .quantized import cast_exempt
 from .refs import StorageRef, TensorRef, check_expansion, contiguous_stride
 from .suggest import given, option
 from .tree import map_tensors
@@ -90,6 +91,9 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
         raise UsageError(given("dtype", dtype) + " is not a floating type: choose bf16, fp16 or fp32")
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="cast")
+    # a quantized tensor's scales and zero points are no weights: cast, they would change its values
+    exempt = cast_exempt(checkpoint.state_dict) if checkpoint.has_weights else set()
+    tensors = {name: tensor for name, tensor in tensors.items() if id(tensor) not in exempt}
     if not allow_overflow:
         names = overflowing(tensors, target)
         if names:
@@ -101,7 +105,7 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
     memo: dict[tuple, TensorRef] = {}
 
     def convert(tensor: TensorRef) -> TensorRef:
-        if not tensor.dtype.is_floating or tensor.dtype == target or tensor.numel == 0:
+        if not tensor.dtype.is_floating or tensor.dtype == target or tensor.numel == 0 or id(tensor) in exempt:
             return tensor
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,

@@ -9,9 +9,7 @@ components' storages) and say what it stands for (layout, dtype, shape). Nothing
 :func:`materialize` is asked for values, which builds the tensor with torch from the component
 tensors and checks it as ``torch.load`` does (the sparse invariants), or refuses.
 
-Quantized tensors (``_rebuild_qtensor`` over ``torch.QUInt8Storage`` and the like) are not read
-yet: their names are torch's own, so a file holding them is refused as unsupported (one line), not
-reported as unsafe.
+Quantized tensors (``_rebuild_qtensor``) are layout tensors too: :mod:`ckptool.quantized`.
 """
 
 from __future__ import annotations
@@ -19,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import InputError, UnsupportedFormatError
-from .pickles import TORCH_GLOBALS, OpaqueObject, StorageTypeRef, brief
-from .refs import DTypeRef, TensorRef
+from .errors import InputError
+from .pickles import TORCH_GLOBALS, OpaqueObject, TypeRef, brief
+from .pickles.rebuilds import _check_parameter_state
+from .refs import TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -31,8 +30,8 @@ _LAYOUT_NAMES = frozenset(f"torch.{name}" for name in (*SPARSE_LAYOUTS, "strided
 
 
 def _refuse_build(state: Any) -> None:
-    raise InputError(f"pickle sets attributes ({brief(state)}) on a sparse or nested tensor — refused; torch.save "
-                     "never writes that")
+    raise InputError(f"pickle sets attributes ({brief(state)}) on a sparse, nested or quantized tensor — refused; "
+                     "torch.save never writes that")
 
 
 class Layout(OpaqueObject):
@@ -98,6 +97,14 @@ class LayoutTensor(OpaqueObject):
     def describe(self) -> str:
         shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
         return f"{self.layout} {self.dtype.torch_name} {shape}"
+
+    def label(self) -> str:
+        """What kind of tensor it is, for a message: ``sparse_coo``, ``nested``, ``quantized qint8``."""
+        return self.layout
+
+    def name_tag(self) -> str:
+        """What its parts' names carry besides the key: what the parts alone do not fix (layout, size)."""
+        return f"{self.layout} {'x'.join(str(d) for d in self.shape)}"
 
 
 class SparseTensor(LayoutTensor):
@@ -221,38 +228,6 @@ GLOBALS: dict[str, Any] = {
 TORCH_GLOBALS.update(GLOBALS)  # torch's weights_only unpickler allows all three
 
 
-_QUANTIZED_REFUSAL = ("holds quantized tensors, which ckptool does not read yet — dequantize them with torch "
-                      "(tensor.dequantize()) and save again, or load this file with torch.load(weights_only=True)")
-
-
-class QuantizedStorageType(StorageTypeRef):
-    """``torch.QUInt8Storage`` and the like: allowed by torch, refused here when a storage is read."""
-
-    __slots__ = ()
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    @property  # type: ignore[override]
-    def dtype(self) -> Any:  # the storage loader asks for it first: no quantized storage is ever read
-        raise UnsupportedFormatError(f"{_QUANTIZED_REFUSAL} ({self.module}.{self.name})")
-
-
-def _rebuild_qtensor(*args: Any) -> None:
-    raise UnsupportedFormatError(_QUANTIZED_REFUSAL)
-
-
-_rebuild_qtensor.__setstate__ = _refuse_build  # type: ignore[attr-defined]
-TORCH_GLOBALS.update({
-    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
-    **{f"torch.{name}": QuantizedStorageType("torch", name)
-       for name in ("QUInt8Storage", "QInt8Storage", "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage")},
-    **{f"torch.{scheme}": DTypeRef("torch", scheme)  # recorded as the global it is, like a dtype
-       for scheme in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
-                      "per_channel_affine_float_qparams")},
-})
-
-
 def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:
     """The sparse and nested tensors among a mapping's values."""
     items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
@@ -260,7 +235,7 @@ def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:
 
 
 def describe_all(state_dict: Mapping[str, Any]) -> list[str]:
-    """One line per sparse or nested tensor: what it is and how its parts are listed."""
+    """One line per sparse, nested or quantized tensor: what it is and how its parts are listed."""
     return [f"{key!r} is a {value.describe()} tensor, listed as its parts {key}[...]: "
             + ", ".join(role for role, _ in value.components())
             for key, value in layout_tensors(state_dict).items()]
@@ -268,8 +243,8 @@ def describe_all(state_dict: Mapping[str, Any]) -> list[str]:
 
 def component_name(key: str, value: LayoutTensor, role: str) -> str:
     """The name a component tensor has in ``Checkpoint.tensors``: the tensor's key, its layout and
-    size (which the components alone do not fix), and the component's role."""
-    return f"{key}[{value.layout} {'x'.join(str(d) for d in value.shape)}/{role}]"
+    size (which the components alone do not fix; a quantized tensor's dtype), and the component's role."""
+    return f"{key}[{value.name_tag()}/{role}]"
 
 
 def add_components(tensors: dict[str, TensorRef], state_dict: Mapping[str, Any], path: Any) -> None:
@@ -295,15 +270,118 @@ def materialize(tensors: Mapping[str, LayoutTensor],
 
 
 def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
-    """A safetensors file holds dense tensors only: name the sparse and nested ones, write nothing."""
+    """A safetensors file holds dense tensors only: name the sparse, nested and quantized ones, write nothing."""
     found = layout_tensors(state_dict)
     if found:
         from . import suggest
         from .errors import OutputError
 
-        shown = ", ".join(f"{key!r} ({value.layout})" for key, value in list(found.items())[:4])
+        shown = ", ".join(f"{key!r} ({value.label()})" for key, value in list(found.items())[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
         raise OutputError(f"safetensors holds dense tensors only, but {shown}{more} "
-                          f"{'is' if len(found) == 1 else 'are'} sparse or nested — nothing was written; write .pt "
-                          f"({suggest.command('convert', '...', out='OUT.pt')}), or make them dense with torch first",
-                          path=out)
+                          f"{'is' if len(found) == 1 else 'are'} sparse, nested or quantized — nothing was written; "
+                          f"write .pt ({suggest.command('convert', '...', out='OUT.pt')}), or make them dense with "
+                          "torch first (tensor.to_dense(), tensor.dequantize())", path=out)
+
+
+# Quantized tensors: their placeholders build on LayoutTensor above and add torch's globals for them.
+from . import quantized as _quantized  # noqa: E402, F401
+
+
+class WrappedLayoutTensor(LayoutTensor):
+    """A sparse, nested or quantized tensor wrapped as torch.save wraps a tensor: in ``nn.Parameter``
+    (``_rebuild_parameter``, ``_rebuild_parameter_with_state``) or carrying Python attributes
+    (``_rebuild_from_type_v2`` with ``torch.Tensor``). It stands for the tensor it wraps (its parts,
+    its values; the API gives the tensor, as for a plain parameter); a ``.pt`` rewrite re-emits the
+    wrapping call, so torch loads the same parameter or attributes."""
+
+    @property
+    def inner(self) -> LayoutTensor:
+        return self._args[2] if self._global == "torch._tensor._rebuild_from_type_v2" else self._args[0]
+
+    def reduce_args(self) -> tuple:
+        if self._global == "torch._tensor._rebuild_from_type_v2":
+            inner = self._args[2]
+            return (self._args[0], self._args[1], tuple(inner.reduce_args()), self._args[3])
+        return self._args
+
+    @property
+    def layout(self) -> str:
+        return self.inner.layout
+
+    @property
+    def dtype(self) -> Any:
+        return self.inner.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.inner.shape
+
+    def components(self) -> list[tuple[str, TensorRef]]:
+        return self.inner.components()
+
+    def label(self) -> str:
+        return self.inner.label()
+
+    def name_tag(self) -> str:
+        return self.inner.name_tag()
+
+    def describe(self) -> str:
+        return self.inner.describe() + (" parameter" if "parameter" in self._global else " with attributes")
+
+    def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.inner.build(parts)
+
+
+def _wrapper(name: str) -> type:
+    return type(name.rsplit(".", 1)[-1], (WrappedLayoutTensor,), {"_global": name})
+
+
+_ParameterOfLayout = _wrapper("torch._utils._rebuild_parameter")
+_ParameterWithStateOfLayout = _wrapper("torch._utils._rebuild_parameter_with_state")
+_LayoutWithAttributes = _wrapper("torch._tensor._rebuild_from_type_v2")
+_PLAIN_REBUILDS = {name: TORCH_GLOBALS[name] for name in (
+    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2")}
+
+
+def _rebuild_parameter(data: Any, *args: Any) -> Any:
+    if not isinstance(data, LayoutTensor):
+        return _PLAIN_REBUILDS["torch._utils._rebuild_parameter"](data, *args)
+    if len(args) != 2 or not isinstance(args[0], bool):
+        raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks) — the file is corrupt")
+    return _ParameterOfLayout(data, *args)
+
+
+def _rebuild_parameter_with_state(data: Any, *args: Any) -> Any:
+    if not isinstance(data, LayoutTensor):
+        return _PLAIN_REBUILDS["torch._utils._rebuild_parameter_with_state"](data, *args)
+    if len(args) != 3 or not isinstance(args[0], bool):
+        raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks, state) — the file is "
+                         "corrupt")
+    _check_parameter_state(args[2])
+    return _ParameterWithStateOfLayout(data, *args)
+
+
+_LAYOUT_REBUILDS = {"torch._utils._rebuild_sparse_tensor", "torch._utils._rebuild_nested_tensor",
+                    "torch._utils._rebuild_qtensor"}
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    name = next((name for name in _LAYOUT_REBUILDS if func is TORCH_GLOBALS.get(name)), None)
+    if name is None:
+        return _PLAIN_REBUILDS["torch._tensor._rebuild_from_type_v2"](func, new_type, args, state)
+    if not isinstance(new_type, TypeRef) or f"{new_type.module}.{new_type.name}" != "torch.Tensor":
+        raise InputError(f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor "
+                         "only — refused")
+    if not isinstance(args, tuple):
+        raise InputError("a tensor with attributes has no argument tuple — the file is corrupt")
+    _check_parameter_state(state)
+    module, _, function = name.rpartition(".")
+    return _LayoutWithAttributes(TypeRef(module, function), new_type, func(*args), state)
+
+
+for _name, _function in (("torch._utils._rebuild_parameter", _rebuild_parameter),
+                         ("torch._utils._rebuild_parameter_with_state", _rebuild_parameter_with_state),
+                         ("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2)):
+    _function.__setstate__ = _refuse_build  # type: ignore[attr-defined]
+    TORCH_GLOBALS[_name] = _function

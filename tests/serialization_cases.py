@@ -107,6 +107,14 @@ def views(directory: Path) -> list[Path]:
         _save(directory / "views_dtypes.pt", _dtype_views()),
         _save(directory / "views_channels_last.pt",
               {"w": torch.arange(48.0).reshape(2, 3, 2, 4).contiguous(memory_format=torch.channels_last)}),
+        # overlapping windows of one storage (unfold), 0-dim and empty tensors, a view of a view
+        _save(directory / "views_overlap.pt", {"win": torch.arange(10.0).unfold(0, 4, 2), "base": torch.arange(3.0)}),
+        _save(directory / "views_scalars_empty.pt", {"s": torch.tensor(-0.0), "e": torch.empty(0, 3),
+                                                     "i": torch.tensor(7, dtype=torch.int64)}),
+        _save(directory / "views_of_views.pt", (lambda b: {"b": b, "v": b[1:][::2].t()[1]})(
+            torch.arange(30.0).reshape(5, 6))),
+        _save(directory / "views_legacy.pt", (lambda b: {"b": b, "col": b[:, 1], "win": b.reshape(-1).unfold(0, 3, 2)})(
+            torch.arange(12.0).reshape(3, 4)), _use_new_zipfile_serialization=False),
     ]
     return [p for p in made if p]
 
@@ -128,6 +136,9 @@ def parameters(directory: Path) -> list[Path]:
         _save(directory / "param_state.pt", {"r": r}),
         _save(directory / "param_module.pt", module.state_dict(keep_vars=True)),
         _save(directory / "param_state_dict.pt", module.state_dict()),
+        _save(directory / "param_legacy.pt", {"p": p, "q": q, "r": r}, _use_new_zipfile_serialization=False),
+        # a parameter sharing its storage with a plain tensor view of it (tied weights)
+        _save(directory / "param_tied.pt", {"embed": p, "head": p.detach()[1:]}),
     ]
     return [x for x in made if x]
 
@@ -157,8 +168,21 @@ def containers(directory: Path) -> list[Path]:
         _save(directory / "cont_bare_tensor.pt", torch.arange(5.0)),
         _save(directory / "cont_counter_device.pt", {"w": torch.ones(1), "size": torch.Size([2, 3]),
                                                     "dev": torch.device("cpu"), "dt": torch.float16}),
+        # a resumable training dict: weights under "model", optimizer state sharing nothing, scalars
+        _save(directory / "cont_training.pt", _training_dict()),
+        _save(directory / "cont_tuples_lists.pt", {"w": torch.ones(2), "b": torch.zeros(2),
+                                                  "pairs": [(torch.arange(2.0), 1), (torch.arange(3.0), 2)]}),
+        _save(directory / "cont_int_keys.pt", {0: torch.ones(2), 1: torch.arange(3)}),
     ]
     return [x for x in made if x]
+
+
+def _training_dict() -> dict:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 4, "best": 0.25}
 
 
 # test_serialization_untyped_storage / typed storages / test_storage_(un)typed / test_save_storage
@@ -216,7 +240,7 @@ def protocols(directory: Path) -> list[Path]:
     obj = {"w": torch.arange(4.0), "b": torch.ones(2, dtype=torch.bfloat16), "epoch": 2, "name": "x"}
     made = [_save(directory / f"proto_{n}.pt", obj, pickle_protocol=n) for n in (1, 2, 3, 4, 5)]
     made += [_save(directory / f"proto_{n}_legacy.pt", obj, pickle_protocol=n, _use_new_zipfile_serialization=False)
-             for n in (2, 4)]
+             for n in (1, 2, 3, 4, 5)]
     return [x for x in made if x]
 
 
@@ -244,12 +268,15 @@ class _Stored:
         self.location = location
 
 
-def _legacy_file(path: Path, obj: Any, storages: list[_Stored]) -> Path:
+LITTLE_ENDIAN_INFO = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}
+
+
+def _legacy_file(path: Path, obj: Any, storages: list[_Stored], sys_info: Any = LITTLE_ENDIAN_INFO) -> Path:
     """A legacy stream as torch < 1.6 wrote it (torch.serialization._legacy_save's layout), with
-    persistent records torch.save no longer writes: storage views (pre-0.4), torch.cuda storage types."""
+    persistent records torch.save no longer writes: storage views (pre-0.4), torch.cuda storage types;
+    ``sys_info`` is the system-info record (torch ignores it)."""
     buffer = io.BytesIO()
-    for value in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION,
-                  {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}):
+    for value in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION, sys_info):
         pickle.dump(value, buffer, protocol=2)
 
     class Writer(pickle.Pickler):
@@ -287,6 +314,12 @@ def legacy_records(directory: Path) -> list[Path]:
         cuda = _Stored(cuda_type, "c", data, 10)
         made.append(_legacy_file(directory / "legacy_cuda_storage_type.pt",
                                  {"w": _rebuild(cuda, 2, (3,), (2,)), "b": _rebuild(cuda, 0, (10,), (1,))}, [cuda]))
+    # the system-info record torch writes and ignores on load: a big-endian flag, long of 8 bytes, none at all
+    plain = {"w": _rebuild(root, 0, (10,), (1,)), "b": _rebuild(root, 2, (4,), (2,))}
+    for name, info in (("big_endian", {**LITTLE_ENDIAN_INFO, "little_endian": False}),
+                       ("long8", {**LITTLE_ENDIAN_INFO, "type_sizes": {"short": 2, "int": 4, "long": 8}}),
+                       ("none", None), ("empty", {})):
+        made.append(_legacy_file(directory / f"legacy_sys_info_{name}.pt", plain, [root], sys_info=info))
     return made
 
 
@@ -310,6 +343,11 @@ def byteorder(directory: Path) -> list[Path]:
                "c128": _pattern(torch.complex128)}
     grid = torch.arange(12, dtype=torch.int16).reshape(3, 4) * 257
     tensors.update({"grid": grid, "grid_t": grid.t(), "grid_row": grid[1, 1:], "untyped_u16": _pattern(torch.uint16)})
+    with warnings.catch_warnings():  # a qint32 storage swaps by 4 bytes, its parameters as theirs
+        warnings.simplefilter("ignore")
+        tensors.update({"q32": torch.quantize_per_tensor(torch.arange(6.0), 1e-3, 7, torch.qint32),
+                        "qc": torch.quantize_per_channel(torch.arange(6.0).reshape(2, 3), torch.tensor([0.5, 0.25]),
+                                                         torch.tensor([1, -2]), 0, torch.qint32)})
     source = _save(directory / "byteorder_src.tmp", tensors)
     if source is None:
         return made
@@ -342,7 +380,7 @@ def _storage_units(path: Path) -> dict[str, int]:
         def persistent_load(self, pid: Any) -> Any:
             _, storage_type, key, _, _ = pid
             dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            size = torch.empty(0, dtype=dtype).element_size()
+            size = torch._utils._element_size(dtype)
             sizes[key] = size // 2 if dtype.is_complex else size
             return torch.UntypedStorage(0)
 
@@ -368,6 +406,13 @@ def zipvariants(directory: Path) -> list[Path]:
         made.append(_save(directory / "zip_crc_off.pt", obj))
     finally:
         torch.serialization.set_crc32_options(True)
+    # test_serialization_zipfile with a name: the archive folder is the name the file was saved under
+    saved_as = _save(directory / "saved_as.pt", obj)
+    if saved_as is not None:
+        made.append(saved_as.rename(directory / "zip_renamed.pt"))
+    made.append(_save(directory / "zip_unicode_modèle.pt", obj))
+    made.append(_save(directory / "zip_many_storages.pt", {f"layer{i}.weight": torch.full((i + 1,), float(i))
+                                                          for i in range(40)}))
     return [x for x in made if x]
 
 
@@ -388,27 +433,98 @@ def rebuilds(directory: Path) -> list[Path]:
     return [x for x in made if x]
 
 
-# test_serialization_quantized / qtensor (another family's work: recorded here)
+def _quantized_weights() -> torch.Tensor:
+    return torch.linspace(-3.0, 5.0, 24).reshape(4, 6)
+
+
+def _per_channel(dtype: torch.dtype, axis: int = 0, floating: bool = False) -> torch.Tensor:
+    count = 4 if axis == 0 else 6
+    scales = torch.linspace(0.05, 0.4, count, dtype=torch.float32 if floating else torch.float64)
+    zero_points = torch.linspace(0.5, 3.5, count) if floating else torch.arange(count)
+    return torch.quantize_per_channel(_quantized_weights(), scales, zero_points, axis, dtype)
+
+
+def _quantized_files() -> dict[str, Callable[[], dict]]:
+    weights = _quantized_weights()
+    return {
+        "quant_per_tensor": lambda: {"q": torch.quantize_per_tensor(torch.arange(6.0), 0.5, 2, torch.quint8)},
+        "quant_per_channel": lambda: {"q": torch.quantize_per_channel(
+            torch.arange(6.0).reshape(2, 3), torch.tensor([0.5, 1.0]), torch.tensor([0, 1]), 0, torch.qint8)},
+        # every quantized dtype (test_serialization_qint*, quint4x2 and quint2x4 are packed sub-byte types)
+        "quant_dtypes": lambda: {str(dtype).removeprefix("torch."): torch.quantize_per_tensor(weights, 0.1, 3, dtype)
+                                 for dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2,
+                                               torch.quint2x4)},
+        "quant_per_channel_axes": lambda: {"a0": _per_channel(torch.qint8), "a1": _per_channel(torch.quint8, 1),
+                                           "i32": _per_channel(torch.qint32, 1)},
+        "quant_float_qparams": lambda: {"u8": _per_channel(torch.quint8, floating=True),
+                                        "u4": _per_channel(torch.quint4x2, floating=True),
+                                        "u2": _per_channel(torch.quint2x4, floating=True)},
+        # views of one quantized storage: a slice and the tensor share it, a transpose
+        "quant_views": lambda: (lambda full: {"full": full, "slice": full[1:3, 2:5],
+                                              "pt_t": torch.quantize_per_tensor(weights, 0.1, 3, torch.qint32).t()})(
+            _per_channel(torch.qint8)),
+        "quant_with_dense": lambda: {"fc.weight": _per_channel(torch.qint8), "fc.bias": torch.linspace(-1, 1, 4),
+                                     "steps": torch.tensor(7)},
+        # wrapped as torch.save wraps any tensor: a Parameter (with state), Python attributes
+        "quant_parameter": lambda: {"p": torch.nn.Parameter(_per_channel(torch.qint8), requires_grad=False),
+                                    "s": _with_attributes(torch.nn.Parameter(
+                                        torch.quantize_per_tensor(weights, 0.1, 3, torch.quint8), requires_grad=False))},
+        "quant_attributes": lambda: {"q": _with_attributes(torch.quantize_per_tensor(weights, 0.1, 3, torch.qint8))},
+    }
+
+
+def _with_attributes(tensor: torch.Tensor) -> torch.Tensor:
+    tensor.note = "calibrated"  # a plain Python attribute: torch.save writes it as state
+    return tensor
+
+
+# test_serialization_quantized / qtensor: per-tensor and per-channel schemes, every quantized dtype, views,
+# the legacy format
 def quantized(directory: Path) -> list[Path]:
-    q = torch.quantize_per_tensor(torch.arange(6.0), 0.5, 2, torch.quint8)
-    pc = torch.quantize_per_channel(torch.arange(6.0).reshape(2, 3), torch.tensor([0.5, 1.0]),
-                                    torch.tensor([0, 1]), 0, torch.qint8)
-    made = [_save(directory / "quant_per_tensor.pt", {"q": q}), _save(directory / "quant_per_channel.pt", {"q": pc})]
+    made = [_save(directory / f"{name}.pt", make()) for name, make in _quantized_files().items()]
+    made.append(_save(directory / "quant_legacy.pt", {"pt": torch.quantize_per_tensor(_quantized_weights(), 0.1, 3,
+                                                                                     torch.quint8),
+                                                      "pc": _per_channel(torch.qint8, 1)},
+                      _use_new_zipfile_serialization=False))
     return [x for x in made if x]
 
 
-# test_serialization_sparse* (another family's work: recorded here)
+def _dense() -> torch.Tensor:
+    return torch.tensor([[0.0, 1.5, 0.0, -2.0], [3.0, 0.0, 0.0, 4.25], [0.0, 0.0, 0.0, 0.0], [5.0, 6.0, 0.0, -0.0]])
+
+
+# test_serialization_sparse, _sparse_csr/_csc/_bsr/_bsc (test_serialization_sparse_compressed), hybrid and
+# uncoalesced COO, the legacy format
 def sparse(directory: Path) -> list[Path]:
     coo = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
     dense = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
-    made = [_save(directory / "sparse_coo.pt", {"s": coo}), _save(directory / "sparse_csr.pt", {"s": dense.to_sparse_csr()})]
+    uncoalesced = torch.sparse_coo_tensor(torch.tensor([[1, 0, 1], [2, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (2, 3))
+    made = [_save(directory / "sparse_coo.pt", {"s": coo}), _save(directory / "sparse_csr.pt", {"s": dense.to_sparse_csr()}),
+            _save(directory / "sparse_layouts.pt", {"coo": _dense().to_sparse(), "csr": _dense().to_sparse_csr(),
+                                                    "csc": _dense().double().to_sparse_csc(),
+                                                    "bsr": _dense().to_sparse_bsr((2, 2)),
+                                                    "bsc": _dense().to_sparse_bsc((2, 1))}),
+            _save(directory / "sparse_coo_kinds.pt", {"uncoalesced": uncoalesced,
+                                                      "hybrid": torch.arange(24).reshape(4, 3, 2).to_sparse(1),
+                                                      "empty": torch.zeros(3, 3).to_sparse(),
+                                                      "dense": torch.ones(2)}),
+            _save(directory / "sparse_legacy.pt", {"coo": _dense().to_sparse(), "w": torch.ones(2)},
+                  _use_new_zipfile_serialization=False),
+            _save(directory / "sparse_wrapped.pt", {"p": torch.nn.Parameter(_dense().to_sparse(), requires_grad=False),
+                                                    "a": _with_attributes(_dense().to_sparse_csr())})]
     return [x for x in made if x]
 
 
-# test_serialization_nested_tensor (another family's work: recorded here)
+# test_serialization_nested_tensor: float and integer pieces of one and two dimensions
 def nested(directory: Path) -> list[Path]:
     nt = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
-    made = [_save(directory / "nested.pt", {"n": nt})]
+    made = [_save(directory / "nested.pt", {"n": nt}),
+            _save(directory / "nested_kinds.pt", {
+                "grid": torch.nested.nested_tensor([torch.ones(2, 3), torch.arange(8.0).reshape(4, 2)]),
+                "ints": torch.nested.nested_tensor([torch.arange(3), torch.arange(5)]),
+                "w": torch.ones(3)}),
+            _save(directory / "nested_attributes.pt", {"n": _with_attributes(torch.nested.nested_tensor(
+                [torch.ones(2), torch.arange(3.0)]))})]
     return [x for x in made if x]
 
 

@@ -123,7 +123,7 @@ def test_a_safetensors_output_is_refused_in_one_line_naming_them(saved: tuple[Pa
     assert "'coo' (sparse_coo)" in stderr and "nothing was written" in stderr
     assert not out.exists() and not list(tmp_path.glob("*.safetensors"))
     code, _, stderr = run("convert", path, "-o", tmp_path / "shards", "--max-shard-size", "1MB")
-    assert code == 3 and "sparse or nested" in stderr and not (tmp_path / "shards").exists()
+    assert code == 3 and "sparse, nested or quantized" in stderr and not (tmp_path / "shards").exists()
 
 
 def test_inspect_describes_them(saved: tuple[Path, dict[str, Any]]) -> None:
@@ -178,17 +178,35 @@ def test_a_nested_tensor_reaching_past_its_buffer_is_refused(tmp_path: Path) -> 
             to_state_dict(checkpoint.state_dict)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.quantize_per_tensor(torch.tensor([1.0, 2.0, 3.0]), 0.5, 1, torch.quint8),
-    lambda: torch.quantize_per_channel(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0.5, 0.25]),
-                                       torch.tensor([1, 2]), 0, torch.qint8),
-])
-def test_quantized_tensors_are_refused_as_unsupported_not_unsafe(tmp_path: Path, make: Any) -> None:
-    """torch allows their globals: scan must not call them unsafe; ckptool does not read them yet."""
-    path = tmp_path / "quantized.pt"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.save({"q": make(), "b": torch.ones(2)}, path)
-    for command in ("scan", "inspect"):
-        code, out, err = run(command, path)
-        assert code == 3 and len(err.strip().splitlines()) == 1 and "quantized" in err, (command, out, err)
+@pytest.mark.parametrize("wrap", ["parameter", "parameter with state", "attributes", "state setting data"])
+def test_wrapped_layout_tensors_read_as_torch_or_are_refused(tmp_path: Path, wrap: str) -> None:
+    """A sparse or quantized tensor in nn.Parameter or with Python attributes: torch reads it; so does ckptool,
+    and a .pt rewrite gives torch the same wrapping back. State that would replace the tensor is refused."""
+    from test_differential import Crafted, assert_agree
+
+    sparse = _dense().to_sparse()
+    hooks: Any = __import__("collections").OrderedDict()
+    make = {
+        "parameter": lambda: torch.nn.Parameter(sparse, requires_grad=False),
+        "parameter with state": lambda: Crafted(torch._utils._rebuild_parameter_with_state,
+                                                (sparse, False, hooks, {"tag": 1})),
+        "attributes": lambda: Crafted(torch._tensor._rebuild_from_type_v2,
+                                      (torch._utils._rebuild_sparse_tensor, torch.Tensor,
+                                       (torch.sparse_coo, (sparse._indices(), sparse._values(), sparse.shape, True)),
+                                       {"note": "x"})),
+        "state setting data": lambda: Crafted(torch._utils._rebuild_parameter_with_state,
+                                              (sparse, False, hooks, {"data": torch.zeros(2)})),
+    }[wrap]
+    path = tmp_path / "wrapped.pt"
+    torch.save({"w": make(), "b": torch.ones(1)}, path)
+    outcome = assert_agree(path)
+    assert outcome != "equal" if wrap == "state setting data" else outcome == "equal", outcome
+    if wrap == "state setting data":
+        with pytest.raises(ckptool.CkptError, match="'data'"):
+            ckptool.load(path)
+    if outcome == "equal":
+        code, _, err = run("convert", path, "-o", tmp_path / "out.pt")
+        assert code == 0, err
+        reference, loaded = _torch_load(path)["w"], _torch_load(tmp_path / "out.pt")["w"]
+        assert type(loaded) is type(reference) and loaded.__dict__ == reference.__dict__
+        assert_same(reference, loaded, "w")

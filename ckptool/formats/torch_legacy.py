@@ -56,9 +56,9 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
         )
     if pickles.loads(handle, plain) != PROTOCOL_VERSION:
         raise UnsupportedFormatError("is a legacy torch file with an unknown protocol version", path=path)
-    sys_info = pickles.loads(handle, plain)
-    if not isinstance(sys_info, dict) or sys_info.get("little_endian") is not True:
-        raise UnsupportedFormatError("was saved big-endian or without system info; not supported", path=path)
+    # system info (byte order, type sizes): torch ignores it, its little_endian flag included, and
+    # reads every storage little-endian; so does ckptool
+    pickles.loads(handle, plain)
     storages: dict[str, StorageRef] = {}
 
     def persistent_load(pid: Any) -> StorageRef:

@@ -236,7 +236,7 @@ class _Emitter:
 
     def _opaque(self, obj: OpaqueObject) -> None:
         self.global_(obj._global)
-        self.save(tuple(obj._args))
+        self.save(tuple(obj.reduce_args()))
         self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
         self._put(obj)
         if obj._items:

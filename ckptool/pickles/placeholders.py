@@ -84,6 +84,10 @@ class OpaqueObject:
     def __setitem__(self, key: Any, value: Any) -> None:
         self._setitems.append((key, value))
 
+    def reduce_args(self) -> tuple:
+        """The arguments the pickle passes to the global (a placeholder may hold them in another form)."""
+        return self._args
+
     def __repr__(self) -> str:
         return f"<{self._global}>"
 

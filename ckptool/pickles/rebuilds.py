@@ -87,6 +87,9 @@ def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any
     if not isinstance(requires_grad, bool):
         raise InputError("a tensor's requires_grad is not a bool — the file is corrupt")
     dtype = dtype or storage.dtype
+    if dtype.name not in dtypes.BY_NAME:  # a quantized storage: torch builds its tensors by _rebuild_qtensor only
+        raise InputError(f"a plain tensor rebuild reads a {dtype.torch_name} storage — refused; torch.save writes "
+                         "quantized tensors with _rebuild_qtensor")
     conj = neg = False
     if extra:  # the usual tensor has no metadata: nothing more to check
         conj, neg = _tensor_bits(extra, dtype)

@@ -117,6 +117,31 @@ class Checkpoint:
             layouts.add_components(found, state_dict, self.path)
         return found
 
+    def tensors_by_place(self) -> dict[str, TensorRef]:
+        """Every tensor of a container that holds no mapping of names to weights (a bare tensor, a
+        list or tuple of tensors, a dict with integer keys), named by where it lies: ``0``, ``a.1``,
+        ``tensor`` for a bare one. ``diff`` compares two such files by these names.
+
+        Raises:
+            InputError: it holds no tensor; two places spell one name (``{1: t, "1": u}``); or a
+                sparse, nested or quantized tensor, whose values are more than its parts' bytes
+                (their names and parameters come from a mapping of names, which is missing).
+        """
+        found: dict[str, TensorRef] = {}
+        for place, tensor in iter_tensors(self.container):
+            if any(isinstance(node, LayoutTensor) for node in _nodes_on(self.container, place)):
+                raise InputError("holds a sparse, nested or quantized tensor outside any mapping of names to "
+                                 "tensors — compare it with torch (ckptool compares named tensors)", path=self.path)
+            name = ".".join(str(key) for key in place) or "tensor"
+            if name in found:
+                raise InputError(f"holds two tensors both placed at {name!r} (keys of different types) — compare "
+                                 "them with torch", path=self.path)
+            found[name] = tensor
+        if not found:
+            raise InputError("holds no tensors (no weights, no tensor anywhere in it) — is this a checkpoint?",
+                             path=self.path)
+        return found
+
     @property
     def is_lightning(self) -> bool:
         return isinstance(self.container, dict) and any(marker in self.container for marker in LIGHTNING_MARKERS)
@@ -173,3 +198,18 @@ class Checkpoint:
         if not isinstance(self.container, dict) or not self.layout:
             return {}
         return {k: v for k, v in dict.items(self.container) if k != self.layout[0]}
+
+
+def _nodes_on(container: Any, place: tuple[Any, ...]) -> list[Any]:
+    """The objects a walk passes from ``container`` down to ``place`` (an opaque record's parts included)."""
+    nodes, node = [container], container
+    for key in place:
+        if isinstance(node, dict):
+            node = dict.__getitem__(node, key)
+        elif isinstance(node, list | tuple):
+            node = node[key]
+        else:  # an OpaqueObject: the walk names its parts (tree._children)
+            parts = {"args": node._args, "items": node._items, "state": node._state}
+            node = parts[key] if key in parts else node._setitems[key[1]][1]
+        nodes.append(node)
+    return nodes

@@ -361,13 +361,16 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         (True, 8)
     """
     left, right = _open(a, allow_globals), _open(b, allow_globals)
-    a_tensors, b_tensors = left.tensors, right.tensors
+    if left.has_weights or right.has_weights:
+        a_tensors, b_tensors = left.tensors, right.tensors
+    else:  # neither names its weights (bare tensors, lists): compare every tensor by where it lies
+        a_tensors, b_tensors = left.tensors_by_place(), right.tensors_by_place()
     for side, tensors in ((left, a_tensors), (right, b_tensors)):
         check_expansion(tensors, allow=allow_expansion, path=side.path, doing="compare")
     a_keys = {key: key for key in a_tensors}  # the key as compared -> A's key as stored
     report = DiffReport(a=str(left.path), b=str(right.path), a_format=left.format, b_format=right.format,
                         a_tensors=len(a_tensors), b_tensors=len(b_tensors), atol=atol)
-    prefixes = prefix_note(left, right)
+    prefixes = prefix_note(left, right) if left.has_weights and right.has_weights else None
     if prefixes is not None and align_prefixes:
         report.aligned = prefixes
         a_keys = {(key[len(prefixes[0]):] if prefixes[0] and key.startswith(prefixes[0]) else key): key

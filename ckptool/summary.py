@@ -10,6 +10,7 @@ from typing import Any
 
 from . import formats, layouts, suggest
 from .checkpoint import Checkpoint
+from .errors import InputError
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
@@ -135,6 +136,17 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     return hints
 
 
+def _loose_tensors_note(checkpoint: Checkpoint) -> list[str]:
+    """What a file without a mapping of names to weights holds instead (a bare tensor, a list...)."""
+    try:
+        loose = checkpoint.tensors_by_place()
+    except InputError:
+        return []
+    shown = ", ".join(repr(name) for name in list(loose)[:3]) + (", ..." if len(loose) > 3 else "")
+    return [f"{len(loose)} tensor(s) outside any mapping of names, by place: {shown} — diff compares them "
+            "by place"]
+
+
 def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False,
               allow_expansion: bool = False) -> Summary:
     """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
@@ -171,6 +183,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
                              f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
                              "conjugated/negated, as torch.load gives them")
     summary.notes += layouts.describe_all(checkpoint.state_dict if checkpoint.has_weights else {})
+    if not checkpoint.has_weights:
+        summary.notes += _loose_tensors_note(checkpoint)
     summary.hints = _hints(checkpoint, summary)
     measured = expansion(tensors)
     if measured.expanding:

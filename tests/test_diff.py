@@ -254,3 +254,42 @@ def test_a_file_cut_short_after_loading_is_an_input_error_naming_it(tmp_path: Pa
     with pytest.raises(InputError, match="file is truncated") as caught:
         diff(left, right)
     assert caught.value.path == b
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: t,                                  # a bare tensor: named "tensor"
+    lambda t: [torch.ones(2), t],                 # a list: by index
+    lambda t: (torch.ones(2), {"x": [t]}),        # nested places: "1.x.0"
+    lambda t: {1: torch.ones(2), 2: t},           # integer keys: no mapping of names
+])
+def test_files_without_named_weights_are_compared_by_place(tmp_path: Path, make: Any) -> None:
+    values = torch.arange(6, dtype=torch.float32)
+    flipped = values.clone()
+    flipped.view(torch.int32)[3] ^= 1  # one low bit: values torch tells apart
+    torch.save(make(values), tmp_path / "a.pt")
+    torch.save(make(values.clone()), tmp_path / "same.pt")
+    torch.save(make(flipped), tmp_path / "b.pt")
+    runner = CliRunner()
+    same = runner.invoke(main, ["diff", str(tmp_path / "a.pt"), str(tmp_path / "same.pt"), "--json"])
+    assert same.exit_code == 0, same.output
+    assert json.loads(same.stdout)["identical"] is True
+    changed = runner.invoke(main, ["diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--json"])
+    assert changed.exit_code == 1, changed.output
+    report = json.loads(changed.stdout)
+    assert [entry["name"] for entry in report["changed"]] == [
+        {torch.Tensor: "tensor", list: "1", tuple: "1.x.0", dict: "2"}[type(make(values))]]
+    inspected = runner.invoke(main, ["inspect", str(tmp_path / "a.pt"), "--json"])
+    assert any("outside any mapping of names, by place" in note for note in json.loads(inspected.stdout)["notes"])
+
+
+def test_places_that_cannot_be_told_apart_are_refused(tmp_path: Path) -> None:
+    cases = {
+        "clash.pt": {1: torch.ones(2), "1": torch.zeros(2)},  # two places spell "1"
+        "sparse.pt": [torch.ones(3).to_sparse()],              # its values are more than its parts' bytes
+        "storage.pt": torch.ones(3).untyped_storage(),          # no tensor to compare
+    }
+    for name, value in cases.items():
+        torch.save(value, tmp_path / name)
+        result = CliRunner().invoke(main, ["diff", str(tmp_path / name), str(tmp_path / name)])
+        assert result.exit_code == 3, (name, result.output)
+        assert result.stderr.count("\n") == 1 and name in result.stderr, result.stderr

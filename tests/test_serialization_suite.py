@@ -276,12 +276,20 @@ def _flipped(tensor: Any) -> Any:
 def _flip_one_bit(reference: Any) -> Any | None:
     """torch's object with the lowest bit of one weight's first value flipped (None: nothing to flip)."""
     for key, tensor in torch_tensors(reference).items():
-        if not _meta(tensor) and tensor.numel() and key and len(key) == 1:
-            copy = dict(reference)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+        if _meta(tensor) or not tensor.numel() or len(key) > 1:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not key:  # a bare tensor
+                return _flipped(tensor)
+            if isinstance(reference, dict):
+                copy: Any = dict(reference)
                 copy[key[0]] = _flipped(tensor)
-            return copy
+                return copy
+            if isinstance(reference, list | tuple):  # tensors by place
+                items = list(reference)
+                items[key[0]] = _flipped(tensor)
+                return type(reference)(items) if isinstance(reference, tuple) else items
     return None
 
 
@@ -293,7 +301,7 @@ def check_diff(path: Path, reference: Any, work: Path) -> str:
         if code == 1:
             raise Wrong(f"diff finds an independent save of torch's values different: {out[-300:]}")
         return _refusal(code, err, "diff")
-    flipped = _flip_one_bit(reference) if isinstance(reference, dict) else None
+    flipped = _flip_one_bit(reference)
     if flipped is not None:
         torch.save(flipped, work / "flipped.pt")
         code, out, err = _run("diff", path, work / "flipped.pt")

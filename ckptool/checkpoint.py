@@ -120,7 +120,8 @@ class Checkpoint:
     def tensors_by_place(self) -> dict[str, TensorRef]:
         """Every tensor of a container that holds no mapping of names to weights (a bare tensor, a
         list or tuple of tensors, a dict with integer keys), named by where it lies: ``0``, ``a.1``,
-        ``tensor`` for a bare one. ``diff`` compares two such files by these names.
+        ``tensor`` for a bare one (``storage``); a storage saved on its own counts as a 1-d tensor of its dtype.
+        ``diff`` compares two such files by these names.
 
         Raises:
             InputError: it holds no tensor; two places spell one name (``{1: t, "1": u}``); or a
@@ -128,18 +129,18 @@ class Checkpoint:
                 (their names and parameters come from a mapping of names, which is missing).
         """
         found: dict[str, TensorRef] = {}
-        for place, tensor in iter_tensors(self.container):
+        for place, tensor in iter_tensors(self.container, storages=True):
             if any(isinstance(node, LayoutTensor) for node in _nodes_on(self.container, place)):
                 raise InputError("holds a sparse, nested or quantized tensor outside any mapping of names to "
                                  "tensors — compare it with torch (ckptool compares named tensors)", path=self.path)
-            name = ".".join(str(key) for key in place) or "tensor"
+            name = ".".join(str(key) for key in place) or ("storage" if _is_storage(self.container) else "tensor")
             if name in found:
                 raise InputError(f"holds two tensors both placed at {name!r} (keys of different types) — compare "
                                  "them with torch", path=self.path)
             found[name] = tensor
         if not found:
-            raise InputError("holds no tensors (no weights, no tensor anywhere in it) — is this a checkpoint?",
-                             path=self.path)
+            raise InputError("holds no tensors (no weights, no tensor or storage anywhere in it) — is this a "
+                             "checkpoint?", path=self.path)
         return found
 
     @property
@@ -198,6 +199,10 @@ class Checkpoint:
         if not isinstance(self.container, dict) or not self.layout:
             return {}
         return {k: v for k, v in dict.items(self.container) if k != self.layout[0]}
+
+
+def _is_storage(container: Any) -> bool:
+    return isinstance(container, StorageRef)
 
 
 def _nodes_on(container: Any, place: tuple[Any, ...]) -> list[Any]:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .pickles import OpaqueObject
-from .refs import TensorRef
+from .refs import StorageRef, TensorRef
 
 Path_ = tuple[Any, ...]
 # values no walk needs to enter: atoms, and empty containers (a pickle of 10 million empty lists
@@ -51,8 +51,12 @@ def _child_values(obj: Any) -> Any:
     return ()
 
 
-def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
-    """Every TensorRef reachable from ``obj`` with the key path to its first occurrence."""
+def iter_tensors(obj: Any, *, storages: bool = False) -> Iterator[tuple[Path_, TensorRef]]:
+    """Every TensorRef reachable from ``obj`` with the key path to its first occurrence.
+
+    ``storages``: a storage saved as a value of its own (``torch.save(t.untyped_storage())``) is
+    yielded too, as a 1-d tensor of its dtype over all of it.
+    """
     seen: set[int] = set()
     stack: list[tuple[Path_, Any]] = [((), obj)]
     while stack:
@@ -61,6 +65,11 @@ def iter_tensors(obj: Any) -> Iterator[tuple[Path_, TensorRef]]:
             if id(node) not in seen:
                 seen.add(id(node))
                 yield path, node
+            continue
+        if storages and isinstance(node, StorageRef):
+            if id(node) not in seen:
+                seen.add(id(node))
+                yield path, TensorRef(storage=node, dtype=node.dtype, shape=(node.numel,), stride=(1,))
             continue
         if id(node) in seen:
             continue

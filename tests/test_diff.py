@@ -286,10 +286,23 @@ def test_places_that_cannot_be_told_apart_are_refused(tmp_path: Path) -> None:
     cases = {
         "clash.pt": {1: torch.ones(2), "1": torch.zeros(2)},  # two places spell "1"
         "sparse.pt": [torch.ones(3).to_sparse()],              # its values are more than its parts' bytes
-        "storage.pt": torch.ones(3).untyped_storage(),          # no tensor to compare
+        "nothing.pt": {"epoch": 3},                             # no tensor to compare
     }
     for name, value in cases.items():
         torch.save(value, tmp_path / name)
         result = CliRunner().invoke(main, ["diff", str(tmp_path / name), str(tmp_path / name)])
         assert result.exit_code == 3, (name, result.output)
         assert result.stderr.count("\n") == 1 and name in result.stderr, result.stderr
+
+
+def test_storages_saved_on_their_own_are_compared_as_their_bytes(tmp_path: Path) -> None:
+    values = torch.arange(4, dtype=torch.float32)
+    torch.save(values.untyped_storage(), tmp_path / "a.pt")
+    torch.save(values.clone().untyped_storage(), tmp_path / "same.pt")
+    values[2] = -1
+    torch.save(values.untyped_storage(), tmp_path / "b.pt")
+    runner = CliRunner()
+    assert runner.invoke(main, ["diff", str(tmp_path / "a.pt"), str(tmp_path / "same.pt")]).exit_code == 0
+    changed = runner.invoke(main, ["diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--json"])
+    assert changed.exit_code == 1, changed.output
+    assert [entry["name"] for entry in json.loads(changed.stdout)["changed"]] == ["storage"]

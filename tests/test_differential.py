@@ -32,7 +32,6 @@ from ckptool.cli import main
 from ckptool.layouts import LayoutTensor
 from ckptool.materialize import to_state_dict
 from ckptool.pickles import PARAMETER_DESCRIPTORS
-from ckptool.tree import iter_tensors
 from ckptool.refs import TensorRef
 
 # of a suite's 60 examples, at least this many must be files both torch and ckptool read and compare (not
@@ -76,6 +75,16 @@ class ShadowedDict(OrderedDict):
 def run(*args: object) -> tuple[int, str, str]:
     result = CliRunner().invoke(main, [str(a) for a in args])
     return result.exit_code, result.stdout, result.stderr
+
+
+# the four .pt rewrites, each from a source to a .pt output
+PT_REWRITES = ("remap", "add-prefix", "convert", "strip")
+
+
+def rewrite(command: str, source: Path, out: Path) -> tuple[int, str, str]:
+    """Run one of :data:`PT_REWRITES` from ``source`` to ``out`` (remap: every storage to the CPU)."""
+    extra = ["--to", "cpu"] if command == "remap" else []
+    return run(command, source, *extra, "-o", out)
 
 
 def torch_tensors(obj: Any, path: tuple = ()) -> dict[tuple, Any]:

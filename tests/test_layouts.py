@@ -21,7 +21,7 @@ import ckptool  # noqa: E402
 from ckptool.materialize import to_state_dict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_differential import run  # noqa: E402
+from test_differential import PT_REWRITES, rewrite, run  # noqa: E402
 
 
 def _dense() -> Any:
@@ -97,16 +97,14 @@ def test_the_api_reads_the_values_torch_reads(saved: tuple[Path, dict[str, Any]]
         assert_same(expected, values[key], key)
 
 
-@pytest.mark.parametrize("command", ["remap", "add-prefix", "convert", "strip"])
+@pytest.mark.parametrize("command", PT_REWRITES)
 def test_pt_rewrites_load_in_torch_with_the_same_tensors(tmp_path: Path, command: str) -> None:
     state = {f"module.{name}": make() for name, make in LAYOUTS.items()}
     source = tmp_path / "ddp.pt"
     torch.save(state, source)
     reference = _torch_load(source)
     out = tmp_path / "out.pt"
-    args = {"remap": ["remap", source, "--to", "cpu", "-o", out], "add-prefix": ["add-prefix", source, "-o", out],
-            "convert": ["convert", source, "-o", out], "strip": ["strip", source, "-o", out]}[command]
-    code, stdout, stderr = run(*args)
+    code, stdout, stderr = rewrite(command, source, out)
     assert code == 0, stderr
     if command == "strip":
         assert_loads_like(out, {key.removeprefix("module."): value for key, value in reference.items()})

@@ -27,7 +27,8 @@ from ckptool.materialize import to_state_dict  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_differential import SETTINGS, Crafted, assert_agree, assert_same_tensor, raw, run  # noqa: E402
+from test_differential import (  # noqa: E402
+    PT_REWRITES, SETTINGS, Crafted, assert_agree, assert_same_tensor, raw, rewrite, run)
 
 warnings.filterwarnings("ignore", message=".*(deprecated|TypedStorage).*")
 
@@ -130,16 +131,14 @@ def test_a_big_endian_file_reads_its_qint32_integers_swapped(tmp_path: Path) -> 
     assert run("diff", big, source)[0] == 0
 
 
-@pytest.mark.parametrize("command", ["remap", "add-prefix", "convert", "strip"])
+@pytest.mark.parametrize("command", PT_REWRITES)
 def test_pt_rewrites_load_in_torch_bit_identical(tmp_path: Path, command: str) -> None:
     state = {f"module.{name}": make() for name, make in QUANTIZED.items()}
     state["module.dense"] = torch.arange(3.0)
     source = _save(tmp_path / "ddp.pt", state)
     reference = _torch_load(source)
     out = tmp_path / "out.pt"
-    args = {"remap": ["remap", source, "--to", "cpu", "-o", out], "add-prefix": ["add-prefix", source, "-o", out],
-            "convert": ["convert", source, "-o", out], "strip": ["strip", source, "-o", out]}[command]
-    code, _, stderr = run(*args)
+    code, _, stderr = rewrite(command, source, out)
     assert code == 0, stderr
     loaded = _torch_load(out)
     rename = {"strip": lambda k: k.removeprefix("module."), "add-prefix": lambda k: "module." + k}.get(command,

@@ -189,12 +189,18 @@ def check_api(path: Path, reference: Any, work: Path) -> str:
     return READ
 
 
+def _convert(path: Path, target: Path) -> tuple[int, str]:
+    """``convert path -o target``: its exit code and stderr; a refusal must leave no output."""
+    code, _, err = _run("convert", path, "-o", target)
+    if code != 0 and target.exists():
+        raise Wrong("a refused convert left its output")
+    return code, err
+
+
 def check_safetensors(path: Path, reference: Any, work: Path) -> str:
     target = work / "out.safetensors"
-    code, _, err = _run("convert", path, "-o", target)
+    code, err = _convert(path, target)
     if code != 0:
-        if target.exists():
-            raise Wrong("a refused convert left its output")
         outcome = _refusal(code, err, "convert -o .safetensors")
         try:
             checkpoint = ckptool.load(path)
@@ -226,10 +232,8 @@ def check_safetensors(path: Path, reference: Any, work: Path) -> str:
 
 def check_pt(path: Path, reference: Any, work: Path) -> str:
     target = work / "out.pt"
-    code, _, err = _run("convert", path, "-o", target)
+    code, err = _convert(path, target)
     if code != 0:
-        if target.exists():
-            raise Wrong("a refused convert left its output")
         return _refusal(code, err, "convert -o .pt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

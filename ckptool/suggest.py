@@ -91,6 +91,10 @@ class Wording:
         """The text, each option spelled by ``spell`` (:func:`flag` or :func:`keyword`)."""
         return "".join(part if isinstance(part, str) else spell(part) for part in self.parts)
 
+    def map_text(self, change: Callable[[str], str]) -> Wording:
+        """The same message with ``change`` applied to its words (each run of text between options)."""
+        return Wording(*(change(part) if isinstance(part, str) else part for part in self.parts))
+
     def __str__(self) -> str:
         return self.render(keyword)
 

@@ -298,7 +298,10 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     except CkptError as e:
         if e.path is None or _TEMP_PATH.search(str(e.path)):
             # the temp file is an implementation detail: the user asked for `out`, name that
-            raise type(e)(_TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), e.message), path=out) from e
+            def named(text: str) -> str:
+                return _TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), text)
+
+            raise type(e)(e.wording.map_text(named) if e.wording is not None else named(e.message), path=out) from e
         raise
     finally:
         expect.settle()

@@ -173,20 +173,30 @@ def test_verify_failures_name_keywords_in_the_report_and_flags_on_the_command_li
     assert drifted.failure_text(flag).endswith("— rerun with --atol/--rtol if that is expected")
 
 
-def _raised_flags(root: Path) -> list[str]:
-    """Every string constant naming a flag (``--name``) inside a ``raise`` of the library's modules."""
+def _spelled_flags(root: Path) -> list[str]:
+    """Every string constant naming a flag (``--name``) in the library's modules, docstrings aside: a
+    refusal's words, a report's failure line, a diagnosis's fix."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root).as_posix() in ("cli.py", "render.py", "suggest.py"):
             continue  # the command line itself, and the one module that spells options as flags
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Raise) and node.exc is not None:
-                found += [f"{path.relative_to(root)}:{inner.lineno}: {inner.value!r}" for inner in ast.walk(node.exc)
-                          if isinstance(inner, ast.Constant) and isinstance(inner.value, str)
-                          and re.search(r"--[A-Za-z]", inner.value)]
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        found += [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                  and re.search(r"--[A-Za-z]", node.value)]
     return found
 
 
-def test_no_library_refusal_spells_a_flag() -> None:
-    """A flag in a library message names an option an API caller cannot pass: it is an Option instead."""
-    assert _raised_flags(Path(ckptool.__file__).parent) == []
+def test_no_library_message_spells_a_flag() -> None:
+    """A flag in a library message names an option an API caller cannot pass: it is an Option instead
+    (the scan covers every ``raise``, and the lines a report carries)."""
+    assert _spelled_flags(Path(ckptool.__file__).parent) == []
+
+
+def test_the_scan_finds_a_flag_in_a_raise(tmp_path: Path) -> None:
+    (tmp_path / "module.py").write_text('"""Uses --force in its docstring."""\n'
+                                        'def f():\n    raise ValueError("pass " + "--force")\n')
+    assert _spelled_flags(tmp_path) == ["module.py:3: '--force'"]

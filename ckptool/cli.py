@@ -378,11 +378,11 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
                      input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals,
                      allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json(report.to_json(flag))
     else:
         render.verify(report)
     if not report.ok:
-        render.echo(f"ckptool: verify failed: {report.failure}", err=True)
+        render.echo(f"ckptool: verify failed: {report.failure_text(flag)}", err=True)
     sys.exit(exitcodes.OK if report.ok else exitcodes.PROBLEM)
 
 

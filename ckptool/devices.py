@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from .errors import UsageError
+from .suggest import given, option
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported where a device is used
     import torch
@@ -47,12 +48,12 @@ def location_mapper(to: str | None = None, mapping: Iterable[str] = ()) -> Calla
     for item in mapping:
         old, sep, new = item.partition("=")
         if not sep:
-            raise UsageError(f"--map {item!r} is not OLD=NEW, e.g. --map cuda:1=cuda:0")
+            raise UsageError(given("mapping", item) + " is not OLD=NEW, e.g. " + option("mapping", ["cuda:1=cuda:0"]))
         pairs[normalize_location(old)] = normalize_location(new)
     if to is not None and pairs:
-        raise UsageError("give either --to or --map, not both")
+        raise UsageError("give either " + option("to_device", None) + " or " + option("mapping", None) + ", not both")
     if to is None and not pairs:
-        raise UsageError("say where to: --to cpu, or --map cuda:1=cuda:0")
+        raise UsageError("say where to: " + option("to_device", "cpu") + ", or " + option("mapping", ["cuda:1=cuda:0"]))
     target = normalize_location(to) if to is not None else None
 
     def remap(tag: str) -> str:
@@ -140,7 +141,7 @@ def resolve_devices(devices: str | Sequence[str]) -> list[str]:
     else:
         requested = [str(part).strip() for part in devices]
     if not requested:
-        raise UsageError("--devices is empty — pass all, or a list like cpu,cuda:0")
+        raise UsageError(option("devices", None) + " is empty — pass all, or a list like cpu,cuda:0")
     if requested == ["all"]:
         return available
     resolved: list[str] = []
@@ -149,7 +150,8 @@ def resolve_devices(devices: str | Sequence[str]) -> list[str]:
         if tag in ("cuda", "xpu"):
             tag += ":0"
         if tag not in available:
-            raise UsageError(f"--devices: {tag} is not available on this machine (available: {', '.join(available)})")
+            raise UsageError(option("devices", None) + f": {tag} is not available on this machine "
+                             f"(available: {', '.join(available)})")
         if tag not in resolved:
             resolved.append(tag)
     return resolved

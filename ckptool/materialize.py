@@ -427,7 +427,7 @@ def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_sto
             cause = "head" if cause == "partial" else cause
             sentences.append(f"the classifier head differs: {head.key} is {_shape(head.checkpoint_shape)} in the "
                              f"checkpoint but {_shape(head.model_shape)} in {model}")
-            fixes.append(f"build the model with a {classes}-class head (e.g. --model-arg num_classes={classes})")
+            fixes.append(f"build the model with a {classes}-class head (e.g. num_classes={classes})")
         else:
             cause = "architecture" if cause == "partial" else cause
             modules = ", ".join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))

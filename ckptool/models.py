@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+from .suggest import Wording, given, option, typed
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -96,7 +97,8 @@ class ModelSpec:
         from torch import nn
 
         if not isinstance(model, nn.Module):
-            raise UsageError(f"--model {self.text}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+            raise UsageError(typed("model_spec", self.text)
+                             + f": the factory returned {type(model).__name__}, not a torch.nn.Module")
         return model
 
 
@@ -115,7 +117,7 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def parse_kwargs(pairs: Iterable[str], *, where: str) -> dict[str, Any]:
+def parse_kwargs(pairs: Iterable[str], *, where: str | Wording) -> dict[str, Any]:
     """``["num_classes=10", "dropout=0.1"]`` -> ``{"num_classes": 10, "dropout": 0.1}``."""
     kwargs: dict[str, Any] = {}
     for pair in pairs:
@@ -124,7 +126,7 @@ def parse_kwargs(pairs: Iterable[str], *, where: str) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
-            raise UsageError(f"{where} {pair!r} is not NAME=VALUE, e.g. num_classes=10")
+            raise UsageError(where + f" {pair!r} is not NAME=VALUE, e.g. num_classes=10")
         kwargs[key] = parse_value(value)
     return kwargs
 
@@ -137,7 +139,7 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(d <= 0 for d in shape):
-        raise UsageError(f"--input-shape {text!r} is not a list of positive sizes, e.g. 1,3,224,224")
+        raise UsageError(given("input_shape", text) + " is not a list of positive sizes, e.g. 1,3,224,224")
     return shape
 
 
@@ -152,16 +154,16 @@ def parse_model_spec(spec: str, model_args: Iterable[str] = ()) -> ModelSpec:
     family, sep, name = head.partition(":")
     family, name = family.strip(), name.strip()
     if not sep or not family or not name:
-        raise UsageError(f"--model {spec!r} is not a model SPEC — use {HELP}")
-    kwargs = parse_kwargs(query.split("&") if query else [], where=f"--model {spec!r}: argument")
-    kwargs.update(parse_kwargs(model_args, where="--model-arg"))
+        raise UsageError(given("model_spec", spec) + f" is not a model SPEC — use {HELP}")
+    kwargs = parse_kwargs(query.split("&") if query else [], where=given("model_spec", spec) + ": argument")
+    kwargs.update(parse_kwargs(model_args, where=option("model_args", None)))
     if family == "torchvision":
         return _torchvision_spec(text, name, kwargs)
     registered = _find_family(family, text)
     if registered is not None:
         return registered.spec(text, name, kwargs)
     if not _PYTHON_NAME.match(family) or not _PYTHON_NAME.match(name):
-        raise UsageError(f"--model {spec!r}: {family}:{name} is not package.module:factory — use {HELP}")
+        raise UsageError(given("model_spec", spec) + f": {family}:{name} is not package.module:factory — use {HELP}")
     return ModelSpec(text=text, family="python", name=f"{family}:{name}", kwargs=kwargs)
 
 
@@ -187,10 +189,11 @@ class ModelFamily:
     def spec(self, text: str, name: str, kwargs: Mapping[str, Any]) -> ModelSpec:
         """The SPEC ``text`` naming this family's model ``name`` (checked to exist; no arguments)."""
         if name not in self.builders:
-            raise UsageError(f"--model {text}: unknown {self.name} model {name!r} — choose one of: "
+            raise UsageError(typed("model_spec", text) + f": unknown {self.name} model {name!r} — choose one of: "
                              f"{', '.join(self.builders)}")
         if kwargs:
-            raise UsageError(f"--model {text}: {self.name} models take no arguments (got {', '.join(kwargs)})")
+            raise UsageError(typed("model_spec", text)
+                             + f": {self.name} models take no arguments (got {', '.join(kwargs)})")
         return ModelSpec(text=text, family=self.name, name=name, kwargs={}, default_input_shape=self.input_shape,
                          test_set=self.test_set)
 
@@ -244,12 +247,13 @@ def _find_family(name: str, text: str) -> ModelFamily | None:
         try:
             entry_point.load()()
         except Exception as e:  # the package's code failed: a usage problem of this SPEC, not a ckptool bug
-            raise UsageError(f"--model {text}: the {name} models could not be loaded from "
+            raise UsageError(typed("model_spec", text) + f": the {name} models could not be loaded from "
                              f"{entry_point.value} ({type(e).__name__}: {e}) — reinstall the package that "
                              "offers them") from e
         if name not in _FAMILIES:
-            raise UsageError(f"--model {text}: {entry_point.value} did not register the {name} models — "
-                             "reinstall the package that offers them")
+            raise UsageError(typed("model_spec", text)
+                             + f": {entry_point.value} did not register the {name} models — reinstall the package "
+                             "that offers them")
         return _FAMILIES[name]
     return None
 
@@ -257,7 +261,7 @@ def _find_family(name: str, text: str) -> ModelFamily | None:
 def _registered_family(name: str, text: str) -> ModelFamily:
     found = _find_family(name, text)
     if found is None:
-        raise UsageError(f"--model {text}: no model family {name!r} is installed")
+        raise UsageError(typed("model_spec", text) + f": no model family {name!r} is installed")
     return found
 
 
@@ -268,24 +272,26 @@ def _torchvision_builder(text: str, name: str) -> Any:
     try:
         from torchvision import models
     except ImportError as e:
-        raise UsageError(f"--model {text}: torchvision is not installed — pip install torchvision") from e
+        raise UsageError(typed("model_spec", text) + ": torchvision is not installed — pip install torchvision") from e
     try:
         return models.get_model_builder(name)
     except ValueError:
         close = difflib.get_close_matches(name, models.list_models(), n=3)
         hint = f" — did you mean {', '.join(close)}?" if close else " — see torchvision.models.list_models()"
-        raise UsageError(f"--model {text}: torchvision has no model {name!r}{hint}") from None
+        raise UsageError(typed("model_spec", text) + f": torchvision has no model {name!r}{hint}") from None
 
 
 def _torchvision_spec(text: str, name: str, kwargs: dict[str, Any]) -> ModelSpec:
     builder = _torchvision_builder(text, name)
     module = builder.__module__
     if module.startswith(UNSUPPORTED_TORCHVISION):
-        raise UsageError(f"--model {text}: {module.split('.')[2]} models take lists of images, not one tensor — "
+        raise UsageError(typed("model_spec", text)
+                         + f": {module.split('.')[2]} models take lists of images, not one tensor — "
                          "verify supports models called with one input tensor")
     downloads = [key for key in DOWNLOAD_ARGUMENTS if kwargs.get(key) not in (None, False)]
     if downloads:
-        raise UsageError(f"--model {text}: {downloads[0]}= would download weights — the checkpoint provides them; "
+        raise UsageError(typed("model_spec", text)
+                         + f": {downloads[0]}= would download weights — the checkpoint provides them; "
                          f"drop {downloads[0]}")
     shape = next(shape for prefix, shape in TORCHVISION_INPUT_SHAPES.items() if module.startswith(prefix))
     return ModelSpec(text=text, family="torchvision", name=name, kwargs=kwargs, default_input_shape=shape)
@@ -301,7 +307,8 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
     try:
         return builder(**kwargs)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--model {spec.text}: torchvision's {spec.name} rejected the arguments ({e})") from e
+        raise UsageError(typed("model_spec", spec.text)
+                         + f": torchvision's {spec.name} rejected the arguments ({e})") from e
 
 
 # ------------------------------------------------------------------------------------------- user code
@@ -316,10 +323,12 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UsageError(f"--model {spec.text}: cannot import {module_name} ({e}) — run from the directory "
+        raise UsageError(typed("model_spec", spec.text)
+                         + f": cannot import {module_name} ({e}) — run from the directory "
                          "holding it or install it") from e
     except Exception as e:  # the user's module failed while importing
-        raise UsageError(f"--model {spec.text}: importing {module_name} failed: {type(e).__name__}: {e}") from e
+        raise UsageError(typed("model_spec", spec.text)
+                         + f": importing {module_name} failed: {type(e).__name__}: {e}") from e
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
@@ -327,10 +336,10 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     for part in attribute.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
-            raise UsageError(f"--model {spec.text}: {module_name} has no {attribute}")
+            raise UsageError(typed("model_spec", spec.text) + f": {module_name} has no {attribute}")
     if not callable(factory):
-        raise UsageError(f"--model {spec.text}: {module_name}.{attribute} is not callable")
+        raise UsageError(typed("model_spec", spec.text) + f": {module_name}.{attribute} is not callable")
     try:
         return factory(**spec.kwargs)
     except Exception as e:
-        raise UsageError(f"--model {spec.text}: {attribute}(...) failed: {type(e).__name__}: {e}") from e
+        raise UsageError(typed("model_spec", spec.text) + f": {attribute}(...) failed: {type(e).__name__}: {e}") from e

@@ -18,6 +18,7 @@ from typing import Any
 
 from .dtypes import DType
 from .errors import InputError
+from .suggest import option
 
 CHUNK_SIZE = 8 * 1024 * 1024
 _INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "< 2^63" limit
@@ -444,7 +445,7 @@ def check_expansion(tensors: Mapping[str, Any], *, allow: bool, path: Path | Non
         raise InputError(
             f"{len(measured.expanding)} tensor view(s) (stride 0 or overlapping) would expand "
             f"{human_size(measured.stored)} of stored bytes to {human_size(measured.logical)}{first} — refusing to "
-            f"{doing} them; pass --allow-expansion (allow_expansion=True) if that size is what you want",
+            f"{doing} them; pass " + option("allow_expansion") + " if that size is what you want",
             path=path)
     return measured
 

@@ -26,7 +26,11 @@ from typing import Any
 PROGRAM = "ckptool"
 
 # keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
-_FLAGS = {"out": "-o", "allow_globals": "--allow-global"}
+_FLAGS = {"out": "-o", "allow_globals": "--allow-global", "to_device": "--to", "mapping": "--map",
+          "model_spec": "--model", "model_args": "--model-arg"}
+# keyword argument -> the flag that gives it a list, where the switch and the list are two flags
+# (``allow_nonfinite=True`` is --allow-nonfinite, ``allow_nonfinite=['*.mask']`` --allow-nonfinite-key)
+_LIST_FLAGS = {"allow_nonfinite": "--allow-nonfinite-key"}
 
 
 class Metavar(str):
@@ -37,6 +41,18 @@ class Metavar(str):
 class Given(str):
     """The value the caller gave, shown as this text after the flag (``--dtype 'bf17'``) or the
     keyword (``dtype='bf17'``): a refusal quotes what it refuses, it does not suggest it."""
+
+
+class Typed(str):
+    """The value the caller gave, shown after the flag as the command line took it
+    (``--model training:x``) and after the keyword as the Python value (``model_spec='training:x'``)."""
+
+    python: str
+
+    def __new__(cls, value: Any) -> Typed:
+        typed = super().__new__(cls, str(value))
+        typed.python = repr(value)
+        return typed
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,10 @@ class Wording:
         """The text, each option spelled by ``spell`` (:func:`flag` or :func:`keyword`)."""
         return "".join(part if isinstance(part, str) else spell(part) for part in self.parts)
 
+    def map_text(self, change: Callable[[str], str]) -> Wording:
+        """The same message with ``change`` applied to its words (each run of text between options)."""
+        return Wording(*(change(part) if isinstance(part, str) else part for part in self.parts))
+
     def __str__(self) -> str:
         return self.render(keyword)
 
@@ -100,10 +120,18 @@ def given(name: str, value: Any) -> Option:
     return Option(name, Given(repr(value)))
 
 
+def typed(name: str, value: Any) -> Option:
+    """The option ``name`` as the caller gave it, ``value`` shown bare after the flag and as its
+    ``repr`` after the keyword (``--to pt`` / ``to='pt'``)."""
+    return Option(name, Typed(value))
+
+
 def keyword(item: Option) -> str:
     """``item`` as the Python API takes it: ``force=True``, ``allow_globals=['pkg.Name']``, ``out``."""
     if item.value is None or isinstance(item.value, Metavar):
         return item.name
+    if isinstance(item.value, Typed):
+        return f"{item.name}={item.value.python}"
     if isinstance(item.value, Given):
         return f"{item.name}={item.value}"
     return f"{item.name}={item.value!r}"
@@ -115,9 +143,10 @@ def flag(item: Option) -> str:
     value = item.value
     if value is True or value is None:
         return name
-    if isinstance(value, Metavar | Given):
+    if isinstance(value, Metavar | Given | Typed):
         return f"{name} {value}"
     if isinstance(value, list | tuple):
+        name = _LIST_FLAGS.get(item.name, name)
         return " ".join(f"{name} {quote(each)}" for each in value)
     return f"{name} {quote(value)}"
 

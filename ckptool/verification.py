@@ -45,6 +45,7 @@ from .model_checks import (  # noqa: F401  (re-exported: verify's public helpers
 from .models import ModelSpec, parse_input_shape, parse_model_spec
 from .reader import load
 from .refs import check_expansion
+from .suggest import Metavar, option, typed
 from .verify_report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
 from .weight_checks import (  # noqa: F401  (re-exported)
     bits_equal,
@@ -126,12 +127,14 @@ def plan_model(model_spec: str | ModelSpec | None, model_args: Sequence[str] = (
     spec = model_spec if isinstance(model_spec, ModelSpec) or model_spec is None else \
         parse_model_spec(model_spec, model_args)
     if spec is None and (model_args or input_shape is not None):
-        raise UsageError(f"{'--model-arg' if model_args else '--input-shape'} needs --model SPEC")
+        raise UsageError(option("model_args" if model_args else "input_shape", None) + " needs "
+                         + option("model_spec", Metavar("SPEC")))
     shape = parse_input_shape(input_shape) if isinstance(input_shape, str) else input_shape
     if spec is not None and shape is None:
         shape = spec.default_input_shape
         if shape is None:
-            raise UsageError(f"--model {spec.text}: say the input shape with --input-shape, e.g. 1,3,224,224")
+            raise UsageError(typed("model_spec", spec.text) + ": say the input shape with "
+                             + option("input_shape", None) + ", e.g. 1,3,224,224")
     return spec, tuple(shape) if shape is not None else None
 
 
@@ -264,8 +267,9 @@ def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Refe
         outputs = run_model(model, inputs)
     except (RuntimeError, TypeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--model {spec.text}: the model fails on an input of shape "
-                         f"{','.join(map(str, shape))} ({first}) — pass the right --input-shape") from e
+        raise UsageError(typed("model_spec", spec.text) + ": the model fails on an input of shape "
+                         f"{','.join(map(str, shape))} ({first}) — pass the right "
+                         + option("input_shape", None)) from e
     reference = Reference(inputs, outputs, state, report.atol, report.rtol)
     report.devices = [check_device_with_model(model, reference, device) for device in plan.devices]
     if report.devices:  # the loaded weights themselves, counted once on the CPU copy

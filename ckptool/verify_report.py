@@ -4,11 +4,12 @@ one line that says what failed first (:func:`conclude`)."""
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .comparison import DiffReport, json_float
+from .suggest import Metavar, Option, Wording, keyword, option
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .model_checks import Comparison
@@ -103,7 +104,8 @@ class VerifyReport:
 
     Attributes:
         load: :meth:`LoadReport.to_json` on success; ``{"ok": false, "diagnosis": ...}`` on a mismatch.
-        failure: one line saying what failed first (None when ok).
+        failure: one line saying what failed first (None when ok), an option it asks for spelled
+            as the API's keyword argument; :meth:`failure_text` spells it another way (the CLI's flag).
     """
 
     path: str
@@ -120,8 +122,19 @@ class VerifyReport:
     against: AgainstResult | None = None
     failure: str | None = None
     notes: list[str] = field(default_factory=list)
+    failure_wording: Wording | None = field(default=None, repr=False)
 
-    def to_json(self) -> dict[str, Any]:
+    def fail(self, failure: str | Wording) -> None:
+        """Record ``failure`` as the first thing that failed."""
+        self.failure = str(failure)
+        self.failure_wording = failure if isinstance(failure, Wording) else None
+
+    def failure_text(self, spell: Callable[[Option], str] = keyword) -> str | None:
+        """:attr:`failure` with each option it asks for spelled by ``spell``."""
+        return self.failure_wording.render(spell) if self.failure_wording is not None else self.failure
+
+    def to_json(self, spell: Callable[[Option], str] = keyword) -> dict[str, Any]:
+        """The --json object; ``spell`` spells the options the failure asks for."""
         return {
             "ok": self.ok,
             "path": self.path,
@@ -135,7 +148,7 @@ class VerifyReport:
             "load": self.load,
             "devices": [result.to_json() for result in self.devices],
             "against": self.against.to_json() if self.against is not None else None,
-            "failure": self.failure,
+            "failure": self.failure_text(spell),
             "notes": list(self.notes),
         }
 
@@ -158,10 +171,14 @@ def conclude(report: VerifyReport, allow_nonfinite: bool | Sequence[str] = False
     if nonfinite is not None:
         failures.append(nonfinite)
     report.ok = not failures
-    report.failure = failures[0] if failures else None
+    if failures:
+        report.fail(failures[0])
 
 
-def _nonfinite_failure(report: VerifyReport, allow: bool | Sequence[str]) -> str | None:
+_PATTERN = Metavar("PATTERN")
+
+
+def _nonfinite_failure(report: VerifyReport, allow: bool | Sequence[str]) -> Wording | None:
     """The failure line for weights holding NaN/Inf that the caller did not allow (None: none)."""
     if allow is True:
         return None
@@ -177,10 +194,11 @@ def _nonfinite_failure(report: VerifyReport, allow: bool | Sequence[str]) -> str
     shown = ", ".join(f"{name} ({counts[name]['nan']} NaN, {counts[name]['inf']} Inf)" for name in names[:3])
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     return (f"{len(names)} weight tensor(s) hold NaN or Inf: {shown}{more} — the weights are broken, or pass "
-            "--allow-nonfinite (or --allow-nonfinite-key PATTERN) if they hold them on purpose, e.g. -inf masks")
+            + option("allow_nonfinite") + " (or " + option("allow_nonfinite", [_PATTERN]) + ") if they hold them "
+            "on purpose, e.g. -inf masks")
 
 
-def _device_failure(result: DeviceResult, atol: float | None, rtol: float | None) -> str:
+def _device_failure(result: DeviceResult, atol: float | None, rtol: float | None) -> str | Wording:
     if result.error and not result.weights_identical and not result.differing_weights:
         return f"{result.device}: {result.error}"
     if result.differing_weights:
@@ -189,7 +207,8 @@ def _device_failure(result: DeviceResult, atol: float | None, rtol: float | None
     if result.error:
         return f"{result.device}: {result.error}"
     return (f"{result.device}: outputs differ from the CPU reference beyond atol {atol:g} / rtol {rtol:g} "
-            f"(max abs err {result.max_abs_err:.3g}) — rerun with --atol/--rtol if that is expected")
+            f"(max abs err {result.max_abs_err:.3g}) — rerun with " + option("atol", None) + "/"
+            + option("rtol", None) + " if that is expected")
 
 
 def _against_failure(result: AgainstResult) -> str:

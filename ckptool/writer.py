@@ -116,11 +116,11 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> form
     if to is not None:
         chosen = formats.for_target(to)
         if chosen is None:
-            raise UsageError(f"--to {to!r}: choose pt or safetensors")
+            raise UsageError(suggest.given("to", to) + ": choose pt or safetensors")
         named = suffix_format(out)
         if named is not None and named != to:
-            raise UsageError(f"--to {to} contradicts the name {out.name} — drop --to, or name the output "
-                             f"{out.stem}{chosen.default_suffix}")
+            raise UsageError(suggest.typed("to", to) + f" contradicts the name {out.name} — drop "
+                             + suggest.option("to", None) + f", or name the output {out.stem}{chosen.default_suffix}")
         if max_shard_size is not None or out.is_dir():  # a format without shards ignores both
             return formats.for_target(to, sharded=True) or chosen
         return chosen
@@ -130,11 +130,13 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> form
             return named_format
         sharded = formats.for_target(named_format.target or "", sharded=True)
         if sharded is None:
-            raise UsageError("--max-shard-size applies to safetensors output — write to a directory or .safetensors")
+            raise UsageError(suggest.option("max_shard_size", None) + " applies to safetensors output — write to a "
+                             "directory or .safetensors")
         return sharded
     if out.is_dir() or not out.suffix:
         return formats.folder_output()
-    raise UsageError(f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass --to")
+    raise UsageError(f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass "
+                     + suggest.option("to", None))
 
 
 def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str | None) -> list[tuple[Path, Path]]:
@@ -149,7 +151,7 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
             the second write would destroy the first, or the first an input the second reads).
     """
     if not out_dir.is_dir():
-        raise UsageError(f"--out-dir {out_dir} is not an existing directory — create it first")
+        raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is not an existing directory — create it first")
     suffix = ".pt" if to == "pt" else ".safetensors"
     jobs = [(Path(source), out_dir / (Path(source).name.split(".")[0] + suffix)) for source in sources]
     by_output: dict[str, Path] = {}
@@ -161,7 +163,7 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
                 raise OutputError(f"input {source} is given twice — nothing was written; give each input once",
                                   path=target)
             raise OutputError(f"{other} and {source} would both be written here — nothing was written; convert "
-                              "them into separate --out-dir folders", path=target)
+                              "them into separate " + suggest.option("out_dir", None) + " folders", path=target)
         by_output[key] = source
     return jobs
 
@@ -179,7 +181,8 @@ def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
         container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle()))
         return {nest: container} if nest else container
     if nest:
-        raise UsageError("--nest applies to safetensors input; this checkpoint already has a container")
+        raise UsageError(suggest.option("nest", None) + " applies to safetensors input; this checkpoint already has a "
+                         "container")
     return checkpoint.container
 
 
@@ -295,7 +298,10 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     except CkptError as e:
         if e.path is None or _TEMP_PATH.search(str(e.path)):
             # the temp file is an implementation detail: the user asked for `out`, name that
-            raise type(e)(_TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), e.message), path=out) from e
+            def named(text: str) -> str:
+                return _TEMP_PATH.sub(lambda m: str(out) + (m.group(1) or ""), text)
+
+            raise type(e)(e.wording.map_text(named) if e.wording is not None else named(e.message), path=out) from e
         raise
     finally:
         expect.settle()
@@ -371,7 +377,8 @@ def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
     if names:
         shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
         raise OutputError(f"safetensors cannot hold meta tensors (a shape and dtype without values): {shown} — "
-                          "write a .pt instead (--to pt), or leave these tensors out", path=out)
+                          "write a .pt instead (" + suggest.option("to", "pt") + "), or leave these tensors out",
+                          path=out)
 
 
 def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool,
@@ -412,15 +419,15 @@ MAX_SHARDS = 10_000
 def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path,
                  source: Path) -> _ShardPlan:
     if max_shard_size < 1:
-        raise UsageError(f"--max-shard-size must be at least 1 byte, not {max_shard_size}")
+        raise UsageError(suggest.option("max_shard_size", None) + f" must be at least 1 byte, not {max_shard_size}")
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
     stored = {k: v for k, v in tensors.items() if k not in aliases}
     shards = safetensors.plan_shards(stored, max_shard_size)
     if len(shards) > MAX_SHARDS:
         floor = -(-sum(t.nbytes for t in stored.values()) // MAX_SHARDS)
-        raise UsageError(f"--max-shard-size {max_shard_size} would make {len(shards)} shards, over the "
-                         f"{MAX_SHARDS}-shard limit — pass a larger --max-shard-size (at least {floor} bytes)",
-                         path=source)
+        raise UsageError(suggest.typed("max_shard_size", max_shard_size)
+                         + f" would make {len(shards)} shards, over the {MAX_SHARDS}-shard limit — pass a larger "
+                         + suggest.option("max_shard_size", None) + f" (at least {floor} bytes)", path=source)
     names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
     removes: list[str] = []
     notes: list[str] = []

@@ -107,7 +107,7 @@ def test_an_installed_package_offers_a_family_through_its_entry_point(tmp_path: 
     report = ckptool.verify(path, model_spec="tinies:two", devices="cpu")
     assert report.ok, report.failure
     assert report.input_shape == (4, 3) and report.devices[0].accuracy is not None  # the family's test set
-    with pytest.raises(UsageError, match=r"^--model tinies:three: unknown tinies model 'three' — choose one of: two$"):
+    with pytest.raises(UsageError, match=r"^model_spec='tinies:three': unknown tinies model 'three' — choose one of: two$"):
         parse_model_spec("tinies:three")
 
 
@@ -117,7 +117,7 @@ def test_an_entry_point_that_fails_is_a_usage_error(tmp_path: Path, registry: di
     (tmp_path / "site" / "tiny_family.py").write_text("def offer():\n    raise RuntimeError('no GPU build')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(sys.modules, "tiny_family", raising=False)
-    with pytest.raises(UsageError, match=r"^--model broken:two: the broken models could not be loaded from "
+    with pytest.raises(UsageError, match=r"^model_spec='broken:two': the broken models could not be loaded from "
                                          r"tiny_family:offer \(RuntimeError: no GPU build\) — reinstall"):
         parse_model_spec("broken:two")
 

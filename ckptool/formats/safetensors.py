@@ -25,6 +25,7 @@ from .. import dtypes, inputs
 from ..copying import DataOut
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
+from ..suggest import option
 from . import Contents, Format, ReadOptions
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
@@ -284,7 +285,7 @@ def check_dtypes(tensors: Mapping[str, TensorRef], *, out: Path | None = None) -
         kinds = ", ".join(f"{dtype} ({len(names)}: {', '.join(repr(n) for n in names[:3])}"
                           f"{', ...' if len(names) > 3 else ''})" for dtype, names in outside.items())
         raise OutputError(f"safetensors has no dtype for {count} tensor(s): {kinds} — write a .pt instead "
-                         "(--to pt), or leave these tensors out", path=out)
+                          "(" + option("to", "pt") + "), or leave these tensors out", path=out)
 
 
 def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
@@ -324,7 +325,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
         entries = len(metadata.get("ckptool.entries", ""))
         raise OutputError(f"the safetensors header would be {len(encoded)} bytes, over the format's "
                           f"{MAX_HEADER_BYTES}-byte limit ({entries} of them the container's other entries) — "
-                          "write a .pt instead (--to pt)")
+                          "write a .pt instead (" + option("to", "pt") + ")")
     handle.write(struct.pack("<Q", len(encoded)) + encoded)
     handle.flush()
     out_offset = 8 + len(encoded)

@@ -137,51 +137,13 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
                           pickles=[])
     cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
-    try:
-        if fmt is not None:
-            resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
-            found = fmt.scan_pickles(path, formats.ReadOptions(None, b"", resolver))
-        else:
-            fmt, found = _pickles(path, allow_globals, cache)
-    except PermissionError as e:
-        raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
-    except OSError as e:
-        raise InputError(f"cannot be read ({e.strerror})", path=path) from e
+    fmt, found = _found_pickles(path, fmt, allow_globals, cache)
     blobs = found.blobs
     resolver = pickles.GlobalResolver(allow_globals)
     if fmt is not None and fmt.scan_resolver is not None:  # DCP's metadata classes are read as inert placeholders too
         resolver = fmt.scan_resolver(resolver)
-    from .reader import load
-
-    globals_: Counter = Counter()
-    opcodes: Counter = Counter()
-    problems: list[str] = []
-    static_names: list[str] = []
-    for blob in blobs:
-        data = blob.data
-        try:  # the guard walked every pickle it passed already (read_pickle); its record is kept
-            stats = pickles.guard_stats(data, cache)
-            opcodes.update(stats.opcode_names())
-            static_names += stats.globals
-        except InputError:  # refused: list what its opcodes name anyway
-            static, ops, _ = static_globals(data)
-            opcodes.update(ops)
-            static_names += static
-    try:
-        # a restricted load names exactly the globals it resolves; if it succeeds, no dry run of what it read
-        checkpoint = load(path, allow_globals=allow_globals, guard_cache=cache)
-        globals_.update(checkpoint.globals)
-        load_error: CkptError | None = None
-        # the pickles the load did not read (a zip's other .pkl members) are still run dry
-        unread = [blob for blob in blobs if not blob.read_by_load]
-    except CkptError as e:
-        load_error = e
-        unread = blobs
-    for blob in unread:
-        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals, cache)
-        globals_.update(dynamic)
-        if dynamic_error and load_error is not None:
-            problems.append(f"{blob.label}: {dynamic_error}")
+    opcodes, static_names = _static_pass(blobs, cache)
+    format_name, globals_, problems, load_error = _load_pass(path, blobs, allow_globals, cache)
     for full_name in static_names:
         if full_name not in globals_:
             globals_[full_name] += 1
@@ -194,5 +156,67 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     if load_error is not None:
         # no dangerous global, but not a checkpoint ckptool can read: that is the answer
         raise load_error
-    report.format = checkpoint.format
+    report.format = format_name
     return report
+
+
+def _found_pickles(path: Path, fmt: formats.Format | None, allow_globals: tuple[str, ...],
+                   cache: pickles.GuardCache) -> tuple[formats.Format | None, formats.Pickles]:
+    """The pickles of ``path`` (a folder ``fmt`` claims, or a file sniffed here); an unreadable file is an InputError."""
+    try:
+        if fmt is not None:
+            resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
+            return fmt, fmt.scan_pickles(path, formats.ReadOptions(None, b"", resolver))
+        return _pickles(path, allow_globals, cache)
+    except PermissionError as e:
+        raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
+    except OSError as e:
+        raise InputError(f"cannot be read ({e.strerror})", path=path) from e
+
+
+def _static_pass(blobs: list[formats.PickleBlob], cache: pickles.GuardCache) -> tuple[Counter, list[str]]:
+    """The opcodes and the globals they name, of every pickle, without unpickling."""
+    opcodes: Counter = Counter()
+    static_names: list[str] = []
+    for blob in blobs:
+        data = blob.data
+        try:  # the guard walked every pickle it passed already (read_pickle); its record is kept
+            stats = pickles.guard_stats(data, cache)
+            opcodes.update(stats.opcode_names())
+            static_names += stats.globals
+        except InputError:  # refused: list what its opcodes name anyway
+            static, ops, _ = static_globals(data)
+            opcodes.update(ops)
+            static_names += static
+    return opcodes, static_names
+
+
+def _load_pass(path: Path, blobs: list[formats.PickleBlob], allow_globals: tuple[str, ...],
+               cache: pickles.GuardCache) -> tuple[str, Counter, list[str], CkptError | None]:
+    """The globals a restricted load resolves, and a dry run's of each pickle it did not read.
+
+    Returns the checkpoint's format (when the load succeeded), the globals, the dry runs'
+    problems (kept only when the load failed) and the load's error.
+    """
+    from .reader import load
+
+    globals_: Counter = Counter()
+    problems: list[str] = []
+    format_name = ""
+    try:
+        # a restricted load names exactly the globals it resolves; if it succeeds, no dry run of what it read
+        checkpoint = load(path, allow_globals=allow_globals, guard_cache=cache)
+        globals_.update(checkpoint.globals)
+        format_name = checkpoint.format
+        load_error: CkptError | None = None
+        # the pickles the load did not read (a zip's other .pkl members) are still run dry
+        unread = [blob for blob in blobs if not blob.read_by_load]
+    except CkptError as e:
+        load_error = e
+        unread = blobs
+    for blob in unread:
+        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals, cache)
+        globals_.update(dynamic)
+        if dynamic_error and load_error is not None:
+            problems.append(f"{blob.label}: {dynamic_error}")
+    return format_name, globals_, problems, load_error

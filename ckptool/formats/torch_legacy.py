@@ -48,6 +48,18 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
     """The object tree of a legacy checkpoint; the first pickle must be torch's magic number."""
     handle.seek(0)
     plain = pickles.GlobalResolver()  # the preamble pickles hold plain values only
+    _check_preamble(path, handle, plain)
+    loader = _StorageLoader(path)
+    container = pickles.loads(handle, resolver, loader.persistent_load)
+    keys = pickles.loads(handle, plain)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InputError("legacy storage key list is malformed — the file is corrupt", path=path)
+    _place_storages(path, handle, keys, loader)
+    return container
+
+
+def _check_preamble(path: Path, handle: BinaryIO, plain: pickles.GlobalResolver) -> None:
+    """The three pickles before the object tree: torch's magic number, protocol version, system info."""
     magic = pickles.loads(handle, plain)
     if magic != MAGIC_NUMBER:
         raise UnsupportedFormatError(
@@ -59,9 +71,18 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
     # system info (byte order, type sizes): torch ignores it, its little_endian flag included, and
     # reads every storage little-endian; so does ckptool
     pickles.loads(handle, plain)
-    storages: dict[str, StorageRef] = {}
 
-    def persistent_load(pid: Any) -> StorageRef:
+
+class _StorageLoader:
+    """The object tree's ``persistent_load``: storage records become ``StorageRef``s (bytes placed later)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.storages: dict[str, StorageRef] = {}
+        self.views: dict[str, tuple[StorageRef, StorageRef, int]] = {}  # view key -> (view, root, byte offset)
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        path, storages = self.path, self.storages
         if isinstance(pid, tuple) and pid and pid[0] == "module":
             raise UnsupportedFormatError(
                 "pickles a whole nn.Module object, not weights — load it where its code lives and save "
@@ -88,14 +109,13 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
             return StorageRef(key=key, dtype=storage_type.dtype, numel=0, location=cached.location,
                               data=ByteRange(path, 0, 0), type_global=f"{storage_type.module}.{storage_type.name}")
         if view_metadata is not None:
-            return storage_view(cached, storage_type, view_metadata)
+            return self.storage_view(cached, storage_type, view_metadata)
         return cached
 
-    views: dict[str, tuple[StorageRef, StorageRef, int]] = {}  # view key -> (view, root, byte offset)
-
-    def storage_view(root: StorageRef, storage_type: pickles.StorageTypeRef, view_metadata: Any) -> StorageRef:
+    def storage_view(self, root: StorageRef, storage_type: pickles.StorageTypeRef, view_metadata: Any) -> StorageRef:
         """A pre-0.4 storage slice ``(view key, offset, size)`` of ``root``, in elements of the record's
         dtype; torch makes it once per view key and hands the same slice to every later reference."""
+        path, views = self.path, self.views
         if not isinstance(view_metadata, tuple) or len(view_metadata) != 3 or not isinstance(view_metadata[0], str) \
                 or not all(type(v) is int and v >= 0 for v in view_metadata[1:]):
             raise InputError(f"malformed storage view record {pickles.brief(view_metadata)} — the file is corrupt",
@@ -103,7 +123,7 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
         view_key, offset, size = view_metadata
         if view_key in views:
             return views[view_key][0]
-        if view_key in storages:
+        if view_key in self.storages:
             # torch keeps views and storages under one set of keys: a view named like a storage is that storage
             raise UnsupportedFormatError(f"names storage view {pickles.brief(view_key)} like a storage — refused",
                                          path=path)
@@ -116,10 +136,11 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
         views[view_key] = (view, root, offset * item)
         return view
 
-    container = pickles.loads(handle, resolver, persistent_load)
-    keys = pickles.loads(handle, plain)
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise InputError("legacy storage key list is malformed — the file is corrupt", path=path)
+
+def _place_storages(path: Path, handle: BinaryIO, keys: list[str], loader: _StorageLoader) -> None:
+    """Point each storage at its bytes after the pickles (an 8-byte element count, then the data), in
+    ``keys`` order, and each view into its storage's; every storage the tree names must get bytes."""
+    storages, views = loader.storages, loader.views
     file_size = os.fstat(handle.fileno()).st_size
     position = handle.tell()
     for key in keys:
@@ -148,7 +169,6 @@ def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any
     missing += [key for key, (view, _, _) in views.items() if view.data is None]
     if missing:
         raise InputError.truncated(path, f"legacy storages {missing[:3]} have no data")
-    return container
 
 
 def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:

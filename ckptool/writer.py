@@ -313,7 +313,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     return report
 
 
-def _read_back(source: Checkpoint,
+def read_back(source: Checkpoint,
                guard_cache: pickles.GuardCache | None = None) -> Callable[[Path], Mapping[str, TensorRef]]:
     """A reader for the output that accepts the globals the input was read with (and needs no walk of
     the pickles ``guard_cache`` says the write emitted)."""
@@ -331,14 +331,14 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expect
     container = pt_container(checkpoint, nest)
     cache = pickles.GuardCache()  # the pickle this write emits, which its read-back need not walk
     try:
-        checked = _write_pt(container, out, expect, _read_back(checkpoint, cache), trust_recorded=True, cache=cache)
+        checked = _write_pt(container, out, expect, read_back(checkpoint, cache), trust_recorded=True, cache=cache)
     except StaleSourceCrc:
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
         expect = replace(expect, checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
                                                                             views_raw=True)))
-        checked = _write_pt(container, out, expect, _read_back(checkpoint, cache), trust_recorded=False, cache=cache)
+        checked = _write_pt(container, out, expect, read_back(checkpoint, cache), trust_recorded=False, cache=cache)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 
 
@@ -384,7 +384,7 @@ def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
 def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool,
                       expect: Expectations) -> SaveReport:
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
-    with checked_output(out, expect, _read_back(checkpoint)) as output:
+    with checked_output(out, expect, read_back(checkpoint)) as output:
         aliases = safetensors.write_file(output.handle, tensors, metadata, duplicate_tied=duplicate_tied,
                                          on_data=output.on_data)
         value = expect.fingerprint()
@@ -455,7 +455,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
     weight_map: dict[str, str] = {}
     files: list[Path] = []
     # shards and index are written into a temp folder, checked, then moved in: the index last
-    with checked_folder(out, expect, _read_back(checkpoint), last=safetensors.INDEX_NAME,
+    with checked_folder(out, expect, read_back(checkpoint), last=safetensors.INDEX_NAME,
                         remove=plan.removes) as folder:
         for index, (name, names) in enumerate(zip(plan.names, plan.shards)):
             shard_tensors = {k: plan.stored[k] for k in names}

@@ -213,7 +213,7 @@ def test_a_failed_read_back_names_the_output_not_its_temp_file(tmp_path: Path,
             raise InputError(f"truncated: {path} ends early", path=path)
         return read
 
-    monkeypatch.setattr(writer, "_read_back", read_back)
+    monkeypatch.setattr(writer, "read_back", read_back)
     for out in (tmp_path / "out.pt", tmp_path / "out.safetensors", tmp_path / "sharded"):
         extra = ["--max-shard-size", "8"] if out.name == "sharded" else []
         result = run("convert", source, "-o", out, *extra)

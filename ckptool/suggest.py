@@ -168,11 +168,29 @@ def command(name: str, *arguments: Path | str, **options: Any) -> str:
     return " ".join(words)
 
 
+# what stem() takes off a name, longest first: a version or a date in the name stays
+# (chgnet_0.3.0.pth.tar -> chgnet_0.3.0), and so does a suffix that is not a checkpoint's
+CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".ckpt", ".pth", ".bin", ".pt",
+                       ".tar")
+
+
+def stem(path: Path | str) -> str:
+    """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
+    ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
+    name = Path(path).name
+    lowered = name.lower()
+    for suffix in CHECKPOINT_SUFFIXES:
+        if lowered.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return name or "checkpoint"
+
+
 def sibling(path: Path, tag: str, suffix: str) -> Path:
     """Where a suggested command writes: beside ``path``, named ``<stem>.<tag><suffix>`` (``<stem><suffix>``
-    with no tag), the stem being the name up to its first dot."""
-    stem = path.name.split(".")[0] or "checkpoint"
-    return path.with_name(f"{stem}.{tag}{suffix}" if tag else f"{stem}{suffix}")
+    with no tag), the stem being the name without its checkpoint suffixes (:func:`stem`)."""
+    name = stem(path)
+    return path.with_name(f"{name}.{tag}{suffix}" if tag else f"{name}{suffix}")
 
 
 def weights_suffix(format_: str) -> str:

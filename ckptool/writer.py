@@ -142,8 +142,9 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> form
 def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str | None) -> list[tuple[Path, Path]]:
     """Every ``(input, output)`` of a many-input conversion into ``out_dir``, planned before any is written.
 
-    An output keeps its input's name up to the first dot, with the suffix of ``to`` (safetensors
-    by default).
+    An output keeps its input's name without its checkpoint suffixes (``chgnet_0.3.0.pth.tar`` ->
+    ``chgnet_0.3.0.safetensors``: :func:`ckptool.suggest.stem`), with the suffix of ``to``
+    (safetensors by default).
 
     Raises:
         UsageError: ``out_dir`` is not an existing directory.
@@ -153,7 +154,7 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
     if not out_dir.is_dir():
         raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is not an existing directory — create it first")
     suffix = ".pt" if to == "pt" else ".safetensors"
-    jobs = [(Path(source), out_dir / (Path(source).name.split(".")[0] + suffix)) for source in sources]
+    jobs = [(Path(source), out_dir / (suggest.stem(source) + suffix)) for source in sources]
     by_output: dict[str, Path] = {}
     for source, target in jobs:
         key = os.path.normcase(os.path.abspath(target))

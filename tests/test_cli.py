@@ -242,3 +242,26 @@ def test_non_checkpoints_refused_in_one_line(name: str, fixtures_dir: Path, tmp_
         code, _, err = run(args[0], fixtures_dir / name, *args[1:])
         assert code == 3 and "TorchScript" in err and err.count("\n") == 1 and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+
+
+def test_out_dir_keeps_each_input_s_full_name(tmp_path: Path) -> None:
+    # released checkpoints carry versions in their names: each must get its own output, named after it
+    import torch
+
+    sources = tmp_path / "in"
+    sources.mkdir()
+    for version in ("0.2.0", "0.3.0"):
+        torch.save({"w": torch.full((2,), float(version[2]))}, sources / f"chgnet_{version}.pth.tar")
+    torch.save({"w": torch.ones(1)}, sources / "run.v2.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    code, stdout, stderr = run("convert", *sorted(sources.iterdir()), "--out-dir", out)
+    assert code == 0, stderr
+    assert sorted(p.name for p in out.iterdir()) == ["chgnet_0.2.0.safetensors", "chgnet_0.3.0.safetensors",
+                                                      "run.v2.safetensors"]
+    wrapped = tmp_path / "ddp_run.v1.pth.tar"
+    torch.save({"module.w": torch.ones(1)}, wrapped)
+    code, stdout, _ = run("inspect", wrapped)
+    assert code == 0 and f"-o {tmp_path / 'ddp_run.v1.stripped.pt'}" in stdout, stdout
+    code, stdout, _ = run("diff", sources / "chgnet_0.2.0.pth.tar", out / "chgnet_0.2.0.safetensors")
+    assert code == 0, stdout

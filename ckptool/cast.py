@@ -17,6 +17,8 @@ from .tree import map_tensors
 def _cast_bytes(tensor: TensorRef, target: dtypes.DType) -> bytes:
     import torch
 
+    if tensor.numel == 0:  # nothing to cast (torch.frombuffer refuses an empty buffer)
+        return b""
     raw = bytearray(tensor.read_bytes())
     source = torch.frombuffer(raw, dtype=getattr(torch, tensor.dtype.torch_name)).reshape(tensor.shape)
     cast = source.to(getattr(torch, target.torch_name)).contiguous()
@@ -105,7 +107,7 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
     memo: dict[tuple, TensorRef] = {}
 
     def convert(tensor: TensorRef) -> TensorRef:
-        if not tensor.dtype.is_floating or tensor.dtype == target or tensor.numel == 0 or id(tensor) in exempt:
+        if not tensor.dtype.is_floating or tensor.dtype == target or id(tensor) in exempt:
             return tensor
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,

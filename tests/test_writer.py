@@ -314,3 +314,20 @@ def test_a_safetensors_output_of_a_checkpoint_without_weights_is_refused(max_sha
     with pytest.raises(ckptool.InputError, match="holds no weights"):
         save(ckptool.load(source), out, max_shard_size=max_shard_size)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_dtype_cast_includes_empty_tensors(tmp_path: Path, suffix: str) -> None:
+    # a zero-element float tensor is a weight too: left in F32 it would make a bf16 output mixed
+    from click.testing import CliRunner
+
+    from ckptool.cli import main
+
+    source = tmp_path / "empty.pt"
+    torch.save({"empty": torch.empty(0, 3), "w": torch.ones(2), "steps": torch.zeros(0, dtype=torch.int64)}, source)
+    out = tmp_path / f"out{suffix}"
+    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(out), "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    loaded = load_file(out) if suffix == ".safetensors" else torch.load(out, weights_only=True)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in loaded.items()} == {
+        "empty": (torch.bfloat16, (0, 3)), "w": (torch.bfloat16, (2,)), "steps": (torch.int64, (0,))}

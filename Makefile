@@ -32,4 +32,4 @@ fixtures: venv
 	$(PY) fixtures/make_fixtures.py
 
 clean:
-	rm -rf $(DEMO) build *.egg-info
+	rm -rf $(DEMO) build *.egg-info training/*.egg-info

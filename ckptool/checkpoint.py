@@ -13,7 +13,7 @@ from .errors import InputError, NothingToDoError
 from .refs import StorageRef, TensorRef
 from . import layouts
 from .layouts import LayoutTensor
-from .tree import get_at, iter_tensors, map_tensors, replace_at
+from .tree import contains, get_at, iter_tensors, map_tensors, replace_at
 
 # Where training code puts the weights, tried in order (first match wins).
 #   state_dict        Lightning, timm, many scripts          model_state_dict  the PyTorch tutorial's resumable dict
@@ -128,12 +128,13 @@ class Checkpoint:
                 sparse, nested or quantized tensor, whose values are more than its parts' bytes
                 (their names and parameters come from a mapping of names, which is missing).
         """
+        if contains(self.container, LayoutTensor):
+            raise InputError("holds a sparse, nested or quantized tensor outside any mapping of names to "
+                             "tensors — compare it with torch (ckptool compares named tensors)", path=self.path)
+        bare = "storage" if isinstance(self.container, StorageRef) else "tensor"
         found: dict[str, TensorRef] = {}
         for place, tensor in iter_tensors(self.container, storages=True):
-            if any(isinstance(node, LayoutTensor) for node in _nodes_on(self.container, place)):
-                raise InputError("holds a sparse, nested or quantized tensor outside any mapping of names to "
-                                 "tensors — compare it with torch (ckptool compares named tensors)", path=self.path)
-            name = ".".join(str(key) for key in place) or ("storage" if _is_storage(self.container) else "tensor")
+            name = ".".join(str(key) for key in place) or bare
             if name in found:
                 raise InputError(f"holds two tensors both placed at {name!r} (keys of different types) — compare "
                                  "them with torch", path=self.path)
@@ -199,22 +200,3 @@ class Checkpoint:
         if not isinstance(self.container, dict) or not self.layout:
             return {}
         return {k: v for k, v in dict.items(self.container) if k != self.layout[0]}
-
-
-def _is_storage(container: Any) -> bool:
-    return isinstance(container, StorageRef)
-
-
-def _nodes_on(container: Any, place: tuple[Any, ...]) -> list[Any]:
-    """The objects a walk passes from ``container`` down to ``place`` (an opaque record's parts included)."""
-    nodes, node = [container], container
-    for key in place:
-        if isinstance(node, dict):
-            node = dict.__getitem__(node, key)
-        elif isinstance(node, list | tuple):
-            node = node[key]
-        else:  # an OpaqueObject: the walk names its parts (tree._children)
-            parts = {"args": node._args, "items": node._items, "state": node._state}
-            node = parts[key] if key in parts else node._setitems[key[1]][1]
-        nodes.append(node)
-    return nodes

@@ -85,6 +85,21 @@ def iter_tensors(obj: Any, *, storages: bool = False) -> Iterator[tuple[Path_, T
             stack.extend((path + (key,), value) for key, value in reversed(kids) if not _leaf(value))
 
 
+def contains(obj: Any, kind: type) -> bool:
+    """Whether an object of ``kind`` is reachable from ``obj`` (each container visited once)."""
+    seen: set[int] = set()
+    stack: list[Any] = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, kind):
+            return True
+        if _leaf(node) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(_child_values(node))
+    return False
+
+
 def get_at(container: Any, layout: Path_) -> Any:
     node = container
     for key in layout:

@@ -98,8 +98,7 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
     return dict(resolver.seen), error
 
 
-def _pickles(path: Path, allow_globals: tuple[str, ...],
-             cache: pickles.GuardCache) -> tuple[formats.Format | None, formats.Pickles]:
+def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Format | None, formats.Pickles]:
     """The format that claims a file and the pickles in it, read as its format lists them."""
     with open(path, "rb") as handle:
         head = handle.read(64)
@@ -108,7 +107,6 @@ def _pickles(path: Path, allow_globals: tuple[str, ...],
         fmt = formats.sniff(head, path)
         if fmt is None:  # no checkpoint: the load names what it is
             return None, formats.Pickles("", [])
-        resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
         return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
 
 
@@ -163,11 +161,11 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
 def _found_pickles(path: Path, fmt: formats.Format | None, allow_globals: tuple[str, ...],
                    cache: pickles.GuardCache) -> tuple[formats.Format | None, formats.Pickles]:
     """The pickles of ``path`` (a folder ``fmt`` claims, or a file sniffed here); an unreadable file is an InputError."""
+    resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
     try:
         if fmt is not None:
-            resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
             return fmt, fmt.scan_pickles(path, formats.ReadOptions(None, b"", resolver))
-        return _pickles(path, allow_globals, cache)
+        return _pickles(path, resolver)
     except PermissionError as e:
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:

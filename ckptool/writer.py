@@ -344,9 +344,9 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expect
 
 
 def _write_pt(container: Any, out: Path, expect: Expectations,
-              read_back: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool,
+              reader: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool,
               cache: pickles.GuardCache | None = None) -> int:
-    with checked_output(out, expect, read_back, views_raw=True) as output:
+    with checked_output(out, expect, reader, views_raw=True) as output:
         torch_zip.write(output.handle, container, archive_name=_archive_name(out), on_data=output.on_data,
                         trust_recorded_crcs=trust_recorded, guard_cache=cache)
     return output.checked

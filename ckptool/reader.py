@@ -7,7 +7,6 @@ from pathlib import Path
 from . import formats, inputs, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
-from .suggest import option
 
 
 def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
@@ -36,11 +35,9 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     try:
         return _load(path, resolver)
     except pickles.RefusedGlobal as e:
-        raise UnsafeCheckpointError(
-            f"pickle imports {e.name}, which could run code — refused, nothing was executed "
-            "(if you trust this file, allow it by name: " + option("allow_globals", [e.name]) + ")",
-            path=path, globals_=resolver.refused,
-        ) from None
+        from .safety import refusal
+
+        raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
     except CkptError as e:
         if e.path is None:
             raise type(e)(e.wording or e.message, path=path) from e
@@ -96,4 +93,4 @@ def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
     layout = () if fmt.weights_only else find_layout(contents.container)
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
-                      notes=contents.notes)
+                      notes=contents.notes, allow_globals=resolver.allow_globals)

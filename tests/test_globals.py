@@ -323,3 +323,16 @@ def test_diff_and_load_fixes_carry_the_callers_flags(tmp_path: Path) -> None:
     with pytest.raises(ckptool.CkptError) as mismatch:
         ckptool.load_into(model, a, fix=False, allow_globals=["omegaconf.*"])
     assert f"ckptool strip {a} -o {tmp_path / 'a.stripped.pt'} --allow-global 'omegaconf.*'" in str(mismatch.value)
+
+
+def test_an_entry_with_pattern_characters_also_allows_the_global_it_spells(tmp_path: Path) -> None:
+    """A global may itself be named with ``[`` or ``?``: the entry that spells it allows it."""
+    body = hostile.dct((hostile.text("weight"), hostile.rebuild()),
+                       (hostile.text("config"), hostile.call(hostile.glob("mylib", "Config[v2]"))))
+    path = tmp_path / "odd.pt"
+    path.write_bytes(hostile.make_zip(hostile.torch_members(hostile.whole(body), {"0": hostile.FOUR_FLOATS})))
+    line = one_line_refusal(*run("inspect", path)[::2])
+    flags = flags_after(line, "allow it by name: ", ")")
+    assert flags == ["--allow-global", "mylib.Config[v2]"]
+    code, _, err = run("inspect", path, *flags)
+    assert code == 0, err

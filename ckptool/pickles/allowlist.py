@@ -206,10 +206,11 @@ class GlobalResolver:
         return full_name in TORCH_GLOBALS or full_name in self.extra or self._matches(full_name)
 
     def _matches(self, full_name: str) -> bool:
-        """Whether one of the user's patterns allows ``full_name`` (a Python 3 name)."""
+        """Whether one of the user's patterns allows ``full_name`` (a Python 3 name): by matching it,
+        or by being it (a global may be named ``x.[a]``)."""
         if not self.patterns or full_name.startswith("<") or runs_code(full_name):
             return False  # "<unresolved STACK_GLOBAL>" is scan's mark for a name it could not read, not a name
-        return any(fnmatch.fnmatchcase(full_name, pattern) for pattern in self.patterns)
+        return full_name in self.patterns or any(fnmatch.fnmatchcase(full_name, pattern) for pattern in self.patterns)
 
     def resolve(self, module: str, name: str) -> Any:
         full_name = f"{module}.{name}"

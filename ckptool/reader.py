@@ -16,13 +16,16 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     Args:
         path: a ``.pt/.pth/.bin/.ckpt`` file (zip or legacy), a ``.safetensors`` file, a sharded
             safetensors directory or its ``*.index.json``.
-        allow_globals: extra pickle globals to accept by name (e.g. ``"mylib.Config"``); they are
-            recorded as placeholders, never imported.
+        allow_globals: extra pickle globals to accept, by name (``"mylib.Config"``) or shell
+            pattern on the dotted name (``"omegaconf.*"``, ``"*"`` for all); they are recorded as
+            placeholders, never imported. torch's own globals keep their checks, and a pattern
+            never accepts a global known to run code (:func:`ckptool.pickles.runs_code`).
         guard_cache: pickles the calling operation has already walked (a scan, a write's read-back).
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
-        UnsafeCheckpointError: the pickle names a global outside the allowlist.
+        UnsafeCheckpointError: the pickle names globals outside the allowlist (``.globals`` lists
+            them all, the message the ``allow_globals`` that would accept them).
         UnsupportedFormatError: not a checkpoint (TorchScript, images, archives...).
 
     Example:

@@ -257,8 +257,23 @@ def test_an_exact_name_still_reads_a_code_running_global_as_inert_data(tmp_path:
     assert checkpoint.globals["os.system"] == 1 and not canary.exists()
 
 
-def test_star_reads_no_hostile_payload(tmp_path: Path) -> None:
-    """Every hostile case whose pickle names a code-running global stays refused under ``'*'``."""
+PICKLESCAN = Path("/work/shared/corpus/picklescan/tests")  # the public corpus test_hostile.py reads too
+PICKLESCAN_BENIGN = {"pytorch_model.bin", "new_pytorch_model.bin"}
+
+
+def test_star_reads_no_hostile_payload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every hostile case whose pickle names a code-running global stays refused under ``'*'``, and
+    of the public picklescan corpus (where present) ``'*'`` reads only its two benign checkpoints."""
+    monkeypatch.chdir(tmp_path)  # where a payload that ran would leave its file
+    if PICKLESCAN.is_dir():
+        read = []
+        for path in sorted(p for p in PICKLESCAN.rglob("*") if p.is_file()):
+            try:
+                ckptool.load(path, allow_globals=["*"])
+            except ckptool.CkptError:
+                continue
+            read.append(path.name)
+        assert set(read) == PICKLESCAN_BENIGN and [p.name for p in tmp_path.iterdir()] == []
     cases = [case for case in hostile.build_corpus(tmp_path / "corpus") if case.expect == hostile.UNSAFE]
     checked = 0
     for case in cases:
@@ -336,3 +351,4 @@ def test_an_entry_with_pattern_characters_also_allows_the_global_it_spells(tmp_p
     assert flags == ["--allow-global", "mylib.Config[v2]"]
     code, _, err = run("inspect", path, *flags)
     assert code == 0, err
+

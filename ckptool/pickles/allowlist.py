@@ -117,8 +117,9 @@ CODE_RUNNING_GLOBALS: frozenset[str] = frozenset({
     "io.open", "_io.open", "io.FileIO", "_io.FileIO", "io.open_code", "_io.open_code", "codecs.open",
     "types.FunctionType", "types.CodeType", "types.LambdaType", "types.MethodType", "types.ModuleType",
     "operator.attrgetter", "operator.methodcaller",  # reach any attribute of an object, then call it
+    # load another file's pickle or code
     "torch.load", "torch.serialization.load", "torch.jit.load", "torch.hub.load", "torch.hub.load_state_dict_from_url",
-    "torch._C._jit_pass_onnx", "numpy.load", "numpy.testing._private.utils.runstring", "_codecs.decode",
+    "numpy.load", "numpy.testing._private.utils.runstring",
 })
 
 

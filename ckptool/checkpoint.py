@@ -73,6 +73,8 @@ class Checkpoint:
         globals: every pickle global used, with counts (empty for safetensors).
         metadata: safetensors metadata (string to string).
         files: every file the checkpoint spans.
+        allow_globals: the ``allow_globals`` entries it was read with (a command suggested for it
+            carries them).
 
     Example:
         >>> ckpt = ckptool.load("ddp.pt")                      # doctest: +SKIP
@@ -89,6 +91,7 @@ class Checkpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    allow_globals: tuple[str, ...] = ()
 
     # views ----------------------------------------------------------------------------------
     @property

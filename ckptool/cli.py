@@ -94,8 +94,10 @@ def _emit_json(data: Any) -> None:
 
 
 allow_global_option = click.option(
-    "--allow-global", "allow_globals", multiple=True, metavar="MODULE.NAME",
-    help="Accept one more pickle global by name (repeatable); it is recorded, never imported.",
+    "--allow-global", "allow_globals", multiple=True, metavar="NAME|PATTERN",
+    help="Accept pickle globals by name (mylib.Config) or shell pattern on the dotted name ('omegaconf.*', "
+         "'*' for all) (repeatable); each is read as an inert record, never imported. Torch's own globals keep "
+         "their checks; a pattern never accepts a global known to run code (os.system): name it exactly.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
 force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")

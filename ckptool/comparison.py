@@ -315,7 +315,7 @@ def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef
 
 def _strip_command(checkpoint: Checkpoint, prefix: str) -> str:
     return suggest.strip(checkpoint.path, format_=checkpoint.format,
-                         prefix=None if prefix == checkpoint.prefix else prefix)
+                         prefix=None if prefix == checkpoint.prefix else prefix, allow_globals=checkpoint.allow_globals)
 
 
 def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -301,19 +301,21 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str) -> str:
-    """The ckptool command(s) that apply ``rewrite`` to the file at ``path``."""
+def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str,
+                allow_globals: Sequence[str] = ()) -> str:
+    """The ckptool command(s) that apply ``rewrite`` to the file at ``path`` (read with ``allow_globals``)."""
     suffix = suggest.weights_suffix(format_)
     commands = []
     source = path
     if rewrite.strip:
         target = suggest.sibling(path, "stripped", suffix)
         commands.append(suggest.command("strip", source, out=target,
-                                        prefix=rewrite.strip if rewrite.strip != checkpoint_prefix else None))
+                                        prefix=rewrite.strip if rewrite.strip != checkpoint_prefix else None,
+                                        allow_globals=list(allow_globals)))
         source = target
     if rewrite.add:
         commands.append(suggest.command("add-prefix", source, out=suggest.sibling(path, "prefixed", suffix),
-                                        prefix=rewrite.add))
+                                        prefix=rewrite.add, allow_globals=list(allow_globals)))
     return suggest.each(commands)
 
 
@@ -400,7 +402,7 @@ def _last_layer(model_keys: list[str]) -> str:
 
 
 def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_stored: KeyMatch, fitted: KeyMatch,
-             *, checkpoint_prefix: str, model_prefix: str) -> LoadDiagnosis:
+             *, checkpoint_prefix: str, model_prefix: str, allow_globals: Sequence[str] = ()) -> LoadDiagnosis:
     """Name the cause of a mismatch and the next step (pure: keys and shapes in, diagnosis out)."""
     rewrite = fitted.rewrite
     sentences: list[str] = []
@@ -417,7 +419,8 @@ def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_sto
                              "do not carry it")
         else:
             sentences.append(f'the weight keys carry "{rewrite.strip}" but {model}\'s keys start with "{rewrite.add}"')
-        fixes.append("run: " + fix_command(path, rewrite, checkpoint_prefix=checkpoint_prefix, format_=format_))
+        fixes.append("run: " + fix_command(path, rewrite, checkpoint_prefix=checkpoint_prefix, format_=format_,
+                                            allow_globals=allow_globals))
     total = len(model_keys)
     if keys_fit and fitted.mismatched:
         last = _last_layer(model_keys)
@@ -558,6 +561,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         raise LoadMismatchError(diagnose(
             checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
             checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
+            allow_globals=checkpoint.allow_globals,
         ))
     rewrite = chosen.rewrite
     state_dict = to_state_dict({rewrite.apply(key): tensor for key, tensor in tensors.items()})

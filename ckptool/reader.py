@@ -7,7 +7,6 @@ from pathlib import Path
 from . import formats, inputs, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
-from .suggest import option
 
 
 def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
@@ -17,13 +16,16 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     Args:
         path: a ``.pt/.pth/.bin/.ckpt`` file (zip or legacy), a ``.safetensors`` file, a sharded
             safetensors directory or its ``*.index.json``.
-        allow_globals: extra pickle globals to accept by name (e.g. ``"mylib.Config"``); they are
-            recorded as placeholders, never imported.
+        allow_globals: extra pickle globals to accept, by name (``"mylib.Config"``) or shell
+            pattern on the dotted name (``"omegaconf.*"``, ``"*"`` for all); they are recorded as
+            placeholders, never imported. torch's own globals keep their checks, and a pattern
+            never accepts a global known to run code (:func:`ckptool.pickles.runs_code`).
         guard_cache: pickles the calling operation has already walked (a scan, a write's read-back).
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
-        UnsafeCheckpointError: the pickle names a global outside the allowlist.
+        UnsafeCheckpointError: the pickle names globals outside the allowlist (``.globals`` lists
+            them all, the message the ``allow_globals`` that would accept them).
         UnsupportedFormatError: not a checkpoint (TorchScript, images, archives...).
 
     Example:
@@ -36,11 +38,9 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     try:
         return _load(path, resolver)
     except pickles.RefusedGlobal as e:
-        raise UnsafeCheckpointError(
-            f"pickle imports {e.name}, which could run code — refused, nothing was executed "
-            "(if you trust this file, allow it by name: " + option("allow_globals", [e.name]) + ")",
-            path=path, globals_=resolver.refused,
-        ) from None
+        from .safety import refusal
+
+        raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
     except CkptError as e:
         if e.path is None:
             raise type(e)(e.wording or e.message, path=path) from e
@@ -96,4 +96,4 @@ def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
     layout = () if fmt.weights_only else find_layout(contents.container)
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
-                      notes=contents.notes)
+                      notes=contents.notes, allow_globals=resolver.allow_globals)

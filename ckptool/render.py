@@ -74,13 +74,16 @@ def scan(report: ScanReport) -> None:
     echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
          f"{sum(report.opcodes.values())} opcodes)")
     for name, count in report.globals.items():
-        mark = "  " if name not in report.unsafe else "! "
-        echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else ""))
+        mark = "  " if name not in report.unsafe else "!!" if name in report.dangerous else "! "
+        echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else "") + ("  (runs code)" if mark == "!!" else ""))
     for problem in report.problems:
         echo(f"  note: {problem}")
     if report.unsafe:
         echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
              "ckptool refuses to load this file")
+        if report.dangerous:
+            echo(f"  {len(report.dangerous)} of them (!!) are known to run code or reach the system: "
+                 "do not trust this file")
 
 
 def write(report: WriteReport, headline: str) -> None:

@@ -6,7 +6,9 @@ through its stack and memo), or ``pickletools.genops`` over a pickle the guard r
 restricted load; only if it fails, a dry run feeds the pickle to the restricted unpickler in
 permissive mode, where every global becomes an inert placeholder — so the globals a real load
 would import are listed exactly, even when hidden behind memo tricks.
-A checkpoint is safe when every global is on the allowlist ckptool loads with.
+A checkpoint is safe when every global is on the allowlist ckptool loads with; of the others,
+those known to run code or reach the system (:func:`ckptool.pickles.runs_code`: ``os.system``,
+``builtins.eval``) are *dangerous*, the rest unknown. :func:`refusal` words a load's refusal.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from . import dtypes, formats, pickles
 from .errors import CkptError, InputError, UnsupportedFormatError
 from .refs import StorageRef
+from .suggest import Wording, option
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 
@@ -37,6 +40,7 @@ class ScanReport:
     opcodes: dict[str, int]
     pickles: list[str]
     problems: list[str] = field(default_factory=list)
+    dangerous: list[str] = field(default_factory=list)  # of ``unsafe``, those known to run code
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,7 +98,7 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
     except CkptError as e:
         error = e.message
     except pickles.RefusedGlobal as e:  # not raised in permissive mode, kept for safety
-        error = e.name
+        error = ", ".join(e.names)
     return dict(resolver.seen), error
 
 
@@ -148,7 +152,8 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     unsafe = sorted(g for g in globals_ if not resolver.is_allowed(g))
     report = ScanReport(path=str(path), format=found.kind, safe=not unsafe, unsafe=unsafe,
                         globals=dict(sorted(globals_.items())), opcodes=dict(sorted(opcodes.items())),
-                        pickles=[blob.label for blob in blobs], problems=problems)
+                        pickles=[blob.label for blob in blobs], problems=problems,
+                        dangerous=[name for name in unsafe if pickles.runs_code(name)])
     if unsafe:
         return report
     if load_error is not None:
@@ -218,3 +223,54 @@ def _load_pass(path: Path, blobs: list[formats.PickleBlob], allow_globals: tuple
         if dynamic_error and load_error is not None:
             problems.append(f"{blob.label}: {dynamic_error}")
     return format_name, globals_, problems, load_error
+
+
+# ---------------------------------------------------------------------------------------------- refusal
+
+SHOWN_GLOBALS = 10  # a refusal names this many globals, then "and N more"; past it, its fix uses patterns
+
+
+def refusal(refused: pickles.RefusedGlobal) -> Wording:
+    """A load's refusal of every global it refused, in the order the pickle names them, and the fix.
+
+    Unknown globals only: the flags that allow them all (one ``--allow-global`` per name; past
+    :data:`SHOWN_GLOBALS`, a pattern per top-level package, and ``'*'``), to add to the same
+    command. A global known to run code (:func:`ckptool.pickles.runs_code`): no flag at all — the
+    file says it runs code, and should not be trusted.
+    """
+    names = refused.names
+    shown = ", ".join(names[:SHOWN_GLOBALS]) + (f" and {len(names) - SHOWN_GLOBALS} more"
+                                                if len(names) > SHOWN_GLOBALS else "")
+    partial = "" if refused.complete else " (the read stopped early, so more may follow)"
+    dangerous = [name for name in names if pickles.runs_code(name)]
+    if len(names) == 1:
+        head = f"pickle imports {names[0]}, which {'runs' if dangerous else 'could run'} code"
+    else:
+        head = f"pickle imports {len(names)} globals outside the allowlist: {shown}{partial}"
+        partial = ""
+    if dangerous:
+        which = ", ".join(dangerous[:SHOWN_GLOBALS]) + (" ..." if len(dangerous) > SHOWN_GLOBALS else "")
+        cause = "" if len(names) == 1 else f"; {which} {'runs' if len(dangerous) == 1 else 'run'} code"
+        return Wording(f"{head}{partial} — refused, nothing was executed{cause}: a file naming code-running "
+                       "globals should not be trusted (do not torch.load it)")
+    if len(names) == 1:
+        return (f"{head}{partial} — refused, nothing was executed (if you trust this file, allow it by name: "
+                + option("allow_globals", names) + ")")
+    fix = Wording("if you trust this file, allow them: ") + option("allow_globals", allow_patterns(names))
+    if len(names) > SHOWN_GLOBALS:
+        fix = fix + ", or read every global as inert data: " + option("allow_globals", ["*"])
+    return f"{head}{partial}, any of which could run code — refused, nothing was executed (" + fix + ")"
+
+
+def allow_patterns(names: list[str]) -> list[str]:
+    """What ``--allow-global`` needs to allow ``names``: the names themselves, up to
+    :data:`SHOWN_GLOBALS`; past that, ``package.*`` for each top-level package naming two or more
+    (a pattern never allows a code-running global, so ``builtins.*`` stays safe to suggest), or
+    just ``*`` when even those are too many."""
+    if len(names) <= SHOWN_GLOBALS:
+        return list(names)
+    packages: dict[str, list[str]] = {}
+    for name in names:
+        packages.setdefault(name.split(".", 1)[0], []).append(name)
+    patterns = [group[0] if len(group) == 1 else f"{package}.*" for package, group in packages.items()]
+    return patterns if len(patterns) <= SHOWN_GLOBALS else ["*"]

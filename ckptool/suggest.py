@@ -1,8 +1,10 @@
 """Every fix ckptool suggests, spelled in one place: ckptool command lines and the options a refusal names.
 
-A command line (``ckptool strip ddp.pt -o ddp.stripped.pt``) quotes every path and value with
-:func:`shlex.quote`, so a suggestion pasted into a POSIX shell runs the command it shows, whatever
-the file is called. An option a refusal asks for (``force``, ``allow_globals``, ``in_place``) is an
+A command line (``ckptool strip /data/ddp.pt -o /data/ddp.stripped.pt``) names every file by its
+absolute path and quotes every path and value with :func:`shlex.quote`, so a suggestion pasted into
+a POSIX shell, in any folder, runs the command it shows, whatever the file is called. A command for
+a file the caller read with ``allow_globals`` (``--allow-global 'omegaconf.*'``) carries the same
+entries, since the command reads that file again. An option a refusal asks for (``force``, ``allow_globals``, ``in_place``) is an
 :class:`Option` inside the error's :class:`Wording`: the command line spells it as its flag
 (``--allow-global NAME``), the Python API as the keyword argument (``allow_globals=['NAME']``), so
 no library message names a flag an API caller cannot pass.
@@ -10,6 +12,8 @@ no library message names a flag an API caller cannot pass.
 Example:
     >>> command("strip", "my model.pt", out="model.pt")
     "ckptool strip 'my model.pt' -o model.pt"
+    >>> command("strip", Path("/data/my model.pt"), out=Path("/data/model.pt"), allow_globals=["omegaconf.*"])
+    "ckptool strip '/data/my model.pt' -o /data/model.pt --allow-global 'omegaconf.*'"
     >>> wording = "already exists — pass " + option("force") + " to overwrite it"
     >>> wording.render(flag), str(wording)
     ('already exists — pass --force to overwrite it', 'already exists — pass force=True to overwrite it')
@@ -159,13 +163,24 @@ def quote(value: Path | str) -> str:
 def command(name: str, *arguments: Path | str, **options: Any) -> str:
     """The ckptool command line ``name`` with its quoted ``arguments`` and ``options`` (keyword -> value).
 
+    A :class:`~pathlib.Path` (an argument or an option's value) is written absolute, so the command
+    runs from any folder; a ``str`` is written as it is (a stand-in such as ``OUT.pt``). An option
+    whose value is None, False or an empty list is left out.
+
     Example:
         >>> command("remap", "gpu.pt", out="gpu.cpu.pt", to="cpu")
         'ckptool remap gpu.pt -o gpu.cpu.pt --to cpu'
     """
-    words = [PROGRAM, name, *(quote(argument) for argument in arguments)]
-    words += [flag(Option(key, value)) for key, value in options.items() if value is not None and value is not False]
+    words = [PROGRAM, name, *(quote(_placed(argument)) for argument in arguments)]
+    words += [flag(Option(key, _placed(value))) for key, value in options.items()
+              if value is not None and value is not False and not (isinstance(value, list | tuple) and not value)]
     return " ".join(words)
+
+
+def _placed(value: Any) -> Any:
+    """A path as a command run from another folder must name it (absolute; not resolved, so a
+    link or ``..`` in it is followed as the user's own path was); any other value as it is."""
+    return value.absolute() if isinstance(value, Path) else value
 
 
 # what stem() takes off a name, longest first: a version or a date in the name stays
@@ -200,19 +215,23 @@ def weights_suffix(format_: str) -> str:
     return formats.for_name(format_).default_suffix
 
 
-def strip(path: Path, *, format_: str, prefix: str | None = None) -> str:
-    """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack)."""
-    return command("strip", path, out=sibling(path, "stripped", weights_suffix(format_)), prefix=prefix)
+def strip(path: Path, *, format_: str, prefix: str | None = None, allow_globals: Sequence[str] = ()) -> str:
+    """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack);
+    ``allow_globals``: the entries ``path`` was read with, carried by the command."""
+    return command("strip", Path(path), out=sibling(Path(path), "stripped", weights_suffix(format_)), prefix=prefix,
+                   allow_globals=list(allow_globals))
 
 
-def remap_to_cpu(path: Path) -> str:
+def remap_to_cpu(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The remap command that moves every saved storage tag of ``path`` to the CPU."""
-    return command("remap", path, out=sibling(path, "cpu", ".pt"), to="cpu")
+    return command("remap", Path(path), out=sibling(Path(path), "cpu", ".pt"), to="cpu",
+                   allow_globals=list(allow_globals))
 
 
-def to_safetensors(path: Path) -> str:
+def to_safetensors(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes ``path``'s weights as safetensors beside it."""
-    return command("convert", path, out=sibling(path, "", ".safetensors"))
+    return command("convert", Path(path), out=sibling(Path(path), "", ".safetensors"),
+                   allow_globals=list(allow_globals))
 
 
 def each(commands: Sequence[str]) -> str:

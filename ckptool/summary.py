@@ -120,17 +120,17 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     if summary.prefix:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
         hints.append(Hint(f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys',
-                          suggest.strip(path, format_=checkpoint.format)))
+                          suggest.strip(path, format_=checkpoint.format, allow_globals=checkpoint.allow_globals)))
     gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
     if gpu:
         hints.append(Hint(f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU",
-                          suggest.remap_to_cpu(path)))
+                          suggest.remap_to_cpu(path, allow_globals=checkpoint.allow_globals)))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
     if fmt.torch_load_refuses:  # then its globals are its own metadata's (DCP's), read as inert records
-        hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path)))
+        hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
     elif extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
-                          suggest.to_safetensors(path)))
+                          suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
     if checkpoint.layout is None:
         hints.append(Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint"))
     return hints

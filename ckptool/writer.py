@@ -97,14 +97,18 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
     source = checkpoint.path
     if command == "remap":
         raise UsageError("is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
-                         f"drop the tags with: {suggest.command('convert', source, out=out)}", path=out)
+                         "drop the tags with: "
+                         f"{suggest.command('convert', source, out=out, allow_globals=list(checkpoint.allow_globals))}",
+                         path=out)
     extra = [repr(key) for key in checkpoint.entries()]
     if checkpoint.has_weights:
         extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
     if checkpoint.layout is None or extra:
         shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
-        hint = (suggest.command("convert", source, out=out, strip=True) if command == "strip" else
-                f"{suggest.command(command, source, out='OUT.pt')}, then {suggest.command('convert', 'OUT.pt', out=out)}")
+        allowed = list(checkpoint.allow_globals)
+        hint = (suggest.command("convert", source, out=out, strip=True, allow_globals=allowed) if command == "strip" else
+                f"{suggest.command(command, source, out='OUT.pt', allow_globals=allowed)}, then "
+                f"{suggest.command('convert', 'OUT.pt', out=out, allow_globals=allowed)}")
         raise UsageError(f"is a safetensors name, which holds weights only, but {source} also holds "
                          f"{shown or 'no weights'}, which {command} keeps — write .pt, or keep just the weights: {hint}",
                          path=out)
@@ -120,7 +124,7 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> form
         named = suffix_format(out)
         if named is not None and named != to:
             raise UsageError(suggest.typed("to", to) + f" contradicts the name {out.name} — drop "
-                             + suggest.option("to", None) + f", or name the output {out.stem}{chosen.default_suffix}")
+                             + suggest.option("to", None) + f", or name the output {suggest.stem(out)}{chosen.default_suffix}")
         if max_shard_size is not None or out.is_dir():  # a format without shards ignores both
             return formats.for_target(to, sharded=True) or chosen
         return chosen

@@ -27,7 +27,8 @@ through the copy this package re-exports.
 from __future__ import annotations
 
 from . import limits
-from .allowlist import DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal, python3_name
+from .allowlist import (DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal, is_pattern, python3_name,
+                        runs_code)
 from .emit import dump
 from .guard_cache import GuardCache, PickleStats
 from .opcode_guard import guard, guard_stats
@@ -41,8 +42,8 @@ __all__ = [
     "DEFAULT_EXTRA_GLOBALS", "MAX_EXPANDED_NODES", "MAX_EXPANDED_TEXT", "MAX_HASH_COLLISIONS", "MAX_KEY_NODES",
     "MAX_NESTING", "MAX_PICKLE_BYTES", "MAX_UNPICKLED_BYTES", "PARAMETER_DESCRIPTORS", "TORCH_GLOBALS", "GlobalResolver",
     "GuardCache", "OpaqueObject", "PickleStats", "RefusedGlobal", "RestrictedUnpickler", "StateDict", "StorageTypeRef",
-    "TypeRef", "brief", "check_tree", "dump", "guard", "guard_stats", "limits", "loads", "opaque_type", "python3_name",
-    "read_pickle",
+    "TypeRef", "brief", "check_tree", "dump", "guard", "guard_stats", "is_pattern", "limits", "loads", "opaque_type",
+    "python3_name", "read_pickle", "runs_code",
 ]
 
 # Sparse and nested tensors, quantized storages and the layouts they name: placeholders of their

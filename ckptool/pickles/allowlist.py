@@ -4,11 +4,15 @@
 checking rebuild that stands for it (:mod:`ckptool.pickles.rebuilds`); :data:`DEFAULT_EXTRA_GLOBALS`
 the data-only classes training scripts store, recorded as :class:`OpaqueObject`\\ s. SECURITY.md
 gives the reason for each. :class:`GlobalResolver` applies them (and a user's ``--allow-global``
-names) to one read; anything else raises :class:`RefusedGlobal`.
+names and shell patterns) to one read; anything else is collected, and the read raises one
+:class:`RefusedGlobal` naming all of them. :func:`runs_code` tells the globals known to run code or
+reach the system (``os.system``, ``builtins.eval``) from merely unknown ones.
 """
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
@@ -24,11 +28,18 @@ if TYPE_CHECKING:
 
 
 class RefusedGlobal(Exception):
-    """Raised inside the unpickler when a pickle names a global outside the allowlist."""
+    """Raised after a pickle's walk when it names globals outside the allowlist.
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
+    ``names`` lists every refused global in the order the pickle first names them (``name`` is the
+    first); ``complete`` is False when the walk, carried on with inert placeholders past the first
+    refusal, stopped early on something else, so more names may follow those listed.
+    """
+
+    def __init__(self, names: str | Sequence[str], *, complete: bool = True) -> None:
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.name = self.names[0]
+        self.complete = complete
+        super().__init__(", ".join(self.names))
 
 
 def _build_torch_globals() -> dict[str, Any]:
@@ -86,6 +97,54 @@ DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (
 )
 
 
+# Globals known to run code or reach the system when a pickle calls them. Every global outside the
+# allowlist is refused whatever this says; the list decides how a refusal and scan describe a name
+# ("runs code" rather than "unknown"), that a refusal naming one suggests no flag, and that no
+# pattern (``--allow-global 'builtins.*'``, ``'*'``) allows one: only its exact name does.
+CODE_RUNNING_MODULES: frozenset[str] = frozenset({
+    "os", "posix", "nt", "subprocess", "_posixsubprocess", "pty", "commands", "popen2", "platform",  # processes
+    "runpy", "code", "codeop", "importlib", "pkgutil", "zipimport", "imp",  # import and run code
+    "ctypes", "_ctypes", "cffi",  # call into memory
+    "pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "joblib", "cloudpickle",  # load more pickles
+    "socket", "_socket", "http", "urllib", "urllib2", "requests", "ftplib", "smtplib", "telnetlib",  # network
+    "shutil", "sys", "webbrowser", "multiprocessing", "_thread", "thread", "threading", "asyncio", "signal",
+    "pdb", "bdb", "timeit", "cProfile", "profile", "trace", "pip", "sysconfig", "linecache", "tempfile",
+})
+CODE_RUNNING_GLOBALS: frozenset[str] = frozenset({
+    *(f"builtins.{name}" for name in ("eval", "exec", "execfile", "compile", "__import__", "getattr", "setattr",
+                                      "delattr", "open", "input", "breakpoint", "globals", "locals", "vars",
+                                      "exit", "quit", "apply", "reload", "file")),
+    "io.open", "_io.open", "io.FileIO", "_io.FileIO", "io.open_code", "_io.open_code", "codecs.open",
+    "types.FunctionType", "types.CodeType", "types.LambdaType", "types.MethodType", "types.ModuleType",
+    "operator.attrgetter", "operator.methodcaller",  # reach any attribute of an object, then call it
+    # load another file's pickle or code
+    "torch.load", "torch.serialization.load", "torch.jit.load", "torch.hub.load", "torch.hub.load_state_dict_from_url",
+    "numpy.load", "numpy.testing._private.utils.runstring",
+})
+
+
+def runs_code(full_name: str) -> bool:
+    """Whether ``full_name`` is a global known to run code or reach the system (``os.system``,
+    ``posix.system``, ``builtins.eval``, ``subprocess.Popen``) rather than merely unknown."""
+    full_name = python3_name(full_name)
+    if full_name in CODE_RUNNING_GLOBALS:
+        return True
+    module = full_name.rpartition(".")[0]
+    while module:
+        if module in CODE_RUNNING_MODULES:
+            return True
+        module = module.rpartition(".")[0]
+    return False
+
+
+_PATTERN_CHARACTERS = frozenset("*?[")
+
+
+def is_pattern(allowed: str) -> bool:
+    """Whether an ``--allow-global`` entry is a shell pattern (``omegaconf.*``) rather than a name."""
+    return not _PATTERN_CHARACTERS.isdisjoint(allowed)
+
+
 def _py2_modules() -> frozenset[str]:
     import _compat_pickle
 
@@ -117,16 +176,27 @@ def _python3(module: str, name: str) -> tuple[str, str]:
 class GlobalResolver:
     """Maps a pickle's ``module.name`` to a placeholder, or refuses it.
 
+    A refused name is recorded in ``refused`` (first-seen order) and resolved to an inert
+    placeholder all the same, so the walk goes on and finds every other refused name;
+    :func:`~ckptool.pickles.loads` raises one :class:`RefusedGlobal` naming them all when the walk
+    ends. Nothing is called either way: the placeholder is a record.
+
     Args:
-        allow_globals: extra names to accept as :class:`OpaqueObject` placeholders.
+        allow_globals: extra names to accept as :class:`OpaqueObject` placeholders, each an exact
+            ``module.Name`` or a shell pattern matched against the whole dotted name
+            (``omegaconf.*``, ``pathlib.*Path``, ``*`` for every name). ``TORCH_GLOBALS`` keep
+            their checking rebuilds whatever a pattern says, and a pattern never allows a global
+            that :func:`runs_code` (name it exactly to read it).
         permissive: scan mode — record every global and return a harmless placeholder for all.
         guard_cache: the pickles this read's operation already walked (a scan that then loads,
             a write that re-reads its output); none: every pickle is walked.
     """
 
-    def __init__(self, allow_globals: tuple[str, ...] | list[str] = (), *, permissive: bool = False,
+    def __init__(self, allow_globals: Sequence[str] = (), *, permissive: bool = False,
                  guard_cache: GuardCache | None = None) -> None:
-        self.extra = set(DEFAULT_EXTRA_GLOBALS) | {python3_name(name) for name in allow_globals}
+        self.extra = set(DEFAULT_EXTRA_GLOBALS) | {python3_name(name) for name in allow_globals if not is_pattern(name)}
+        self.patterns = tuple(dict.fromkeys(name for name in allow_globals if is_pattern(name)))
+        self.allow_globals = tuple(allow_globals)  # as the caller gave them
         self.permissive = permissive
         self.guard_cache = guard_cache
         self.seen: dict[str, int] = {}
@@ -134,7 +204,14 @@ class GlobalResolver:
 
     def is_allowed(self, full_name: str) -> bool:
         full_name = python3_name(full_name)
-        return full_name in TORCH_GLOBALS or full_name in self.extra
+        return full_name in TORCH_GLOBALS or full_name in self.extra or self._matches(full_name)
+
+    def _matches(self, full_name: str) -> bool:
+        """Whether one of the user's patterns allows ``full_name`` (a Python 3 name): by matching it,
+        or by being it (a global may be named ``x.[a]``)."""
+        if not self.patterns or full_name.startswith("<") or runs_code(full_name):
+            return False  # "<unresolved STACK_GLOBAL>" is scan's mark for a name it could not read, not a name
+        return full_name in self.patterns or any(fnmatch.fnmatchcase(full_name, pattern) for pattern in self.patterns)
 
     def resolve(self, module: str, name: str) -> Any:
         full_name = f"{module}.{name}"
@@ -142,12 +219,17 @@ class GlobalResolver:
         if module in _PY2_MODULES:
             module, name = _python3(module, name)
             full_name = f"{module}.{name}"
-        if full_name in TORCH_GLOBALS:
+        if full_name in TORCH_GLOBALS:  # before any pattern: torch's globals keep their checks under '*'
             return TORCH_GLOBALS[full_name]
-        if full_name in self.extra:
+        if full_name in self.extra or self._matches(full_name):
             return opaque_type(full_name)
         if full_name not in self.refused:
             self.refused.append(full_name)
-        if self.permissive:
-            return opaque_type(full_name)
-        raise RefusedGlobal(full_name)
+        # refused: an inert placeholder lets the walk go on to every other refused name
+        return opaque_type(full_name)
+
+    def refusal(self, *, complete: bool = True) -> RefusedGlobal | None:
+        """The one refusal naming every global refused so far (none in permissive mode, or if none was)."""
+        if self.permissive or not self.refused:
+            return None
+        return RefusedGlobal(self.refused, complete=complete)

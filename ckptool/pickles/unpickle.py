@@ -64,8 +64,27 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
                              "torch never writes that; refused")
     else:
         blob = read_pickle(data, cache)
+    # a refused global becomes an inert placeholder and the walk goes on, so that one refusal names
+    # every refused global; what the walk then meets (a rebuild given a placeholder, a corrupt
+    # tail) ends it with the refusal of the names found so far
     try:
-        obj = RestrictedUnpickler(io.BytesIO(blob), resolver, persistent_load).load()
+        obj = _unpickle(blob, resolver, persistent_load)
+    except (RefusedGlobal, InputError) as e:
+        refusal = resolver.refusal(complete=False)
+        if refusal is not None and not isinstance(e, RefusedGlobal):
+            raise refusal from None
+        raise
+    refusal = resolver.refusal()
+    if refusal is not None:
+        raise refusal
+    check_tree(obj, source_bytes=len(blob))
+    return obj
+
+
+def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None) -> Any:
+    """Run the restricted unpickler over one guarded pickle; any failure is an InputError."""
+    try:
+        return RestrictedUnpickler(io.BytesIO(blob), resolver, persistent_load).load()
     except (RefusedGlobal, InputError):
         raise
     except RecursionError as e:
@@ -74,8 +93,6 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
         raise InputError("pickle would need more memory than is available to read") from e
     except Exception as e:  # any malformed-pickle error from the C unpickler
         raise InputError(f"pickle is corrupt or truncated ({type(e).__name__}: {_short(e)})") from e
-    check_tree(obj, source_bytes=len(blob))
-    return obj
 
 
 def _short(error: BaseException) -> str:

@@ -93,6 +93,8 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
 def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
                 resolver: pickles.GlobalResolver) -> Checkpoint:
     """The one place a Checkpoint is made from what a format read."""
+    if contents.format is not None:  # the claiming format handed the input to a narrower one
+        fmt = formats.for_name(contents.format)
     layout = () if fmt.weights_only else find_layout(contents.container)
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,

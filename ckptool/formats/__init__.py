@@ -32,6 +32,7 @@ REGISTRY: list[str] = [
     ".safetensors:FORMAT",    # a u64 header length, then "{"
     ".safetensors:SHARDED",   # a *.safetensors.index.json (and a folder holding one)
     ".torch_legacy:FORMAT",   # a pickle opcode first
+    ".torchscript:FORMAT",    # never sniffed: the torch zip reader hands over an archive holding code/
     ".dcp:FORMAT",            # a folder holding .metadata
 ]
 
@@ -60,6 +61,9 @@ class Contents:
     files: list[Path]
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the narrower format the input proved to be, when the format that claimed it handed it over
+    # (a torch zip that holds TorchScript code): None, the claiming format itself
+    format: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
-        path: a ``.pt/.pth/.bin/.ckpt`` file (zip or legacy), a ``.safetensors`` file, a sharded
-            safetensors directory or its ``*.index.json``.
+        path: a ``.pt/.pth/.bin/.ckpt`` file (zip or legacy), a TorchScript archive (its parameters
+            and buffers), a ``.safetensors`` file, a sharded safetensors or ``.bin`` directory or its
+            ``*.index.json``.
         allow_globals: extra pickle globals to accept by name (e.g. ``"mylib.Config"``); they are
             recorded as placeholders, never imported.
         guard_cache: pickles the calling operation has already walked (a scan, a write's read-back).
@@ -24,7 +25,7 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
         UnsafeCheckpointError: the pickle names a global outside the allowlist.
-        UnsupportedFormatError: not a checkpoint (TorchScript, images, archives...).
+        UnsupportedFormatError: not a checkpoint (images, archives...).
 
     Example:
         >>> ckpt = ckptool.load("ddp.pt")        # doctest: +SKIP
@@ -58,7 +59,8 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
         target = formats.in_folder(path)
         if target is None:
             raise UnsupportedFormatError(
-                "is a directory without a checkpoint (no *.safetensors, *.safetensors.index.json or .metadata)",
+                "is a directory without a checkpoint (no *.safetensors, *.safetensors.index.json, *.bin.index.json "
+                "or .metadata)",
                 path=path,
             )
         checkpoint = _load(target, resolver, folder=path)

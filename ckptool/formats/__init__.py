@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 REGISTRY: list[str] = [
     ".torch_zip:FORMAT",      # "PK\x03\x04"
     ".safetensors:FORMAT",    # a u64 header length, then "{"
+    ".torch_sharded:FORMAT",  # a *.bin.index.json, and a folder holding one (and no safetensors weights)
     ".safetensors:SHARDED",   # a *.safetensors.index.json (and a folder holding one)
     ".torch_legacy:FORMAT",   # a pickle opcode first
     ".torchscript:FORMAT",    # never sniffed: the torch zip reader hands over an archive holding code/

@@ -131,7 +131,7 @@ def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: 
     persistent_load = storage_loader(path, members, top, storages, big_endian=big_endian)
     root = pickles.loads(data, _Resolver(options.resolver), persistent_load)  # type: ignore[arg-type]
     classes = _Classes(path, handle, members, top)
-    root_class = classes.of(root, "the archive's module")
+    root_class = classes.of(root)
     if root_class is None or not root_class.is_module:
         raise UnsupportedFormatError(f"is a TorchScript archive whose data.pkl holds {pickles.brief(root)}, not a "
                                      "module — ckptool reads the weights of saved modules", path=path)
@@ -153,13 +153,13 @@ class _Classes:
         self.parsed: dict[str, _Class | None] = {}
         self.files = 0
 
-    def of(self, obj: Any, what: str) -> _Class | None:
+    def of(self, obj: Any) -> _Class | None:
         """The declaration of ``obj``'s class; None for an object not of a ``__torch__`` class."""
         if not isinstance(obj, pickles.OpaqueObject) or not obj.global_name.startswith("__torch__."):
             return None
         qualified = obj.global_name
         if qualified not in self.parsed:
-            self.parsed[qualified] = self._parse(qualified, what)
+            self.parsed[qualified] = self._parse(qualified)
         return self.parsed[qualified]
 
     def _lines(self, qualifier: str) -> list[str] | None:
@@ -182,7 +182,7 @@ class _Classes:
         self.sources[qualifier] = lines
         return lines
 
-    def _parse(self, qualified: str, what: str) -> _Class | None:
+    def _parse(self, qualified: str) -> _Class | None:
         qualifier, _, name = qualified.rpartition(".")
         lines = self._lines(qualifier)
         if lines is None:
@@ -241,8 +241,8 @@ class _Walk:
         self.on_path: set[int] = set()
 
     def module(self, obj: Any, prefix: str, depth: int) -> None:
-        where = f"module {prefix[:-1]!r}" if prefix else "the archive's module"
-        declared = self.classes.of(obj, where)
+        where = f"module {prefix[:-1]!r}" if prefix else "top-level module"
+        declared = self.classes.of(obj)
         assert declared is not None and declared.is_module
         self.modules += 1
         if self.modules > MAX_MODULES or depth > MAX_MODULE_DEPTH:
@@ -271,19 +271,19 @@ class _Walk:
         # as Tensor), then its children — each in the order the class declares its attributes
         for name, _, value in values:
             if name in declared.parameters and value is not None:
-                self._add(prefix + name, value, where)
+                self._add(prefix + name, value)
                 self.parameters += 1
         for name, type_text, value in values:
             if name in declared.buffers and type_text == "Tensor":
-                self._add(prefix + name, value, where)
+                self._add(prefix + name, value)
                 self.buffers += 1
         for name, _, value in values:
-            child = self.classes.of(value, f"module {prefix + name!r}")
+            child = self.classes.of(value)
             if child is not None and child.is_module:
                 self.module(value, f"{prefix}{name}.", depth + 1)
         self.on_path.discard(id(obj))
 
-    def _add(self, key: str, value: Any, where: str) -> None:
+    def _add(self, key: str, value: Any) -> None:
         if not isinstance(value, TensorRef):
             raise UnsupportedFormatError(f"is a TorchScript archive whose tensor {key!r} is {pickles.brief(value)}, "
                                          "which ckptool does not read from TorchScript archives", path=self.path)

@@ -209,8 +209,10 @@ def test_scan_still_reports_the_archive_s_classes(archives: dict[str, Path]) -> 
     report = ckptool.scan(archives["scripted"])
     assert report.format == "torchscript" and not report.safe
     assert "__torch__.test_torchscript.Net" in report.unsafe  # torch.jit.load builds these classes and runs their code
+    # and it names the code those classes carry (read as a listing, never run)
+    assert any("TorchScript code in" in note and "code/__torch__" in note for note in report.problems)
     code, out = _cli("scan", archives["scripted"])
-    assert code == 1 and "UNSAFE (torchscript" in out
+    assert code == 1 and "UNSAFE (torchscript" in out and "note: TorchScript code in" in out
 
 
 # --------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class Pickles:
 
     kind: str
     blobs: list[PickleBlob]
+    notes: list[str] = field(default_factory=list)  # what scan says besides the pickles (a TorchScript archive's code)
 
 
 @dataclass(frozen=True)

@@ -240,8 +240,13 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             continue  # unreadable: the load (and its one-line refusal) speaks for it
         blobs += split_pickles(io.BytesIO(data), label, 5, options.resolver.guard_cache)
     kind = "torchscript" if any(name.endswith("/constants.pkl") for name, _ in blobs) else FORMAT.name
+    code = [member.name for member in listing.members if f"/{top}/code/" in f"/{member.name}" and
+            zipio.fold_name(member.name).endswith(".py")]
+    notes = [f"TorchScript code in {len(code)} file(s) under {top}/code/ (e.g. {code[0]!r}): torch.jit.load compiles "
+             "it and the module runs it; ckptool reads the weights without it"] if code else []
     # a load reads the one data.pkl (not what follows its STOP): the rest are run dry
-    return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs])
+    return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs],
+                   notes)
 
 
 FORMAT = Format(

@@ -207,3 +207,17 @@ def test_a_shard_that_is_not_a_torch_file_is_refused(tmp_path: Path) -> None:
     folder = write_repo(tmp_path / "repo")
     save_file({"x": torch.ones(1)}, folder / "pytorch_model-00003-of-00003.bin")
     _refused(folder, "is not a torch.save file", tmp_path / "o.safetensors")
+
+
+def test_in_place_is_refused_and_the_repository_kept(tmp_path: Path) -> None:
+    folder = tmp_path / "repo"
+    write_repo(folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    for source in (folder, folder / INDEX):
+        code, _, err = cli("add-prefix", source, "--in-place")
+        assert code == 2 and "would replace its index and leave its shards behind" in err and err.count("\n") == 1
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    code, out, _ = cli("add-prefix", folder, "-o", tmp_path / "prefixed.pt")  # a rewrite beside it: one .pt
+    assert code == 0 and "one .pt file" in out
+    same(torch.load(tmp_path / "prefixed.pt", weights_only=True),
+         {"module." + key: tensor for key, tensor in merged(folder).items()})

@@ -280,3 +280,13 @@ def test_a_dangerous_global_in_the_module_pickle_is_refused(archives: dict[str, 
 def _cli(*args: object) -> tuple[int, str]:
     result = CliRunner().invoke(main, [str(a) for a in args])
     return result.exit_code, result.stdout + result.stderr
+
+
+def test_in_place_is_refused_and_the_archive_kept(archives: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(archives["scripted"].read_bytes())
+    for args in (["add-prefix", path, "--in-place"], ["remap", path, "--to", "cpu", "--in-place"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2 and "would replace the archive and its code" in result.stderr
+        assert result.stderr.count("\n") == 1
+    assert path.read_bytes() == archives["scripted"].read_bytes()

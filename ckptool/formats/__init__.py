@@ -115,6 +115,8 @@ class Format:
             serialization is not the one written), or None.
         torch_load_refuses: why ``torch.load`` cannot read this format (inspect suggests a
             convert), or None.
+        in_place_refused: why a rewrite may not replace an input of this format (``--in-place``):
+            the input is more than the rewrite writes back; None: it may.
     """
 
     name: str
@@ -133,6 +135,7 @@ class Format:
     has_location_tags: bool = True
     rewrite_note: str | None = None
     torch_load_refuses: str | None = None
+    in_place_refused: str | None = None
 
     def scan_pickles(self, path: Path, options: ReadOptions) -> Pickles:
         """The pickles scan judges in ``path`` (none for a format without ``pickle_blobs``)."""

@@ -202,4 +202,6 @@ FORMAT = Format(
     name="torch-sharded", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
     rewrite_note="a sharded .bin checkpoint is rewritten as one .pt file of its weights",
     weights_only=True,
+    in_place_refused="is a sharded .bin checkpoint: a rewrite writes one .pt, which would replace its index and "
+                     "leave its shards behind",
 )

@@ -299,4 +299,6 @@ FORMAT = Format(
     torch_load_refuses="a TorchScript archive: torch.load(weights_only=True) refuses it, torch.jit.load runs its "
                        "code",
     weights_only=True,
+    in_place_refused="is a TorchScript archive: a rewrite writes a plain state-dict .pt, which would replace the "
+                     "archive and its code",
 )

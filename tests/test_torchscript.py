@@ -290,3 +290,11 @@ def test_in_place_is_refused_and_the_archive_kept(archives: dict[str, Path], tmp
         assert result.exit_code == 2 and "would replace the archive and its code" in result.stderr
         assert result.stderr.count("\n") == 1
     assert path.read_bytes() == archives["scripted"].read_bytes()
+
+
+def test_an_attribute_declared_twice_is_refused(archives: dict[str, Path], tmp_path: Path) -> None:
+    source = archives["linear_traced"]
+    code_name = next(name for name in zipfile.ZipFile(source).namelist() if name.endswith(".py"))
+    tail = code_name.split("/", 1)[1]
+    text = _member(source, tail).decode().replace("  weight : Tensor\n", "  weight : Tensor\n  weight : Tensor\n")
+    _refused(_rewritten(source, tmp_path / "twice.pt", {tail: text.encode()}), "'weight' twice")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,11 @@ class _Classes:
             plain = _DECLARED.match(line)
             if plain and " = " not in plain.group(2):  # ``name : Final[int] = 3`` is a constant, not a slot
                 declared.attributes.append((plain.group(1), plain.group(2).strip()))
+        counts = Counter(name for name, _ in declared.attributes)
+        if len(counts) != len(declared.attributes):
+            twice = next(name for name, count in counts.items() if count > 1)
+            raise InputError(f"TorchScript class {declared.name} declares attribute {twice!r} twice — the archive is "
+                             "corrupt", path=self.path)
         return declared
 
     def _literal(self, text: str, qualified: str) -> Any:

@@ -298,3 +298,18 @@ def test_an_attribute_declared_twice_is_refused(archives: dict[str, Path], tmp_p
     tail = code_name.split("/", 1)[1]
     text = _member(source, tail).decode().replace("  weight : Tensor\n", "  weight : Tensor\n  weight : Tensor\n")
     _refused(_rewritten(source, tmp_path / "twice.pt", {tail: text.encode()}), "'weight' twice")
+
+
+def test_a_module_whose_class_is_not_declared_is_refused(archives: dict[str, Path], tmp_path: Path) -> None:
+    # dropping it would silently lose the module's weights; torch cannot load the archive either
+    source = archives["scripted"]
+    with zipfile.ZipFile(source) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    path = tmp_path / "no_conv_code.pt"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in members.items():
+            if not name.endswith("/code/__torch__/torch/nn/modules/conv.py"):
+                archive.writestr(name, data)
+    with pytest.raises(Exception):
+        _reference(path)
+    _refused(path, "Conv1d is not declared in the archive's code/")

@@ -45,6 +45,8 @@ MAX_MODULE_DEPTH = 200
 _CLASS = re.compile(r"^class ([A-Za-z_][A-Za-z0-9_]*)\(([A-Za-z_][A-Za-z0-9_.]*)\):\s*$")
 _DECLARED = re.compile(r"^  ([A-Za-z_][A-Za-z0-9_]*) : (.+)$")
 _QUOTED_DECLARED = re.compile(r'^  __annotations__\[("(?:[^"\\]|\\.)*")\] = (.+)$')
+# classes torch defines in C++ (``torch.classes.quantized.LinearPackedParamsBase``): no code declares them
+_BUILT_IN = "__torch__.torch.classes."
 # torch renames a class it compiled twice (``___torch_mangle_7.M``); messages name it as written (``M``)
 _MANGLE = re.compile(r"___torch_mangle_\d+\.")
 _LIST = re.compile(r"^  (__parameters__|__buffers__) = (\[.*\])\s*$")
@@ -184,20 +186,24 @@ class _Classes:
         return lines
 
     def _parse(self, qualified: str) -> _Class | None:
+        if qualified.startswith(_BUILT_IN):
+            return None  # a class torch defines in C++ (packed quantized weights): never a module
         qualifier, _, name = qualified.rpartition(".")
-        lines = self._lines(qualifier)
-        if lines is None:
-            return None  # e.g. a built-in class (__torch__.torch.classes.*): never a module
+        lines = self._lines(qualifier) or []
         start = None
         for number, line in enumerate(lines):
             match = _CLASS.match(line)
             if match and match.group(1) == name:
                 start, base = number, match.group(2)
                 break
+        shown = _MANGLE.sub("", qualified.removeprefix("__torch__."))
         if start is None:
-            return None
-        declared = _Class(name=_MANGLE.sub("", qualified.removeprefix("__torch__.")), is_module=base == "Module", attributes=[],
-                          parameters=set(), buffers=set(), restores_itself=False)
+            # a module whose class is not declared would silently lose its weights; torch cannot load it either
+            raise InputError(f"TorchScript class {shown} is not declared in the archive's code/ "
+                             f"({qualifier.replace('.', '/')}.py) — torch.jit.load refuses it too; the archive is "
+                             "truncated or corrupt", path=self.path)
+        declared = _Class(name=shown, is_module=base == "Module", attributes=[], parameters=set(), buffers=set(),
+                          restores_itself=False)
         for line in lines[start + 1:]:
             if line and not line.startswith(" "):
                 break  # the next top-level statement ends the class

@@ -1,7 +1,7 @@
 """Which files an input may open: regular files, and inside a folder only what the folder holds.
 
-A checkpoint folder (sharded safetensors, a folder with one ``.safetensors``, a DCP directory)
-names its other files itself — an index lists shards, ``.metadata`` lists ``.distcp`` files — and
+A checkpoint folder (sharded safetensors or ``.bin``, a folder with one ``.safetensors``, a DCP
+directory) names its other files itself — an index lists shards, ``.metadata`` lists ``.distcp`` files — and
 an attacker controls those names and what they are on disk. So a file of a folder input is read
 only when, after following links, it is a regular file inside the folder, or — for a Hugging Face
 hub cache snapshot (``<repo>/snapshots/<rev>/``, whose files are links to ``../../blobs/<sha>``) —

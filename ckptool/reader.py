@@ -14,8 +14,9 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
-        path: a ``.pt/.pth/.bin/.ckpt`` file (zip or legacy), a ``.safetensors`` file, a sharded
-            safetensors directory or its ``*.index.json``.
+        path: a ``.pt/.pth/.bin/.ckpt`` file (zip or legacy), a TorchScript archive (its parameters
+            and buffers), a ``.safetensors`` file, a sharded safetensors or ``.bin`` directory or its
+            ``*.index.json``.
         allow_globals: extra pickle globals to accept, by name (``"mylib.Config"``) or shell
             pattern on the dotted name (``"omegaconf.*"``, ``"*"`` for all); they are recorded as
             placeholders, never imported. torch's own globals keep their checks, and a pattern
@@ -26,7 +27,7 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         InputError: missing, unreadable, truncated or corrupt input.
         UnsafeCheckpointError: the pickle names globals outside the allowlist (``.globals`` lists
             them all, the message the ``allow_globals`` that would accept them).
-        UnsupportedFormatError: not a checkpoint (TorchScript, images, archives...).
+        UnsupportedFormatError: not a checkpoint (images, archives...).
 
     Example:
         >>> ckpt = ckptool.load("ddp.pt")        # doctest: +SKIP
@@ -58,7 +59,8 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
         target = formats.in_folder(path)
         if target is None:
             raise UnsupportedFormatError(
-                "is a directory without a checkpoint (no *.safetensors, *.safetensors.index.json or .metadata)",
+                "is a directory without a checkpoint (no *.safetensors, *.safetensors.index.json, *.bin.index.json "
+                "or .metadata)",
                 path=path,
             )
         checkpoint = _load(target, resolver, folder=path)
@@ -93,6 +95,8 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
 def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
                 resolver: pickles.GlobalResolver) -> Checkpoint:
     """The one place a Checkpoint is made from what a format read."""
+    if contents.format is not None:  # the claiming format handed the input to a narrower one
+        fmt = formats.for_name(contents.format)
     layout = () if fmt.weights_only else find_layout(contents.container)
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,

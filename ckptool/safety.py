@@ -152,7 +152,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     unsafe = sorted(g for g in globals_ if not resolver.is_allowed(g))
     report = ScanReport(path=str(path), format=found.kind, safe=not unsafe, unsafe=unsafe,
                         globals=dict(sorted(globals_.items())), opcodes=dict(sorted(opcodes.items())),
-                        pickles=[blob.label for blob in blobs], problems=problems,
+                        pickles=[blob.label for blob in blobs], problems=[*found.notes, *problems],
                         dangerous=[name for name in unsafe if pickles.runs_code(name)])
     if unsafe:
         return report

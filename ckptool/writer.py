@@ -89,6 +89,10 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
             (safetensors has no device tags to rewrite).
     """
     own = formats.for_name(checkpoint.format).rewrite_target
+    refused = formats.for_name(checkpoint.format).in_place_refused
+    if out is None and refused:  # --in-place: the input would be replaced by less than it holds
+        raise UsageError(f"{refused} — write it beside the input instead: "
+                         f"{suggest.command(command, checkpoint.path, out='OUT.pt')}", path=checkpoint.path)
     wanted = suffix_format(out) if out is not None else None
     if wanted is None or wanted == own:
         return own

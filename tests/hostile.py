@@ -416,10 +416,6 @@ def build_corpus(directory: Path) -> list[Case]:
     data = make_zip([Member(**vars(m)) for m in base] + [Member("archive/data/2", inner)])
     add("zip_overlapping_members", _with_extra_central(data, Member("archive/data/1", FOUR_FLOATS), data.find(inner)),
         REFUSE)
-    torchscript = _torchscript_archive(files / "torchscript_real.pt")
-    if torchscript is not None:
-        # its pickles name TorchScript classes (__torch__.*) that torch.jit.load would build: scan says unsafe
-        cases.append(Case("torchscript_archive", torchscript, UNSAFE))
 
     # -- legacy tricks ----------------------------------------------------------------------------
     legacy_main = whole(dct((text("weight"), rebuild(legacy=True))))
@@ -523,6 +519,7 @@ def build_corpus(directory: Path) -> list[Case]:
     cases += _contract_cases(files, canary_dir)
     cases += _bounds_cases(directory, canary_dir)
     cases += _zip_members_cases(directory, canary_dir)
+    cases += _formats_cases(directory, canary_dir)
     return cases
 
 
@@ -785,6 +782,77 @@ def _zip_members_cases(directory: Path, canary_dir: Path) -> list[Case]:
         path = files / f"{name}.pt"
         path.write_bytes(make_zip(members(change)))
         cases.append(Case(name, path, UNSAFE, canary))
+    return cases
+
+
+def _formats_cases(directory: Path, canary_dir: Path) -> list[Case]:
+    """TorchScript archives and sharded .bin folders that lie: a payload in the module pickle or a shard,
+    a class whose code restores its state itself, an attribute the pickle lacks, code that is not text;
+    an index naming a shard outside its folder, a missing shard, a FIFO shard, a shard linked outside,
+    a tensor its shard lacks. (scan calls every TorchScript archive unsafe: torch.jit.load builds its
+    ``__torch__`` classes and runs their code.)"""
+    import re
+    import zipfile
+
+    cases: list[Case] = []
+    where = directory / "formats"
+    where.mkdir(exist_ok=True)
+    body, canary = payloads(canary_dir)["os_system"]
+    real = _torchscript_archive(where / "torchscript_real.pt")
+    if real is not None:
+        with zipfile.ZipFile(real) as archive:
+            members = {info.filename: archive.read(info) for info in archive.infolist()}
+        top = next(iter(members)).split("/", 1)[0]
+        code = next(name for name in members if name.endswith(".py"))
+
+        def archive_with(name: str, expect: str, change: dict[str, bytes], case_canary: Path | None = None) -> None:
+            path = where / f"{name}.pt"
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+                for member, data in {**members, **change}.items():
+                    archive.writestr(member, data)
+            cases.append(Case(name, path, expect, case_canary))
+
+        # the module's "training" flag (BINUNICODE, BINPUT n, NEWTRUE) becomes os.system(...)
+        data_pkl = members[f"{top}/data.pkl"]
+        flagged = re.sub(rb"(training(?:q.)?)\x88", lambda m: m.group(1) + body, data_pkl, count=1, flags=re.S)
+        if flagged != data_pkl:
+            archive_with("ts_os_system_in_module", UNSAFE, {f"{top}/data.pkl": flagged}, canary)
+        source = members[code].decode()
+        archive_with("ts_class_restores_itself", UNSAFE,
+                     {code: (source + "  def __setstate__(self, state: Tuple[Tensor, Tensor]) -> NoneType:\n"
+                                      "    return None\n").encode()})
+        archive_with("ts_attribute_not_pickled", UNSAFE,
+                     {code: source.replace("  weight : Tensor\n", "  weight : Tensor\n  ghost : Tensor\n").encode()})
+        archive_with("ts_code_not_text", UNSAFE, {code: b"\xff\xfe" + members[code]})
+
+    outside = where / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / "pytorch_model-00001-of-00002.bin").write_bytes(good_zip())
+    two = {"weight": "pytorch_model-00001-of-00002.bin", "other": "pytorch_model-00002-of-00002.bin"}
+    second = make_zip(torch_members(whole(dct((text("other"), rebuild()))), {"0": FOUR_FLOATS}))
+
+    def repo(name: str, weight_map: dict[str, str], expect: str = REFUSE, first: bytes | None = None,
+             case_canary: Path | None = None) -> Path:
+        folder = where / name
+        folder.mkdir(exist_ok=True)
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (folder / "pytorch_model-00002-of-00002.bin").write_bytes(second)
+        if first is not None:
+            (folder / "pytorch_model-00001-of-00002.bin").write_bytes(first)
+        cases.append(Case(name, folder, expect, case_canary))
+        return folder
+
+    repo("bin_index_names_a_shard_outside", {**two, "weight": "../outside/pytorch_model-00001-of-00002.bin"})
+    repo("bin_shard_missing", two)
+    repo("bin_tensor_not_in_its_shard", {**two, "ghost": "pytorch_model-00002-of-00002.bin"}, first=good_zip())
+    repo("bin_shard_payload", two, UNSAFE, make_zip(torch_members(whole(dct((text("weight"), body))))), canary)
+    linked = repo("bin_shard_linked_outside", two)
+    if not (linked / "pytorch_model-00001-of-00002.bin").is_symlink():
+        (linked / "pytorch_model-00001-of-00002.bin").symlink_to(outside / "pytorch_model-00001-of-00002.bin")
+    if hasattr(os, "mkfifo"):
+        fifo = repo("bin_shard_fifo", two)
+        if not (fifo / "pytorch_model-00001-of-00002.bin").exists():
+            os.mkfifo(fifo / "pytorch_model-00001-of-00002.bin")
     return cases
 
 

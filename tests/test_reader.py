@@ -34,9 +34,16 @@ def test_fixture_described_truly(entry: dict, fixtures_dir: Path) -> None:
     assert summary.fingerprint == entry["fingerprint"]
 
 
-def test_torchscript_refused(fixtures_dir: Path) -> None:
-    with pytest.raises(ckptool.UnsupportedFormatError, match="TorchScript"):
-        ckptool.load(fixtures_dir / "torchscript_mlp.pt")
+def test_torchscript_gives_its_state_dict(fixtures_dir: Path) -> None:
+    import warnings
+
+    checkpoint = ckptool.load(fixtures_dir / "torchscript_mlp.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.load is deprecated, still what reads such archives
+        reference = torch.jit.load(str(fixtures_dir / "torchscript_mlp.pt")).state_dict()
+    assert checkpoint.format == "torchscript" and list(checkpoint.tensors) == list(reference)
+    for name, tensor in reference.items():
+        assert checkpoint.tensors[name].read_bytes() == tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_inspect_imports_no_torch(fixtures_dir: Path) -> None:

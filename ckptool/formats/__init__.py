@@ -30,8 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
 REGISTRY: list[str] = [
     ".torch_zip:FORMAT",      # "PK\x03\x04"
     ".safetensors:FORMAT",    # a u64 header length, then "{"
+    ".torch_sharded:FORMAT",  # a *.bin.index.json, and a folder holding one (and no safetensors weights)
     ".safetensors:SHARDED",   # a *.safetensors.index.json (and a folder holding one)
     ".torch_legacy:FORMAT",   # a pickle opcode first
+    ".torchscript:FORMAT",    # never sniffed: the torch zip reader hands over an archive holding code/
     ".dcp:FORMAT",            # a folder holding .metadata
 ]
 
@@ -60,6 +62,9 @@ class Contents:
     files: list[Path]
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the narrower format the input proved to be, when the format that claimed it handed it over
+    # (a torch zip that holds TorchScript code): None, the claiming format itself
+    format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class Pickles:
 
     kind: str
     blobs: list[PickleBlob]
+    notes: list[str] = field(default_factory=list)  # what scan says besides the pickles (a TorchScript archive's code)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,8 @@ class Format:
             serialization is not the one written), or None.
         torch_load_refuses: why ``torch.load`` cannot read this format (inspect suggests a
             convert), or None.
+        in_place_refused: why a rewrite may not replace an input of this format (``--in-place``):
+            the input is more than the rewrite writes back; None: it may.
     """
 
     name: str
@@ -127,6 +135,7 @@ class Format:
     has_location_tags: bool = True
     rewrite_note: str | None = None
     torch_load_refuses: str | None = None
+    in_place_refused: str | None = None
 
     def scan_pickles(self, path: Path, options: ReadOptions) -> Pickles:
         """The pickles scan judges in ``path`` (none for a format without ``pickle_blobs``)."""

@@ -26,7 +26,7 @@ from ..copying import DataOut
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 from ..suggest import option
-from . import Contents, Format, ReadOptions
+from . import Contents, Format, Pickles, ReadOptions
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
@@ -72,7 +72,27 @@ def read_sharded(path: Path, options: ReadOptions) -> Contents:
     """A sharded checkpoint read through its index: every shard's tensors and metadata."""
     if not path.name.endswith(".json"):
         raise UnsupportedFormatError("is a JSON file, not a checkpoint", path=path)
+    torch_sharded = _torch_index(path, options)
+    if torch_sharded is not None:  # an index of .bin shards under another name: read as the torch index it is
+        contents = torch_sharded.read(path, options)
+        contents.format = torch_sharded.FORMAT.name
+        return contents
     return _contents(read_index(path))
+
+
+def _torch_index(path: Path, options: ReadOptions):  # noqa: ANN202 — the torch_sharded module, or None
+    """The torch shard format when an index not named ``*.safetensors.index.json`` maps its weights to torch files."""
+    from . import torch_sharded
+
+    if options.handle is None or path.name.endswith(".safetensors.index.json"):
+        return None
+    return torch_sharded if torch_sharded.names_torch_shards(path, options) else None
+
+
+def pickle_blobs_sharded(path: Path, options: ReadOptions) -> Pickles:
+    """No pickles, unless the index is a torch index under another name (then its shards')."""
+    torch_sharded = _torch_index(path, options)
+    return torch_sharded.pickle_blobs(path, options) if torch_sharded is not None else Pickles(SHARDED.name, [])
 
 
 def _contents(contents: SafetensorsContents) -> Contents:
@@ -390,6 +410,7 @@ FORMAT = Format(
 )
 SHARDED = Format(
     name="safetensors-sharded", sniff=sniff_index, read=read_sharded, find_in_folder=find_index,
+    pickle_blobs=pickle_blobs_sharded,
     default_suffix=".safetensors", rewrite_target="safetensors", target="safetensors", sharded=True,
     folder_output=True, weights_only=True, has_location_tags=False,
 )

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 from .. import pickles
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
-from . import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
+from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torchscript, zipio
 from .pickle_stream import split_pickles
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -47,15 +47,24 @@ def read(path: Path, options: ReadOptions) -> Contents:
     if not members:
         raise UnsupportedFormatError("is an empty zip archive, not a PyTorch checkpoint", path=path)
     top = archive_folder(path, members)
-    if f"{top}/constants.pkl" in members or any(name.startswith(f"{top}/code/") for name in members):
-        raise UnsupportedFormatError(
-            "is a TorchScript archive (torch.jit.save), not a checkpoint — load it with torch.jit.load, "
-            "or save the model's state_dict() with torch.save",
-            path=path,
-        )
+    if torchscript.is_archive(members, top):  # its weights are read as its state_dict, its code never run
+        contents = torchscript.read_archive(path, options, members, top,
+                                            big_endian=_big_endian(path, handle, members, top))
+        contents.format = torchscript.FORMAT.name
+        return contents
     pickle_member = members.get(f"{top}/data.pkl")
     if pickle_member is None:
         raise UnsupportedFormatError("is a zip archive but not a PyTorch checkpoint (no data.pkl)", path=path)
+    big_endian = _big_endian(path, handle, members, top)
+    data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
+    storages: dict[str, StorageRef] = {}
+    persistent_load = storage_loader(path, members, top, storages, big_endian=big_endian)
+    container = pickles.loads(data, options.resolver, persistent_load)
+    return Contents(container=container, files=[path])
+
+
+def _big_endian(path: Path, handle: BinaryIO, members: zipio.Members, top: str) -> bool:
+    """Whether the archive records big-endian storages (torch swaps them on load)."""
     big_endian = False
     byteorder = members.get(f"{top}/byteorder")
     if byteorder is not None:
@@ -65,11 +74,7 @@ def read(path: Path, options: ReadOptions) -> Contents:
         if not big_endian and record.strip() != b"little":
             raise UnsupportedFormatError(f"records byte order {record[:16]!r}, neither little nor big — the file "
                                          "is corrupt", path=path)
-    data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
-    storages: dict[str, StorageRef] = {}
-    persistent_load = storage_loader(path, members, top, storages, big_endian=big_endian)
-    container = pickles.loads(data, options.resolver, persistent_load)
-    return Contents(container=container, files=[path])
+    return big_endian
 
 
 def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, storages: dict[str, StorageRef], *,
@@ -235,8 +240,13 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             continue  # unreadable: the load (and its one-line refusal) speaks for it
         blobs += split_pickles(io.BytesIO(data), label, 5, options.resolver.guard_cache)
     kind = "torchscript" if any(name.endswith("/constants.pkl") for name, _ in blobs) else FORMAT.name
+    code = [member.name for member in listing.members if f"/{top}/code/" in f"/{member.name}" and
+            zipio.fold_name(member.name).endswith(".py")]
+    notes = [f"TorchScript code in {len(code)} file(s) under {top}/code/ (e.g. {code[0]!r}): torch.jit.load compiles "
+             "it and the module runs it; ckptool reads the weights without it"] if code else []
     # a load reads the one data.pkl (not what follows its STOP): the rest are run dry
-    return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs])
+    return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs],
+                   notes)
 
 
 FORMAT = Format(

@@ -99,6 +99,9 @@ class _Resolver:
             return tag
         return self.outer.resolve(module, name)
 
+    def refusal(self, *, complete: bool = True) -> pickles.RefusedGlobal | None:
+        return self.outer.refusal(complete=complete)
+
 
 def _same(value: Any) -> Any:
     return value

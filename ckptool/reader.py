@@ -93,7 +93,10 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
 def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
                 resolver: pickles.GlobalResolver) -> Checkpoint:
     """The one place a Checkpoint is made from what a format read."""
-    layout = () if fmt.weights_only else find_layout(contents.container)
+    if contents.layout is not None:
+        layout: tuple | None = contents.layout
+    else:
+        layout = () if fmt.weights_only else find_layout(contents.container)
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
                       notes=contents.notes)

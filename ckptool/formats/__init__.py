@@ -60,6 +60,9 @@ class Contents:
     files: list[Path]
     metadata: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # where the weights lie in ``container`` when the format records it (a safetensors file's
+    # ckptool.entries); None: found as for any container (a weights-only format's: the container)
+    layout: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

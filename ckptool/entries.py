@@ -286,14 +286,16 @@ class _Encoder:
                     dropped_tensors.append(key)
                 else:
                     self.notes.append(_note(path + (key,), e))
-        if len(dropped_tensors) == 1:
+        if len(dropped_tensors) == 1 and pairs:
             tensor = dict.__getitem__(mapping, dropped_tensors[0])
             self.notes.append(_note(path + (dropped_tensors[0],), _Drop(
                 f"a tensor ({tensor.dtype.torch_name} {list(tensor.shape)}) outside the weights", TENSOR_ADVICE)))
         elif dropped_tensors:  # a second state_dict (an EMA copy, buffers): named once, with its keys
             shown = ", ".join(str(key) for key in dropped_tensors[:3]) + (", ..." if len(dropped_tensors) > 3 else "")
-            self.notes.append(_note(path, _Drop(f"{len(dropped_tensors)} tensors outside the weights ({shown})",
-                                                TENSOR_ADVICE)))
+            drop = _Drop(f"{len(dropped_tensors)} tensor(s) outside the weights ({shown})", TENSOR_ADVICE)
+            if not pairs:  # nothing but tensors: an empty mapping left behind would pass for the real one
+                raise drop
+            self.notes.append(_note(path, drop))
         return pairs
 
     def _key(self, key: Any, path: tuple[Any, ...], depth: int) -> Any:

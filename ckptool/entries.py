@@ -333,8 +333,8 @@ class _Encoder:
             return
         for key, value in dict.items(weights):
             if not isinstance(value, TensorRef | LayoutTensor):
-                self.notes.append(f"{key_path(path + (key,))}: a {type(value).__name__} among the weights not "
-                                  "carried — safetensors stores tensors only")
+                self.notes.append(f"{key_path(path + (key,))}: a non-tensor value ({type(value).__name__}) among "
+                                  "the weights not carried — safetensors stores tensors only")
 
 
 def encode(container: Any, weights_path: tuple[Any, ...]) -> tuple[str | None, list[str]]:

@@ -181,7 +181,7 @@ def test_non_tensor_values_among_the_weights_are_named(tmp_path: Path) -> None:
     source = tmp_path / "versioned.pt"
     torch.save({"state_dict": weights, "epoch": 1}, source)
     notes = convert(source, tmp_path / "w.safetensors")["notes"]
-    assert notes == ["state_dict.version: a int among the weights not carried — safetensors stores tensors only"]
+    assert notes == ["state_dict.version: a non-tensor value (int) among the weights not carried — safetensors stores tensors only"]
 
 
 def test_numpy_values_and_namespaces_are_carried_as_the_calls_torch_loads(tmp_path: Path) -> None:

@@ -477,8 +477,7 @@ class _Decoder:
         if tag == "torch.device":
             need("args")
             args = items_of("args")
-            if not 1 <= len(args) <= 2 or type(args[0]) is not str or \
-                    not all(type(arg) in (str, int) for arg in args):
+            if not 1 <= len(args) <= 2 or not all(type(arg) in (str, int) for arg in args):  # as the reader's
                 raise _malformed("has a malformed torch.device record")
             return DeviceRef(tuple(args))
         if tag == "torch.Size":

@@ -228,7 +228,7 @@ class _Encoder:
         if isinstance(value, OpaqueObject):
             return self._object(value, path, depth)
         if isinstance(value, type) and issubclass(value, OpaqueObject):
-            if value._global not in CARRIED_GLOBALS:
+            if value._global not in CARRIED_GLOBALS or getattr(value, "_module", None) is not None:
                 raise _Drop(f"the class {value._global}", "keep the .pt for it")
             return {TAG: "global", "name": value._global}
         if id(value) in self.open:
@@ -305,7 +305,9 @@ class _Encoder:
 
     def _object(self, value: OpaqueObject, path: tuple[Any, ...], depth: int) -> Any:
         name = value.global_name
-        if name not in CARRIED_GLOBALS or value._items or value._setitems:
+        # the calls a record can spell: a plain call or cls.__new__(cls, *args), a class named at its last dot
+        if name not in CARRIED_GLOBALS or value._items or value._setitems or value._mode not in ("reduce", "newobj") \
+                or getattr(type(value), "_module", None) is not None:
             raise _Drop(f"an object of {name} (read as inert data; its meaning is its class's code)",
                         "keep the .pt for it")
         if name.endswith("._reconstruct") and isinstance(value.state, tuple) and len(value.state) == 5 \

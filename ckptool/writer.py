@@ -177,7 +177,8 @@ def _same_path(a: Path, b: Path) -> bool:
 
 
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
-    """The object to pickle for a .pt output: the container itself, or the weights for safetensors input."""
+    """The object to pickle for a .pt output: the container itself, or the weights for safetensors input
+    (inside the container its ``ckptool.entries`` carried, when it carried one)."""
     if formats.for_name(checkpoint.format).weights_only:
         if checkpoint.layout:  # the container its ckptool.entries carried, restored around the weights
             if nest:

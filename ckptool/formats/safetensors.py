@@ -7,6 +7,9 @@ streams each tensor's bytes from wherever they lie, so memory stays flat in the 
 Tied tensors: safetensors has no aliases, so ckptool stores a tied group once and records the
 other names in the metadata entry ``ckptool.aliases`` (JSON ``{alias: stored_name}``); ckptool's
 reader re-ties them onto one storage. Stock readers see every stored tensor.
+
+The container a training checkpoint kept around its weights (epoch, configs, scheduler) rides in
+``ckptool.entries`` (:mod:`ckptool.entries`); the reader puts the weights back inside it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from . import Contents, Format, ReadOptions
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
-ENTRIES_KEY = "ckptool.entries"  # the container around the weights: ckptool.entries
+ENTRIES_KEY = "ckptool.entries"  # the container around the weights, encoded by ckptool.entries
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
 # The dtypes the safetensors format defines (its Dtype enum) that ckptool knows. complex128 is not

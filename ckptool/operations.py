@@ -246,6 +246,12 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
                  allow_expansion=options.allow_expansion)
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
+    from . import formats
+
+    if formats.for_name(checkpoint.format).weights_only and not formats.for_name(saved.format).weights_only:
+        from .entries import restored_notes
+
+        notes += restored_notes(checkpoint.layout, checkpoint.metadata)
     return WriteReport("convert", source, target, saved, notes + saved.notes)
 
 

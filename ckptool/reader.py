@@ -97,7 +97,10 @@ def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
     """The one place a Checkpoint is made from what a format read."""
     if contents.format is not None:  # the claiming format handed the input to a narrower one
         fmt = formats.for_name(contents.format)
-    layout = () if fmt.weights_only else find_layout(contents.container)
+    if contents.layout is not None:
+        layout: tuple | None = contents.layout
+    else:
+        layout = () if fmt.weights_only else find_layout(contents.container)
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
                       notes=contents.notes, allow_globals=resolver.allow_globals)

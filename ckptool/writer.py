@@ -185,8 +185,16 @@ def _same_path(a: Path, b: Path) -> bool:
 
 
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
-    """The object to pickle for a .pt output: the container itself, or the weights for safetensors input."""
+    """The object to pickle for a .pt output: the container itself, or the weights for safetensors input
+    (inside the container its ``ckptool.entries`` carried, when it carried one)."""
     if formats.for_name(checkpoint.format).weights_only:
+        if checkpoint.layout:  # the container its ckptool.entries carried, restored around the weights
+            if nest:
+                raise UsageError(suggest.option("nest", None) + " applies to safetensors input holding weights "
+                                 "alone; this file carries its container (the weights at "
+                                 + ".".join(str(key) for key in checkpoint.layout) + ") — drop "
+                                 + suggest.option("nest", None), path=checkpoint.path)
+            return map_tensors(checkpoint.container, _typed_for_pickle())
         container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle()))
         return {nest: container} if nest else container
     if nest:
@@ -215,23 +223,31 @@ def _typed_for_pickle() -> Callable[[TensorRef], TensorRef]:
     return convert
 
 
-def _json_entries(checkpoint: Checkpoint) -> str | None:
-    """The container's plain entries (epoch, config, metrics) as JSON, where they are JSON."""
-    plain: dict[str, Any] = {}
-    for key, value in checkpoint.entries().items():
-        try:  # as it will be written: sorted keys fail on a dict mixing int and str keys
-            json.dumps(value, allow_nan=False, sort_keys=True)
-        except (TypeError, ValueError):
-            continue
-        plain[str(key)] = value
-    return json.dumps(plain, allow_nan=False, sort_keys=True, separators=(",", ":")) if plain else None
+def _json_entries(checkpoint: Checkpoint, notes: list[str] | None = None) -> str | None:
+    """The container around the weights, encoded for safetensors metadata (:mod:`ckptool.entries`);
+    what the encoding cannot carry is named, by key path, in ``notes``."""
+    from . import entries
+
+    if not checkpoint.has_weights or not isinstance(checkpoint.layout, tuple):
+        return None
+    text, dropped = entries.encode(checkpoint.container, checkpoint.layout)
+    if notes is not None:
+        notes.extend(dropped)
+    return text
 
 
-def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool) -> dict[str, str]:
+def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool,
+                         notes: list[str] | None = None) -> dict[str, str]:
+    """The metadata of a safetensors output: the input's own (ckptool's keys rewritten), the
+    container's other entries (``ckptool.entries``; what they cannot carry is added to ``notes``)
+    and the fingerprint's slot, first."""
     metadata = {k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptool.")}
     metadata.setdefault("format", "pt")
     metadata["ckptool.source"] = checkpoint.path.name
-    entries = _json_entries(checkpoint)
+    entries = _json_entries(checkpoint, notes)
+    if entries is None and checkpoint.layout == ():
+        # an older ckptool's entries, which record no place for the weights: kept as they came
+        entries = checkpoint.metadata.get("ckptool.entries")
     if entries is not None:
         metadata["ckptool.entries"] = entries
     if with_fingerprint:
@@ -392,7 +408,8 @@ def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
 
 def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool,
                       expect: Expectations) -> SaveReport:
-    metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
+    notes: list[str] = []
+    metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint, notes=notes)
     with checked_output(out, expect, read_back(checkpoint)) as output:
         aliases = safetensors.write_file(output.handle, tensors, metadata, duplicate_tied=duplicate_tied,
                                          on_data=output.on_data)
@@ -400,7 +417,7 @@ def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], 
         if value:
             _patch_fingerprint(output.handle, value)
     return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=output.checked,
-                      aliases=aliases)
+                      aliases=aliases, notes=notes)
 
 
 @dataclass
@@ -457,7 +474,8 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
 
 
 def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: Expectations) -> SaveReport:
-    metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint)
+    dropped: list[str] = []
+    metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint, notes=dropped)
     # the container's entries go into the first shard only (the reader merges every shard's metadata):
     # a large config copied into thousands of headers would multiply it
     entries = metadata.pop("ckptool.entries", None)
@@ -490,7 +508,8 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
         (folder.directory / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     report = SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
-                        fingerprint=value, checked=folder.checked, aliases=plan.aliases, notes=list(plan.notes))
+                        fingerprint=value, checked=folder.checked, aliases=plan.aliases,
+                        notes=[*dropped, *plan.notes])
     if plan.removes:
         report.notes.append(f"removed {len(plan.removes)} shard(s) of the earlier set ({', '.join(plan.removes[:3])}"
                             f"{', ...' if len(plan.removes) > 3 else ''})")

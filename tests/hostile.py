@@ -520,6 +520,7 @@ def build_corpus(directory: Path) -> list[Case]:
     cases += _bounds_cases(directory, canary_dir)
     cases += _zip_members_cases(directory, canary_dir)
     cases += _formats_cases(directory, canary_dir)
+    cases += _carry_cases(directory)
     return cases
 
 
@@ -853,6 +854,31 @@ def _formats_cases(directory: Path, canary_dir: Path) -> list[Case]:
         fifo = repo("bin_shard_fifo", two)
         if not (fifo / "pytorch_model-00001-of-00002.bin").exists():
             os.mkfifo(fifo / "pytorch_model-00001-of-00002.bin")
+    return cases
+
+
+def _carry_cases(directory: Path) -> list[Case]:
+    """safetensors files whose ckptool.entries metadata (the container around the weights) is hostile:
+    a global the encoding never carries, nesting past any stack, a hash-collision flood, too many values."""
+    weights = {"weight": f32([1], 0, 4)}
+
+    def entries_text(node: str) -> str:
+        return '{"$ckptool":"entries","version":1,"container":{"model":{"$ckptool":"weights"},"x":' + node + "}}"
+
+    made = {
+        "carry_global_os_system": entries_text('{"$ckptool":"object","global":"os.system","build":"reduce",'
+                                               '"args":["touch /tmp/ckptool-carry-canary"]}'),
+        "carry_deep_nesting": entries_text("[" * 50_000 + "]" * 50_000),
+        "carry_hash_collisions": entries_text('{"$ckptool":"set","items":['
+                                              + ",".join(str(i * (2**61 - 1)) for i in range(1, 5000)) + "]}"),
+        "carry_too_many_values": entries_text("[" + ",".join(["0"] * 1_100_000) + "]"),
+        "carry_weights_inside_a_key": entries_text('{"$ckptool":"dict","items":[[{"$ckptool":"weights"},1]]}'),
+    }
+    cases = []
+    for name, value in made.items():
+        path = directory / "files" / f"{name}.safetensors"
+        path.write_bytes(safetensors_file({"__metadata__": {"ckptool.entries": value}, **weights}, FOUR_FLOATS[:4]))
+        cases.append(Case(name, path, REFUSE))
     return cases
 
 

@@ -65,6 +65,9 @@ class Contents:
     # the narrower format the input proved to be, when the format that claimed it handed it over
     # (a torch zip that holds TorchScript code): None, the claiming format itself
     format: str | None = None
+    # where the weights lie in ``container`` when the format records it (a safetensors file's
+    # ckptool.entries); None: found as for any container (a weights-only format's: the container)
+    layout: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

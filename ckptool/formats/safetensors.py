@@ -7,6 +7,9 @@ streams each tensor's bytes from wherever they lie, so memory stays flat in the 
 Tied tensors: safetensors has no aliases, so ckptool stores a tied group once and records the
 other names in the metadata entry ``ckptool.aliases`` (JSON ``{alias: stored_name}``); ckptool's
 reader re-ties them onto one storage. Stock readers see every stored tensor.
+
+The container a training checkpoint kept around its weights (epoch, configs, scheduler) rides in
+``ckptool.entries`` (:mod:`ckptool.entries`); the reader puts the weights back inside it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from . import Contents, Format, Pickles, ReadOptions
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
+ENTRIES_KEY = "ckptool.entries"  # the container around the weights, encoded by ckptool.entries
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
 # The dtypes the safetensors format defines (its Dtype enum) that ckptool knows. complex128 is not
@@ -65,7 +69,7 @@ def sniff_index(head: bytes | None, path: Path) -> bool:
 def read(path: Path, options: ReadOptions) -> Contents:
     """One safetensors file: its tensors (re-tied), metadata and file."""
     assert options.handle is not None
-    return _contents(read_file(path, options.handle))
+    return _contents(read_file(path, options.handle), path)
 
 
 def read_sharded(path: Path, options: ReadOptions) -> Contents:
@@ -77,7 +81,7 @@ def read_sharded(path: Path, options: ReadOptions) -> Contents:
         contents = torch_sharded.read(path, options)
         contents.format = torch_sharded.FORMAT.name
         return contents
-    return _contents(read_index(path))
+    return _contents(read_index(path), path)
 
 
 def _torch_index(path: Path, options: ReadOptions):  # noqa: ANN202 — the torch_sharded module, or None
@@ -95,8 +99,22 @@ def pickle_blobs_sharded(path: Path, options: ReadOptions) -> Pickles:
     return torch_sharded.pickle_blobs(path, options) if torch_sharded is not None else Pickles(SHARDED.name, [])
 
 
-def _contents(contents: SafetensorsContents) -> Contents:
-    return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
+def _contents(contents: SafetensorsContents, path: Path) -> Contents:
+    """The weights, inside the container ``ckptool.entries`` carries when a ckptool wrote one
+    (:mod:`ckptool.entries`); malformed entries refuse the file, as malformed aliases do."""
+    raw = contents.metadata.get(ENTRIES_KEY)
+    if raw is None:
+        return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
+    from .. import entries
+
+    try:
+        decoded = entries.decode(raw)
+    except entries.EntriesError as e:
+        raise type(e)(e.message, path=path) from None
+    if decoded.layout is None:  # an older ckptool's top-level entries, which record no place for the weights
+        return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
+    return Contents(container=entries.restore(decoded, contents.tensors), files=contents.files,
+                    metadata=contents.metadata, layout=decoded.layout)
 
 
 def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:

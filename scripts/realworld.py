@@ -42,8 +42,10 @@ COMMAND_TIMEOUT_S = 900
 # the wheels below are for CPython 3.11 on x86-64 Linux where they are not pure Python (chgnet)
 PIP_PLATFORM_ARGS = ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
                      "--platform", "manylinux2014_x86_64", "--platform", "any"]
+# a protocol-2 pickle names __builtin__.dict/list/long; read (as pickle's fix_imports does) as builtins.dict/list/int
 OMEGACONF_GLOBALS = ["--allow-global", "omegaconf.*", "--allow-global", "typing.Any",
-                     "--allow-global", "collections.defaultdict", "--allow-global", "__builtin__.*"]
+                     "--allow-global", "collections.defaultdict", "--allow-global", "builtins.dict",
+                     "--allow-global", "builtins.list", "--allow-global", "builtins.int"]
 # independent of ckptool.dtypes: the fingerprint is checked, not assumed
 DTYPE_NAMES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -445,7 +445,7 @@ WILD_NEEDS = {
     "wild/whole_model.pt": "needs whole-model salvage and --allow-global '*'",
     "wild/whole_model_container.pt": "needs whole-model salvage and --allow-global '*'",
     "wild/numpy_config.pt": None,
-    "wild/lightning_omegaconf.ckpt": "needs --allow-global shell patterns ('omegaconf.*', '__builtin__.*')",
+    "wild/lightning_omegaconf.ckpt": "needs --allow-global shell patterns ('omegaconf.*')",
     "wild/sharded_bin/pytorch_model.bin.index.json": "needs the sharded .bin reader",
     "wild/ema_container.pt": None,
     "wild/torchscript_tiny.pt": "needs the TorchScript reader",

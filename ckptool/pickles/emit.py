@@ -2,7 +2,13 @@
 
 :func:`dump` emits protocol 2 using only the opcodes torch's ``weights_only`` unpickler accepts,
 re-emitting every placeholder as the global it came from, so a rewritten checkpoint loads wherever
-the original did. It needs nothing of the reading side but the placeholder types.
+the original did. It needs nothing of the reading side but the placeholder types, and the table of
+torch's globals to name an allowed function handed over as a value (``defaultdict(OrderedDict)``).
+
+Every global it writes is one the tree names: a placeholder's own, a class or function the tree
+holds as a value, or one of torch's own spellings of the values the reader builds from them
+(``builtins.set``, ``_codecs.encode``, ``collections.OrderedDict``...). It never names a global the
+read did not resolve.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class _Emitter:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # keep memoized objects alive so ids stay unique
         self.global_memo: dict[str, int] = {}
+        self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
 
     # memo -------------------------------------------------------------------------------------
     def _put(self, obj: Any) -> None:
@@ -139,8 +146,32 @@ class _Emitter:
             self._reduce_call("builtins.set", (list(obj),), obj)
         elif isinstance(obj, OpaqueObject):
             self._opaque(obj)
+        elif type(obj) is frozenset:
+            # the reader builds one only from FROZENSET (no frozenset global is allowed by default):
+            # written back the same way, so no global the file did not name appears
+            self.write(_P.MARK)
+            for item in obj:
+                self.save(item)
+            self.write(_P.FROZENSET)
+            self._put(obj)
+        elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._global:
+            # an allowed class passed as a value (numpy's ndarray to _reconstruct, defaultdict's
+            # list factory, a config's object_type): the global it was read from
+            self.global_(obj._global)
+        elif callable(obj) and self._callable_name(obj) is not None:
+            self.global_(self._callable_name(obj))  # type: ignore[arg-type]
         else:
             raise InputError(f"cannot write a {type(obj).__name__} into a checkpoint pickle")
+
+    def _callable_name(self, obj: Any) -> str | None:
+        """The global a function of torch's allowed set stands for (``collections.OrderedDict`` is read
+        as a checking function), when the tree holds it as a value."""
+        if self._callables is None:
+            from .allowlist import TORCH_GLOBALS  # complete once ckptool.pickles is imported
+
+            self._callables = {id(value): name for name, value in TORCH_GLOBALS.items()
+                               if callable(value) and not isinstance(value, type)}
+        return self._callables.get(id(obj))
 
     def _int(self, value: int) -> None:
         if 0 <= value < 256:
@@ -235,9 +266,16 @@ class _Emitter:
         return tuple(args + list(tensor.extra))
 
     def _opaque(self, obj: OpaqueObject) -> None:
+        # pickle's save_reduce order: the call, memo, items appended, items set, then BUILD's state
         self.global_(obj._global)
-        self.save(tuple(obj.reduce_args()))
-        self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
+        if obj._mode == "newobj_ex":  # cls.__new__(cls, *args, **kwargs): the pair the reader kept
+            args, kwargs = obj._args
+            self.save(tuple(args))
+            self.save(kwargs)
+            self.write(_P.NEWOBJ_EX)
+        else:
+            self.save(tuple(obj.reduce_args()))
+            self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
         self._put(obj)
         if obj._items:
             self._appends(obj._items)

@@ -53,17 +53,19 @@ class StorageTypeRef:
 class OpaqueObject:
     """An allowed object of a class ckptool does not model: its construction is recorded, never run.
 
-    ``_mode`` is ``"newobj"`` (built by NEWOBJ: ``cls.__new__(cls, *args)``) or ``"reduce"``
-    (built by calling the global). State from BUILD and items from APPEND/SETITEM are kept so
+    ``_mode`` is ``"newobj"`` (built by NEWOBJ: ``cls.__new__(cls, *args)``), ``"newobj_ex"``
+    (NEWOBJ_EX with keyword arguments: ``_args`` is then the pair ``(args, kwargs)``, so every walk
+    of ``_args`` sees both) or ``"reduce"`` (built by calling the global). State from BUILD (a dict,
+    or a ``(state, slotstate)`` pair, kept as given) and items from APPEND(S)/SETITEM(S) are kept so
     :func:`dump` can re-emit the object exactly.
     """
 
     _global: str = ""
 
-    def __new__(cls, *args: Any) -> OpaqueObject:
+    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
         obj = object.__new__(cls)
-        obj._args = args
-        obj._mode = "newobj"
+        obj._args = (args, kwargs) if kwargs else args
+        obj._mode = "newobj_ex" if kwargs else "newobj"
         obj._state = None
         obj._items: list = []
         obj._setitems: list = []

@@ -175,9 +175,16 @@ CASES: dict[str, str] = {
                               nn.TransformerDecoderLayer(d_model=2, nhead=1, dim_feedforward=4, activation="gelu"))
         obj = {"model": model, "state_dict": ddp, "epoch": 3}
     ''',
+    "protocol1": '''
+        from fakeomega.dictconfig import DictConfig
+        config = DictConfig({"lr": 0.1})  # copy_reg._reconstructor(cls, object, None), then BUILD
+        obj = {"state_dict": ddp, "config": config, "again": config, "sets": [{1}, frozenset({2})]}
+        torch.save(obj, sys.argv[1], pickle_protocol=1)
+        raise SystemExit(0)
+    ''',
     "protocol4": '''
         from fakeomega.nodes import KeywordBuilt
-        obj = {"state_dict": ddp, "built": KeywordBuilt(1, b=[2, 3]), "sets": [{1, 2}, frozenset({"a"})],
+        obj = {"state_dict": ddp, "built": KeywordBuilt(1, b=[2, torch.ones(3)]), "sets": [{1, 2}, frozenset({"a"})],
                "bytes": b"\\x00\\x01"}
         torch.save(obj, sys.argv[1], pickle_protocol=4)
         raise SystemExit(0)
@@ -327,7 +334,7 @@ REWRITES = [
 ]
 
 
-@pytest.mark.parametrize("case", ["numpy", "builtins", "omegaconf", "module_in_dict", "protocol4"])
+@pytest.mark.parametrize("case", ["numpy", "builtins", "omegaconf", "module_in_dict", "protocol1", "protocol4"])
 def test_every_pt_rewrite_keeps_every_entry(tmp_path: Path, case: str) -> None:
     source = _make(tmp_path, case)
     allow = _allow(source)

@@ -72,6 +72,11 @@ FAKEOMEGA = {
         class Bag(dict):
             pass
 
+        class Outer:  # protocol 4 names the inner class by STACK_GLOBAL: module + "Outer.Inner"
+            class Inner:
+                def __init__(self):
+                    self.x = 1
+
         class Row(list):
             pass
     ''',
@@ -183,9 +188,9 @@ CASES: dict[str, str] = {
         raise SystemExit(0)
     ''',
     "protocol4": '''
-        from fakeomega.nodes import KeywordBuilt
+        from fakeomega.nodes import KeywordBuilt, Outer
         obj = {"state_dict": ddp, "built": KeywordBuilt(1, b=[2, torch.ones(3)]), "sets": [{1, 2}, frozenset({"a"})],
-               "bytes": b"\\x00\\x01"}
+               "bytes": b"\\x00\\x01", "nested": [Outer.Inner(), Outer.Inner, Outer()]}
         torch.save(obj, sys.argv[1], pickle_protocol=4)
         raise SystemExit(0)
     ''',

@@ -145,9 +145,9 @@ class GlobalResolver:
         if full_name in TORCH_GLOBALS:
             return TORCH_GLOBALS[full_name]
         if full_name in self.extra:
-            return opaque_type(full_name)
+            return opaque_type(full_name, module)
         if full_name not in self.refused:
             self.refused.append(full_name)
         if self.permissive:
-            return opaque_type(full_name)
+            return opaque_type(full_name, module)
         raise RefusedGlobal(full_name)

@@ -40,6 +40,7 @@ class _Emitter:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # keep memoized objects alive so ids stay unique
         self.global_memo: dict[str, int] = {}
+        self.dotted = False  # a global named as a nested class (module + "Outer.Inner") was written
         self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
 
     # memo -------------------------------------------------------------------------------------
@@ -61,15 +62,18 @@ class _Emitter:
         else:
             self.write(_P.LONG_BINGET + struct.pack("<I", index))
 
-    def global_(self, full_name: str) -> None:
-        index = self.global_memo.get(full_name)
+    def global_(self, full_name: str, module: str | None = None) -> None:
+        """GLOBAL ``module``/``name``: split at the last dot unless the reader kept where the pickle split it."""
+        module, name = (module, full_name[len(module) + 1:]) if module else full_name.rsplit(".", 1)
+        key = f"{module}\n{name}"
+        index = self.global_memo.get(key)
         if index is not None:
             self._get(index)
             return
-        module, name = full_name.rsplit(".", 1)
+        self.dotted = self.dotted or "." in name
         self.write(_P.GLOBAL + module.encode() + b"\n" + name.encode() + b"\n")
         index = len(self.memo) + len(self.global_memo)
-        self.global_memo[full_name] = index
+        self.global_memo[key] = index
         self._write_put(index)
 
     def _storage_key(self, storage: StorageRef) -> str:
@@ -157,7 +161,7 @@ class _Emitter:
         elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._global:
             # an allowed class passed as a value (numpy's ndarray to _reconstruct, defaultdict's
             # list factory, a config's object_type): the global it was read from
-            self.global_(obj._global)
+            self.global_(obj._global, obj._module)
         elif callable(obj) and self._callable_name(obj) is not None:
             self.global_(self._callable_name(obj))  # type: ignore[arg-type]
         else:
@@ -267,7 +271,7 @@ class _Emitter:
 
     def _opaque(self, obj: OpaqueObject) -> None:
         # pickle's save_reduce order: the call, memo, items appended, items set, then BUILD's state
-        self.global_(obj._global)
+        self.global_(obj._global, obj._module)
         if obj._mode == "newobj_ex":  # cls.__new__(cls, *args, **kwargs): the pair the reader kept
             args, kwargs = obj._args
             self.save(tuple(args))
@@ -303,6 +307,10 @@ def dump(obj: Any, *, renumber_storages: bool = False,
         raise InputError("checkpoint object is nested too deeply to write") from e
     emitter.write(_P.STOP)
     blob = emitter.out.getvalue()
+    if emitter.dotted:
+        # Python's unpickler looks a dotted name up attribute by attribute only under protocol 4
+        # (the input's, which named it by STACK_GLOBAL); no opcode written is newer than that
+        blob = blob[:1] + b"\x04" + blob[2:]
     if guard_cache is not None:
         guard_cache.add_emitted(blob)
     return blob, list(emitter.storages.values())

@@ -61,6 +61,7 @@ class OpaqueObject:
     """
 
     _global: str = ""
+    _module: str | None = None  # where ``_global``'s module ends, when not at its last dot (see opaque_type)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
         obj = object.__new__(cls)
@@ -105,12 +106,23 @@ class OpaqueObject:
 _OPAQUE_TYPES: dict[str, type] = {}
 
 
-def opaque_type(full_name: str) -> type:
-    """The placeholder class standing for global ``full_name`` (one class per name)."""
-    cls = _OPAQUE_TYPES.get(full_name)
+def opaque_type(full_name: str, module: str | None = None) -> type:
+    """The placeholder class standing for global ``full_name`` (one class per name).
+
+    ``module``: the module part as the pickle gave it, where that is not all before the last dot —
+    protocol 4 (STACK_GLOBAL) names a nested class ``Outer.Inner`` in module ``m``, which a rewrite
+    must name the same way to load.
+    """
+    if module is not None and (not full_name.startswith(module + ".") or "." not in full_name[len(module) + 1:]):
+        module = None  # the usual split, at the last dot
+    key = full_name if module is None else f"{module}:{full_name[len(module) + 1:]}"
+    cls = _OPAQUE_TYPES.get(key)
     if cls is None:
-        cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), {"_global": full_name, "__slots__": ()})
-        _OPAQUE_TYPES[full_name] = cls
+        attributes: dict[str, Any] = {"_global": full_name, "__slots__": ()}
+        if module is not None:
+            attributes["_module"] = module
+        cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), attributes)
+        _OPAQUE_TYPES[key] = cls
     return cls
 
 

@@ -387,3 +387,18 @@ def test_a_rewrite_never_names_a_global_the_read_did_not_allow(tmp_path: Path) -
     assert after <= _globals(source)
     assert {name for name in after if name not in TORCH_GLOBALS} == {
         python3_name(name) for name in _allow(source)[1::2]}
+
+
+def test_state_set_twice_on_an_object_is_refused_not_half_kept(tmp_path: Path) -> None:
+    """Two BUILDs on one object (no pickler writes them): the class would apply both, a rewrite could
+    keep one — the file is refused, on reading, with nothing written."""
+    from hostile import dct, glob, make_zip, text, torch_members, whole
+
+    state = dct((text("a"), text("b")))
+    thing = glob("fakeomega.nodes", "AnyNode") + b")\x81" + state + b"b" + state + b"b"  # EMPTY_TUPLE NEWOBJ
+    source = tmp_path / "twice.pt"
+    source.write_bytes(make_zip(torch_members(whole(dct((text("thing"), thing))))))
+    out = tmp_path / "out.pt"
+    code, text_ = _cli("remap", source, "-o", out, "--to", "cpu", "--allow-global", "fakeomega.nodes.AnyNode")
+    assert code == 3 and not out.exists(), text_
+    assert "twice" in text_ and str(source) in text_ and "Traceback" not in text_

@@ -76,6 +76,10 @@ class OpaqueObject:
         self._mode = "reduce"
 
     def __setstate__(self, state: Any) -> None:
+        if self._state is not None:
+            # pickle never writes it; the class would apply both, a rewrite could keep only one
+            raise InputError(f"pickle sets the state of a {self._global} object twice (two BUILDs) — no pickler "
+                             "writes that; refused (torch.load of the original is the only reader of it)")
         self._state = state
 
     def append(self, item: Any) -> None:

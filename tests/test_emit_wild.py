@@ -402,3 +402,26 @@ def test_state_set_twice_on_an_object_is_refused_not_half_kept(tmp_path: Path) -
     code, text_ = _cli("remap", source, "-o", out, "--to", "cpu", "--allow-global", "fakeomega.nodes.AnyNode")
     assert code == 3 and not out.exists(), text_
     assert "twice" in text_ and str(source) in text_ and "Traceback" not in text_
+
+
+def test_a_shared_string_and_single_items_keep_pickles_shapes() -> None:
+    """A long string the tree shares is written once (as pickle memoises it); an object given one
+    item gets it by APPEND/SETITEM, as pickle writes a batch of one (the class's append, not extend)."""
+    import pickle
+    import pickletools
+
+    from ckptool.pickles import dump
+    from ckptool.pickles.placeholders import opaque_type
+
+    note = "a long note shared by several entries " * 4
+    row = opaque_type("fakeomega.nodes.Row")()
+    row.append(1)
+    bag = opaque_type("fakeomega.nodes.Bag")()
+    bag["only"] = 2
+    blob, _ = dump({"a": note, "b": note, "row": row, "bag": bag, "many": [1, 2], "one": [3]})
+    assert blob.count(note.encode()) == 1
+    names = [op.name for op, _, _ in pickletools.genops(blob)]
+    assert names.count("APPEND") == 2 and names.count("SETITEM") == 1, names
+    loaded = pickle.loads(blob.replace(b"cfakeomega.nodes\nRow", b"c__builtin__\nlist")
+                          .replace(b"cfakeomega.nodes\nBag", b"c__builtin__\ndict"))
+    assert loaded["a"] is loaded["b"] and loaded["row"] == [1] and loaded["bag"] == {"only": 2}

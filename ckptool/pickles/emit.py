@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .guard_cache import GuardCache
 
 _P = pickle
+_SHARED_TEXT = 64  # bytes from which a string is memoised (shorter ones cost less than a memo entry)
 
 
 class _Emitter:
@@ -95,11 +96,13 @@ class _Emitter:
             self._int(obj)
         elif type(obj) is float:
             self.write(_P.BINFLOAT + struct.pack(">d", obj))
+        elif id(obj) in self.memo:
+            self._get(self.memo[id(obj)])
         elif type(obj) is str:
             data = obj.encode("utf-8", "surrogatepass")
             self.write(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
-        elif id(obj) in self.memo:
-            self._get(self.memo[id(obj)])
+            if len(data) >= _SHARED_TEXT:  # one string the input shares stays one string, not n copies
+                self._put(obj)
         elif type(obj) is bytes:
             self._reduce_call("_codecs.encode", (obj.decode("latin1"), "latin1"), obj)
         elif type(obj) is bytearray:
@@ -209,9 +212,15 @@ class _Emitter:
             self.write(_P.TUPLE)
         self._put(obj)
 
+    # pickle's batches: up to 1000 items under a MARK, one alone by APPEND/SETITEM. An object of an
+    # allowed class receives them as its pickle gave them (APPENDS calls its extend, APPEND its append)
     def _appends(self, items: list) -> None:
         for start in range(0, len(items), 1000):
             batch = items[start : start + 1000]
+            if len(batch) == 1:
+                self.save(batch[0])
+                self.write(_P.APPEND)
+                continue
             self.write(_P.MARK)
             for item in batch:
                 self.save(item)
@@ -220,6 +229,11 @@ class _Emitter:
     def _setitems(self, items: list) -> None:
         for start in range(0, len(items), 1000):
             batch = items[start : start + 1000]
+            if len(batch) == 1:
+                self.save(batch[0][0])
+                self.save(batch[0][1])
+                self.write(_P.SETITEM)
+                continue
             self.write(_P.MARK)
             for key, value in batch:
                 self.save(key)

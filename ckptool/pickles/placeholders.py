@@ -79,7 +79,8 @@ class OpaqueObject:
         if self._state is not None:
             # pickle never writes it; the class would apply both, a rewrite could keep only one
             raise InputError(f"pickle sets the state of a {self._global} object twice (two BUILDs) — no pickler "
-                             "writes that; refused (torch.load of the original is the only reader of it)")
+                             "writes that, and a rewrite could keep only one; refused (re-save the object with "
+                             "torch.save from the program that made it)")
         self._state = state
 
     def append(self, item: Any) -> None:

@@ -2,7 +2,8 @@
 
 :func:`dump` emits protocol 2 using only the opcodes torch's ``weights_only`` unpickler accepts,
 re-emitting every placeholder as the global it came from, so a rewritten checkpoint loads wherever
-the original did. It needs nothing of the reading side but the placeholder types, and the table of
+the original did. (What only a protocol-4 input can hold — a frozenset read from FROZENSET, keywords
+from NEWOBJ_EX, a nested class's dotted name — is written as that input wrote it.) It needs nothing of the reading side but the placeholder types, and the table of
 torch's globals to name an allowed function handed over as a value (``defaultdict(OrderedDict)``).
 
 Every global it writes is one the tree names: a placeholder's own, a class or function the tree

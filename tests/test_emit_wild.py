@@ -425,3 +425,22 @@ def test_a_shared_string_and_single_items_keep_pickles_shapes() -> None:
     loaded = pickle.loads(blob.replace(b"cfakeomega.nodes\nRow", b"c__builtin__\nlist")
                           .replace(b"cfakeomega.nodes\nBag", b"c__builtin__\ndict"))
     assert loaded["a"] is loaded["b"] and loaded["row"] == [1] and loaded["bag"] == {"only": 2}
+
+
+@pytest.mark.parametrize("after", ["state", "set items"])
+def test_items_after_what_pickle_writes_last_are_refused(tmp_path: Path, after: str) -> None:
+    """pickle gives an object its appended items, its set items, then its state; a rewrite writes
+    them back in that order, so a pickle that gives them otherwise (no pickler does) is refused."""
+    from hostile import dct, glob, make_zip, text, torch_members, whole
+
+    late = b"(" + text("x") + b"e"  # MARK item APPENDS
+    if after == "state":
+        thing = glob("fakeomega.nodes", "Row") + b")\x81" + dct((text("a"), text("b"))) + b"b" + late
+    else:
+        thing = glob("fakeomega.nodes", "Row") + b")\x81" + text("k") + text("v") + b"s" + late  # SETITEM
+    source = tmp_path / "late.pt"
+    source.write_bytes(make_zip(torch_members(whole(dct((text("thing"), thing))))))
+    out = tmp_path / "out.pt"
+    code, text_ = _cli("remap", source, "-o", out, "--to", "cpu", "--allow-global", "fakeomega.nodes.Row")
+    assert code == 3 and not out.exists(), text_
+    assert f"after its {after}" in text_.replace("state (BUILD)", "state") and "Traceback" not in text_

@@ -83,13 +83,25 @@ class OpaqueObject:
                              "torch.save from the program that made it)")
         self._state = state
 
+    # pickle gives an object its appended items, then its set items, then its state (save_reduce's
+    # order, the one dump writes back); items out of that order could change what the class builds
+    def _check_order(self, what: str, later: bool) -> None:
+        if self._state is not None or later:
+            raise InputError(f"pickle {what} a {self._global} object after its "
+                             f"{'state (BUILD)' if self._state is not None else 'set items'} — no pickler writes "
+                             "that, and a rewrite would reorder it; refused (re-save the object with torch.save "
+                             "from the program that made it)")
+
     def append(self, item: Any) -> None:
+        self._check_order("appends items to", bool(self._setitems))
         self._items.append(item)
 
     def extend(self, items: Any) -> None:
+        self._check_order("appends items to", bool(self._setitems))
         self._items.extend(items)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        self._check_order("sets items on", False)
         self._setitems.append((key, value))
 
     def reduce_args(self) -> tuple:

@@ -523,6 +523,7 @@ def build_corpus(directory: Path) -> list[Case]:
     cases += _contract_cases(files, canary_dir)
     cases += _bounds_cases(directory, canary_dir)
     cases += _zip_members_cases(directory, canary_dir)
+    cases += _emit_cases(directory)
     return cases
 
 
@@ -785,6 +786,25 @@ def _zip_members_cases(directory: Path, canary_dir: Path) -> list[Case]:
         path = files / f"{name}.pt"
         path.write_bytes(make_zip(members(change)))
         cases.append(Case(name, path, UNSAFE, canary))
+    return cases
+
+
+def _emit_cases(directory: Path) -> list[Case]:
+    """Objects of a class allowed by default (argparse.Namespace) given their parts out of pickle's
+    order — state twice, items after the state: no pickler writes them, a rewrite could not keep
+    them, so every command refuses the file."""
+    namespace = glob("argparse", "Namespace") + b")\x81"  # EMPTY_TUPLE NEWOBJ
+    state = dct((text("lr"), integer(1)))
+    made = {
+        "emit_state_twice": namespace + state + b"b" + state + b"b",
+        "emit_items_after_state": namespace + state + b"b" + b"(" + text("x") + b"e",  # MARK item APPENDS
+    }
+    cases = []
+    for name, thing in made.items():
+        path = directory / "files" / f"{name}.pt"
+        data_pkl = whole(dct((text("weight"), rebuild()), (text("args"), thing)))
+        path.write_bytes(make_zip(torch_members(data_pkl, {"0": FOUR_FLOATS})))
+        cases.append(Case(name, path, REFUSE))
     return cases
 
 

@@ -78,7 +78,7 @@ class OpaqueObject:
     def __setstate__(self, state: Any) -> None:
         if self._state is not None:
             # pickle never writes it; the class would apply both, a rewrite could keep only one
-            raise InputError(f"pickle sets the state of a {self._global} object twice (two BUILDs) — no pickler "
+            raise InputError(f"pickle sets the state of one {self._global} object twice (two BUILDs) — no pickler "
                              "writes that, and a rewrite could keep only one; refused (re-save the object with "
                              "torch.save from the program that made it)")
         self._state = state
@@ -87,7 +87,7 @@ class OpaqueObject:
     # order, the one dump writes back); items out of that order could change what the class builds
     def _check_order(self, what: str, later: bool) -> None:
         if self._state is not None or later:
-            raise InputError(f"pickle {what} a {self._global} object after its "
+            raise InputError(f"pickle {what} one {self._global} object after its "
                              f"{'state (BUILD)' if self._state is not None else 'set items'} — no pickler writes "
                              "that, and a rewrite would reorder it; refused (re-save the object with torch.save "
                              "from the program that made it)")

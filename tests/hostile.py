@@ -521,6 +521,7 @@ def build_corpus(directory: Path) -> list[Case]:
     cases += _zip_members_cases(directory, canary_dir)
     cases += _formats_cases(directory, canary_dir)
     cases += _carry_cases(directory)
+    cases += _emit_cases(directory)
     return cases
 
 
@@ -878,6 +879,24 @@ def _carry_cases(directory: Path) -> list[Case]:
     for name, value in made.items():
         path = directory / "files" / f"{name}.safetensors"
         path.write_bytes(safetensors_file({"__metadata__": {"ckptool.entries": value}, **weights}, FOUR_FLOATS[:4]))
+    return cases
+
+
+def _emit_cases(directory: Path) -> list[Case]:
+    """Objects of a class allowed by default (argparse.Namespace) given their parts out of pickle's
+    order — state twice, items after the state: no pickler writes them, a rewrite could not keep
+    them, so every command refuses the file."""
+    namespace = glob("argparse", "Namespace") + b")\x81"  # EMPTY_TUPLE NEWOBJ
+    state = dct((text("lr"), integer(1)))
+    made = {
+        "emit_state_twice": namespace + state + b"b" + state + b"b",
+        "emit_items_after_state": namespace + state + b"b" + b"(" + text("x") + b"e",  # MARK item APPENDS
+    }
+    cases = []
+    for name, thing in made.items():
+        path = directory / "files" / f"{name}.pt"
+        data_pkl = whole(dct((text("weight"), rebuild()), (text("args"), thing)))
+        path.write_bytes(make_zip(torch_members(data_pkl, {"0": FOUR_FLOATS})))
         cases.append(Case(name, path, REFUSE))
     return cases
 

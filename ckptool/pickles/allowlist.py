@@ -222,11 +222,11 @@ class GlobalResolver:
         if full_name in TORCH_GLOBALS:  # before any pattern: torch's globals keep their checks under '*'
             return TORCH_GLOBALS[full_name]
         if full_name in self.extra or self._matches(full_name):
-            return opaque_type(full_name)
+            return opaque_type(full_name, module)
         if full_name not in self.refused:
             self.refused.append(full_name)
         # refused: an inert placeholder lets the walk go on to every other refused name
-        return opaque_type(full_name)
+        return opaque_type(full_name, module)
 
     def refusal(self, *, complete: bool = True) -> RefusedGlobal | None:
         """The one refusal naming every global refused so far (none in permissive mode, or if none was)."""

@@ -2,7 +2,14 @@
 
 :func:`dump` emits protocol 2 using only the opcodes torch's ``weights_only`` unpickler accepts,
 re-emitting every placeholder as the global it came from, so a rewritten checkpoint loads wherever
-the original did. It needs nothing of the reading side but the placeholder types.
+the original did. (What only a protocol-4 input can hold — a frozenset read from FROZENSET, keywords
+from NEWOBJ_EX, a nested class's dotted name — is written as that input wrote it.) It needs nothing of the reading side but the placeholder types, and the table of
+torch's globals to name an allowed function handed over as a value (``defaultdict(OrderedDict)``).
+
+Every global it writes is one the tree names: a placeholder's own, a class or function the tree
+holds as a value, or one of torch's own spellings of the values the reader builds from them
+(``builtins.set``, ``_codecs.encode``, ``collections.OrderedDict``...). It never names a global the
+read did not resolve.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ if TYPE_CHECKING:
     from .guard_cache import GuardCache
 
 _P = pickle
+_SHARED_TEXT = 64  # bytes from which a string is memoised (shorter ones cost less than a memo entry)
 
 
 class _Emitter:
@@ -34,6 +42,8 @@ class _Emitter:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # keep memoized objects alive so ids stay unique
         self.global_memo: dict[str, int] = {}
+        self.dotted = False  # a global named as a nested class (module + "Outer.Inner") was written
+        self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
 
     # memo -------------------------------------------------------------------------------------
     def _put(self, obj: Any) -> None:
@@ -54,15 +64,18 @@ class _Emitter:
         else:
             self.write(_P.LONG_BINGET + struct.pack("<I", index))
 
-    def global_(self, full_name: str) -> None:
-        index = self.global_memo.get(full_name)
+    def global_(self, full_name: str, module: str | None = None) -> None:
+        """GLOBAL ``module``/``name``: split at the last dot unless the reader kept where the pickle split it."""
+        module, name = (module, full_name[len(module) + 1:]) if module else full_name.rsplit(".", 1)
+        key = f"{module}\n{name}"
+        index = self.global_memo.get(key)
         if index is not None:
             self._get(index)
             return
-        module, name = full_name.rsplit(".", 1)
+        self.dotted = self.dotted or "." in name
         self.write(_P.GLOBAL + module.encode() + b"\n" + name.encode() + b"\n")
         index = len(self.memo) + len(self.global_memo)
-        self.global_memo[full_name] = index
+        self.global_memo[key] = index
         self._write_put(index)
 
     def _storage_key(self, storage: StorageRef) -> str:
@@ -84,11 +97,13 @@ class _Emitter:
             self._int(obj)
         elif type(obj) is float:
             self.write(_P.BINFLOAT + struct.pack(">d", obj))
+        elif id(obj) in self.memo:
+            self._get(self.memo[id(obj)])
         elif type(obj) is str:
             data = obj.encode("utf-8", "surrogatepass")
             self.write(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
-        elif id(obj) in self.memo:
-            self._get(self.memo[id(obj)])
+            if len(data) >= _SHARED_TEXT:  # one string the input shares stays one string, not n copies
+                self._put(obj)
         elif type(obj) is bytes:
             self._reduce_call("_codecs.encode", (obj.decode("latin1"), "latin1"), obj)
         elif type(obj) is bytearray:
@@ -139,8 +154,32 @@ class _Emitter:
             self._reduce_call("builtins.set", (list(obj),), obj)
         elif isinstance(obj, OpaqueObject):
             self._opaque(obj)
+        elif type(obj) is frozenset:
+            # the reader builds one only from FROZENSET (no frozenset global is allowed by default):
+            # written back the same way, so no global the file did not name appears
+            self.write(_P.MARK)
+            for item in obj:
+                self.save(item)
+            self.write(_P.FROZENSET)
+            self._put(obj)
+        elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._global:
+            # an allowed class passed as a value (numpy's ndarray to _reconstruct, defaultdict's
+            # list factory, a config's object_type): the global it was read from
+            self.global_(obj._global, obj._module)
+        elif callable(obj) and self._callable_name(obj) is not None:
+            self.global_(self._callable_name(obj))  # type: ignore[arg-type]
         else:
             raise InputError(f"cannot write a {type(obj).__name__} into a checkpoint pickle")
+
+    def _callable_name(self, obj: Any) -> str | None:
+        """The global a function of torch's allowed set stands for (``collections.OrderedDict`` is read
+        as a checking function), when the tree holds it as a value."""
+        if self._callables is None:
+            from .allowlist import TORCH_GLOBALS  # complete once ckptool.pickles is imported
+
+            self._callables = {id(value): name for name, value in TORCH_GLOBALS.items()
+                               if callable(value) and not isinstance(value, type)}
+        return self._callables.get(id(obj))
 
     def _int(self, value: int) -> None:
         if 0 <= value < 256:
@@ -174,9 +213,15 @@ class _Emitter:
             self.write(_P.TUPLE)
         self._put(obj)
 
+    # pickle's batches: up to 1000 items under a MARK, one alone by APPEND/SETITEM. An object of an
+    # allowed class receives them as its pickle gave them (APPENDS calls its extend, APPEND its append)
     def _appends(self, items: list) -> None:
         for start in range(0, len(items), 1000):
             batch = items[start : start + 1000]
+            if len(batch) == 1:
+                self.save(batch[0])
+                self.write(_P.APPEND)
+                continue
             self.write(_P.MARK)
             for item in batch:
                 self.save(item)
@@ -185,6 +230,11 @@ class _Emitter:
     def _setitems(self, items: list) -> None:
         for start in range(0, len(items), 1000):
             batch = items[start : start + 1000]
+            if len(batch) == 1:
+                self.save(batch[0][0])
+                self.save(batch[0][1])
+                self.write(_P.SETITEM)
+                continue
             self.write(_P.MARK)
             for key, value in batch:
                 self.save(key)
@@ -235,9 +285,16 @@ class _Emitter:
         return tuple(args + list(tensor.extra))
 
     def _opaque(self, obj: OpaqueObject) -> None:
-        self.global_(obj._global)
-        self.save(tuple(obj.reduce_args()))
-        self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
+        # pickle's save_reduce order: the call, memo, items appended, items set, then BUILD's state
+        self.global_(obj._global, obj._module)
+        if obj._mode == "newobj_ex":  # cls.__new__(cls, *args, **kwargs): the pair the reader kept
+            args, kwargs = obj._args
+            self.save(tuple(args))
+            self.save(kwargs)
+            self.write(_P.NEWOBJ_EX)
+        else:
+            self.save(tuple(obj.reduce_args()))
+            self.write(_P.NEWOBJ if obj._mode == "newobj" else _P.REDUCE)
         self._put(obj)
         if obj._items:
             self._appends(obj._items)
@@ -265,6 +322,10 @@ def dump(obj: Any, *, renumber_storages: bool = False,
         raise InputError("checkpoint object is nested too deeply to write") from e
     emitter.write(_P.STOP)
     blob = emitter.out.getvalue()
+    if emitter.dotted:
+        # Python's unpickler looks a dotted name up attribute by attribute only under protocol 4
+        # (the input's, which named it by STACK_GLOBAL); no opcode written is newer than that
+        blob = blob[:1] + b"\x04" + blob[2:]
     if guard_cache is not None:
         guard_cache.add_emitted(blob)
     return blob, list(emitter.storages.values())

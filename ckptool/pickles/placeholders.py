@@ -53,17 +53,20 @@ class StorageTypeRef:
 class OpaqueObject:
     """An allowed object of a class ckptool does not model: its construction is recorded, never run.
 
-    ``_mode`` is ``"newobj"`` (built by NEWOBJ: ``cls.__new__(cls, *args)``) or ``"reduce"``
-    (built by calling the global). State from BUILD and items from APPEND/SETITEM are kept so
+    ``_mode`` is ``"newobj"`` (built by NEWOBJ: ``cls.__new__(cls, *args)``), ``"newobj_ex"``
+    (NEWOBJ_EX with keyword arguments: ``_args`` is then the pair ``(args, kwargs)``, so every walk
+    of ``_args`` sees both) or ``"reduce"`` (built by calling the global). State from BUILD (a dict,
+    or a ``(state, slotstate)`` pair, kept as given) and items from APPEND(S)/SETITEM(S) are kept so
     :func:`dump` can re-emit the object exactly.
     """
 
     _global: str = ""
+    _module: str | None = None  # where ``_global``'s module ends, when not at its last dot (see opaque_type)
 
-    def __new__(cls, *args: Any) -> OpaqueObject:
+    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
         obj = object.__new__(cls)
-        obj._args = args
-        obj._mode = "newobj"
+        obj._args = (args, kwargs) if kwargs else args
+        obj._mode = "newobj_ex" if kwargs else "newobj"
         obj._state = None
         obj._items: list = []
         obj._setitems: list = []
@@ -73,15 +76,32 @@ class OpaqueObject:
         self._mode = "reduce"
 
     def __setstate__(self, state: Any) -> None:
+        if self._state is not None:
+            # pickle never writes it; the class would apply both, a rewrite could keep only one
+            raise InputError(f"pickle sets the state of one {self._global} object twice (two BUILDs) — no pickler "
+                             "writes that, and a rewrite could keep only one; refused (re-save the object with "
+                             "torch.save from the program that made it)")
         self._state = state
 
+    # pickle gives an object its appended items, then its set items, then its state (save_reduce's
+    # order, the one dump writes back); items out of that order could change what the class builds
+    def _check_order(self, what: str, later: bool) -> None:
+        if self._state is not None or later:
+            raise InputError(f"pickle {what} one {self._global} object after its "
+                             f"{'state (BUILD)' if self._state is not None else 'set items'} — no pickler writes "
+                             "that, and a rewrite would reorder it; refused (re-save the object with torch.save "
+                             "from the program that made it)")
+
     def append(self, item: Any) -> None:
+        self._check_order("appends items to", bool(self._setitems))
         self._items.append(item)
 
     def extend(self, items: Any) -> None:
+        self._check_order("appends items to", bool(self._setitems))
         self._items.extend(items)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        self._check_order("sets items on", False)
         self._setitems.append((key, value))
 
     def reduce_args(self) -> tuple:
@@ -103,12 +123,23 @@ class OpaqueObject:
 _OPAQUE_TYPES: dict[str, type] = {}
 
 
-def opaque_type(full_name: str) -> type:
-    """The placeholder class standing for global ``full_name`` (one class per name)."""
-    cls = _OPAQUE_TYPES.get(full_name)
+def opaque_type(full_name: str, module: str | None = None) -> type:
+    """The placeholder class standing for global ``full_name`` (one class per name).
+
+    ``module``: the module part as the pickle gave it, where that is not all before the last dot —
+    protocol 4 (STACK_GLOBAL) names a nested class ``Outer.Inner`` in module ``m``, which a rewrite
+    must name the same way to load.
+    """
+    if module is not None and (not full_name.startswith(module + ".") or "." not in full_name[len(module) + 1:]):
+        module = None  # the usual split, at the last dot
+    key = full_name if module is None else f"{module}:{full_name[len(module) + 1:]}"
+    cls = _OPAQUE_TYPES.get(key)
     if cls is None:
-        cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), {"_global": full_name, "__slots__": ()})
-        _OPAQUE_TYPES[full_name] = cls
+        attributes: dict[str, Any] = {"_global": full_name, "__slots__": ()}
+        if module is not None:
+            attributes["_module"] = module
+        cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), attributes)
+        _OPAQUE_TYPES[key] = cls
     return cls
 
 

@@ -217,6 +217,7 @@ def read_one(path: Path) -> dict[str, object]:
 
 
 def main(argv: list[str]) -> int:
+    import safetensors.torch  # noqa: F401 — before any stub finder: a stubbed-in safetensors would read nothing
     import torch
 
     out, *files = argv

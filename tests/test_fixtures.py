@@ -445,10 +445,10 @@ WILD_NEEDS = {
     "wild/whole_model.pt": "needs whole-model salvage and --allow-global '*'",
     "wild/whole_model_container.pt": "needs whole-model salvage and --allow-global '*'",
     "wild/numpy_config.pt": None,
-    "wild/lightning_omegaconf.ckpt": "needs --allow-global shell patterns ('omegaconf.*')",
-    "wild/sharded_bin/pytorch_model.bin.index.json": "needs the sharded .bin reader",
+    "wild/lightning_omegaconf.ckpt": None,
+    "wild/sharded_bin/pytorch_model.bin.index.json": None,
     "wild/ema_container.pt": None,
-    "wild/torchscript_tiny.pt": "needs the TorchScript reader",
+    "wild/torchscript_tiny.pt": None,
 }
 
 
@@ -486,8 +486,7 @@ def test_ckptool_converts_the_wild_weights_to_safetensors(name: str, fixtures_di
     assert fingerprint(safetensors.torch.load_file(str(out))) == entry["fingerprint"]
 
 
-@pytest.mark.parametrize("name", wild_params({"wild/numpy_config.pt": "needs .pt rewrites of numpy/defaultdict "
-                                                                      "containers"}))
+@pytest.mark.parametrize("name", wild_params())
 def test_ckptool_converts_the_wild_weights_to_pt(name: str, fixtures_dir: Path, repo_root: Path, tmp_path: Path,
                                                  subprocess_env: dict[str, str], python_executable: str) -> None:
     entry = WILD[name]
@@ -512,7 +511,6 @@ def test_ckptool_weights_option_chooses_the_ema(name: str, fixtures_dir: Path, r
         assert json.loads(completed.stdout)["fingerprint"] == alternative["fingerprint"]
 
 
-@pytest.mark.xfail(strict=False, reason="needs .pt rewrites of numpy/defaultdict/torch.device containers")
 def test_ckptool_rewrite_keeps_numpy_config_entries(fixtures_dir: Path, repo_root: Path, tmp_path: Path,
                                                     subprocess_env: dict[str, str], python_executable: str) -> None:
     out = tmp_path / "out.pt"
@@ -533,7 +531,6 @@ def test_ckptool_rewrite_keeps_numpy_config_entries(fixtures_dir: Path, repo_roo
     assert rewritten["hist"].default_factory is list
 
 
-@pytest.mark.xfail(strict=False, reason="needs the TorchScript reader")
 def test_ckptool_reads_the_committed_torchscript_archive(fixtures_dir: Path, repo_root: Path,
                                                          subprocess_env: dict[str, str], python_executable: str) -> None:
     path = fixtures_dir / "torchscript_mlp.pt"

@@ -178,6 +178,8 @@ def _same_path(a: Path, b: Path) -> bool:
 
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input."""
+    if checkpoint.whole_model:  # a pickled nn.Module: its weights as a plain state dict, none of its classes
+        return checkpoint.state_dict
     if formats.for_name(checkpoint.format).weights_only:
         container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle()))
         return {nest: container} if nest else container
@@ -322,7 +324,7 @@ def read_back(source: Checkpoint,
     def read(path: Path) -> Mapping[str, TensorRef]:
         from .reader import load
 
-        written = load(path, allow_globals=tuple(source.globals), guard_cache=guard_cache)
+        written = source.weights_as_written(load(path, allow_globals=tuple(source.globals), guard_cache=guard_cache))
         return written.tensors if written.has_weights else {}
 
     return read

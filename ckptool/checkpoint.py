@@ -300,7 +300,7 @@ class Checkpoint:
             what = "nothing is there" if layout is None else "what is there holds no tensors"
             raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates or 'none'}; "
                              "pick one of them with " + suggest_option("weights", Metavar("PATH")), path=self.path)
-        return replace(self, layout=layout, module_class=found.module_class, selected=True)
+        return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes))
 
     def weights_as_written(self, written: Checkpoint) -> Checkpoint:
         """``written`` (this checkpoint written to a file and read back) with its weights at the

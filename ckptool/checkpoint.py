@@ -261,8 +261,13 @@ class Checkpoint:
         if isinstance(node, OpaqueObject) and modules.is_module(node):
             if self._module_weights is None:
                 notes: list[str] = []
-                self._module_weights = modules.state_dict(node, where=repr(spell_weights(self.container, self.layout)),
-                                                          notes=notes)
+                where = repr(spell_weights(self.container, self.layout)) if self.layout else ""
+                try:
+                    self._module_weights = modules.state_dict(node, where=where, notes=notes)
+                except InputError as e:
+                    if e.path is None:
+                        raise InputError(e.wording or e.message, path=self.path) from e
+                    raise
                 self.notes.extend(note for note in notes if note not in self.notes)
             return self._module_weights
         return node
@@ -299,7 +304,7 @@ class Checkpoint:
             candidates = ", ".join(repr(spell_weights(self.container, w.layout)) for w in self.weight_sets()[:8])
             what = "nothing is there" if layout is None else "what is there holds no tensors"
             raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates or 'none'}; "
-                             "pick one of them with " + suggest_option("weights", Metavar("PATH")), path=self.path)
+                             "pass one of them as " + suggest_option("weights", Metavar("PATH")), path=self.path)
         return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes))
 
     def weights_as_written(self, written: Checkpoint) -> Checkpoint:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import formats, layouts, suggest
+from . import formats, layouts, modules, suggest
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .digest import fingerprint
@@ -93,6 +93,11 @@ def describe_entry(value: Any) -> str:
         return f"device {value}"
     if isinstance(value, SizeRef):
         return f"torch.Size({list(value)})"
+    if modules.is_module(value):  # a second pickled model (an EMA copy): its weights as state_dict() lists them
+        try:
+            return f"whole-model pickle {value.global_name}, {len(modules.state_dict(value))} tensors"
+        except InputError:
+            return f"whole-model pickle {value.global_name}, unreadable"
     tensors = list(iter_tensors(value))
     if isinstance(value, dict) and "state" in value and "param_groups" in value:
         nbytes = sum(t.nbytes for _, t in tensors)

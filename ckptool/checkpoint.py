@@ -84,6 +84,7 @@ def _find_module(container: Any) -> tuple[Any, ...] | None:
 # than this many containers are entered, however wide a hostile pickle makes them.
 CANDIDATE_DEPTH = 4
 MAX_CANDIDATE_NODES = 10_000
+MAX_CANDIDATES = 1_000
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ def weight_sets(container: Any) -> list[WeightSet]:
         weight_set = _weight_set(node, layout)
         if weight_set is not None:  # listed at every place it lies (one EMA object saved as two entries)
             found.append(weight_set)
+            if len(found) >= MAX_CANDIDATES:
+                break
             continue
         if id(node) in seen:
             continue

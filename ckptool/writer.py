@@ -98,7 +98,8 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
     if command == "remap":
         raise UsageError("is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
                          f"drop the tags with: {suggest.command('convert', source, out=out)}", path=out)
-    extra = [repr(key) for key in checkpoint.entries()]
+    # a whole-model pickle's rewrite keeps its weights alone (pt_container): nothing else to lose
+    extra = [repr(key) for key in checkpoint.entries()] if not checkpoint.whole_model else []
     if checkpoint.has_weights:
         extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
     if checkpoint.layout is None or extra:

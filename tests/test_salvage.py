@@ -297,3 +297,21 @@ def test_weights_paths_with_dots_and_slashes(tmp_path: Path) -> None:
     assert spell_weights(container, ("model", "live")) == "model.live"
     assert list(ckptool.load(path, weights="model/ema").tensors) == ["b"]
     assert list(ckptool.load(path, weights=("runs", 0)).tensors) == ["d"]
+
+
+def test_rewrites_of_a_whole_model_write_its_weights_alone(tmp_path: Path) -> None:
+    """strip, add-prefix and remap of a whole-model pickle write the plain state dict (.pt) or the
+    weights (.safetensors), so the container's other entries do not block a safetensors name."""
+    model = reference_model()
+    path = tmp_path / "run.pt"
+    torch.save({"model": model, "epoch": 4}, path)
+    names = flags(allowed(path))
+    code, _, err = run("remap", path, "-o", tmp_path / "cpu.pt", "--to", "cpu", *names)
+    assert code == 0, err
+    assert_same_state_dict(torch.load(tmp_path / "cpu.pt", weights_only=True), model.state_dict())
+    code, _, err = run("add-prefix", path, "-o", tmp_path / "ddp.safetensors", *names)
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "ddp.safetensors")) == {f"module.{key}" for key in model.state_dict()} - \
+        {"module.4.weight", "module.4.bias"}  # tied to 2.*: stored once, recorded as aliases

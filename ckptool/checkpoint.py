@@ -137,7 +137,7 @@ def weight_sets(container: Any) -> list[WeightSet]:
             continue
         seen.add(id(node))
         if not isinstance(node, dict) or len(layout) >= CANDIDATE_DEPTH or \
-                ("state" in node and "param_groups" in node):
+                (dict.__contains__(node, "state") and dict.__contains__(node, "param_groups")):
             continue
         entered += 1
         stack.extend((layout + (key,), value) for key, value in reversed(dict.items(node))
@@ -174,7 +174,10 @@ _MISSING = object()
 
 def _child(node: Any, key: Any) -> Any:
     if isinstance(node, dict):
-        return dict.get(node, key, _MISSING)
+        try:
+            return dict.get(node, key, _MISSING)
+        except TypeError:  # an unhashable key in a caller's path names nothing
+            return _MISSING
     if isinstance(node, list | tuple) and isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(node):
         return node[key]
     return _MISSING

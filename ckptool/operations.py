@@ -137,7 +137,9 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
 
 def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport) -> list[str]:
     """What a write of a whole-model pickle's weights left behind: the classes, and the other entries."""
-    if not checkpoint.whole_model or saved.format != "torch-zip":  # safetensors holds weights alone anyway
+    from . import formats
+
+    if not checkpoint.whole_model or formats.for_name(saved.format).weights_only:  # weights alone anyway
         return []
     left = [repr(str(key)) for key in checkpoint.entries()]
     shown = ", ".join(left[:4]) + (", ..." if len(left) > 4 else "")

@@ -315,3 +315,23 @@ def test_rewrites_of_a_whole_model_write_its_weights_alone(tmp_path: Path) -> No
 
     assert set(load_file(tmp_path / "ddp.safetensors")) == {f"module.{key}" for key in model.state_dict()} - \
         {"module.4.weight", "module.4.bias"}  # tied to 2.*: stored once, recorded as aliases
+
+
+def test_shared_submodules_listing_too_many_paths_are_refused(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One submodule shared twice at each of 12 levels lists 4096 paths (torch walks them all too):
+    the walk stops at the limit and says so, in one line."""
+    from ckptool import modules
+
+    node: nn.Module = nn.Linear(1, 1)
+    for _ in range(12):
+        node = nn.Sequential(node, node)
+    path = tmp_path / "wide.pt"
+    torch.save(node, path)
+    monkeypatch.setattr(modules, "MAX_MODULE_VISITS", 1000)
+    code, out, err = run("inspect", path, *flags(allowed(path)))
+    assert code == 3 and out == "" and err.count("\n") == 1
+    assert "over 1,000 submodules" in err and str(path) in err
+    monkeypatch.setattr(modules, "MAX_MODULE_VISITS", 100_000)
+    checkpoint = ckptool.load(path, allow_globals=allowed(path))
+    assert len(checkpoint.tensors) == 2 * 4096 == len(node.state_dict())

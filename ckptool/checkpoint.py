@@ -9,10 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from . import keys as keys_
+from . import modules
 from .errors import InputError, NothingToDoError
+from .suggest import Metavar
+from .suggest import option as suggest_option
 from .refs import StorageRef, TensorRef
 from . import layouts
 from .layouts import LayoutTensor
+from .pickles import OpaqueObject
 from .tree import contains, get_at, iter_tensors, map_tensors, replace_at
 
 # Where training code puts the weights, tried in order (first match wins).
@@ -57,7 +61,157 @@ def find_layout(container: Any) -> tuple[Any, ...] | None:
         candidates = [(sum(1 for _ in iter_tensors(v)), k) for k, v in dict.items(container) if is_state_dict(v)]
         if candidates:
             return (max(candidates)[1],)
+    return _find_module(container)
+
+
+def _find_module(container: Any) -> tuple[Any, ...] | None:
+    """Where a whole-model pickle keeps its model (``torch.save(model)``, ``{"model": model, ...}``), when
+    no state dict was found: the top level, a known key, then the first top-level module."""
+    if modules.is_module(container):
+        return ()
+    if not isinstance(container, dict):
+        return None
+    for key in WEIGHTS_KEYS:
+        if modules.is_module(dict.get(container, key)):
+            return (key,)
+    for key, value in dict.items(container):
+        if modules.is_module(value):
+            return (key,)
     return None
+
+
+# The candidate walk's bounds: keys are looked for this deep (find_layout's own reach), and no more
+# than this many containers are entered, however wide a hostile pickle makes them.
+CANDIDATE_DEPTH = 4
+MAX_CANDIDATE_NODES = 10_000
+MAX_CANDIDATES = 1_000
+
+
+@dataclass(frozen=True)
+class WeightSet:
+    """One set of weights a container holds: where it lies and what it is.
+
+    Attributes:
+        layout: the key path to it (``()`` for the top level).
+        kind: ``"state dict"`` or ``"whole-model pickle"`` (a pickled ``nn.Module``).
+        module_class: the module's class, for a whole-model pickle.
+    """
+
+    layout: tuple[Any, ...]
+    kind: str
+    module_class: str | None = None
+
+
+def _weight_set(node: Any, layout: tuple[Any, ...]) -> WeightSet | None:
+    if is_state_dict(node):
+        return WeightSet(layout, "state dict")
+    if modules.is_module(node):
+        return WeightSet(layout, "whole-model pickle", modules.class_name(node))
+    return None
+
+
+def weight_sets(container: Any) -> list[WeightSet]:
+    """Every set of weights in ``container`` (state dicts and pickled modules), in container order.
+
+    Mappings are entered :data:`CANDIDATE_DEPTH` levels deep; a set of weights is not entered
+    (a module's submodules are its own), nor an optimizer's state (its per-parameter dicts of
+    tensors are not weights).
+
+    Example:
+        >>> [w.layout for w in weight_sets({"state_dict": sd, "state_dict_ema": sd2, "epoch": 3})]  # doctest: +SKIP
+        [('state_dict',), ('state_dict_ema',)]
+    """
+    found: list[WeightSet] = []
+    seen: set[int] = set()
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), container)]
+    entered = 0
+    while stack and entered < MAX_CANDIDATE_NODES:
+        layout, node = stack.pop()
+        weight_set = _weight_set(node, layout)
+        if weight_set is not None:  # listed at every place it lies (one EMA object saved as two entries)
+            found.append(weight_set)
+            if len(found) >= MAX_CANDIDATES:
+                break
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if not isinstance(node, dict) or len(layout) >= CANDIDATE_DEPTH or \
+                (dict.__contains__(node, "state") and dict.__contains__(node, "param_groups")):
+            continue
+        entered += 1
+        stack.extend((layout + (key,), value) for key, value in reversed(dict.items(node))
+                     if isinstance(value, dict | OpaqueObject))
+    return found
+
+
+def resolve_weights(container: Any, path: str | tuple[Any, ...] | list[Any]) -> tuple[Any, ...] | None:
+    """The key path a ``weights`` argument names in ``container``, or None if it names nothing there.
+
+    A tuple or list is a key path as it is. A string is keys joined by ``.`` or ``/``; a key that
+    itself holds dots or slashes is matched whole (the longest key that fits is tried first), so
+    ``model.ema`` is the key ``"model.ema"`` where there is one, else ``"model"`` then ``"ema"``.
+    Digits also match an integer key or a list index. ``""`` and ``"/"`` name the top level.
+
+    Example:
+        >>> resolve_weights({"model": {"ema": sd}}, "model.ema")     # doctest: +SKIP
+        ('model', 'ema')
+    """
+    if not isinstance(path, str):
+        node = container
+        for key in path:
+            node = _child(node, key)
+            if node is _MISSING:
+                return None
+        return tuple(path)
+    if path in ("", "/"):
+        return ()
+    return _match(container, path, 0)
+
+
+_MISSING = object()
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(node, dict):
+        try:
+            return dict.get(node, key, _MISSING)
+        except TypeError:  # an unhashable key in a caller's path names nothing
+            return _MISSING
+    if isinstance(node, list | tuple) and isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(node):
+        return node[key]
+    return _MISSING
+
+
+def _match(node: Any, text: str, depth: int) -> tuple[Any, ...] | None:
+    if depth > CANDIDATE_DEPTH * 4:
+        return None
+    ends = [index for index, char in enumerate(text) if char in "./"] + [len(text)]
+    for end in reversed(ends):  # the longest key first: keys may hold dots
+        part = text[:end]
+        for key in (part, int(part)) if part.isdigit() else (part,):
+            child = _child(node, key)
+            if child is _MISSING:
+                continue
+            if end == len(text):
+                return (key,)
+            rest = _match(child, text[end + 1:], depth + 1)
+            if rest is not None:
+                return (key, *rest)
+    return None
+
+
+def spell_weights(container: Any, layout: tuple[Any, ...]) -> str:
+    """The ``weights`` string that names ``layout`` in ``container`` (``.`` between keys where that is
+    unambiguous, else ``/``); the inverse of :func:`resolve_weights`."""
+    if not layout:
+        return "/"
+    parts = [str(key) for key in layout]
+    for separator in (".", "/"):
+        text = separator.join(parts)
+        if resolve_weights(container, text) == tuple(layout):
+            return text
+    return "/".join(parts)
 
 
 @dataclass
@@ -75,6 +229,11 @@ class Checkpoint:
         files: every file the checkpoint spans.
         allow_globals: the ``allow_globals`` entries it was read with (a command suggested for it
             carries them).
+        module_class: for a whole-model pickle (the weights are a pickled ``nn.Module``), the
+            module's class; its weights are read as ``model.state_dict()`` gives them, and a ``.pt``
+            output holds them as a plain state dict.
+        selected: the weights were chosen by the caller (``load(..., weights=...)``), not found
+            by the default rule; a ``.pt`` rewrite is read back at the same place.
 
     Example:
         >>> ckpt = ckptool.load("ddp.pt")                      # doctest: +SKIP
@@ -92,6 +251,10 @@ class Checkpoint:
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     allow_globals: tuple[str, ...] = ()
+    module_class: str | None = None
+    selected: bool = False
+    # the state dict read from a module record, once (a transform's copy reads its own)
+    _module_weights: Any = field(default=None, init=False, repr=False, compare=False)
 
     # views ----------------------------------------------------------------------------------
     @property
@@ -103,7 +266,63 @@ class Checkpoint:
         """The weights mapping inside the container."""
         if self.layout is None:
             raise InputError("holds no weights (no mapping of names to tensors) — is this a checkpoint?", path=self.path)
-        return get_at(self.container, self.layout)
+        node = get_at(self.container, self.layout)
+        if isinstance(node, OpaqueObject) and modules.is_module(node):
+            if self._module_weights is None:
+                notes: list[str] = []
+                where = repr(spell_weights(self.container, self.layout)) if self.layout else ""
+                try:
+                    self._module_weights = modules.state_dict(node, where=where, notes=notes)
+                except InputError as e:
+                    if e.path is None:
+                        raise InputError(e.wording or e.message, path=self.path) from e
+                    raise
+                self.notes.extend(note for note in notes if note not in self.notes)
+            return self._module_weights
+        return node
+
+    @property
+    def whole_model(self) -> bool:
+        """The weights come from a pickled ``nn.Module`` (``torch.save(model)``)."""
+        return self.module_class is not None
+
+    def weight_sets(self) -> list[WeightSet]:
+        """Every set of weights the container holds (see :func:`weight_sets`); the chosen one included."""
+        found = weight_sets(self.container)
+        if self.layout is not None and all(found_set.layout != self.layout for found_set in found):
+            node = get_at(self.container, self.layout)
+            found.insert(0, _weight_set(node, self.layout) or WeightSet(self.layout, "state dict"))
+        return found
+
+    def select_weights(self, weights: str | tuple[Any, ...] | list[Any]) -> Checkpoint:
+        """The same checkpoint with its weights taken from ``weights`` (a key path, see
+        :func:`resolve_weights`), e.g. ``"state_dict_ema"`` for a training run's EMA copy.
+
+        Raises:
+            InputError: nothing at that path, or what is there holds no tensors; the message lists
+                the sets of weights the container holds.
+        """
+        layout = resolve_weights(self.container, weights)
+        shown = weights if isinstance(weights, str) else "/".join(str(key) for key in weights)
+        node = get_at(self.container, layout) if layout is not None else None
+        found = _weight_set(node, layout) if layout is not None else None
+        if layout is not None and found is None and isinstance(node, dict) and \
+                any(isinstance(value, TensorRef | LayoutTensor) for value in dict.values(node)):
+            found = WeightSet(layout, "state dict")  # fewer tensors than other entries: still the caller's choice
+        if found is None:
+            candidates = ", ".join(repr(spell_weights(self.container, w.layout)) for w in self.weight_sets()[:8])
+            what = "nothing is there" if layout is None else "what is there holds no tensors"
+            raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates or 'none'}; "
+                             "pass one of them as " + suggest_option("weights", Metavar("PATH")), path=self.path)
+        return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes))
+
+    def weights_as_written(self, written: Checkpoint) -> Checkpoint:
+        """``written`` (this checkpoint written to a file and read back) with its weights at the
+        place this one's are: where the caller chose them in a container written whole."""
+        if self.selected and not self.whole_model and self.layout is not None and written.layout != self.layout \
+                and resolve_weights(written.container, self.layout) is not None:
+            return written.select_weights(self.layout)
+        return written
 
     @property
     def tensors(self) -> dict[str, TensorRef]:

@@ -100,6 +100,11 @@ allow_global_option = click.option(
          "their checks; a pattern never accepts a global known to run code (os.system): name it exactly.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
+weights_option = click.option(
+    "--weights", default=None, metavar="PATH",
+    help="Which set of weights to take when the file holds several (inspect lists them): keys joined by . or / "
+         "(state_dict_ema, model.ema, ema); a key holding dots is matched whole. Default: the live weights.",
+)
 force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 in_place_option = click.option("--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file).")
 allow_expansion_option = click.option(
@@ -145,9 +150,10 @@ def _terminate(signum: int, frame: Any) -> None:
               help="Also hash the weights (reads every byte; the same value in any format).")
 @allow_global_option
 @allow_expansion_option
+@weights_option
 @handle_errors
 def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...],
-            allow_expansion: bool) -> None:
+            allow_expansion: bool, weights: str | None) -> None:
     """Describe a checkpoint: format, where the weights are, wrapper prefix, devices, entries.
 
     Reads no tensor bytes (unless --fingerprint) and runs no pickle code.
@@ -157,7 +163,7 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     from .summary import inspect as inspect_
 
     summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors,
-                       allow_expansion=allow_expansion)
+                       allow_expansion=allow_expansion, weights=weights)
     if as_json:
         _emit_json(summary.to_json())
     else:
@@ -199,7 +205,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-o", "--out", type=click.Path(path_type=Path),
                      help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
                           "another suffix keeps the input's)."),
-        force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option,
+        force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option, weights_option,
     ]):
         command = option(command)
     return command
@@ -210,7 +216,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, prefix: str | None) -> None:
+          with_fingerprint: bool, weights: str | None, prefix: str | None) -> None:
     """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
 
     By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
@@ -221,7 +227,7 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
-                              fingerprint=with_fingerprint)
+                              fingerprint=with_fingerprint, weights=weights)
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -235,7 +241,7 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
 @handle_errors
 def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
-               allow_globals: tuple[str, ...], with_fingerprint: bool, prefix: str) -> None:
+               allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, prefix: str) -> None:
     """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
@@ -243,7 +249,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     from . import operations
 
     report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
-                                   allow_globals=allow_globals, fingerprint=with_fingerprint)
+                                   allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -256,7 +262,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
 @handle_errors
 def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, to_device: str | None, mapping: tuple[str, ...]) -> None:
+          with_fingerprint: bool, weights: str | None, to_device: str | None, mapping: tuple[str, ...]) -> None:
     """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
 
     Tensors are not moved: only the tags torch.load restores them onto change.
@@ -266,7 +272,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
-                              allow_globals=allow_globals, fingerprint=with_fingerprint)
+                              allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -298,11 +304,12 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @json_option
 @allow_global_option
 @fingerprint_write_option
+@weights_option
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
             dtype: str | None, allow_overflow: bool, allow_expansion: bool, force: bool, as_json: bool,
-            allow_globals: tuple[str, ...], with_fingerprint: bool) -> None:
+            allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
 
     Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
@@ -316,7 +323,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
     options = operations.ConvertOptions(
         to=to_format, strip=strip_wrappers, duplicate_tied=duplicate_tied, nest=nest, dtype=dtype,
         allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
-        fingerprint=with_fingerprint)
+        fingerprint=with_fingerprint, weights=weights)
     show_progress = len(plan.jobs) > 1 and not as_json
     with click.progressbar(plan.jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
             contextlib.nullcontext(plan.jobs) as jobs:
@@ -358,11 +365,13 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
 @json_option
 @allow_global_option
 @allow_expansion_option
+@weights_option
+@click.option("--against-weights", default=None, metavar="PATH", help="--weights for OTHER.")
 @handle_errors
 def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devices: str, against: Path | None,
            input_shape: str | None, atol: float | None, rtol: float | None, allow_nonfinite: bool,
            nonfinite_keys: tuple[str, ...], as_json: bool, allow_globals: tuple[str, ...],
-           allow_expansion: bool) -> None:
+           allow_expansion: bool, weights: str | None, against_weights: str | None) -> None:
     """Prove the weights load strictly and evaluate identically on CPU and every device.
 
     With --model: strict load (a wrong prefix or architecture is diagnosed with its fix), then
@@ -378,7 +387,8 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 
     report = verify_(ckpt, model_spec=model_spec, model_args=model_args, devices=devices, against=against,
                      input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals,
-                     allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys)
+                     allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys,
+                     weights=weights, against_weights=against_weights)
     if as_json:
         _emit_json(report.to_json(flag))
     else:
@@ -396,8 +406,11 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 @json_option
 @allow_global_option
 @allow_expansion_option
+@weights_option
+@click.option("--weights-b", default=None, metavar="PATH", help="--weights for B (--weights applies to A).")
 @handle_errors
-def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...], allow_expansion: bool) -> None:
+def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...], allow_expansion: bool,
+         weights: str | None, weights_b: str | None) -> None:
     """Compare the weights of two checkpoints in any formats: keys, dtypes, shapes, values.
 
     Keys are compared as stored (a module. prefix on one side is named, with the strip command).
@@ -408,7 +421,8 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     """
     from .comparison import diff as diff_
 
-    report = diff_(a, b, atol=atol, allow_globals=allow_globals, allow_expansion=allow_expansion)
+    report = diff_(a, b, atol=atol, allow_globals=allow_globals, allow_expansion=allow_expansion, weights_a=weights,
+                   weights_b=weights_b)
     if as_json:
         _emit_json(report.to_json())
     else:

@@ -305,8 +305,11 @@ def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: File
 # ---------------------------------------------------------------------------------------------- diff
 
 
-def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str]) -> Checkpoint:
-    return path if isinstance(path, Checkpoint) else load(path, allow_globals=allow_globals)
+def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str],
+          weights: str | None = None) -> Checkpoint:
+    if isinstance(path, Checkpoint):
+        return path if weights is None else path.select_weights(weights)
+    return load(path, allow_globals=allow_globals, weights=weights)
 
 
 def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef]:
@@ -334,7 +337,8 @@ def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
 
 def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float = 0.0,
          allow_globals: tuple[str, ...] | list[str] = (), align_prefixes: bool = False,
-         chunk_hook: ChunkHook | None = None, allow_expansion: bool = False) -> DiffReport:
+         chunk_hook: ChunkHook | None = None, allow_expansion: bool = False,
+         weights_a: str | None = None, weights_b: str | None = None) -> DiffReport:
     """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
 
     Works across formats (.pt against .safetensors or a sharded directory). Values are compared
@@ -354,13 +358,15 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
             only in A, shapes that differ) are not read.
         allow_expansion: compare views that expand their storage (stride 0, overlaps) past
             :data:`ckptool.refs.EXPANSION_FACTOR` in full; without it such a checkpoint is refused.
+        weights_a, weights_b: which set of weights of A / B to compare (``"state_dict_ema"``; see
+            :func:`ckptool.load`); None: the default one.
 
     Example:
         >>> report = ckptool.diff("model.pt", "model.safetensors")   # doctest: +SKIP
         >>> report.identical, report.byte_identical                 # doctest: +SKIP
         (True, 8)
     """
-    left, right = _open(a, allow_globals), _open(b, allow_globals)
+    left, right = _open(a, allow_globals, weights_a), _open(b, allow_globals, weights_b)
     if left.has_weights or right.has_weights:
         a_tensors, b_tensors = left.tensors, right.tensors
     else:  # neither names its weights (bare tensors, lists): compare every tensor by where it lies

@@ -515,12 +515,15 @@ class LoadReport:
         }
 
 
-def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str]) -> Checkpoint:
-    return path if isinstance(path, Checkpoint) else load(path, allow_globals=allow_globals)
+def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str],
+          weights: str | None = None) -> Checkpoint:
+    if isinstance(path, Checkpoint):
+        return path if weights is None else path.select_weights(weights)
+    return load(path, allow_globals=allow_globals, weights=weights)
 
 
 def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str = "cpu",
-              allow_globals: tuple[str, ...] | list[str] = ()) -> LoadReport:
+              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None) -> LoadReport:
     """Load any checkpoint's weights into ``model`` strictly, fixing wrapper prefixes on the way.
 
     Reads the file without running its code, finds the weights inside any training container,
@@ -535,6 +538,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
             error names the fix.
         device: where the model ends up (``"cpu"``, ``"cuda:0"``...).
         allow_globals: extra pickle globals to accept by name.
+        weights: which set of weights to load (``"state_dict_ema"``, ``"ema"``; see :func:`ckptool.load`).
 
     Raises:
         LoadMismatchError: the keys or shapes do not fit (exit code 1); ``.diagnosis`` has the detail.
@@ -545,7 +549,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         >>> report.rewrite.describe(), report.matched       # doctest: +SKIP
         ('strip "module."', 8)
     """
-    checkpoint = _open(path, allow_globals)
+    checkpoint = _open(path, allow_globals, weights)
     tensors = checkpoint.tensors
     if not tensors:
         raise InputError("holds no weight tensors to load", path=checkpoint.path)

@@ -22,6 +22,7 @@ from .errors import CkptError, UsageError
 from .suggest import Metavar, option
 
 if TYPE_CHECKING:  # the writer is imported by the job that writes, so --help stays fast
+    from .checkpoint import Checkpoint
     from .writer import SaveReport
 
 
@@ -66,7 +67,8 @@ def _target(ckpt: Path, out: Path | None, in_place: bool) -> Path:
 
 
 def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None = None, force: bool = False,
-          in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False) -> WriteReport:
+          in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
+          weights: str | None = None) -> WriteReport:
     """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``.
 
     Raises:
@@ -77,35 +79,37 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
     from .writer import rewrite_format, save
 
     ckpt, out = Path(ckpt), _optional_path(out)
-    checkpoint = load(ckpt, allow_globals=allow_globals)
+    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(prefix)
     renamed = count_keys(checkpoint.state_dict, prefix=used)
     saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
                  in_place=in_place, fingerprint=fingerprint)
-    return WriteReport("strip", ckpt, target, saved, saved.notes, {"prefix": used, "renamed": renamed})
+    return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
+                       {"prefix": used, "renamed": renamed})
 
 
 def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str = "module.", force: bool = False,
-               in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False) -> WriteReport:
+               in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
+               weights: str | None = None) -> WriteReport:
     """Put ``prefix`` in front of every weight key and write the result to ``out``."""
     from .reader import load
     from .writer import rewrite_format, save
 
     ckpt, out = Path(ckpt), _optional_path(out)
-    checkpoint = load(ckpt, allow_globals=allow_globals)
+    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place)
     prefixed = checkpoint.add_prefix(prefix)
     saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
                  in_place=in_place, fingerprint=fingerprint)
-    return WriteReport("add-prefix", ckpt, target, saved, saved.notes,
+    return WriteReport("add-prefix", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
                        {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)})
 
 
 def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | None = None,
           mapping: Iterable[str] = (), force: bool = False, in_place: bool = False,
-          allow_globals: tuple[str, ...] = (), fingerprint: bool = False) -> WriteReport:
+          allow_globals: tuple[str, ...] = (), fingerprint: bool = False, weights: str | None = None) -> WriteReport:
     """Rewrite the saved storage device tags (every one to ``to_device``, or ``mapping``'s ``old=new``).
 
     Raises:
@@ -118,7 +122,7 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
 
     ckpt, out = Path(ckpt), _optional_path(out)
     mapper = location_mapper(to_device, mapping)
-    checkpoint = load(ckpt, allow_globals=allow_globals)
+    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     if not formats.for_name(checkpoint.format).has_location_tags:
         raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
     target = _target(ckpt, out, in_place)
@@ -127,7 +131,21 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     after = remapped.saved_devices()
     saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
                  in_place=in_place, fingerprint=fingerprint)
-    return WriteReport("remap", ckpt, target, saved, saved.notes, {"devices_before": before, "devices_after": after})
+    return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
+                       {"devices_before": before, "devices_after": after})
+
+
+def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport) -> list[str]:
+    """What a write of a whole-model pickle's weights left behind: the classes, and the other entries."""
+    from . import formats
+
+    if not checkpoint.whole_model or formats.for_name(saved.format).weights_only:  # weights alone anyway
+        return []
+    left = [repr(str(key)) for key in checkpoint.entries()]
+    shown = ", ".join(left[:4]) + (", ..." if len(left) > 4 else "")
+    return [f"whole-model pickle ({checkpoint.module_class}): wrote its weights as a plain state dict, as "
+            "model.state_dict() gives them, which torch.load(weights_only=True) reads; no class of the model "
+            "goes along" + (f", nor the container's other entries ({shown})" if left else "")]
 
 
 def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
@@ -174,6 +192,7 @@ class ConvertOptions:
     force: bool = False
     allow_globals: tuple[str, ...] = ()
     fingerprint: bool = False
+    weights: str | None = None
 
 
 @dataclass
@@ -230,7 +249,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     from .reader import load
     from .writer import save
 
-    checkpoint = load(source, allow_globals=options.allow_globals)
+    checkpoint = load(source, allow_globals=options.allow_globals, weights=options.weights)
     notes: list[str] = []
     if options.strip and checkpoint.prefix:
         notes.append(f'stripped "{checkpoint.prefix}" from the keys')
@@ -252,7 +271,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         from .entries import restored_notes
 
         notes += restored_notes(checkpoint.layout, checkpoint.metadata)
-    return WriteReport("convert", source, target, saved, notes + saved.notes)
+    return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
 
 
 def convert(plan: ConvertPlan, options: ConvertOptions, *, jobs: Iterable[tuple[Path, Path]] | None = None

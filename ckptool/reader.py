@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import formats, inputs, pickles
+from . import formats, inputs, modules, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from .suggest import option
+from .tree import get_at
 
 
 def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
-         guard_cache: pickles.GuardCache | None = None) -> Checkpoint:
+         guard_cache: pickles.GuardCache | None = None,
+         weights: str | tuple | list | None = None) -> Checkpoint:
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
@@ -22,12 +25,17 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
             placeholders, never imported. torch's own globals keep their checks, and a pattern
             never accepts a global known to run code (:func:`ckptool.pickles.runs_code`).
         guard_cache: pickles the calling operation has already walked (a scan, a write's read-back).
+        weights: which set of weights to take when the container holds several (``"state_dict_ema"``,
+            ``"model.ema"``, ``"ema"`` of a whole-model pickle): keys joined by ``.`` or ``/``
+            (:func:`ckptool.checkpoint.resolve_weights`), or a tuple of keys. None: the first
+            found of :data:`ckptool.checkpoint.WEIGHTS_KEYS` (the live weights before an EMA copy).
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
         UnsafeCheckpointError: the pickle names globals outside the allowlist (``.globals`` lists
             them all, the message the ``allow_globals`` that would accept them).
         UnsupportedFormatError: not a checkpoint (images, archives...).
+        InputError: ``weights`` names no set of weights (the message lists those there are).
 
     Example:
         >>> ckpt = ckptool.load("ddp.pt")        # doctest: +SKIP
@@ -37,7 +45,8 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     path = Path(path)
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
-        return _load(path, resolver)
+        checkpoint = _load(path, resolver)
+        return checkpoint if weights is None else checkpoint.select_weights(weights)
     except pickles.RefusedGlobal as e:
         from .safety import refusal
 
@@ -101,6 +110,8 @@ def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
         layout: tuple | None = contents.layout
     else:
         layout = () if fmt.weights_only else find_layout(contents.container)
+    found = layout is not None and modules.is_module(get_at(contents.container, layout))
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
-                      notes=contents.notes, allow_globals=resolver.allow_globals)
+                      notes=contents.notes, allow_globals=resolver.allow_globals,
+                      module_class=modules.class_name(get_at(contents.container, layout)) if found else None)

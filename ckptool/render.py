@@ -5,6 +5,7 @@ Every line goes through :func:`echo`, which escapes whatever came from a file (s
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -37,7 +38,18 @@ def summary(summary: Summary) -> None:
     echo(f"  format         {summary.format}  ({human_bytes(summary.file_bytes)} on disk)")
     layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
                                                           " -> ".join(repr(k) for k in summary.layout))
+    if summary.module_class is not None:
+        layout += f" (whole-model pickle: {summary.module_class}, {summary.tensors} tensors)"
     echo(f"  weights at     {layout}")
+    if len(summary.candidates) > 1:  # more than one set of weights: each, and how to pick it
+        for candidate in summary.candidates[:20]:
+            what = candidate["kind"] + (f": {candidate['module_class']}" if candidate["module_class"] else "")
+            count = f"{candidate['tensors']} tensors" if candidate["tensors"] is not None else \
+                f"unreadable: {candidate.get('problem', '')}"
+            mark = "(chosen)" if candidate["chosen"] else f"--weights {shlex.quote(candidate['weights'])}"
+            echo(f"  weights set    {candidate['weights']}  ({what}, {count})  {mark}")
+        if len(summary.candidates) > 20:
+            echo(f"  weights set    ... and {len(summary.candidates) - 20} more (--json lists them)")
     echo(f"  wrapper prefix {summary.prefix or '(none)'}")
     dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
     echo(f"  tensors        {summary.tensors}  ({summary.parameters:,} parameters, {human_bytes(summary.bytes)}; {dtypes})")

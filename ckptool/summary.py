@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import formats, layouts, suggest
-from .checkpoint import Checkpoint
+from . import formats, layouts, modules, suggest
+from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .digest import fingerprint
 from .pickles import OpaqueObject
@@ -59,6 +59,10 @@ class Summary:
     notes: list[str] = field(default_factory=list)
     fingerprint: str | None = None
     tensor_list: list[TensorInfo] | None = None
+    # every set of weights the container holds: {"weights": PATH as the weights option takes it,
+    # "layout", "kind", "module_class", "tensors", "chosen"}; the chosen one is what the rest describes
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    module_class: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -89,6 +93,11 @@ def describe_entry(value: Any) -> str:
         return f"device {value}"
     if isinstance(value, SizeRef):
         return f"torch.Size({list(value)})"
+    if modules.is_module(value):  # a second pickled model (an EMA copy): its weights as state_dict() lists them
+        try:
+            return f"whole-model pickle {value.global_name}, {len(modules.state_dict(value))} tensors"
+        except InputError:
+            return f"whole-model pickle {value.global_name}, unreadable"
     tensors = list(iter_tensors(value))
     if isinstance(value, dict) and "state" in value and "param_groups" in value:
         nbytes = sum(t.nbytes for _, t in tensors)
@@ -136,6 +145,26 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     return hints
 
 
+def weight_candidates(checkpoint: Checkpoint) -> list[dict[str, Any]]:
+    """Every set of weights in the container, the chosen one marked (a state dict's tensors counted,
+    a pickled module's read as its state dict; one that cannot be read has ``tensors`` None and a ``problem``)."""
+    if formats.for_name(checkpoint.format).weights_only:
+        return []
+    found: list[dict[str, Any]] = []
+    for weight_set in checkpoint.weight_sets():
+        entry: dict[str, Any] = {"weights": spell_weights(checkpoint.container, weight_set.layout),
+                                 "layout": list(weight_set.layout), "kind": weight_set.kind,
+                                 "module_class": weight_set.module_class, "tensors": None,
+                                 "chosen": weight_set.layout == checkpoint.layout}
+        try:
+            chosen = checkpoint if entry["chosen"] else checkpoint.select_weights(weight_set.layout)
+            entry["tensors"] = len(chosen.tensors)
+        except InputError as e:
+            entry["problem"] = e.message
+        found.append(entry)
+    return found
+
+
 def _loose_tensors_note(checkpoint: Checkpoint) -> list[str]:
     """What a file without a mapping of names to weights holds instead (a bare tensor, a list...)."""
     try:
@@ -177,6 +206,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         metadata=dict(checkpoint.metadata),
         notes=list(checkpoint.notes),
     )
+    summary.module_class = checkpoint.module_class
+    summary.candidates = weight_candidates(checkpoint)
     with_bits = [name for name, t in tensors.items() if t.conj or t.neg]
     if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
         summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
@@ -202,7 +233,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
 
 
 def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-            tensors: bool = False, allow_expansion: bool = False) -> Summary:
+            tensors: bool = False, allow_expansion: bool = False, weights: str | None = None) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 
     Example:
@@ -210,5 +241,5 @@ def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprin
         >>> s.format, s.layout, s.prefix, s.saved_devices   # doctest: +SKIP
         ('torch-zip', ['model'], 'module.', {'cpu': 10})
     """
-    checkpoint = load(path, allow_globals=allow_globals)
+    checkpoint = load(path, allow_globals=allow_globals, weights=weights)
     return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

@@ -107,10 +107,11 @@ class VerifyPlan:
         return self.spec is None and self.against is not None and [d.name for d in self.devices] == ["cpu"]
 
 
-def read_checked(path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False) -> Checkpoint:
+def read_checked(path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False,
+                 weights: str | None = None) -> Checkpoint:
     """A checkpoint to verify, read (lazily: no tensor bytes yet); views expanding their storage are
     refused unless ``allow_expansion``."""
-    checkpoint = load(path, allow_globals=tuple(allow_globals))
+    checkpoint = load(path, allow_globals=tuple(allow_globals), weights=weights)
     check_expansion(checkpoint.tensors if checkpoint.has_weights else {}, allow=allow_expansion,
                     path=checkpoint.path, doing="verify")
     return checkpoint
@@ -151,6 +152,8 @@ def verify(
     allow_globals: tuple[str, ...] | list[str] = (),
     allow_expansion: bool = False,
     allow_nonfinite: bool | Sequence[str] = False,
+    weights: str | None = None,
+    against_weights: str | None = None,
 ) -> VerifyReport:
     """Prove a checkpoint loads and evaluates identically on CPU and every device.
 
@@ -171,6 +174,8 @@ def verify(
             :data:`ckptool.refs.EXPANSION_FACTOR` in full; without it such a checkpoint is refused.
         allow_nonfinite: weights holding NaN or Inf fail the check unless allowed: ``True`` for
             all, or shell patterns of the keys that may (``["*.mask"]``: -inf attention masks).
+        weights, against_weights: which set of weights of the checkpoint / of ``against`` to check
+            (``"state_dict_ema"``; see :func:`ckptool.load`); None: the default one.
 
     Returns:
         A :class:`VerifyReport`; ``ok`` is False when the load or any check failed (weights
@@ -183,10 +188,11 @@ def verify(
         (True, 0.0)
     """
     # the plan, in the order its arguments are judged: the checkpoint, the model, the devices, the other
-    checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion)
+    checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=weights)
     spec, shape = plan_model(model_spec, model_args, input_shape)
     device_list = open_devices(devices)
-    other = read_checked(against, allow_globals=allow_globals, allow_expansion=allow_expansion) \
+    other = read_checked(against, allow_globals=allow_globals, allow_expansion=allow_expansion,
+                         weights=against_weights) \
         if against is not None else None
     return run_plan(VerifyPlan(checkpoint=checkpoint, devices=device_list, spec=spec, input_shape=shape,
                                against=other, atol=atol, rtol=rtol, allow_nonfinite=allow_nonfinite,

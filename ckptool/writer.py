@@ -104,7 +104,8 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
                          "drop the tags with: "
                          f"{suggest.command('convert', source, out=out, allow_globals=list(checkpoint.allow_globals))}",
                          path=out)
-    extra = [repr(key) for key in checkpoint.entries()]
+    # a whole-model pickle's rewrite keeps its weights alone (pt_container): nothing else to lose
+    extra = [repr(key) for key in checkpoint.entries()] if not checkpoint.whole_model else []
     if checkpoint.has_weights:
         extra += [repr(key) for key, value in checkpoint.state_dict.items() if not isinstance(value, TensorRef)]
     if checkpoint.layout is None or extra:
@@ -187,6 +188,8 @@ def _same_path(a: Path, b: Path) -> bool:
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input
     (inside the container its ``ckptool.entries`` carried, when it carried one)."""
+    if checkpoint.whole_model:  # a pickled nn.Module: its weights as a plain state dict, none of its classes
+        return checkpoint.state_dict
     if formats.for_name(checkpoint.format).weights_only:
         if checkpoint.layout:  # the container its ckptool.entries carried, restored around the weights
             if nest:
@@ -346,7 +349,7 @@ def read_back(source: Checkpoint,
     def read(path: Path) -> Mapping[str, TensorRef]:
         from .reader import load
 
-        written = load(path, allow_globals=tuple(source.globals), guard_cache=guard_cache)
+        written = source.weights_as_written(load(path, allow_globals=tuple(source.globals), guard_cache=guard_cache))
         return written.tensors if written.has_weights else {}
 
     return read

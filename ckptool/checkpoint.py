@@ -253,6 +253,9 @@ class Checkpoint:
     allow_globals: tuple[str, ...] = ()
     module_class: str | None = None
     selected: bool = False
+    # a .pt rewrite re-emits a whole-model pickle's modules themselves, not the weights alone: set by
+    # remap, which changes device tags only, so the model still loads where its classes are
+    keep_modules: bool = False
     # the state dict read from a module record, once (a transform's copy reads its own)
     _module_weights: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -415,7 +418,7 @@ class Checkpoint:
                 new_storages[id(storage)] = replace(storage, location=mapper(storage.location))
             return replace(tensor, storage=new_storages[id(storage)])
 
-        return replace(self, container=map_tensors(self.container, retag))
+        return replace(self, container=map_tensors(self.container, retag), keep_modules=True)
 
     def entries(self) -> dict[str, Any]:
         """The top-level entries other than the weights (epoch, optimizer, config...)."""

@@ -131,16 +131,19 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     after = remapped.saved_devices()
     saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
                  in_place=in_place, fingerprint=fingerprint)
-    return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
+    return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved, "remap") + saved.notes,
                        {"devices_before": before, "devices_after": after})
 
 
-def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport) -> list[str]:
+def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport, command: str = "") -> list[str]:
     """What a write of a whole-model pickle's weights left behind: the classes, and the other entries."""
     from . import formats
 
     if not checkpoint.whole_model or formats.for_name(saved.format).weights_only:  # weights alone anyway
         return []
+    if command == "remap":  # device tags changed, the modules themselves written back
+        return [f"whole-model pickle ({checkpoint.module_class}): rewrote the pickled model itself with only its "
+                "device tags changed; torch.load of the output needs the model's classes, as the input's did"]
     left = [repr(str(key)) for key in checkpoint.entries()]
     shown = ", ".join(left[:4]) + (", ..." if len(left) > 4 else "")
     return [f"whole-model pickle ({checkpoint.module_class}): wrote its weights as a plain state dict, as "

@@ -7,7 +7,6 @@ from pathlib import Path
 from . import formats, inputs, modules, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
-from .suggest import option
 from .tree import get_at
 
 

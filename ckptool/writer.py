@@ -188,7 +188,8 @@ def _same_path(a: Path, b: Path) -> bool:
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input
     (inside the container its ``ckptool.entries`` carried, when it carried one)."""
-    if checkpoint.whole_model:  # a pickled nn.Module: its weights as a plain state dict, none of its classes
+    if checkpoint.whole_model and not checkpoint.keep_modules:
+        # a pickled nn.Module: its weights as a plain state dict, none of its classes
         return checkpoint.state_dict
     if formats.for_name(checkpoint.format).weights_only:
         if checkpoint.layout:  # the container its ckptool.entries carried, restored around the weights

@@ -8,6 +8,7 @@ computed by the process that saved it: the same keys in the same order, ``torch.
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -300,15 +301,24 @@ def test_weights_paths_with_dots_and_slashes(tmp_path: Path) -> None:
 
 
 def test_rewrites_of_a_whole_model_write_its_weights_alone(tmp_path: Path) -> None:
-    """strip, add-prefix and remap of a whole-model pickle write the plain state dict (.pt) or the
-    weights (.safetensors), so the container's other entries do not block a safetensors name."""
+    """strip, add-prefix and convert of a whole-model pickle write the plain state dict (.pt) or the
+    weights (.safetensors), so the container's other entries do not block a safetensors name; remap
+    changes device tags only and writes the model itself back."""
     model = reference_model()
     path = tmp_path / "run.pt"
     torch.save({"model": model, "epoch": 4}, path)
     names = flags(allowed(path))
-    code, _, err = run("remap", path, "-o", tmp_path / "cpu.pt", "--to", "cpu", *names)
+    code, _, err = run("convert", path, "-o", tmp_path / "plain.pt", *names)
     assert code == 0, err
-    assert_same_state_dict(torch.load(tmp_path / "cpu.pt", weights_only=True), model.state_dict())
+    assert_same_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True), model.state_dict())
+    code, out, err = run("remap", path, "-o", tmp_path / "cpu.pt", "--to", "cpu", *names)
+    assert code == 0, err
+    assert "rewrote the pickled model itself" in out
+    with pytest.raises(pickle.UnpicklingError):  # the model's classes went along: weights_only refuses them
+        torch.load(tmp_path / "cpu.pt", weights_only=True)
+    remapped = torch.load(tmp_path / "cpu.pt", weights_only=False)  # this test's own torch classes only
+    assert remapped["epoch"] == 4
+    assert_same_state_dict(remapped["model"].state_dict(), model.state_dict())
     code, _, err = run("add-prefix", path, "-o", tmp_path / "ddp.safetensors", *names)
     assert code == 0, err
     from safetensors.torch import load_file

@@ -440,25 +440,9 @@ def test_regenerated_wild_fixture_has_the_same_tensors(name: str, regenerated: P
         assert torch.equal(tensor, fresh[key]), key  # seeded initialisation, no training: exact everywhere
 
 
-# what ckptool should do with each wild fixture; the marks name the reader feature each still needs
-WILD_NEEDS = {
-    "wild/whole_model.pt": "needs whole-model salvage and --allow-global '*'",
-    "wild/whole_model_container.pt": "needs whole-model salvage and --allow-global '*'",
-    "wild/numpy_config.pt": None,
-    "wild/lightning_omegaconf.ckpt": None,
-    "wild/sharded_bin/pytorch_model.bin.index.json": None,
-    "wild/ema_container.pt": None,
-    "wild/torchscript_tiny.pt": None,
-}
-
-
-def wild_params(extra_needs: dict[str, str] | None = None) -> list:
-    params = []
-    for name in sorted(WILD):
-        reason = (extra_needs or {}).get(name) or WILD_NEEDS.get(name)
-        marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
+# what ckptool does with each wild fixture: every kind read, converted and chosen as torch reads it
+def wild_params() -> list:
+    return [pytest.param(name, id=name) for name in sorted(WILD)]
 
 
 @pytest.mark.parametrize("name", wild_params())
@@ -499,7 +483,6 @@ def test_ckptool_converts_the_wild_weights_to_pt(name: str, fixtures_dir: Path, 
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, id=name) for name in sorted(WILD) if WILD[name]["alternatives"]])
-@pytest.mark.xfail(strict=False, reason="needs --weights PATH (choice of weight sets, EMA included)")
 def test_ckptool_weights_option_chooses_the_ema(name: str, fixtures_dir: Path, repo_root: Path,
                                                 subprocess_env: dict[str, str], python_executable: str) -> None:
     entry = WILD[name]

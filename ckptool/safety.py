@@ -46,7 +46,7 @@ class ScanReport:
     dangerous: list[str] = field(default_factory=list)  # of ``unsafe``, those known to run code
     verdict: str = ""  # the file's: "safe", "unknown" or "dangerous"
     verdicts: dict[str, str] = field(default_factory=dict)  # each global's: "allowed", "unknown" or "dangerous"
-    readable: bool = False  # whether ckptool reads the file with these flags (a TorchScript archive's classes need none)
+    readable: bool = False  # whether ckptool reads the file with these flags (a TorchScript archive: no flag needed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

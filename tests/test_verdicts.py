@@ -135,7 +135,7 @@ def stand_ins(tmp_path: Path) -> Path:
 
 
 def in_subprocess(tmp_path: Path, code: str, **paths: Path) -> None:
-    """Run ``code`` in a throwaway interpreter that can import the stand-ins (``torch`` and each of ``paths`` defined)."""
+    """Run ``code`` in a throwaway interpreter that can import the stand-ins (``torch`` and ``paths`` defined)."""
     header = f"import sys, torch\nsys.path.insert(0, {str(stand_ins(tmp_path))!r})\n"
     header += "".join(f"{name} = {str(path)!r}\n" for name, path in paths.items())
     subprocess.run([sys.executable, "-c", header + textwrap.dedent(code)], check=True, timeout=300)
@@ -216,7 +216,8 @@ def test_unknown_globals_are_unknown_not_dangerous_and_allow_global_moves_them(t
         """)
     code, report = scan_json(path)
     assert code == 1 and report["verdict"] == "unknown" and report["dangerous"] == []
-    assert report["verdicts"]["mylib.config.Config"] == "unknown" and report["verdicts"]["pathlib.PosixPath"] == "allowed"
+    verdicts = report["verdicts"]
+    assert verdicts["mylib.config.Config"] == "unknown" and verdicts["pathlib.PosixPath"] == "allowed"
     assert report["unsafe"] == ["mylib.config.Config"] and report["safe"] is False
     code, out, _ = run("scan", path)
     assert code == 1 and ": UNKNOWN (" in out.splitlines()[0] and "! mylib.config.Config" in out

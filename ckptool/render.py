@@ -86,8 +86,8 @@ def scan(report: ScanReport) -> None:
         # a framework's own classes: torch.load imports and builds them, so they need trust, not alarm
         read = ("ckptool reads the file with them as inert placeholders" if report.readable else
                 "ckptool reads them as inert data only with --allow-global (if you trust the file)")
-        echo(f"  {unknown} unknown global(s) (! ) outside the allowlist: torch.load would import their packages "
-             f"and run their code; {read}")
+        echo(f"  {unknown} unknown global(s) (! ) outside the allowlist, none known to run code: loading the file "
+             f"with torch would import or compile their code and run it, so trust it first; {read}")
     if report.dangerous:
         read = ("ckptool reads them as inert data only because you named them" if report.readable else
                 "ckptool refuses to load this file")

@@ -309,3 +309,14 @@ def test_every_malicious_file_of_the_public_corpus_is_dangerous_or_refused() -> 
         judged.append(path.name)
         assert report.verdict == "dangerous", (path.name, report.unsafe)
     assert len(judged) >= 80
+
+
+def test_the_committed_lightning_fixture_reads_with_no_flag_and_scans_safe(fixtures_dir: Path) -> None:
+    """A checkpoint saved by a Lightning-style run with omegaconf hyper-parameters (fixtures/README.md)."""
+    path = fixtures_dir / "wild" / "lightning_omegaconf.ckpt"
+    code, out, err = run("inspect", path, "--json")
+    assert code == 0, err
+    assert {"omegaconf.dictconfig.DictConfig", "typing.Any"} <= set(json.loads(out)["globals"])
+    code, report = scan_json(path)
+    assert code == 0 and report["verdict"] == "safe"
+    assert_stand_ins_not_imported()

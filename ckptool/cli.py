@@ -179,9 +179,9 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
 @allow_global_option
 @handle_errors
 def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
-    """List every pickle global and opcode without executing anything; judge safe or unsafe.
+    """List every pickle global and opcode without executing anything; judge safe, unknown or dangerous.
 
-    Exit 0 safe, 1 unsafe globals found, 3 unreadable or not a checkpoint.
+    Exit 0 safe, 1 unknown or dangerous globals found, 3 unreadable or not a checkpoint.
 
     Example: ckptool scan downloaded.pt --json
     """

@@ -81,8 +81,9 @@ def summary(summary: Summary) -> None:
 
 
 def scan(report: ScanReport) -> None:
-    """scan's verdict, its globals (the unsafe ones marked) and its notes."""
-    verdict = "safe" if report.safe else "UNSAFE"
+    """scan's verdict (safe, unknown or dangerous), its globals (each one outside the allowlist marked:
+    ``! `` unknown, ``!!`` dangerous) and its notes, closing with what the verdict means for loading."""
+    verdict = report.verdict if report.verdict == "safe" else report.verdict.upper()
     echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
          f"{sum(report.opcodes.values())} opcodes)")
     for name, count in report.globals.items():
@@ -90,12 +91,20 @@ def scan(report: ScanReport) -> None:
         echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else "") + ("  (runs code)" if mark == "!!" else ""))
     for problem in report.problems:
         echo(f"  note: {problem}")
-    if report.unsafe:
-        echo(f"  {len(report.unsafe)} global(s) outside the allowlist could run code on torch.load; "
-             "ckptool refuses to load this file")
-        if report.dangerous:
-            echo(f"  {len(report.dangerous)} of them (!!) are known to run code or reach the system: "
-                 "do not trust this file")
+    if not report.unsafe:
+        return
+    unknown = len(report.unsafe) - len(report.dangerous)
+    if unknown:
+        # a framework's own classes: torch.load imports and builds them, so they need trust, not alarm
+        read = ("ckptool reads the file with them as inert placeholders" if report.readable else
+                "ckptool reads them as inert data only with --allow-global (if you trust the file)")
+        echo(f"  {unknown} unknown global(s) (! ) outside the allowlist, none known to run code: loading the file "
+             f"with torch would import or compile their code and run it, so trust it first; {read}")
+    if report.dangerous:
+        read = ("ckptool reads them as inert data only because you named them" if report.readable else
+                "ckptool refuses to load this file")
+        echo(f"  {len(report.dangerous)} dangerous global(s) (!!) known to run code or reach the system: "
+             f"do not torch.load this file; {read}")
 
 
 def write(report: WriteReport, headline: str) -> None:

@@ -6,9 +6,12 @@ through its stack and memo), or ``pickletools.genops`` over a pickle the guard r
 restricted load; only if it fails, a dry run feeds the pickle to the restricted unpickler in
 permissive mode, where every global becomes an inert placeholder — so the globals a real load
 would import are listed exactly, even when hidden behind memo tricks.
-A checkpoint is safe when every global is on the allowlist ckptool loads with; of the others,
-those known to run code or reach the system (:func:`ckptool.pickles.runs_code`: ``os.system``,
-``builtins.eval``) are *dangerous*, the rest unknown. :func:`refusal` words a load's refusal.
+Three verdicts, per global and for the file: *safe* when every global is on the allowlist ckptool
+loads with (``--allow-global`` names and patterns included); *dangerous* when one is known to run
+code or reach the system (:func:`ckptool.pickles.runs_code`: ``os.system``, ``builtins.eval``) —
+even when named exactly to ``--allow-global``, which reads it as inert data but cannot make
+``torch.load`` of the file harmless; *unknown* otherwise (a framework's own classes: building them
+runs that package's code, so they need trust, not alarm). :func:`refusal` words a load's refusal.
 """
 
 from __future__ import annotations
@@ -41,9 +44,24 @@ class ScanReport:
     pickles: list[str]
     problems: list[str] = field(default_factory=list)
     dangerous: list[str] = field(default_factory=list)  # of ``unsafe``, those known to run code
+    verdict: str = ""  # the file's: "safe", "unknown" or "dangerous"
+    verdicts: dict[str, str] = field(default_factory=dict)  # each global's: "allowed", "unknown" or "dangerous"
+    readable: bool = False  # whether ckptool reads the file with these flags (a TorchScript archive: no flag needed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+SAFE, UNKNOWN, DANGEROUS, ALLOWED = "safe", "unknown", "dangerous", "allowed"
+
+
+def global_verdict(full_name: str, resolver: pickles.GlobalResolver) -> str:
+    """One global's verdict: ``dangerous`` when it is known to run code or reach the system (whatever
+    the flags: an exact ``--allow-global`` reads it inert, but ``torch.load`` would still call it),
+    else ``allowed`` when the read's allowlist accepts it, else ``unknown``."""
+    if pickles.runs_code(full_name):
+        return DANGEROUS
+    return ALLOWED if resolver.is_allowed(full_name) else UNKNOWN
 
 
 def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
@@ -137,7 +155,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
 
         checkpoint = load(path, allow_globals=allow_globals)
         return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
-                          pickles=[])
+                          pickles=[], verdict=SAFE, readable=True)
     cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
     fmt, found = _found_pickles(path, fmt, allow_globals, cache)
     blobs = found.blobs
@@ -149,11 +167,14 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     for full_name in static_names:
         if full_name not in globals_:
             globals_[full_name] += 1
-    unsafe = sorted(g for g in globals_ if not resolver.is_allowed(g))
+    verdicts = {name: global_verdict(name, resolver) for name in sorted(globals_)}
+    unsafe = [name for name, verdict in verdicts.items() if verdict != ALLOWED]
+    dangerous = [name for name in unsafe if verdicts[name] == DANGEROUS]
     report = ScanReport(path=str(path), format=found.kind, safe=not unsafe, unsafe=unsafe,
                         globals=dict(sorted(globals_.items())), opcodes=dict(sorted(opcodes.items())),
                         pickles=[blob.label for blob in blobs], problems=[*found.notes, *problems],
-                        dangerous=[name for name in unsafe if pickles.runs_code(name)])
+                        dangerous=dangerous, verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
+                        verdicts=verdicts, readable=load_error is None)
     if unsafe:
         return report
     if load_error is not None:

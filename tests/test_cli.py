@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import collections
+import fractions
 import json
 import re
 import shlex
@@ -116,7 +116,7 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
         refusals.append(raised.value)
     deque = tmp_path / "deque.pt"
     torch = pytest.importorskip("torch")
-    torch.save({"w": torch.ones(1), "c": collections.deque()}, deque)
+    torch.save({"w": torch.ones(1), "c": fractions.Fraction(1, 3)}, deque)
     with pytest.raises(ckptool.UnsafeCheckpointError) as raised:
         ckptool.load(deque)
     refusals.append(raised.value)
@@ -129,10 +129,10 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
         "-o takes one input; use --out-dir DIR to convert several",
         "the prefix to strip is empty — pass --prefix, e.g. --prefix module.",
         "--dtype 'bf17': choose bf16, fp16 or fp32",
-        "pickle imports collections.deque, which could run code — refused, nothing was executed (if you trust this "
-        "file, allow it by name: --allow-global collections.deque)"]
+        "pickle imports fractions.Fraction, which could run code — refused, nothing was executed (if you trust this "
+        "file, allow it by name: --allow-global fractions.Fraction)"]
     assert "pass force=True to overwrite it" in str(refusals[0])
-    assert "allow_globals=['collections.deque']" in str(refusals[-1])
+    assert "allow_globals=['fractions.Fraction']" in str(refusals[-1])
 
 
 def test_write_commands_report_one_json_shape(fixtures_dir: Path, tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def test_a_location_tag_is_escaped(tmp_path: Path) -> None:
 
 
 def test_a_global_name_cannot_overwrite_the_scan_verdict(tmp_path: Path) -> None:
-    # on a terminal: cursor up, erase the line, then print a clean verdict over "UNSAFE"
+    # on a terminal: cursor up, erase the line, then print a clean verdict over "DANGEROUS"
     overwrite = "\x1b[1A\x1b[2K\rmodel.pt: safe (torch-zip; 1 pickle(s), 9 opcodes)"
     body = hostile.tup(hostile.call(hostile.glob("os", "system"), hostile.text("true")),
                        hostile.glob("builtins", overwrite))
@@ -120,7 +120,7 @@ def test_a_global_name_cannot_overwrite_the_scan_verdict(tmp_path: Path) -> None
     assert result.exit_code == 1
     assert not controls(result.stdout)
     lines = result.stdout.splitlines()
-    assert "UNSAFE" in lines[0] and not any(": safe (" in line and "\\x1b" not in line for line in lines)
+    assert "DANGEROUS" in lines[0] and not any(": safe (" in line and "\\x1b" not in line for line in lines)
 
 
 def test_a_lone_surrogate_in_a_global_name_is_unsafe_not_a_crash(tmp_path: Path,
@@ -140,7 +140,7 @@ def test_a_lone_surrogate_in_a_global_name_is_unsafe_not_a_crash(tmp_path: Path,
         assert "Traceback" not in stderr and "internal error" not in stderr, stderr
         assert not controls(stdout + stderr)
         if args == ["scan", str(path)]:
-            assert "UNSAFE" in stdout and "os.sys\\ud800tem" in stdout, stdout
+            assert "DANGEROUS" in stdout and "os.sys\\ud800tem" in stdout, stdout
         if args[-1] == "--json":
             assert "os.sys\ud800tem" in json.loads(stdout)["unsafe"]
 

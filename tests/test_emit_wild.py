@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptool.cli import main
-from ckptool.pickles.allowlist import TORCH_GLOBALS, python3_name
+from ckptool.pickles.allowlist import DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, python3_name
 
 # A stand-in for OmegaConf (not installed): classes built and pickled the way its configs are —
 # objects whose __dict__ holds metadata naming classes (object_type=dict/list, typing.Any), child
@@ -387,7 +387,7 @@ def test_a_rewrite_never_names_a_global_the_read_did_not_allow(tmp_path: Path) -
     after = _globals(out)
     assert after <= _globals(source)
     assert {name for name in after if name not in TORCH_GLOBALS} == {
-        python3_name(name) for name in _allow(source)[1::2]}
+        python3_name(name) for name in _allow(source)[1::2]} | (_globals(source) & set(DEFAULT_EXTRA_GLOBALS))
 
 
 def test_state_set_twice_on_an_object_is_refused_not_half_kept(tmp_path: Path) -> None:

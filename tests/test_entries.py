@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
+import fractions
 import json
 import math
 from pathlib import Path
@@ -159,17 +159,17 @@ def test_what_cannot_be_carried_is_named_by_key_path(tmp_path: Path) -> None:
         "ema": {f"layer{i}.weight": torch.ones(2) for i in range(5)},   # a second state_dict: one note
         "running": {"mean": torch.zeros(3), "count": 4},               # one tensor beside a plain value
         "history": [1.0, torch.ones(1)],                               # a list: left out whole
-        "cfg": {"when": datetime.date(2024, 1, 2), "lr": 0.1},         # an allowed global's object
+        "cfg": {"when": fractions.Fraction(1, 3), "lr": 0.1},          # an allowed global's object
         "epoch": 7,
     }, source)
-    report = convert(source, tmp_path / "w.safetensors", "--allow-global", "datetime.date")
+    report = convert(source, tmp_path / "w.safetensors", "--allow-global", "fractions.Fraction")
     notes = report["notes"]
     assert len(notes) == 4, notes
     assert any(n.startswith("ema: 5 tensor(s) outside the weights (layer0.weight, layer1.weight, layer2.weight, "
                             "...) not carried") for n in notes), notes
     assert any(n.startswith("running.mean: a tensor (float32 [3]) outside the weights not carried") for n in notes)
     assert any(n.startswith("history: a list whose item 1 is a tensor") for n in notes), notes
-    assert any(n.startswith("cfg.when: an object of datetime.date") for n in notes), notes
+    assert any(n.startswith("cfg.when: an object of fractions.Fraction") for n in notes), notes
     convert(tmp_path / "w.safetensors", tmp_path / "back.pt")
     restored = torch.load(tmp_path / "back.pt", weights_only=True)
     assert same(without(restored, "model"), {"running": {"count": 4}, "cfg": {"lr": 0.1}, "epoch": 7})

@@ -79,13 +79,13 @@ def test_legacy_and_zip_agree(tmp_path: Path) -> None:
 
 def test_unsafe_global_refused_naming_flag(tmp_path: Path) -> None:
     import argparse
-    import collections
+    import fractions
 
     path = tmp_path / "custom.pt"
-    torch.save({"model": {"w": torch.ones(2)}, "counter": collections.deque([1])}, path)
-    with pytest.raises(ckptool.UnsafeCheckpointError, match=r"collections\.deque.*allow_globals=\['collections\.deque'\]"):
+    torch.save({"model": {"w": torch.ones(2)}, "ratio": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(ckptool.UnsafeCheckpointError, match=r"fractions\.Fraction.*allow_globals=\['fractions\.Fraction'\]"):
         ckptool.load(path)
-    checkpoint = ckptool.load(path, allow_globals=("collections.deque",))
+    checkpoint = ckptool.load(path, allow_globals=("fractions.Fraction",))
     assert list(checkpoint.tensors) == ["w"]
     # argparse.Namespace is allowed by default (training scripts save their args)
     torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)}, tmp_path / "args.pt")

@@ -83,7 +83,7 @@ def test_a_pickle_torch_locates_is_scanned_unsafe_not_corrupt(tmp_path: Path, na
     path.write_bytes(make_zip(members))
     code, out, err = run("scan", path)
     assert code == 1, (out, err)
-    assert "UNSAFE" in out and "os.system" in out
+    assert "DANGEROUS" in out and "os.system" in out
     code, out, err = run("scan", "--json", path)
     assert code == 1 and '"os.system"' in out
     code, out, err = run("inspect", path)

@@ -83,18 +83,44 @@ TORCH_GLOBALS: dict[str, Any] = _build_torch_globals()
 # Sparse and nested tensors, quantized storages and the layouts they name are added to
 # TORCH_GLOBALS by ckptool.layouts (built on OpaqueObject), imported at the end of ckptool.pickles.
 
-# Benign types found in real checkpoints beyond torch's list: recorded, never constructed.
-#   argparse.Namespace — training scripts save their parsed args (fairseq, many research repos)
-#   numpy scalars, dtypes and arrays — metrics and RNG states saved as numpy values
-DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (
-    "argparse.Namespace",
-    "numpy.core.multiarray._reconstruct",
-    "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar",
-    "numpy._core.multiarray.scalar",
-    "numpy.ndarray",
-    "numpy.dtype",
+# Data-only globals found in real checkpoints beyond torch's list: recorded, never constructed.
+# Each is a class whose construction (or, under a real pickle, its REDUCE/NEWOBJ and BUILD path)
+# with any argument only stores values: no file, process, network or import is touched, and no
+# code of the saving package runs. SECURITY.md gives each one's reason.
+_NUMPY_GLOBALS = (  # metrics and RNG states saved as numpy values
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray", "numpy.dtype",
 )
+_STDLIB_DATA_GLOBALS = (
+    "argparse.Namespace",  # parsed training arguments (fairseq, many research repos)
+    # paths (Lightning's ModelCheckpoint.dirpath): a path object is its string parts; building one
+    # touches no file system. Python 3.13 defines them in pathlib._local.
+    *(f"{module}.{name}" for module in ("pathlib", "pathlib._local")
+      for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+    "datetime.date", "datetime.datetime", "datetime.time", "datetime.timedelta", "datetime.timezone",
+    "decimal.Decimal", "uuid.UUID", "uuid.SafeUUID",
+    # containers: a defaultdict stores its factory and calls it only on a later missing-key lookup,
+    # never while it is unpickled; a deque stores items and a maximum length
+    "collections.defaultdict", "collections.deque",
+    # classes held as values (a defaultdict's factory, omegaconf's key and element types): a class is
+    # data unless called, and ckptool calls nothing; a pickle that calls one gets a record of the call
+    *(f"builtins.{name}" for name in ("list", "dict", "tuple", "int", "float", "str", "bool", "bytes", "frozenset")),
+    "typing.Any", "typing.Dict", "typing.List",
+)
+_FRAMEWORK_DATA_GLOBALS = (
+    # Lightning's hyper-parameters: a dict subclass that also reads its keys as attributes
+    "lightning.fabric.utilities.data.AttributeDict", "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict", "lightning.pytorch.utilities.parsing.AttributeDict",
+    # omegaconf (Hydra / Lightning hyper-parameters): containers and nodes whose __setstate__ only
+    # stores their fields; interpolations and resolvers run when a value is read, never on unpickling
+    "omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig",
+    "omegaconf.base.ContainerMetadata", "omegaconf.base.Metadata",
+    *(f"omegaconf.nodes.{name}" for name in ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode",
+                                             "BytesNode", "PathNode", "EnumNode", "ValueNode",
+                                             "InterpolationResultNode")),
+)
+DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (*_STDLIB_DATA_GLOBALS[:1], *_NUMPY_GLOBALS, *_STDLIB_DATA_GLOBALS[1:],
+                                          *_FRAMEWORK_DATA_GLOBALS)
 
 
 # Globals known to run code or reach the system when a pickle calls them. Every global outside the
@@ -109,6 +135,15 @@ CODE_RUNNING_MODULES: frozenset[str] = frozenset({
     "socket", "_socket", "http", "urllib", "urllib2", "requests", "ftplib", "smtplib", "telnetlib",  # network
     "shutil", "sys", "webbrowser", "multiprocessing", "_thread", "thread", "threading", "asyncio", "signal",
     "pdb", "bdb", "timeit", "cProfile", "profile", "trace", "pip", "sysconfig", "linecache", "tempfile",
+    # standard-library gadgets whose functions run commands, eval code, write files or load pickles
+    "idlelib", "lib2to3", "doctest", "pydoc", "venv", "ensurepip", "distutils", "setuptools", "compileall",
+    "py_compile", "_aix_support", "_osx_support", "_pyrepl", "test.support", "imaplib", "poplib", "nntplib", "xmlrpc",
+    "socketserver", "httplib", "urllib3", "aiohttp", "httpx", "logging.handlers", "logging.config",
+    # torch's own: compile and load code, run commands, eval guard expressions, load pickles
+    "torch._inductor", "torch._dynamo", "torch.utils.bottleneck", "torch.utils.collect_env",
+    "torch.utils.cpp_extension", "torch.utils.data.datapipes", "torch.utils._config_module", "torch.hub",
+    "torch.jit.unsupported_tensor_ops", "torch.fx.experimental.symbolic_shapes", "torch.testing._internal",
+    "numpy.f2py", "numpy.distutils",
 })
 CODE_RUNNING_GLOBALS: frozenset[str] = frozenset({
     *(f"builtins.{name}" for name in ("eval", "exec", "execfile", "compile", "__import__", "getattr", "setattr",
@@ -120,6 +155,12 @@ CODE_RUNNING_GLOBALS: frozenset[str] = frozenset({
     # load another file's pickle or code
     "torch.load", "torch.serialization.load", "torch.jit.load", "torch.hub.load", "torch.hub.load_state_dict_from_url",
     "numpy.load", "numpy.testing._private.utils.runstring",
+    "logging.FileHandler",  # opens (creates) the file it is given
+    "torch._utils",  # the module itself: whatever a pickle reaches through it (its functions are torch's set)
+    # uuid's node lookups run ifconfig/ipconfig/netstat (uuid.UUID and SafeUUID are data)
+    "uuid._get_command_stdout", "uuid._popen", "uuid.getnode", "uuid.uuid1", "uuid._ifconfig_getnode",
+    "uuid._ip_getnode", "uuid._arp_getnode", "uuid._lanscan_getnode", "uuid._netstat_getnode",
+    "uuid._ipconfig_getnode", "uuid._netbios_getnode", "uuid._unix_getnode", "uuid._windll_getnode",
 })
 
 

@@ -25,6 +25,7 @@ from ckptool.cli import main
 
 torch = pytest.importorskip("torch")
 hostile = pytest.importorskip("hostile")
+from standins import OMEGACONF  # noqa: E402 — after the importorskip guards
 
 STAND_INS = {
     "lightning/__init__.py": "",
@@ -40,35 +41,7 @@ STAND_INS = {
             def __setattr__(self, key, value):
                 self[key] = value
         """,
-    "omegaconf/__init__.py": "",
-    "omegaconf/dictconfig.py": """
-        class DictConfig:
-            def __init__(self, content, metadata):
-                self._content, self._metadata = content, metadata
-        """,
-    "omegaconf/listconfig.py": """
-        class ListConfig:
-            def __init__(self, content):
-                self._content = content
-        """,
-    "omegaconf/base.py": """
-        class ContainerMetadata:
-            def __init__(self, **fields):
-                self.__dict__.update(fields)
-        class Metadata:
-            def __init__(self, **fields):
-                self.__dict__.update(fields)
-        """,
-    "omegaconf/nodes.py": """
-        class _Node:
-            def __init__(self, value):
-                self._val = value
-        class AnyNode(_Node): pass
-        class StringNode(_Node): pass
-        class IntegerNode(_Node): pass
-        class FloatNode(_Node): pass
-        class BooleanNode(_Node): pass
-        """,
+    **OMEGACONF,
     "mylib/__init__.py": "",
     "mylib/config.py": """
         class Config:

@@ -99,9 +99,8 @@ def describe_entry(value: Any) -> str:
         except InputError:
             return f"whole-model pickle {value.global_name}, unreadable"
     tensors = list(iter_tensors(value))
-    if isinstance(value, dict) and "state" in value and "param_groups" in value:
-        nbytes = sum(t.nbytes for _, t in tensors)
-        return f"optimizer state: {len(dict.get(value, 'state') or {})} params, {len(tensors)} tensors, {_human_bytes(nbytes)}"
+    if is_optimizer_state(value):
+        return describe_optimizer_state(value)
     if tensors:
         return f"{type(value).__name__} with {len(tensors)} tensors, {_human_bytes(sum(t.nbytes for _, t in tensors))}"
     if isinstance(value, OpaqueObject):
@@ -112,6 +111,27 @@ def describe_entry(value: Any) -> str:
     if isinstance(value, list | tuple):
         return f"{type(value).__name__} of {len(value)}"
     return type(value).__name__
+
+
+def is_optimizer_state(value: Any) -> bool:
+    """An ``optimizer.state_dict()``: ``{"state": {index: {...}}, "param_groups": [...]}``."""
+    return isinstance(value, dict) and isinstance(dict.get(value, "state"), dict) \
+        and isinstance(dict.get(value, "param_groups"), list)
+
+
+def describe_optimizer_state(value: dict) -> str:
+    """``optimizer state: 2 params over 1 parameter group, 6 tensors (per parameter: exp_avg, exp_avg_sq,
+    step), 104 B`` — what an optimizer's own state_dict holds, named by torch's per-parameter keys."""
+    state = dict.get(value, "state")
+    groups = len(dict.get(value, "param_groups"))
+    tensors = [tensor for _, tensor in iter_tensors(value)]
+    names: list[str] = []
+    for per_parameter in dict.values(state):
+        if isinstance(per_parameter, dict):
+            names += [str(key) for key in per_parameter if str(key) not in names]
+    kinds = f" (per parameter: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''})" if names else ""
+    return (f"optimizer state: {len(state)} params over {groups} parameter group{'s' if groups != 1 else ''}, "
+            f"{len(tensors)} tensors{kinds}, {_human_bytes(sum(t.nbytes for t in tensors))}")
 
 
 def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
@@ -140,7 +160,11 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     elif extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
                           suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
-    if checkpoint.layout is None:
+    if checkpoint.layout is None and is_optimizer_state(checkpoint.container):
+        hints.append(Hint("no model weights: this file is " + describe_optimizer_state(checkpoint.container),
+                          "the model's weights are saved beside it (e.g. model.safetensors, pytorch_model.bin); "
+                          "keep this file for resuming training"))
+    elif checkpoint.layout is None:
         hints.append(Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint"))
     return hints
 

@@ -267,3 +267,26 @@ def test_out_dir_keeps_each_input_s_full_name(tmp_path: Path) -> None:
     assert code == 0 and f"-o {tmp_path / 'ddp_run.v1.stripped.pt'}" in stdout, stdout
     code, stdout, _ = run("diff", sources / "chgnet_0.2.0.pth.tar", out / "chgnet_0.2.0.safetensors")
     assert code == 0, stdout
+
+
+def test_an_optimizer_file_says_it_is_optimizer_state(tmp_path: Path) -> None:
+    """accelerate's optimizer.bin / transformers' optimizer.pt hold no model weights: inspect says what
+    they hold (parameters, groups, per-parameter state) instead of only "no weights found"."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.1}])
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "optimizer.bin"
+    torch.save(optimizer.state_dict(), path)
+    code, out, err = run("inspect", path)
+    assert code == 0, err
+    assert ("no model weights: this file is optimizer state: 4 params over 2 parameter groups, 12 tensors "
+            "(per parameter: step, exp_avg, exp_avg_sq)") in out
+    assert "no weights found" not in out
+    container = tmp_path / "run.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, container)
+    code, out, err = run("inspect", container)
+    assert code == 0, err
+    assert re.search(r"entry +optimizer: optimizer state: 4 params over 2 parameter groups, 12 tensors", out), out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 import click
 
-from . import __version__, exitcodes, render
+from . import __version__, exitcodes, jsonout, render
 from .errors import CkptError, InternalError
 from .suggest import flag
 
@@ -37,9 +36,18 @@ def _error_text(error: CkptError) -> str:
     return error.render(flag)
 
 
-def _fail(error: CkptError) -> None:
+def _fail(error: CkptError, as_json: bool = False) -> None:
+    if as_json:  # a pipeline reads the failure on stdout too, in the shape it parses
+        click.echo(jsonout.dumps(jsonout.document("error", {"error": jsonout.error_object(error, _error_text)})))
     render.echo(f"ckptool: error: {_error_text(error)}", err=True)
     sys.exit(error.exit_code)
+
+
+def _fail_json(as_json: bool, type_: str, message: str, exit_code: int) -> None:
+    """With --json, the error document of a failure that is not a library error (Ctrl-C, a bug)."""
+    if as_json:
+        with contextlib.suppress(Exception):  # stdout may be the thing that failed
+            click.echo(jsonout.dumps(jsonout.error_document(type_, message, exit_code=exit_code)))
 
 
 def _closed_pipe() -> None:
@@ -57,6 +65,7 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
         try:
             try:
                 return command(*args, **kwargs)
@@ -68,29 +77,34 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except CkptError as e:
             if isinstance(e, InternalError) and os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            _fail(e)
+            _fail(e, as_json)
         except KeyboardInterrupt:
+            _fail_json(as_json, "interrupted", "interrupted — nothing was written", exitcodes.INTERRUPTED)
             render.echo("ckptool: interrupted — nothing was written", err=True)
             sys.exit(exitcodes.INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
-            render.echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
-                  "machine", err=True)
+            message = "ran out of memory — nothing was written; free memory or run it on a larger machine"
+            _fail_json(as_json, "memory", message, exitcodes.INPUT)
+            render.echo(f"ckptool: error: {message}", err=True)
             sys.exit(exitcodes.INPUT)
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            render.echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
-                  "input; rerun with CKPTOOL_DEBUG=1 and report it", err=True)
+            message = (f"{type(e).__name__}: {e} — a bug in ckptool, not a problem with the input; rerun with "
+                       "CKPTOOL_DEBUG=1 and report it")
+            _fail_json(as_json, "internal", message, exitcodes.INTERNAL)
+            render.echo(f"ckptool: internal error: {message}", err=True)
             sys.exit(exitcodes.INTERNAL)
 
     return wrapper
 
 
-def _emit_json(data: Any) -> None:
+def _emit_json(command: str, data: dict[str, Any]) -> None:
+    """Print ``command``'s --json document (see :mod:`ckptool.jsonout`): ASCII, strict, schema named first."""
     # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
-    click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=True))
+    click.echo(jsonout.dumps(jsonout.document(jsonout.KINDS[command], data)))
 
 
 allow_global_option = click.option(
@@ -117,7 +131,20 @@ fingerprint_write_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+class _Group(click.Group):
+    """The command group; a usage error of a command given --json is also an error document on stdout."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        args = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            if "--json" in args:
+                click.echo(jsonout.dumps(jsonout.error_document("usage", e.format_message(), exit_code=e.exit_code)))
+            raise
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
              help="Make any PyTorch checkpoint portable, and prove it.\n\nReads .pt/.pth/.bin/.ckpt (zip or "
                   "legacy), safetensors (single or sharded) without running pickle code. Exit codes: "
                   f"{exitcodes.help_text()}.")
@@ -165,7 +192,7 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors,
                        allow_expansion=allow_expansion, weights=weights)
     if as_json:
-        _emit_json(summary.to_json())
+        _emit_json("inspect", summary.to_json())
     else:
         render.summary(summary)
 
@@ -189,7 +216,7 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 
     report = scan_(ckpt, allow_globals=allow_globals)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("scan", report.to_json())
     else:
         render.scan(report)
     sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
@@ -214,9 +241,13 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @main.command()
 @_rewrite_options
 @click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
+@click.option("--to", "to_device", default=None, metavar="DEVICE",
+              help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.")
+@click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, prefix: str | None) -> None:
+          with_fingerprint: bool, weights: str | None, prefix: str | None, to_device: str | None,
+          mapping: tuple[str, ...]) -> None:
     """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
 
     By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
@@ -227,13 +258,15 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
-                              fingerprint=with_fingerprint, weights=weights)
+                              fingerprint=with_fingerprint, weights=weights, to_device=to_device, mapping=mapping)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("strip", report.to_json())
     else:
         details = report.details
+        moved = (f"; devices {details['devices_before']} -> {details['devices_after']}"
+                 if "devices_after" in details else "")
         render.write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
-                              f'{report.target}')
+                              f'{report.target}{moved}')
 
 
 @main.command("add-prefix")
@@ -251,7 +284,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
                                    allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("add-prefix", report.to_json())
     else:
         render.write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
 
@@ -274,7 +307,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
                               allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("remap", report.to_json())
     else:
         render.write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
                               f"{report.details['devices_after']}")
@@ -329,7 +362,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
             contextlib.nullcontext(plan.jobs) as jobs:
         report = operations.convert(plan, options, jobs=jobs)
     if as_json:
-        _emit_json(report.to_json(_error_text))
+        _emit_json("convert", report.to_json(_error_text))
     else:
         for result in report.converted:
             render.write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
@@ -390,7 +423,7 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
                      allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys,
                      weights=weights, against_weights=against_weights)
     if as_json:
-        _emit_json(report.to_json(flag))
+        _emit_json("verify", report.to_json(flag))
     else:
         render.verify(report)
     if not report.ok:
@@ -424,7 +457,7 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     report = diff_(a, b, atol=atol, allow_globals=allow_globals, allow_expansion=allow_expansion, weights_a=weights,
                    weights_b=weights_b)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("diff", report.to_json())
     else:
         render.diff(report)
     sys.exit(exitcodes.OK if report.identical else exitcodes.PROBLEM)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CkptError, UsageError
+from . import suggest
 from .suggest import Metavar, option
 
 if TYPE_CHECKING:  # the writer is imported by the job that writes, so --help stays fast
@@ -68,26 +69,47 @@ def _target(ckpt: Path, out: Path | None, in_place: bool) -> Path:
 
 def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None = None, force: bool = False,
           in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-          weights: str | None = None) -> WriteReport:
-    """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``.
+          weights: str | None = None, to_device: str | None = None, mapping: Iterable[str] = ()) -> WriteReport:
+    """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``;
+    with ``to_device`` or ``mapping``, rewrite the saved device tags in the same write (as :func:`remap`).
 
     Raises:
         NothingToDoError: no key carries the prefix.
-        UsageError: no ``out`` and not ``in_place``.
+        UsageError: no ``out`` and not ``in_place``; device tags asked of a format without them.
     """
     from .reader import load
     from .writer import rewrite_format, save
 
     ckpt, out = Path(ckpt), _optional_path(out)
+    mapping = tuple(mapping)
+    mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(prefix)
     renamed = count_keys(checkpoint.state_dict, prefix=used)
+    details: dict[str, Any] = {"prefix": used, "renamed": renamed}
+    if mapper is not None:
+        _has_location_tags(checkpoint, ckpt)
+        details["devices_before"] = checkpoint.saved_devices()
+        stripped = stripped.remap(mapper)
+        details["devices_after"] = stripped.saved_devices()
     saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
                  in_place=in_place, fingerprint=fingerprint)
-    return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
-                       {"prefix": used, "renamed": renamed})
+    return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes, details)
+
+
+def _mapper(to_device: str | None, mapping: Iterable[str]) -> Any:
+    from .devices import location_mapper
+
+    return location_mapper(to_device, mapping)
+
+
+def _has_location_tags(checkpoint: Checkpoint, ckpt: Path) -> None:
+    from . import formats
+
+    if not formats.for_name(checkpoint.format).has_location_tags:
+        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
 
 
 def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str = "module.", force: bool = False,
@@ -115,16 +137,13 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     Raises:
         UsageError: neither or both of ``to_device`` and ``mapping``, or a safetensors input (no tags).
     """
-    from . import formats
-    from .devices import location_mapper
     from .reader import load
     from .writer import rewrite_format, save
 
     ckpt, out = Path(ckpt), _optional_path(out)
-    mapper = location_mapper(to_device, mapping)
+    mapper = _mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
-    if not formats.for_name(checkpoint.format).has_location_tags:
-        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
+    _has_location_tags(checkpoint, ckpt)
     target = _target(ckpt, out, in_place)
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
@@ -212,11 +231,12 @@ class ConvertReport:
         return max((error.exit_code for error in self.failed), default=0)
 
     def to_json(self, describe: Callable[[CkptError], str] = str) -> dict[str, Any]:
-        """The --json object: one write report for a named output, else every result and failure."""
-        if self.plan.one_output:
-            return self.converted[0].to_json()
+        """The --json object, one shape for ``out`` and ``out_dir``: every write report, then every
+        failure as an error object (``describe`` gives its message)."""
+        from .jsonout import error_object
+
         return {"converted": [report.to_json() for report in self.converted],
-                "failed": [describe(error) for error in self.failed]}
+                "failed": [error_object(error, describe) for error in self.failed]}
 
 
 def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None, out_dir: Path | str | None = None,
@@ -269,6 +289,13 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     from . import formats
+
+    if checkpoint.prefix and formats.for_name(saved.format).weights_only:
+        # a published safetensors file is loaded into bare models (from_pretrained, load_model): say so now
+        notes.append(f'the keys still carry "{checkpoint.prefix}" (a training wrapper\'s); a bare model reports them '
+                     "as unexpected keys — to drop it: " + suggest.command(
+                         "convert", source, out=target, strip=True, force=True,
+                         allow_globals=list(options.allow_globals)))
 
     if formats.for_name(checkpoint.format).weights_only and not formats.for_name(saved.format).weights_only:
         from .entries import restored_notes

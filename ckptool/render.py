@@ -57,8 +57,8 @@ def summary(summary: Summary) -> None:
     echo(f"  saved devices  {devices}  (storages per location tag)")
     if summary.tied:
         echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
-    for key, description in summary.entries.items():
-        echo(f"  entry          {key}: {description}")
+    for key, entry in summary.entries.items():
+        echo(f"  entry          {key}: {entry['summary']}")
     if summary.globals:
         echo(f"  pickle globals {', '.join(summary.globals)}")
     for key, value in summary.metadata.items():

@@ -125,6 +125,9 @@ allow_expansion_option = click.option(
     "--allow-expansion", is_flag=True,
     help="Materialize tensor views that expand their stored bytes (stride 0, overlaps) more than 4x in full.",
 )
+dry_run_option = click.option(
+    "--dry-run", is_flag=True,
+    help="Make every check and refusal of the write, then stop: say what would be written; write nothing.")
 fingerprint_write_option = click.option(
     "--fingerprint", "with_fingerprint", is_flag=True,
     help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
@@ -233,6 +236,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
                           "another suffix keeps the input's)."),
         force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option, weights_option,
+        dry_run_option,
     ]):
         command = option(command)
     return command
@@ -246,7 +250,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, prefix: str | None, to_device: str | None,
+          with_fingerprint: bool, weights: str | None, dry_run: bool, prefix: str | None, to_device: str | None,
           mapping: tuple[str, ...]) -> None:
     """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
 
@@ -258,7 +262,8 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
-                              fingerprint=with_fingerprint, weights=weights, to_device=to_device, mapping=mapping)
+                              fingerprint=with_fingerprint, weights=weights, to_device=to_device, mapping=mapping,
+                              dry_run=dry_run)
     if as_json:
         _emit_json("strip", report.to_json())
     else:
@@ -274,7 +279,8 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
 @handle_errors
 def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
-               allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, prefix: str) -> None:
+               allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, dry_run: bool,
+               prefix: str) -> None:
     """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
@@ -282,7 +288,8 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     from . import operations
 
     report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
-                                   allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
+                                   allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights,
+                                   dry_run=dry_run)
     if as_json:
         _emit_json("add-prefix", report.to_json())
     else:
@@ -295,7 +302,8 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
 @handle_errors
 def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, to_device: str | None, mapping: tuple[str, ...]) -> None:
+          with_fingerprint: bool, weights: str | None, dry_run: bool, to_device: str | None,
+          mapping: tuple[str, ...]) -> None:
     """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
 
     Tensors are not moved: only the tags torch.load restores them onto change.
@@ -305,7 +313,8 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
-                              allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
+                              allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights,
+                              dry_run=dry_run)
     if as_json:
         _emit_json("remap", report.to_json())
     else:
@@ -332,17 +341,27 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched).")
 @click.option("--allow-overflow", is_flag=True,
               help="With --dtype: accept a cast that turns finite values into Inf/NaN (refused by default).")
+@click.option("--drop", multiple=True, metavar="PATTERN",
+              help="Leave out weight keys ('head.*', '*.num_batches_tracked') and top-level entries ('optimizer') a "
+                   "shell pattern matches whole (repeatable).")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL",
+              help=r"Rewrite weight keys with a regex, as re.sub does: '^backbone\.=' or 'blocks\.(\d+)=layers.\1' "
+                   "(repeatable, applied in order).")
+@click.option("--weights-only", is_flag=True,
+              help="Write the weights alone (a bare state dict): no optimizer, epoch or config around them.")
 @allow_expansion_option
 @force_option
 @json_option
 @allow_global_option
 @fingerprint_write_option
 @weights_option
+@dry_run_option
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
-            dtype: str | None, allow_overflow: bool, allow_expansion: bool, force: bool, as_json: bool,
-            allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None) -> None:
+            dtype: str | None, allow_overflow: bool, drop: tuple[str, ...], rename: tuple[str, ...],
+            weights_only: bool, allow_expansion: bool, force: bool, as_json: bool, allow_globals: tuple[str, ...],
+            with_fingerprint: bool, weights: str | None, dry_run: bool) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
 
     Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
@@ -356,7 +375,8 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
     options = operations.ConvertOptions(
         to=to_format, strip=strip_wrappers, duplicate_tied=duplicate_tied, nest=nest, dtype=dtype,
         allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
-        fingerprint=with_fingerprint, weights=weights)
+        fingerprint=with_fingerprint, weights=weights, dry_run=dry_run, drop=drop, rename=rename,
+        weights_only=weights_only)
     show_progress = len(plan.jobs) > 1 and not as_json
     with click.progressbar(plan.jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
             contextlib.nullcontext(plan.jobs) as jobs:

@@ -53,6 +53,8 @@ class WriteReport:
         written = {"output": str(self.saved.path), "format": self.saved.format, "tensors": self.saved.tensors,
                    "bytes": self.saved.bytes, "checked": self.saved.checked, "fingerprint": self.saved.fingerprint,
                    "files": [str(f) for f in self.saved.files]}
+        if self.saved.dry_run:  # what would be written; nothing was
+            written["dry_run"] = True
         if self.command == "convert":  # convert's object leads with its input and lists the aliases it recorded
             return {"input": str(self.input), **written, "aliases": self.saved.aliases, "notes": self.notes}
         return {**written, "notes": self.notes, "input": str(self.input), **self.details}
@@ -69,7 +71,8 @@ def _target(ckpt: Path, out: Path | None, in_place: bool) -> Path:
 
 def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None = None, force: bool = False,
           in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-          weights: str | None = None, to_device: str | None = None, mapping: Iterable[str] = ()) -> WriteReport:
+          weights: str | None = None, to_device: str | None = None, mapping: Iterable[str] = (),
+          dry_run: bool = False) -> WriteReport:
     """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``;
     with ``to_device`` or ``mapping``, rewrite the saved device tags in the same write (as :func:`remap`).
 
@@ -95,7 +98,7 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
         stripped = stripped.remap(mapper)
         details["devices_after"] = stripped.saved_devices()
     saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
-                 in_place=in_place, fingerprint=fingerprint)
+                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
     return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes, details)
 
 
@@ -114,7 +117,7 @@ def _has_location_tags(checkpoint: Checkpoint, ckpt: Path) -> None:
 
 def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str = "module.", force: bool = False,
                in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-               weights: str | None = None) -> WriteReport:
+               weights: str | None = None, dry_run: bool = False) -> WriteReport:
     """Put ``prefix`` in front of every weight key and write the result to ``out``."""
     from .reader import load
     from .writer import rewrite_format, save
@@ -124,14 +127,15 @@ def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str =
     target = _target(ckpt, out, in_place)
     prefixed = checkpoint.add_prefix(prefix)
     saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
-                 in_place=in_place, fingerprint=fingerprint)
+                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
     return WriteReport("add-prefix", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
                        {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)})
 
 
 def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | None = None,
           mapping: Iterable[str] = (), force: bool = False, in_place: bool = False,
-          allow_globals: tuple[str, ...] = (), fingerprint: bool = False, weights: str | None = None) -> WriteReport:
+          allow_globals: tuple[str, ...] = (), fingerprint: bool = False, weights: str | None = None,
+          dry_run: bool = False) -> WriteReport:
     """Rewrite the saved storage device tags (every one to ``to_device``, or ``mapping``'s ``old=new``).
 
     Raises:
@@ -149,7 +153,7 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
     saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
-                 in_place=in_place, fingerprint=fingerprint)
+                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
     return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved, "remap") + saved.notes,
                        {"devices_before": before, "devices_after": after})
 
@@ -215,6 +219,10 @@ class ConvertOptions:
     allow_globals: tuple[str, ...] = ()
     fingerprint: bool = False
     weights: str | None = None
+    dry_run: bool = False
+    drop: tuple[str, ...] = ()  # shell patterns: weight keys and top-level entries to leave out
+    rename: tuple[str, ...] = ()  # PATTERN=REPLACEMENT regex rules for the weight keys, in order
+    weights_only: bool = False  # write the weights alone (a bare state dict), no container around them
 
 
 @dataclass
@@ -277,6 +285,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     if options.strip and checkpoint.prefix:
         notes.append(f'stripped "{checkpoint.prefix}" from the keys')
         checkpoint = checkpoint.strip_prefix()
+    checkpoint = _reshape(checkpoint, options, notes)
     if options.dtype is not None:
         from .cast import cast_weights
 
@@ -285,7 +294,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         notes.append(f"cast floating weights to {options.dtype}")
     saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
                  duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
-                 allow_expansion=options.allow_expansion)
+                 allow_expansion=options.allow_expansion, dry_run=options.dry_run)
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     from . import formats
@@ -302,6 +311,34 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
 
         notes += restored_notes(checkpoint.layout, checkpoint.metadata)
     return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
+
+
+def _reshape(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> Checkpoint:
+    """Rename the weight keys, drop keys and entries, keep the weights alone: as ``options`` asks."""
+    from .keys import parse_rename
+
+    if options.rename:
+        rules = [parse_rename(rule) for rule in options.rename]
+        checkpoint, changed = checkpoint.rename_keys(rules)
+        if not changed:
+            raise UsageError("the rename rules change no weight key — inspect lists the keys (" + option(
+                "tensors") + ")", path=checkpoint.path)
+        notes.append(f"renamed {changed} keys")
+    if options.drop:
+        checkpoint, keys, entries = checkpoint.drop(options.drop)
+        if not keys and not entries:
+            raise UsageError("no weight key or entry matches " + ", ".join(repr(p) for p in options.drop)
+                             + " — inspect lists them (" + option("tensors") + " for the keys)", path=checkpoint.path)
+        if keys:
+            notes.append(f"dropped {len(keys)} weight keys ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+        if entries:
+            notes.append(f"dropped entries: {', '.join(entries)}")
+    if options.weights_only:
+        left = [str(key) for key in checkpoint.entries()]
+        checkpoint = checkpoint.weights_only()
+        notes.append("wrote the weights alone" + (f" (left out: {', '.join(left[:6])}{', ...' if len(left) > 6 else ''})"
+                                                  if left else ""))
+    return checkpoint
 
 
 def convert(plan: ConvertPlan, options: ConvertOptions, *, jobs: Iterable[tuple[Path, Path]] | None = None

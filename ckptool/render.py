@@ -109,9 +109,14 @@ def scan(report: ScanReport) -> None:
 
 def write(report: WriteReport, headline: str) -> None:
     """A write command's ``headline``, then what the check proved and the notes."""
-    echo(headline)
-    line = f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
-    echo(line)
+    if report.saved.dry_run:
+        echo(f"dry run, nothing written: {headline}")
+        for file in report.saved.files:
+            echo(f"  would write {file}")
+    else:
+        echo(headline)
+        echo(f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, "
+             "CRC32)")
     if report.saved.fingerprint:
         echo(f"  fingerprint {report.saved.fingerprint}")
     for note in report.notes:

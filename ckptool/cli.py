@@ -331,8 +331,9 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
               help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Convert many inputs into this directory (name kept, suffix from --to).")
-@click.option("--to", "to_format", type=click.Choice(["safetensors", "pt"]), default=None,
-              help="Target format (default: from OUT's suffix; safetensors with --out-dir).")
+@click.option("--to", "to_format", type=click.Choice(["safetensors", "pt", "dcp"]), default=None,
+              help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "
+                   "torch.distributed.checkpoint folder of the whole checkpoint, for dcp.load (needs torch).")
 @click.option("--strip", "strip_wrappers", is_flag=True, help="Also strip the detected wrapper prefix from the keys.")
 @click.option("--max-shard-size", default=None, metavar="SIZE", help="Shard safetensors output, e.g. 5GB or 500MB.")
 @click.option("--duplicate-tied", is_flag=True, help="Store tied tensors as full copies (for readers without aliases).")

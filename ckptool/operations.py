@@ -292,9 +292,18 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
                                   allow_expansion=options.allow_expansion)
         notes.append(f"cast floating weights to {options.dtype}")
-    saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
-                 duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
-                 allow_expansion=options.allow_expansion, dry_run=options.dry_run)
+    if options.to == "dcp":  # a torch.distributed.checkpoint folder, written by torch's dcp.save
+        from .dcp_write import save_dcp
+
+        if max_shard_bytes is not None:
+            raise UsageError(option("max_shard_size", None) + " applies to safetensors output; a DCP folder holds "
+                             "one file per process")
+        saved = save_dcp(checkpoint, target, force=options.force, fingerprint_=options.fingerprint,
+                         allow_expansion=options.allow_expansion, dry_run=options.dry_run)
+    else:
+        saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
+                     duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
+                     allow_expansion=options.allow_expansion, dry_run=options.dry_run)
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     from . import formats

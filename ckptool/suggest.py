@@ -186,7 +186,7 @@ def _placed(value: Any) -> Any:
 # what stem() takes off a name, longest first: a version or a date in the name stays
 # (chgnet_0.3.0.pth.tar -> chgnet_0.3.0), and so does a suffix that is not a checkpoint's
 CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".ckpt", ".pth", ".bin", ".pt",
-                       ".tar")
+                       ".tar", ".dcp")
 
 
 def stem(path: Path | str) -> str:

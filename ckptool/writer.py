@@ -163,7 +163,7 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
     """
     if not out_dir.is_dir():
         raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is not an existing directory — create it first")
-    suffix = ".pt" if to == "pt" else ".safetensors"
+    suffix = {"pt": ".pt", "dcp": ".dcp"}.get(to or "", ".safetensors")  # a DCP output is a folder: name.dcp
     jobs = [(Path(source), out_dir / (suggest.stem(source) + suffix)) for source in sources]
     by_output: dict[str, Path] = {}
     for source, target in jobs:

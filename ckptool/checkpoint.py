@@ -17,7 +17,7 @@ from .refs import StorageRef, TensorRef
 from . import layouts
 from .layouts import LayoutTensor
 from .pickles import OpaqueObject
-from .tree import contains, get_at, iter_tensors, map_tensors, replace_at
+from .tree import contains, copy_mapping, get_at, iter_tensors, map_tensors, replace_at
 
 # Where training code puts the weights, tried in order (first match wins).
 #   state_dict        Lightning, timm, many scripts          model_state_dict  the PyTorch tutorial's resumable dict
@@ -407,6 +407,40 @@ class Checkpoint:
     def add_prefix(self, prefix: str = keys_.DDP_PREFIX) -> Checkpoint:
         """Put ``prefix`` in front of every weight key."""
         return self.with_state_dict(keys_.add_prefix(self.state_dict, prefix))
+
+    def rename_keys(self, rules: list[tuple[Any, str]]) -> tuple[Checkpoint, int]:
+        """The weight keys rewritten by regex ``rules`` (see :func:`ckptool.keys.rename_keys`), and how
+        many changed."""
+        renamed, changed = keys_.rename_keys(self.state_dict, rules)
+        return self.with_state_dict(renamed), changed
+
+    def drop(self, patterns: list[str] | tuple[str, ...]) -> tuple[Checkpoint, list[str], list[str]]:
+        """Without the weight keys and the container's top-level entries a shell pattern matches whole
+        (``head.*``, ``optimizer``); the dropped keys and entries.
+
+        Raises:
+            UsageError: a pattern matches the entry that holds the weights.
+        """
+        from .errors import UsageError
+
+        keys = keys_.matching(self.state_dict, patterns) if self.has_weights else []
+        entries = keys_.matching(self.entries(), patterns)
+        if self.layout and isinstance(self.layout[0], str) and keys_.matching([self.layout[0]], patterns):
+            raise UsageError(f"{self.layout[0]!r} holds the weights: a pattern that drops it would leave none — "
+                             "name the keys inside it instead (e.g. 'head.*')")
+        dropped = self.with_state_dict(keys_.drop_keys(self.state_dict, keys)) if keys else self
+        if entries:
+            gone = set(entries)
+            dropped = replace(dropped, container=copy_mapping(
+                dropped.container, items=[(k, v) for k, v in dict.items(dropped.container) if k not in gone]))
+        return dropped, [str(key) for key in keys], [str(entry) for entry in entries]
+
+    def weights_only(self) -> Checkpoint:
+        """The weights alone, as a bare state dict at the top level (the container's other entries,
+        optimizer, epoch, config, left out), as timm's ``clean_checkpoint`` and OpenMMLab's
+        ``publish_model`` keep them."""
+        return replace(self, container=self.state_dict, layout=(), module_class=None, keep_modules=False,
+                       selected=False)
 
     def remap(self, mapper: Callable[[str], str]) -> Checkpoint:
         """Rewrite every storage's location tag with ``mapper`` (no tensor moves; no GPU needed)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 import click
 
-from . import __version__, exitcodes, render
+from . import __version__, exitcodes, jsonout, render
 from .errors import CkptError, InternalError
 from .suggest import flag
 
@@ -37,9 +36,18 @@ def _error_text(error: CkptError) -> str:
     return error.render(flag)
 
 
-def _fail(error: CkptError) -> None:
+def _fail(error: CkptError, as_json: bool = False) -> None:
+    if as_json:  # a pipeline reads the failure on stdout too, in the shape it parses
+        click.echo(jsonout.dumps(jsonout.document("error", {"error": jsonout.error_object(error, _error_text)})))
     render.echo(f"ckptool: error: {_error_text(error)}", err=True)
     sys.exit(error.exit_code)
+
+
+def _fail_json(as_json: bool, type_: str, message: str, exit_code: int) -> None:
+    """With --json, the error document of a failure that is not a library error (Ctrl-C, a bug)."""
+    if as_json:
+        with contextlib.suppress(Exception):  # stdout may be the thing that failed
+            click.echo(jsonout.dumps(jsonout.error_document(type_, message, exit_code=exit_code)))
 
 
 def _closed_pipe() -> None:
@@ -57,6 +65,7 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
         try:
             try:
                 return command(*args, **kwargs)
@@ -68,29 +77,34 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except CkptError as e:
             if isinstance(e, InternalError) and os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            _fail(e)
+            _fail(e, as_json)
         except KeyboardInterrupt:
+            _fail_json(as_json, "interrupted", "interrupted — nothing was written", exitcodes.INTERRUPTED)
             render.echo("ckptool: interrupted — nothing was written", err=True)
             sys.exit(exitcodes.INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
-            render.echo("ckptool: error: ran out of memory — nothing was written; free memory or run it on a larger "
-                  "machine", err=True)
+            message = "ran out of memory — nothing was written; free memory or run it on a larger machine"
+            _fail_json(as_json, "memory", message, exitcodes.INPUT)
+            render.echo(f"ckptool: error: {message}", err=True)
             sys.exit(exitcodes.INPUT)
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            render.echo(f"ckptool: internal error: {type(e).__name__}: {e} — a bug in ckptool, not a problem with the "
-                  "input; rerun with CKPTOOL_DEBUG=1 and report it", err=True)
+            message = (f"{type(e).__name__}: {e} — a bug in ckptool, not a problem with the input; rerun with "
+                       "CKPTOOL_DEBUG=1 and report it")
+            _fail_json(as_json, "internal", message, exitcodes.INTERNAL)
+            render.echo(f"ckptool: internal error: {message}", err=True)
             sys.exit(exitcodes.INTERNAL)
 
     return wrapper
 
 
-def _emit_json(data: Any) -> None:
+def _emit_json(command: str, data: dict[str, Any]) -> None:
+    """Print ``command``'s --json document (see :mod:`ckptool.jsonout`): ASCII, strict, schema named first."""
     # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
-    click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=True))
+    click.echo(jsonout.dumps(jsonout.document(jsonout.KINDS[command], data)))
 
 
 allow_global_option = click.option(
@@ -111,13 +125,29 @@ allow_expansion_option = click.option(
     "--allow-expansion", is_flag=True,
     help="Materialize tensor views that expand their stored bytes (stride 0, overlaps) more than 4x in full.",
 )
+dry_run_option = click.option(
+    "--dry-run", is_flag=True,
+    help="Make every check and refusal of the write, then stop: say what would be written; write nothing.")
 fingerprint_write_option = click.option(
     "--fingerprint", "with_fingerprint", is_flag=True,
     help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+class _Group(click.Group):
+    """The command group; a usage error of a command given --json is also an error document on stdout."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        args = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            if "--json" in args:
+                click.echo(jsonout.dumps(jsonout.error_document("usage", e.format_message(), exit_code=e.exit_code)))
+            raise
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
              help="Make any PyTorch checkpoint portable, and prove it.\n\nReads .pt/.pth/.bin/.ckpt (zip or "
                   "legacy), safetensors (single or sharded) without running pickle code. Exit codes: "
                   f"{exitcodes.help_text()}.")
@@ -165,7 +195,7 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors,
                        allow_expansion=allow_expansion, weights=weights)
     if as_json:
-        _emit_json(summary.to_json())
+        _emit_json("inspect", summary.to_json())
     else:
         render.summary(summary)
 
@@ -189,7 +219,7 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 
     report = scan_(ckpt, allow_globals=allow_globals)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("scan", report.to_json())
     else:
         render.scan(report)
     sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
@@ -206,6 +236,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
                           "another suffix keeps the input's)."),
         force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option, weights_option,
+        dry_run_option,
     ]):
         command = option(command)
     return command
@@ -214,9 +245,13 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @main.command()
 @_rewrite_options
 @click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
+@click.option("--to", "to_device", default=None, metavar="DEVICE",
+              help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.")
+@click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, prefix: str | None) -> None:
+          with_fingerprint: bool, weights: str | None, dry_run: bool, prefix: str | None, to_device: str | None,
+          mapping: tuple[str, ...]) -> None:
     """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
 
     By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
@@ -227,13 +262,16 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
-                              fingerprint=with_fingerprint, weights=weights)
+                              fingerprint=with_fingerprint, weights=weights, to_device=to_device, mapping=mapping,
+                              dry_run=dry_run)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("strip", report.to_json())
     else:
         details = report.details
+        moved = (f"; devices {details['devices_before']} -> {details['devices_after']}"
+                 if "devices_after" in details else "")
         render.write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
-                              f'{report.target}')
+                              f'{report.target}{moved}')
 
 
 @main.command("add-prefix")
@@ -241,7 +279,8 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
 @handle_errors
 def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
-               allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, prefix: str) -> None:
+               allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, dry_run: bool,
+               prefix: str) -> None:
     """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
@@ -249,9 +288,10 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
     from . import operations
 
     report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
-                                   allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
+                                   allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights,
+                                   dry_run=dry_run)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("add-prefix", report.to_json())
     else:
         render.write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
 
@@ -262,7 +302,8 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
 @handle_errors
 def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, to_device: str | None, mapping: tuple[str, ...]) -> None:
+          with_fingerprint: bool, weights: str | None, dry_run: bool, to_device: str | None,
+          mapping: tuple[str, ...]) -> None:
     """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
 
     Tensors are not moved: only the tags torch.load restores them onto change.
@@ -272,9 +313,10 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     from . import operations
 
     report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
-                              allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights)
+                              allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights,
+                              dry_run=dry_run)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("remap", report.to_json())
     else:
         render.write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
                               f"{report.details['devices_after']}")
@@ -289,8 +331,9 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
               help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Convert many inputs into this directory (name kept, suffix from --to).")
-@click.option("--to", "to_format", type=click.Choice(["safetensors", "pt"]), default=None,
-              help="Target format (default: from OUT's suffix; safetensors with --out-dir).")
+@click.option("--to", "to_format", type=click.Choice(["safetensors", "pt", "dcp"]), default=None,
+              help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "
+                   "torch.distributed.checkpoint folder of the whole checkpoint, for dcp.load (needs torch).")
 @click.option("--strip", "strip_wrappers", is_flag=True, help="Also strip the detected wrapper prefix from the keys.")
 @click.option("--max-shard-size", default=None, metavar="SIZE", help="Shard safetensors output, e.g. 5GB or 500MB.")
 @click.option("--duplicate-tied", is_flag=True, help="Store tied tensors as full copies (for readers without aliases).")
@@ -299,17 +342,27 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.option("--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched).")
 @click.option("--allow-overflow", is_flag=True,
               help="With --dtype: accept a cast that turns finite values into Inf/NaN (refused by default).")
+@click.option("--drop", multiple=True, metavar="PATTERN",
+              help="Leave out weight keys ('head.*', '*.num_batches_tracked') and top-level entries ('optimizer') a "
+                   "shell pattern matches whole (repeatable).")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL",
+              help=r"Rewrite weight keys with a regex, as re.sub does: '^backbone\.=' or 'blocks\.(\d+)=layers.\1' "
+                   "(repeatable, applied in order).")
+@click.option("--weights-only", is_flag=True,
+              help="Write the weights alone (a bare state dict): no optimizer, epoch or config around them.")
 @allow_expansion_option
 @force_option
 @json_option
 @allow_global_option
 @fingerprint_write_option
 @weights_option
+@dry_run_option
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
-            dtype: str | None, allow_overflow: bool, allow_expansion: bool, force: bool, as_json: bool,
-            allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None) -> None:
+            dtype: str | None, allow_overflow: bool, drop: tuple[str, ...], rename: tuple[str, ...],
+            weights_only: bool, allow_expansion: bool, force: bool, as_json: bool, allow_globals: tuple[str, ...],
+            with_fingerprint: bool, weights: str | None, dry_run: bool) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
 
     Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
@@ -323,13 +376,14 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
     options = operations.ConvertOptions(
         to=to_format, strip=strip_wrappers, duplicate_tied=duplicate_tied, nest=nest, dtype=dtype,
         allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
-        fingerprint=with_fingerprint, weights=weights)
+        fingerprint=with_fingerprint, weights=weights, dry_run=dry_run, drop=drop, rename=rename,
+        weights_only=weights_only)
     show_progress = len(plan.jobs) > 1 and not as_json
     with click.progressbar(plan.jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
             contextlib.nullcontext(plan.jobs) as jobs:
         report = operations.convert(plan, options, jobs=jobs)
     if as_json:
-        _emit_json(report.to_json(_error_text))
+        _emit_json("convert", report.to_json(_error_text))
     else:
         for result in report.converted:
             render.write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
@@ -390,7 +444,7 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
                      allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys,
                      weights=weights, against_weights=against_weights)
     if as_json:
-        _emit_json(report.to_json(flag))
+        _emit_json("verify", report.to_json(flag))
     else:
         render.verify(report)
     if not report.ok:
@@ -424,7 +478,7 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     report = diff_(a, b, atol=atol, allow_globals=allow_globals, allow_expansion=allow_expansion, weights_a=weights,
                    weights_b=weights_b)
     if as_json:
-        _emit_json(report.to_json())
+        _emit_json("diff", report.to_json())
     else:
         render.diff(report)
     sys.exit(exitcodes.OK if report.identical else exitcodes.PROBLEM)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import KeyCollisionError, NothingToDoError, UsageError
@@ -109,3 +111,63 @@ def add_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
         return head if meta_key == "" else prefix + meta_key
 
     return _with_keys(state_dict, items, _rename_metadata(state_dict, rename))
+
+
+def parse_rename(rule: str) -> tuple[re.Pattern[str], str]:
+    """``PATTERN=REPLACEMENT`` (split at the last ``=``) as a compiled regex and its replacement
+    (``\\1`` for a group), as :func:`re.sub` takes them.
+
+    Raises:
+        UsageError: no ``=``, or a pattern that is not a regular expression.
+    """
+    pattern, sep, replacement = rule.rpartition("=")
+    if not sep or not pattern:
+        raise UsageError(f"rename rule {rule!r} is not PATTERN=REPLACEMENT — e.g. " + option("rename", r"^backbone\.=")
+                         + " to drop a leading backbone.")
+    try:
+        return re.compile(pattern), replacement
+    except re.error as e:
+        raise UsageError(f"rename pattern {pattern!r} is not a regular expression ({e})") from e
+
+
+def rename_keys(state_dict: Mapping[str, Any], rules: Sequence[tuple[re.Pattern[str], str]]) -> tuple[dict, int]:
+    """Each key rewritten by every rule in turn (``pattern.sub(replacement, key)``, as mmengine's
+    ``revise_keys`` does), and how many keys changed.
+
+    Raises:
+        KeyCollisionError: two keys would become one.
+        UsageError: a rule whose replacement refers to a group the pattern lacks.
+    """
+
+    def rename(key: str) -> str:
+        for pattern, replacement in rules:
+            try:
+                key = pattern.sub(replacement, key)
+            except (re.error, IndexError) as e:
+                raise UsageError(f"rename {pattern.pattern!r}={replacement!r}: {e}") from e
+        return key
+
+    items: list[tuple[Any, Any]] = []
+    seen: dict[Any, Any] = {}
+    changed = 0
+    for key, value in state_dict.items():
+        new_key = rename(key) if isinstance(key, str) else key
+        changed += new_key != key
+        if new_key in seen:
+            raise KeyCollisionError(f"renaming maps both {seen[new_key]!r} and {key!r} to {new_key!r} — "
+                                    "make the rule tell them apart")
+        seen[new_key] = key
+        items.append((new_key, value))
+    return _with_keys(state_dict, items, _rename_metadata(state_dict, rename)), changed
+
+
+def matching(keys: Iterable[Any], patterns: Sequence[str]) -> list[Any]:
+    """The string keys that one of the shell ``patterns`` matches whole (``head.*``, ``*.num_batches_tracked``)."""
+    return [key for key in keys if isinstance(key, str) and any(fnmatch.fnmatchcase(key, p) for p in patterns)]
+
+
+def drop_keys(state_dict: Mapping[str, Any], dropped: Sequence[Any]) -> dict:
+    """``state_dict`` without the keys ``dropped``."""
+    gone = set(dropped)
+    return _with_keys(state_dict, [(k, v) for k, v in state_dict.items() if k not in gone],
+                      getattr(state_dict, "_metadata", None))

@@ -16,9 +16,10 @@ instead of torch's wall of keys.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -483,6 +484,11 @@ class LoadReport:
         rewrite: the key rewrite applied (``KeyRewrite()`` when the keys fit as stored).
         matched: keys loaded; missing / unexpected / mismatched stay 0 after a strict load.
         casts: ``{"F16->F32": n}`` — tensors whose dtype the model's parameters converted.
+        device: where the model's weights are (where it was, unless a device was asked for).
+        skipped: checkpoint keys the ``filter_fn`` left out (after the key rewrite).
+        missing_keys / unexpected_keys / mismatched_keys: with ``strict=False``, the model's keys
+            not loaded, the checkpoint's keys the model lacks, and those whose shapes differ
+            (left out of the load).
     """
 
     path: Path
@@ -497,6 +503,10 @@ class LoadReport:
     mismatched: int = 0
     casts: dict[str, int] = field(default_factory=dict)
     tied: int = 0
+    skipped: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -522,21 +532,36 @@ def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[s
     return load(path, allow_globals=allow_globals, weights=weights)
 
 
-def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str = "cpu",
+def _model_device(model: nn.Module) -> str:
+    """Where the model's weights are: its first parameter's (or buffer's) device; ``cpu`` for none."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return str(tensor.device)
+    return "cpu"
+
+
+def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str | None = None,
+              strict: bool = True, filter_fn: Callable[[dict[str, torch.Tensor], nn.Module],
+                                                       dict[str, torch.Tensor]] | None = None,
               allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None) -> LoadReport:
-    """Load any checkpoint's weights into ``model`` strictly, fixing wrapper prefixes on the way.
+    """Load any checkpoint's weights into ``model``, fixing wrapper prefixes on the way.
 
     Reads the file without running its code, finds the weights inside any training container,
     picks the key rewrite that fits ``model`` (strip ``module.``/``_orig_mod.``/``model.``, or add the
-    prefix a wrapped model expects), then moves ``model`` to ``device`` and calls
-    ``model.load_state_dict(..., strict=True)``.
+    prefix a wrapped model expects), then calls ``model.load_state_dict``: the values are copied
+    into the model's own tensors, on the device they are on.
 
     Args:
         model: the network to fill (bare, or wrapped in DataParallel/DDP/torch.compile).
         path: any checkpoint ckptool reads, or an already loaded :class:`~ckptool.Checkpoint`.
         fix: apply the best rewrite; with ``fix=False`` the keys must fit as stored, otherwise the
             error names the fix.
-        device: where the model ends up (``"cpu"``, ``"cuda:0"``...).
+        device: move the model there first (``"cpu"``, ``"cuda:0"``...); by default it stays where it is.
+        strict: every key must fit (the default); with ``False`` the keys that fit by name and shape
+            are loaded and the report lists the rest (``missing_keys``, ``unexpected_keys``,
+            ``mismatched_keys``).
+        filter_fn: ``filter_fn(state_dict, model) -> state_dict``, as timm's ``load_checkpoint`` takes
+            it: called on the rewritten state dict before the load; the keys it drops are reported
+            as ``skipped`` (with ``strict=True`` the model's keys it drops must be none).
         allow_globals: extra pickle globals to accept by name.
         weights: which set of weights to load (``"state_dict_ema"``, ``"ema"``; see :func:`ckptool.load`).
 
@@ -548,6 +573,8 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         >>> report = ckptool.load_into(LeNet(), "ddp.pt")    # doctest: +SKIP
         >>> report.rewrite.describe(), report.matched       # doctest: +SKIP
         ('strip "module."', 8)
+        >>> ckptool.load_into(net, "ema.pt", strict=False,  # doctest: +SKIP
+        ...                   filter_fn=lambda sd, m: {k: v for k, v in sd.items() if not k.startswith("head.")})
     """
     checkpoint = _open(path, allow_globals, weights)
     tensors = checkpoint.tensors
@@ -561,7 +588,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
     assert as_stored is not None  # the identity rewrite cannot collide
     chosen = best if fix else as_stored
     name = model_name(model)
-    if not chosen.fits:
+    if strict and filter_fn is None and not chosen.fits:
         raise LoadMismatchError(diagnose(
             checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
             checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
@@ -569,11 +596,28 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         ))
     rewrite = chosen.rewrite
     state_dict = to_state_dict({rewrite.apply(key): tensor for key, tensor in tensors.items()})
-    casts = Counter(f"{tensors[key].dtype.name}->{dtype_name(model_state[rewrite.apply(key)])}"
-                    for key in tensors if dtype_name(model_state[rewrite.apply(key)]) != tensors[key].dtype.name)
-    model.to(device)
+    skipped: list[str] = []
+    if filter_fn is not None:
+        filtered = filter_fn(state_dict, model)
+        skipped = [key for key in state_dict if key not in filtered]
+        state_dict = dict(filtered)
+    fits = {key: value for key, value in state_dict.items()
+            if key in model_shapes and tuple(value.shape) == model_shapes[key]}
+    missing = [key for key in model_shapes if key not in fits]
+    unexpected = [key for key in state_dict if key not in model_shapes]
+    mismatched = [key for key in state_dict if key in model_shapes and key not in fits]
+    if strict and (missing or unexpected or mismatched):  # what filter_fn left does not fit the model
+        raise LoadMismatchError(diagnose(
+            checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
+            checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
+            allow_globals=checkpoint.allow_globals,
+        ) if not chosen.fits else _filtered_diagnosis(checkpoint, name, chosen, missing, unexpected, skipped))
+    casts = Counter(f"{value.dtype}->{model_state[key].dtype}".replace("torch.", "")
+                    for key, value in fits.items() if value.dtype != model_state[key].dtype)
+    if device is not None:
+        model.to(device)
     try:
-        model.load_state_dict(state_dict, strict=True)
+        model.load_state_dict(fits, strict=strict)
     except RuntimeError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CkptError(f"load_state_dict failed after the keys matched ({first_line}) — "
@@ -581,8 +625,34 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
     storages = Counter(id(tensor.storage) for tensor in tensors.values())
     return LoadReport(
         path=checkpoint.path, format=checkpoint.format, layout=tuple(checkpoint.layout or ()), model=name,
-        device=str(device), rewrite=rewrite, matched=chosen.matched, casts=dict(casts),
-        tied=sum(count - 1 for count in storages.values() if count > 1),
+        device=str(device) if device is not None else _model_device(model), rewrite=rewrite, matched=len(fits),
+        missing=len(missing), unexpected=len(unexpected), mismatched=len(mismatched),
+        casts={_dtype_pair(pair): count for pair, count in casts.items()},
+        tied=sum(count - 1 for count in storages.values() if count > 1), skipped=skipped, missing_keys=missing,
+        unexpected_keys=unexpected, mismatched_keys=mismatched,
+    )
+
+
+def _dtype_pair(pair: str) -> str:
+    """``float16->float32`` as the report spells dtypes: ``F16->F32``."""
+    from .dtypes import BY_TORCH_NAME
+
+    names = [BY_TORCH_NAME.get(side) for side in pair.split("->")]
+    return "->".join(known.name if known is not None else side for known, side in zip(names, pair.split("->")))
+
+
+def _filtered_diagnosis(checkpoint: Checkpoint, model: str, chosen: Any, missing: list[str], unexpected: list[str],
+                        skipped: list[str]) -> LoadDiagnosis:
+    """The keys fit before ``filter_fn`` and not after it: say what it took away."""
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    problem = (f"filter_fn left {len(missing)} of {model}'s keys without weights ({shown})" if missing else
+               f"filter_fn returned {len(unexpected)} keys {model} does not have ({', '.join(unexpected[:3])})")
+    return LoadDiagnosis(
+        path=checkpoint.path, model=model, cause="partial", problem=problem,
+        fix="load with strict=False to keep the model's own values for them", rewrite=chosen.rewrite,
+        model_keys=chosen.matched + len(chosen.missing), matched=chosen.matched - len(missing),
+        missing=missing, unexpected=unexpected, mismatched=[], fitted_matched=chosen.matched - len(missing),
+        fitted_missing=missing, fitted_unexpected=unexpected, fitted_mismatched=[],
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CkptError, UsageError
+from . import suggest
 from .suggest import Metavar, option
 
 if TYPE_CHECKING:  # the writer is imported by the job that writes, so --help stays fast
@@ -52,6 +53,8 @@ class WriteReport:
         written = {"output": str(self.saved.path), "format": self.saved.format, "tensors": self.saved.tensors,
                    "bytes": self.saved.bytes, "checked": self.saved.checked, "fingerprint": self.saved.fingerprint,
                    "files": [str(f) for f in self.saved.files]}
+        if self.saved.dry_run:  # what would be written; nothing was
+            written["dry_run"] = True
         if self.command == "convert":  # convert's object leads with its input and lists the aliases it recorded
             return {"input": str(self.input), **written, "aliases": self.saved.aliases, "notes": self.notes}
         return {**written, "notes": self.notes, "input": str(self.input), **self.details}
@@ -68,31 +71,53 @@ def _target(ckpt: Path, out: Path | None, in_place: bool) -> Path:
 
 def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None = None, force: bool = False,
           in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-          weights: str | None = None) -> WriteReport:
-    """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``.
+          weights: str | None = None, to_device: str | None = None, mapping: Iterable[str] = (),
+          dry_run: bool = False) -> WriteReport:
+    """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``;
+    with ``to_device`` or ``mapping``, rewrite the saved device tags in the same write (as :func:`remap`).
 
     Raises:
         NothingToDoError: no key carries the prefix.
-        UsageError: no ``out`` and not ``in_place``.
+        UsageError: no ``out`` and not ``in_place``; device tags asked of a format without them.
     """
     from .reader import load
     from .writer import rewrite_format, save
 
     ckpt, out = Path(ckpt), _optional_path(out)
+    mapping = tuple(mapping)
+    mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(prefix)
     renamed = count_keys(checkpoint.state_dict, prefix=used)
+    details: dict[str, Any] = {"prefix": used, "renamed": renamed}
+    if mapper is not None:
+        _has_location_tags(checkpoint, ckpt)
+        details["devices_before"] = checkpoint.saved_devices()
+        stripped = stripped.remap(mapper)
+        details["devices_after"] = stripped.saved_devices()
     saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
-                 in_place=in_place, fingerprint=fingerprint)
-    return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
-                       {"prefix": used, "renamed": renamed})
+                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes, details)
+
+
+def _mapper(to_device: str | None, mapping: Iterable[str]) -> Any:
+    from .devices import location_mapper
+
+    return location_mapper(to_device, mapping)
+
+
+def _has_location_tags(checkpoint: Checkpoint, ckpt: Path) -> None:
+    from . import formats
+
+    if not formats.for_name(checkpoint.format).has_location_tags:
+        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
 
 
 def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str = "module.", force: bool = False,
                in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-               weights: str | None = None) -> WriteReport:
+               weights: str | None = None, dry_run: bool = False) -> WriteReport:
     """Put ``prefix`` in front of every weight key and write the result to ``out``."""
     from .reader import load
     from .writer import rewrite_format, save
@@ -102,35 +127,33 @@ def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str =
     target = _target(ckpt, out, in_place)
     prefixed = checkpoint.add_prefix(prefix)
     saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
-                 in_place=in_place, fingerprint=fingerprint)
+                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
     return WriteReport("add-prefix", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
                        {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)})
 
 
 def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | None = None,
           mapping: Iterable[str] = (), force: bool = False, in_place: bool = False,
-          allow_globals: tuple[str, ...] = (), fingerprint: bool = False, weights: str | None = None) -> WriteReport:
+          allow_globals: tuple[str, ...] = (), fingerprint: bool = False, weights: str | None = None,
+          dry_run: bool = False) -> WriteReport:
     """Rewrite the saved storage device tags (every one to ``to_device``, or ``mapping``'s ``old=new``).
 
     Raises:
         UsageError: neither or both of ``to_device`` and ``mapping``, or a safetensors input (no tags).
     """
-    from . import formats
-    from .devices import location_mapper
     from .reader import load
     from .writer import rewrite_format, save
 
     ckpt, out = Path(ckpt), _optional_path(out)
-    mapper = location_mapper(to_device, mapping)
+    mapper = _mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
-    if not formats.for_name(checkpoint.format).has_location_tags:
-        raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
+    _has_location_tags(checkpoint, ckpt)
     target = _target(ckpt, out, in_place)
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
     saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
-                 in_place=in_place, fingerprint=fingerprint)
+                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
     return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved, "remap") + saved.notes,
                        {"devices_before": before, "devices_after": after})
 
@@ -196,6 +219,10 @@ class ConvertOptions:
     allow_globals: tuple[str, ...] = ()
     fingerprint: bool = False
     weights: str | None = None
+    dry_run: bool = False
+    drop: tuple[str, ...] = ()  # shell patterns: weight keys and top-level entries to leave out
+    rename: tuple[str, ...] = ()  # PATTERN=REPLACEMENT regex rules for the weight keys, in order
+    weights_only: bool = False  # write the weights alone (a bare state dict), no container around them
 
 
 @dataclass
@@ -212,11 +239,12 @@ class ConvertReport:
         return max((error.exit_code for error in self.failed), default=0)
 
     def to_json(self, describe: Callable[[CkptError], str] = str) -> dict[str, Any]:
-        """The --json object: one write report for a named output, else every result and failure."""
-        if self.plan.one_output:
-            return self.converted[0].to_json()
+        """The --json object, one shape for ``out`` and ``out_dir``: every write report, then every
+        failure as an error object (``describe`` gives its message)."""
+        from .jsonout import error_object
+
         return {"converted": [report.to_json() for report in self.converted],
-                "failed": [describe(error) for error in self.failed]}
+                "failed": [error_object(error, describe) for error in self.failed]}
 
 
 def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None, out_dir: Path | str | None = None,
@@ -257,24 +285,69 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     if options.strip and checkpoint.prefix:
         notes.append(f'stripped "{checkpoint.prefix}" from the keys')
         checkpoint = checkpoint.strip_prefix()
+    checkpoint = _reshape(checkpoint, options, notes)
     if options.dtype is not None:
         from .cast import cast_weights
 
         checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
                                   allow_expansion=options.allow_expansion)
         notes.append(f"cast floating weights to {options.dtype}")
-    saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
-                 duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
-                 allow_expansion=options.allow_expansion)
+    if options.to == "dcp":  # a torch.distributed.checkpoint folder, written by torch's dcp.save
+        from .dcp_write import save_dcp
+
+        if max_shard_bytes is not None:
+            raise UsageError(option("max_shard_size", None) + " applies to safetensors output; a DCP folder holds "
+                             "one file per process")
+        saved = save_dcp(checkpoint, target, force=options.force, fingerprint_=options.fingerprint,
+                         allow_expansion=options.allow_expansion, dry_run=options.dry_run)
+    else:
+        saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
+                     duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
+                     allow_expansion=options.allow_expansion, dry_run=options.dry_run)
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     from . import formats
+
+    if checkpoint.prefix and formats.for_name(saved.format).weights_only:
+        # a published safetensors file is loaded into bare models (from_pretrained, load_model): say so now
+        notes.append(f'the keys still carry "{checkpoint.prefix}" (a training wrapper\'s); a bare model reports them '
+                     "as unexpected keys — to drop it: " + suggest.command(
+                         "convert", source, out=target, strip=True, force=True,
+                         allow_globals=list(options.allow_globals)))
 
     if formats.for_name(checkpoint.format).weights_only and not formats.for_name(saved.format).weights_only:
         from .entries import restored_notes
 
         notes += restored_notes(checkpoint.layout, checkpoint.metadata)
     return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
+
+
+def _reshape(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> Checkpoint:
+    """Rename the weight keys, drop keys and entries, keep the weights alone: as ``options`` asks."""
+    from .keys import parse_rename
+
+    if options.rename:
+        rules = [parse_rename(rule) for rule in options.rename]
+        checkpoint, changed = checkpoint.rename_keys(rules)
+        if not changed:
+            raise UsageError("the rename rules change no weight key — inspect lists the keys (" + option(
+                "tensors") + ")", path=checkpoint.path)
+        notes.append(f"renamed {changed} keys")
+    if options.drop:
+        checkpoint, keys, entries = checkpoint.drop(options.drop)
+        if not keys and not entries:
+            raise UsageError("no weight key or entry matches " + ", ".join(repr(p) for p in options.drop)
+                             + " — inspect lists them (" + option("tensors") + " for the keys)", path=checkpoint.path)
+        if keys:
+            notes.append(f"dropped {len(keys)} weight keys ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+        if entries:
+            notes.append(f"dropped entries: {', '.join(entries)}")
+    if options.weights_only:
+        left = [str(key) for key in checkpoint.entries()]
+        checkpoint = checkpoint.weights_only()
+        notes.append("wrote the weights alone" + (f" (left out: {', '.join(left[:6])}{', ...' if len(left) > 6 else ''})"
+                                                  if left else ""))
+    return checkpoint
 
 
 def convert(plan: ConvertPlan, options: ConvertOptions, *, jobs: Iterable[tuple[Path, Path]] | None = None

@@ -57,8 +57,8 @@ def summary(summary: Summary) -> None:
     echo(f"  saved devices  {devices}  (storages per location tag)")
     if summary.tied:
         echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
-    for key, description in summary.entries.items():
-        echo(f"  entry          {key}: {description}")
+    for key, entry in summary.entries.items():
+        echo(f"  entry          {key}: {entry['summary']}")
     if summary.globals:
         echo(f"  pickle globals {', '.join(summary.globals)}")
     for key, value in summary.metadata.items():
@@ -109,9 +109,14 @@ def scan(report: ScanReport) -> None:
 
 def write(report: WriteReport, headline: str) -> None:
     """A write command's ``headline``, then what the check proved and the notes."""
-    echo(headline)
-    line = f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, CRC32)"
-    echo(line)
+    if report.saved.dry_run:
+        echo(f"dry run, nothing written: {headline}")
+        for file in report.saved.files:
+            echo(f"  would write {file}")
+    else:
+        echo(headline)
+        echo(f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, "
+             "CRC32)")
     if report.saved.fingerprint:
         echo(f"  fingerprint {report.saved.fingerprint}")
     for note in report.notes:

@@ -186,7 +186,7 @@ def _placed(value: Any) -> Any:
 # what stem() takes off a name, longest first: a version or a date in the name stays
 # (chgnet_0.3.0.pth.tar -> chgnet_0.3.0), and so does a suffix that is not a checkpoint's
 CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".ckpt", ".pth", ".bin", ".pt",
-                       ".tar")
+                       ".tar", ".dcp")
 
 
 def stem(path: Path | str) -> str:
@@ -215,10 +215,13 @@ def weights_suffix(format_: str) -> str:
     return formats.for_name(format_).default_suffix
 
 
-def strip(path: Path, *, format_: str, prefix: str | None = None, allow_globals: Sequence[str] = ()) -> str:
+def strip(path: Path, *, format_: str, prefix: str | None = None, allow_globals: Sequence[str] = (),
+          to_cpu: bool = False) -> str:
     """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack);
-    ``allow_globals``: the entries ``path`` was read with, carried by the command."""
-    return command("strip", Path(path), out=sibling(Path(path), "stripped", weights_suffix(format_)), prefix=prefix,
+    ``allow_globals``: the entries ``path`` was read with, carried by the command; ``to_cpu``: the same
+    write also moves every saved storage tag to the CPU (one command from a GPU cluster's file to a laptop's)."""
+    out = sibling(Path(path), "cpu" if to_cpu else "stripped", weights_suffix(format_))
+    return command("strip", Path(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
                    allow_globals=list(allow_globals))
 
 

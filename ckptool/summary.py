@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 from . import formats, layouts, modules, suggest
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
+from .jsonout import key_text
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
@@ -51,7 +53,8 @@ class Summary:
     dtypes: dict[str, int]
     saved_devices: dict[str, int]
     tied: list[list[str]]
-    entries: dict[str, str]
+    # each entry that is not the weights: {"type", "summary", "value" (when it is plain data), "global"}
+    entries: dict[str, dict[str, Any]]
     globals: list[str]
     file_bytes: int
     metadata: dict[str, str] = field(default_factory=dict)
@@ -113,6 +116,70 @@ def describe_entry(value: Any) -> str:
     return type(value).__name__
 
 
+# an entry's value is given in full (JSON) up to this many values and this depth; past that, its summary only
+ENTRY_VALUES, ENTRY_DEPTH = 10_000, 32
+
+
+class _NotPlain(Exception):
+    """An entry (or a part of it) that is not plain data JSON carries exactly."""
+
+
+def entry_type(value: Any) -> str:
+    """What an entry is, as inspect's JSON names it (``int``, ``dict``, ``tensor``, ``optimizer_state``...)."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (bytes, "bytes"),
+                       (TensorRef, "tensor"), (DeviceRef, "device"), (SizeRef, "size")):
+        if isinstance(value, kind):
+            return name
+    if modules.is_module(value):
+        return "module"
+    if is_optimizer_state(value):
+        return "optimizer_state"
+    if isinstance(value, OpaqueObject):
+        return "object"
+    for kind, name in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (set | frozenset, "set")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _plain_value(value: Any, budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > ENTRY_DEPTH:
+        raise _NotPlain
+    if value is None or isinstance(value, bool | int | str):
+        if isinstance(value, str):
+            budget[0] -= len(value) // 64
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # strict JSON: "inf", "-inf", "nan"
+    if isinstance(value, dict) and not isinstance(value, OpaqueObject):
+        items = dict.items(value)
+        if not all(k is None or isinstance(k, str | int | float | bool) for k, _ in items):
+            raise _NotPlain
+        return {key_text(k): _plain_value(v, budget, depth + 1) for k, v in items}
+    if isinstance(value, list | tuple) and not isinstance(value, OpaqueObject):
+        return [_plain_value(v, budget, depth + 1) for v in value]
+    raise _NotPlain
+
+
+def entry_record(value: Any) -> dict[str, Any]:
+    """One entry as inspect reports it: ``type``, a one-line ``summary``, its ``value`` as JSON when it is
+    plain data (numbers, strings, lists, dicts of them; a tensor, an object or a huge value has none),
+    and ``global`` for a pickled object or module."""
+    record: dict[str, Any] = {"type": entry_type(value), "summary": describe_entry(value)}
+    global_name = getattr(value, "global_name", None) if isinstance(value, OpaqueObject) or modules.is_module(value) \
+        else None
+    if isinstance(global_name, str):
+        record["global"] = global_name
+    try:
+        record["value"] = _plain_value(value, [ENTRY_VALUES], 0)
+    except _NotPlain:
+        pass
+    return record
+
+
 def is_optimizer_state(value: Any) -> bool:
     """An ``optimizer.state_dict()``: ``{"state": {index: {...}}, "param_groups": [...]}``."""
     return isinstance(value, dict) and isinstance(dict.get(value, "state"), dict) \
@@ -146,14 +213,17 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     path = checkpoint.path  # as given: the commands run from where inspect was run
     fmt = formats.for_name(checkpoint.format)
     hints: list[Hint] = []
+    gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
+    on_gpu = f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU"
     if summary.prefix:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
-        hints.append(Hint(f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys',
-                          suggest.strip(path, format_=checkpoint.format, allow_globals=checkpoint.allow_globals)))
-    gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
-    if gpu:
-        hints.append(Hint(f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU",
-                          suggest.remap_to_cpu(path, allow_globals=checkpoint.allow_globals)))
+        carry = f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys'
+        # both at once: one write fixes both (two commands in turn would leave two half-fixed files)
+        hints.append(Hint(carry + (f"; {on_gpu}" if gpu else ""),
+                          suggest.strip(path, format_=checkpoint.format, allow_globals=checkpoint.allow_globals,
+                                        to_cpu=bool(gpu))))
+    elif gpu:
+        hints.append(Hint(on_gpu, suggest.remap_to_cpu(path, allow_globals=checkpoint.allow_globals)))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
     if fmt.torch_load_refuses:  # then its globals are its own metadata's (DCP's), read as inert records
         hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
@@ -224,7 +294,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         saved_devices=dict(sorted(checkpoint.saved_devices().items()))
         if formats.for_name(checkpoint.format).has_location_tags else {},
         tied=tied_groups(tensors),
-        entries={str(k): describe_entry(v) for k, v in checkpoint.entries().items()},
+        entries={str(k): entry_record(v) for k, v in checkpoint.entries().items()},
         globals=sorted(checkpoint.globals),
         file_bytes=file_bytes,
         metadata=dict(checkpoint.metadata),

@@ -70,6 +70,7 @@ class SaveReport:
     checked: int = 0
     aliases: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    dry_run: bool = False  # nothing was written: ``files`` are what would be, ``bytes`` the weights' bytes
 
 
 def suffix_format(out: Path) -> str | None:
@@ -162,7 +163,7 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
     """
     if not out_dir.is_dir():
         raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is not an existing directory — create it first")
-    suffix = ".pt" if to == "pt" else ".safetensors"
+    suffix = {"pt": ".pt", "dcp": ".dcp"}.get(to or "", ".safetensors")  # a DCP output is a folder: name.dcp
     jobs = [(Path(source), out_dir / (suggest.stem(source) + suffix)) for source in sources]
     by_output: dict[str, Path] = {}
     for source, target in jobs:
@@ -264,7 +265,8 @@ def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool,
 
 def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, force: bool = False,
          in_place: bool = False, max_shard_size: int | None = None, duplicate_tied: bool = False,
-         nest: str | None = None, fingerprint: bool = False, allow_expansion: bool = False) -> SaveReport:
+         nest: str | None = None, fingerprint: bool = False, allow_expansion: bool = False,
+         dry_run: bool = False) -> SaveReport:
     """Write ``checkpoint`` to ``out`` atomically and prove every tensor reads back unchanged.
 
     Args:
@@ -280,6 +282,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         allow_expansion: write out views that expand their storage (stride 0, overlaps) past
             :data:`ckptool.refs.EXPANSION_FACTOR` in full. A ``.pt`` output copies storages as
             they are and needs this only with ``fingerprint``.
+        dry_run: make every check and refusal a write would make, then stop: nothing is written and
+            no tensor byte is read; the report lists the files that would be written.
 
     Raises:
         OutputError: exists without ``force``, is the input, or the disk refused the write.
@@ -315,6 +319,11 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
                             in_place=in_place)
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
+    if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
+        files = [out / name for name in plan.writes] if plan is not None else [out]
+        return SaveReport(path=out, format=target.name, files=files, tensors=len(tensors),
+                          bytes=sum(t.nbytes for t in tensors.values()), dry_run=True,
+                          notes=list(plan.notes) if plan is not None else [])
     expect = Expectations.start(tensors, fingerprint=fingerprint, views_raw=views_raw)
     try:
         if not target.weights_only:

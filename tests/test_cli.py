@@ -51,8 +51,9 @@ def test_inspect_text_names_problem_and_fix(fixtures_dir: Path) -> None:
     path = fixtures_dir / "gpu_cuda1_ddp_lenet.pt"
     code, out, _ = run("inspect", path)
     assert code == 0
-    assert f"fix: ckptool strip {path} -o {fixtures_dir / 'gpu_cuda1_ddp_lenet.stripped.pt'}\n" in out
-    assert f"fix: ckptool remap {path} -o {fixtures_dir / 'gpu_cuda1_ddp_lenet.cpu.pt'} --to cpu\n" in out
+    # a wrapper prefix and GPU tags: one command fixes both (two in turn would leave two half-fixed files)
+    assert f"fix: ckptool strip {path} -o {fixtures_dir / 'gpu_cuda1_ddp_lenet.cpu.pt'} --to cpu\n" in out
+    assert out.count("fix: ") == 1
 
 
 def test_inspect_fix_commands_run_as_printed_from_another_folder(fixtures_dir: Path, tmp_path: Path,
@@ -65,14 +66,14 @@ def test_inspect_fix_commands_run_as_printed_from_another_folder(fixtures_dir: P
     monkeypatch.chdir(tmp_path / "elsewhere")
     code, out, _ = run("inspect", Path("..") / "my models" / "gpu run.pt")
     fixes = [line.split("fix: ", 1)[1] for line in out.splitlines() if line.strip().startswith("fix: ")]
-    assert code == 0 and len(fixes) == 2, out
+    assert code == 0 and len(fixes) == 1, out  # the prefix and the GPU tags: one command fixes both
     for fix in fixes:
         argv = shlex.split(fix)
         assert argv[:1] == ["ckptool"] and Path(argv[2]).exists(), fix
         code, _, err = run(*argv[1:])
         assert code == 0, (fix, err)
         assert Path(argv[argv.index("-o") + 1]).exists()
-    assert sorted(p.name for p in folder.iterdir()) == ["gpu run.cpu.pt", "gpu run.pt", "gpu run.stripped.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["gpu run.cpu.pt", "gpu run.pt"]
 
 
 def test_refusal_names_the_global_to_allow_as_a_shell_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,25 +137,31 @@ def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: P
 
 
 def test_write_commands_report_one_json_shape(fixtures_dir: Path, tmp_path: Path) -> None:
-    """strip, add-prefix, remap and convert report the same fields, in the order they always had."""
+    """strip, add-prefix and remap report the same fields; convert lists such reports, with -o as with --out-dir."""
     written = ["output", "format", "tensors", "bytes", "checked", "fingerprint", "files"]
     shapes = {
         ("strip", fixtures_dir / "ddp_lenet_wrapped.pt"): [*written, "notes", "input", "prefix", "renamed"],
         ("add-prefix", fixtures_dir / "single_lenet.pt"): [*written, "notes", "input", "prefix", "renamed"],
         ("remap", fixtures_dir / "gpu_cuda0_lenet.pt", "--to", "cpu"): [
             *written, "notes", "input", "devices_before", "devices_after"],
-        ("convert", fixtures_dir / "single_lenet.pt"): ["input", *written, "aliases", "notes"],
     }
     for number, (args, keys) in enumerate(shapes.items()):
         code, out, err = run(*args, "-o", tmp_path / f"{number}.pt", "--json")
         assert code == 0, err
-        assert list(json.loads(out)) == keys, args
+        data = json.loads(out)
+        assert data.pop("schema") == "ckptool.write/1" and list(data) == keys, args
+    converted = ["input", *written, "aliases", "notes"]
+    code, out, err = run("convert", fixtures_dir / "single_lenet.pt", "-o", tmp_path / "one.pt", "--json")
+    data = json.loads(out)
+    assert code == 0 and list(data) == ["schema", "converted", "failed"] and data["failed"] == []
+    assert data["schema"] == "ckptool.convert/1" and list(data["converted"][0]) == converted
     code, out, _ = run("convert", fixtures_dir / "single_lenet.pt", tmp_path / "missing.pt", "--out-dir", tmp_path,
                        "--to", "pt", "--json")
     data = json.loads(out)
-    assert code == 3 and list(data) == ["converted", "failed"] and list(data["converted"][0]) == shapes[
-        ("convert", fixtures_dir / "single_lenet.pt")]
-    assert len(data["failed"]) == 1 and "missing.pt" in data["failed"][0]
+    assert code == 3 and list(data) == ["schema", "converted", "failed"] and list(data["converted"][0]) == converted
+    [failure] = data["failed"]
+    assert failure["type"] == "input" and failure["exit_code"] == 3 and failure["path"] == str(tmp_path / "missing.pt")
+    assert "missing.pt" in failure["message"]
 
 
 def test_exit_codes_are_listed_where_users_read_them() -> None:
@@ -225,7 +232,7 @@ def test_remap_cli(fixtures_dir: Path, tmp_path: Path) -> None:
 def test_convert_cli(fixtures_dir: Path, tmp_path: Path) -> None:
     code, stdout, _ = run("convert", fixtures_dir / "ddp_lenet_wrapped.pt", "-o", tmp_path / "m.safetensors",
                           "--strip", "--json")
-    assert code == 0 and json.loads(stdout)["format"] == "safetensors"
+    assert code == 0 and json.loads(stdout)["converted"][0]["format"] == "safetensors"
     code, stdout, _ = run("convert", fixtures_dir / "single_lenet.pt", fixtures_dir / "dp_mlp_wrapped.pt",
                           "--out-dir", tmp_path, "--json")
     assert code == 0 and len(json.loads(stdout)["converted"]) == 2

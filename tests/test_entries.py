@@ -35,7 +35,8 @@ def invoke(*args: object):
 def convert(source: Path, out: Path, *extra: object) -> dict[str, Any]:
     result = invoke("convert", source, "-o", out, "--json", *extra)
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    [report] = json.loads(result.stdout)["converted"]
+    return report
 
 
 def same(a: Any, b: Any) -> bool:

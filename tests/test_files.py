@@ -445,7 +445,7 @@ def test_fingerprint_goes_to_its_own_field_only(tmp_path: Path) -> None:
         extra = ["--max-shard-size", "40KB"] if out.name == "sharded" else []
         result = invoke("convert", source, "-o", out, "--fingerprint", "--json", *extra)
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["fingerprint"] == expected
+        assert json.loads(result.stdout)["converted"][0]["fingerprint"] == expected
         files = sorted(out.glob("*.safetensors")) if out.is_dir() else [out]
         for file in files:
             with safe_open(file, "pt") as handle:

@@ -39,9 +39,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -59,6 +60,7 @@ from training.checkpoints import (
     DCP_MODEL_KEY,
     DCP_OPTIMIZER_KEY,
     EPOCH_KEY,
+    OPTIMIZER_KEY,
     is_dcp_directory,
     optimizer_state_by_index,
     optimizer_state_by_name,
@@ -296,6 +298,43 @@ def read_dcp_metadata(path: Path) -> Metadata:
             f"--resume {path}: its {DCP_METADATA} cannot be read safely ({_one_line(e)}) — "
             "resume from a checkpoint saved by python -m training"
         ) from e
+
+
+class _WeightsOnlyEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
+    """torch's planner that rebuilds the whole saved object; a non-tensor value must load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # raises UnpicklingError on anything weights_only refuses
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_dcp_container(path: Path) -> dict | None:
+    """A DCP directory that holds a ``--save-format torch`` checkpoint's container (``model.*``,
+    ``optimizer.*``, ``epoch``: what ``ckptool convert --to dcp`` or torch's ``torch_save_to_dcp``
+    write), loaded whole onto the CPU as ``torch.load`` gives the file; None for another layout.
+
+    Raises:
+        UsageError: ``path`` is not a DCP directory.
+        TrainingError: its metadata or a value cannot be read safely.
+    """
+    keys = read_dcp_metadata(path).state_dict_metadata
+    if EPOCH_KEY not in keys or not any(key.startswith(f"{OPTIMIZER_KEY}.") for key in keys):
+        return None
+    state: dict[str, Any] = {}
+    try:
+        with _quiet_single_process():
+            _load_state_dict(state, storage_reader=SafeFileSystemReader(path), planner=_WeightsOnlyEmptyLoadPlanner(),
+                             no_dist=True)
+    except (CheckpointException, pickle.UnpicklingError, OSError, RuntimeError, ValueError) as e:
+        raise TrainingError(f"--resume {path}: cannot be loaded safely ({_one_line(e)}) — "
+                            "resume from a checkpoint saved by python -m training") from e
+    optimizer = state.get(OPTIMIZER_KEY)
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict):
+        # DCP keys are strings; optimizer.load_state_dict matches the state to parameters by int id
+        optimizer["state"] = {int(key) if isinstance(key, str) and key.isdigit() else key: value
+                              for key, value in optimizer["state"].items()}
+    return state
 
 
 def check_dcp_training_checkpoint(path: Path, model_state: Mapping[str, Any], *, model_name: str) -> Metadata:

@@ -177,6 +177,15 @@ def load_training_checkpoint(path: Path) -> dict:
             f"--resume {path}: cannot be loaded with weights_only=True ({first_line}) — "
             "resume from a checkpoint saved by python -m training"
         ) from e
+    return checked_training_checkpoint(checkpoint, path)
+
+
+def checked_training_checkpoint(checkpoint: object, path: Path) -> dict:
+    """``checkpoint`` if it is a full training checkpoint (model, optimizer, epoch).
+
+    Raises:
+        TrainingError: it is not.
+    """
     required = (MODEL_KEY, OPTIMIZER_KEY, EPOCH_KEY)
     if not isinstance(checkpoint, dict) or not all(key in checkpoint for key in required):
         raise TrainingError(
@@ -349,8 +358,11 @@ def open_resume(path: Path, model_name: str) -> ResumeSource:
         TrainingError: not a full training checkpoint, not loadable safely, or (DCP) not for ``model_name``.
     """
     if path.is_dir():
-        from training.dcp_io import check_dcp_training_checkpoint
+        from training.dcp_io import check_dcp_training_checkpoint, load_dcp_container
 
+        container = load_dcp_container(path)  # a torch checkpoint's container as DCP (ckptool convert --to dcp)
+        if container is not None:
+            return ResumeSource(path, checked_training_checkpoint(container, path))
         check_dcp_training_checkpoint(path, build_model(model_name).state_dict(), model_name=model_name)
         return ResumeSource(path, None)
     return ResumeSource(path, load_training_checkpoint(path))

@@ -1,11 +1,12 @@
-"""ultralytics: a very small YOLO detector trained one epoch on a few generated images.
+"""ultralytics: a very small YOLO detector trained two epochs on a few generated images.
 
 Imported only inside the frameworks venv. ``write(out)`` draws a few images with one filled box each
 (YOLO label files beside them), writes the dataset yaml and a tiny model yaml (one detection level, so
-that the checkpoint stays under 300 KB), and trains with ``YOLO(yaml).train(...)`` on the CPU with
-nothing to download (``plots=False``, ``amp=False``: the AMP check would fetch weights). The trainer
-writes ``weights/last.pt`` and ``weights/best.pt``: a whole pickled ``DetectionModel`` (half precision,
-the EMA's weights after the final strip) beside the training arguments and metrics.
+that the checkpoint stays under 300 KB), and trains with ``YOLO(yaml).train(...)`` for two epochs on the CPU
+with nothing to download (``plots=False``, ``amp=False``: the AMP check would fetch weights). The
+trainer writes ``weights/epoch0.pt`` mid-run (``save_period=1``: ``model`` None, the EMA as a whole
+pickled ``DetectionModel``, optimizer state) and ``weights/last.pt``/``best.pt`` at the end (stripped:
+the EMA's half-precision model as ``model``), beside the training arguments and metrics.
 
 ``load_back`` builds a fresh ``DetectionModel`` from the same yaml, loads the weights ckptool extracted
 (``strip``/``convert``) with a strict ``load_state_dict`` and checks its outputs against the model in
@@ -70,11 +71,13 @@ def write(out: Path) -> list[dict]:
     data = _dataset(out / "dataset")
     model_yaml = out / "tiny-yolo.yaml"
     model_yaml.write_text(MODEL_YAML)
-    YOLO(str(model_yaml)).train(data=str(data), epochs=1, imgsz=IMAGE, batch=4, device="cpu", workers=0,
+    # two epochs, a checkpoint after each (save_period=1): epoch0.pt as the trainer writes it mid-run (no model,
+    # the EMA's whole model, optimizer state); last.pt and best.pt stripped at the end (the EMA as 'model')
+    YOLO(str(model_yaml)).train(data=str(data), epochs=2, save_period=1, imgsz=IMAGE, batch=4, device="cpu", workers=0,
                                 amp=False, plots=False, val=True, seed=0, deterministic=True, project=str(out),
                                 name="train", exist_ok=True, verbose=False, cache=False)
     cases = []
-    for name in ("best", "last"):
+    for name in ("best", "last", "epoch0"):
         # a whole pickled model: its classes (ultralytics' and torch.nn's) need trust, asked for once as patterns
         cases.append({"id": f"ultralytics_{name}", "path": f"train/weights/{name}.pt",
                       "allow_globals": ["ultralytics.*", "torch.*"], "fixture": name == "best",
@@ -131,7 +134,8 @@ def load_back(case: dict, ckptool_outputs: dict[str, str]) -> str:
                 checked.append(f"{command} (ultralytics load_checkpoint)")
                 continue
             if not all(isinstance(value, torch.Tensor) for value in state_dict.values()):
-                state_dict = state_dict["model"]  # the checkpoint kept, its whole model written as its weights
+                # the checkpoint kept, its whole model written as its weights (the EMA's first, as ultralytics reads)
+                state_dict = state_dict.get("ema") or state_dict["model"]
         model = _fresh_model(yaml_path)
         model.load_state_dict(state_dict, strict=True)
         if not torch.equal(_forward(model.half()), expected):

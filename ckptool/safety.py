@@ -165,7 +165,9 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
     opcodes, static_names = _static_pass(blobs, cache)
     format_name, globals_, problems, load_error = _load_pass(path, blobs, allow_globals, cache)
     for full_name in static_names:
-        if full_name not in globals_:
+        # a getattr the reads judged by its calls (pickle's spelling of a nested name) is listed by
+        # what it named; only a read that stopped early leaves it to the static pass
+        if full_name not in globals_ and (problems or pickles.python3_name(full_name) != pickles.ATTRIBUTE_LOOKUP):
             globals_[full_name] += 1
     verdicts = {name: global_verdict(name, resolver) for name in sorted(globals_)}
     unsafe = [name for name, verdict in verdicts.items() if verdict != ALLOWED]

@@ -27,8 +27,8 @@ through the copy this package re-exports.
 from __future__ import annotations
 
 from . import limits
-from .allowlist import (DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal, is_pattern, python3_name,
-                        runs_code)
+from .allowlist import (ATTRIBUTE_LOOKUP, DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal,
+                        is_pattern, python3_name, runs_code)
 from .emit import dump
 from .guard_cache import GuardCache, PickleStats
 from .opcode_guard import guard, guard_stats
@@ -39,6 +39,7 @@ from .rebuilds import PARAMETER_DESCRIPTORS
 from .unpickle import RestrictedUnpickler, check_tree, loads, read_pickle
 
 __all__ = [
+    "ATTRIBUTE_LOOKUP",
     "DEFAULT_EXTRA_GLOBALS", "MAX_EXPANDED_NODES", "MAX_EXPANDED_TEXT", "MAX_HASH_COLLISIONS", "MAX_KEY_NODES",
     "MAX_NESTING", "MAX_PICKLE_BYTES", "MAX_UNPICKLED_BYTES", "PARAMETER_DESCRIPTORS", "TORCH_GLOBALS", "GlobalResolver",
     "GuardCache", "OpaqueObject", "PickleStats", "RefusedGlobal", "RestrictedUnpickler", "StateDict", "StorageTypeRef",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
 from ..refs import DTypeRef
-from .placeholders import StorageTypeRef, TypeRef, opaque_type, refuse_build
+from .placeholders import OpaqueObject, StorageTypeRef, TypeRef, attribute_type, opaque_type, refuse_build
 from .rebuilds import (_builtin_bytearray, _builtin_complex, _builtin_set, _codecs_encode, _counter, _ordered_dict,
                        _rebuild_device_tensor_from_cpu_tensor, _rebuild_from_type_v2, _rebuild_meta_tensor_no_storage,
                        _rebuild_parameter, _rebuild_parameter_with_state, _rebuild_tensor, _rebuild_tensor_v2,
@@ -178,6 +178,16 @@ def runs_code(full_name: str) -> bool:
     return False
 
 
+# Pickle's protocol-2 spelling of a nested name (``HistoryBuffer.min``): ``getattr(<global>, 'min')``.
+ATTRIBUTE_LOOKUP = "builtins.getattr"
+
+
+def is_attribute_name(name: object) -> bool:
+    """Whether ``getattr(<global>, name)`` can be pickle's spelling of a nested name: a plain
+    identifier, no dunder (``__globals__``, ``__subclasses__`` reach far beyond the class)."""
+    return type(name) is str and name.isidentifier() and not (name.startswith("__") and name.endswith("__"))
+
+
 _PATTERN_CHARACTERS = frozenset("*?[")
 
 
@@ -242,6 +252,7 @@ class GlobalResolver:
         self.guard_cache = guard_cache
         self.seen: dict[str, int] = {}
         self.refused: list[str] = []
+        self._lookups: list[type] = []  # one getattr placeholder per GLOBAL naming it (see _attribute_lookup)
 
     def is_allowed(self, full_name: str) -> bool:
         full_name = python3_name(full_name)
@@ -255,11 +266,13 @@ class GlobalResolver:
         return full_name in self.patterns or any(fnmatch.fnmatchcase(full_name, pattern) for pattern in self.patterns)
 
     def resolve(self, module: str, name: str) -> Any:
-        full_name = f"{module}.{name}"
-        self.seen[full_name] = self.seen.get(full_name, 0) + 1  # as the file names it
+        full_name = spelled = f"{module}.{name}"
         if module in _PY2_MODULES:
             module, name = _python3(module, name)
             full_name = f"{module}.{name}"
+        if full_name == ATTRIBUTE_LOOKUP:  # counted by what it is called with (see _attribute_lookup)
+            return self._attribute_lookup(spelled)
+        self.seen[spelled] = self.seen.get(spelled, 0) + 1  # as the file names it
         if full_name in TORCH_GLOBALS:  # before any pattern: torch's globals keep their checks under '*'
             return TORCH_GLOBALS[full_name]
         if full_name in self.extra or self._matches(full_name):
@@ -269,8 +282,53 @@ class GlobalResolver:
         # refused: an inert placeholder lets the walk go on to every other refused name
         return opaque_type(full_name, module)
 
+    def _attribute_lookup(self, spelled: str) -> type:
+        """The placeholder for one GLOBAL naming ``builtins.getattr``, judged by its calls.
+
+        ``getattr(<global>, 'name')`` with a plain name is pickle's protocol-2 spelling of the
+        nested global ``<global>.name`` (a method or nested class): it resolves to that global's
+        placeholder, allowed or refused by that name like any other (``mmengine.*`` allows
+        ``mmengine.logging.history_buffer.HistoryBuffer.min``). Any other call, or the function
+        kept uncalled, is ``builtins.getattr`` itself, which runs code: refused unless named exactly,
+        then recorded as an inert call.
+        """
+        resolver = self
+
+        def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs and len(args) == 2:
+                parent, attribute = args
+                if (isinstance(parent, type) and issubclass(parent, OpaqueObject) and parent._global
+                        and parent._global != ATTRIBUTE_LOOKUP and is_attribute_name(attribute)):
+                    cls._use = cls._use or "named"  # type: ignore[attr-defined]
+                    return resolver._nested(parent, attribute)
+            if cls._use != "called":  # type: ignore[attr-defined]
+                cls._use = "called"  # type: ignore[attr-defined]
+                resolver._record_lookup(spelled)
+            return OpaqueObject.__new__(cls, *args, **kwargs)
+
+        lookup = type("getattr", (OpaqueObject,), {"_global": ATTRIBUTE_LOOKUP, "__slots__": (), "__new__": __new__,
+                                                   "_use": "", "_spelled": spelled})
+        self._lookups.append(lookup)
+        return lookup
+
+    def _nested(self, parent: type, attribute: str) -> type:
+        full_name = f"{parent._global}.{attribute}"  # type: ignore[attr-defined]
+        self.seen[full_name] = self.seen.get(full_name, 0) + 1
+        if not (full_name in self.extra or self._matches(full_name)) and full_name not in self.refused:
+            self.refused.append(full_name)
+        return attribute_type(parent, attribute)
+
+    def _record_lookup(self, spelled: str) -> None:
+        self.seen[spelled] = self.seen.get(spelled, 0) + 1
+        if ATTRIBUTE_LOOKUP not in self.extra and ATTRIBUTE_LOOKUP not in self.refused:
+            self.refused.append(ATTRIBUTE_LOOKUP)
+
     def refusal(self, *, complete: bool = True) -> RefusedGlobal | None:
         """The one refusal naming every global refused so far (none in permissive mode, or if none was)."""
+        for lookup in self._lookups:  # a getattr the pickle named but never called: the function itself
+            if not lookup._use:  # type: ignore[attr-defined]
+                lookup._use = "called"  # type: ignore[attr-defined]
+                self._record_lookup(lookup._spelled)  # type: ignore[attr-defined]
         if self.permissive or not self.refused:
             return None
         return RefusedGlobal(self.refused, complete=complete)

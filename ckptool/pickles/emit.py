@@ -162,6 +162,15 @@ class _Emitter:
                 self.save(item)
             self.write(_P.FROZENSET)
             self._put(obj)
+        elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._parent is not None:
+            # a nested name read from getattr(<global>, 'name'): spelled back the same way
+            if id(obj) in self.memo:
+                self._get(self.memo[id(obj)])
+                return
+            self.global_("builtins.getattr")
+            self.save((obj._parent, obj._attribute))
+            self.write(_P.REDUCE)
+            self._put(obj)
         elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._global:
             # an allowed class passed as a value (numpy's ndarray to _reconstruct, defaultdict's
             # list factory, a config's object_type): the global it was read from

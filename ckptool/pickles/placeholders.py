@@ -62,6 +62,9 @@ class OpaqueObject:
 
     _global: str = ""
     _module: str | None = None  # where ``_global``'s module ends, when not at its last dot (see opaque_type)
+    # a nested name read as pickle's protocol-2 spelling getattr(parent, attribute) (see attribute_type)
+    _parent: type | None = None
+    _attribute: str = ""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
         obj = object.__new__(cls)
@@ -139,6 +142,23 @@ def opaque_type(full_name: str, module: str | None = None) -> type:
         if module is not None:
             attributes["_module"] = module
         cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), attributes)
+        _OPAQUE_TYPES[key] = cls
+    return cls
+
+
+def attribute_type(parent: type, attribute: str) -> type:
+    """The placeholder class for global ``parent.attribute`` read from ``getattr(parent, 'attribute')``.
+
+    Below protocol 4, pickle names a nested qualified name (a method ``HistoryBuffer.min``, a class
+    ``Outer.Inner``) by a call ``builtins.getattr(<the enclosing global>, 'attribute')``; the reader
+    takes that call for the global it spells, and the writer spells it back the same way.
+    """
+    parent_name: str = parent._global  # type: ignore[attr-defined]
+    key = f"{parent_name}\n{attribute}"
+    cls = _OPAQUE_TYPES.get(key)
+    if cls is None:
+        cls = type(attribute, (OpaqueObject,), {"_global": f"{parent_name}.{attribute}", "_parent": parent,
+                                                "_attribute": attribute, "__slots__": ()})
         _OPAQUE_TYPES[key] = cls
     return cls
 

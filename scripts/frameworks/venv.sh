@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # Builds the separate venv that `make frameworks` runs the training frameworks in.
-# It is never ckptool's .venv and never a dependency of ckptool: ckptool itself runs from its own venv and reads
-# what these frameworks wrote. Location: $CKPTOOL_FRAMEWORKS_VENV or ~/.cache/ckptool-frameworks/venv.
-# Rebuilds only when this file changed since the last complete build (a stamp file records its hash).
+# It is never ckptool's .venv and never a dependency of ckptool: ckptool runs from its own venv and reads what
+# these frameworks wrote. Location: $CKPTOOL_FRAMEWORKS_VENV, by default ~/.cache/ckptool-frameworks/venv.
+# Built once: a stamp file records the package list; a changed list installs the new one over it. A second caller waits on a lock
+# while a first one builds.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${CKPTOOL_FRAMEWORKS_VENV:-$HOME/.cache/ckptool-frameworks/venv}"
 PYTHON="${PYTHON:-python3}"
+# torch pinned to the release ckptool is tested with; the frameworks at what pip resolves against it
+TORCH="torch==2.14.1 torchvision==0.29.1"
+FRAMEWORKS="lightning transformers accelerate timm mmengine ultralytics safetensors"
 STAMP="$VENV/.ckptool-frameworks-installed"
-WANT="$(sha256sum "$HERE/venv.sh" | cut -d' ' -f1)"
-LOCK="$(dirname "$VENV")/.venv.lock"
+WANT="$TORCH $FRAMEWORKS"
 mkdir -p "$(dirname "$VENV")"
-exec 9>"$LOCK"
-flock 9  # a second caller waits for a half-built venv instead of building it twice
+exec 9>"$VENV.lock"
+flock 9
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   exit 0
 fi
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
+if [[ ! -f "$VENV/pyvenv.cfg" ]]; then
+  if [[ -e "$VENV" ]]; then
+    echo "venv.sh: $VENV exists and is not a venv; set CKPTOOL_FRAMEWORKS_VENV to another path" >&2
+    exit 2
+  fi
+  "$PYTHON" -m venv "$VENV"
+fi
+# an interrupted build is resumed: pip installs what is missing
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-# torch and torchvision first, pinned to the release ckptool is tested with; the frameworks then resolve against it
-"$VENV/bin/python" -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
-"$VENV/bin/python" -m pip install --quiet \
-  "torch==2.14.1" "torchvision==0.29.1" \
-  lightning transformers accelerate timm mmengine ultralytics safetensors
+# torch first, alone: the frameworks then resolve against the installed release instead of pulling another
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install --quiet $TORCH
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install --quiet $TORCH $FRAMEWORKS
 echo "$WANT" > "$STAMP"

@@ -224,8 +224,26 @@ def is_safetensors(path: Path) -> bool:
     return path.suffix == ".safetensors"
 
 
-def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bool = True) -> CaseRun:
-    """Every command on ``path`` (the case's file or folder), outputs under ``work`` (emptied first)."""
+def refused_or(step: Step, weightless: bool) -> str | None:
+    """The problem with a write step: None when it wrote, or, for a file without model weights, when it refused
+    in one line (exit 3, or 1 for nothing to do; no traceback) — a rewrite of weights has nothing to work on."""
+    if step.problem is not None:
+        return step.problem
+    completed = step.completed
+    if completed.returncode == EXIT_OK:
+        return None
+    lines = completed.stderr.strip().splitlines()
+    if weightless and completed.returncode in (EXIT_PROBLEM, EXIT_REFUSED) and len(lines) == 1:
+        return None
+    return last_line(completed)
+
+
+def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bool = True,
+               state_weights: bool = False) -> CaseRun:
+    """Every command on ``path`` (the case's file or folder), outputs under ``work`` (emptied first).
+
+    ``state_weights``: also ask a file without model weights to convert what it holds (``--weights state``).
+    """
     run = CaseRun()
     declared = list(case.get("allow_globals") or [])
     work.mkdir(parents=True, exist_ok=True)
@@ -244,8 +262,7 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
         if step.refused and run.flags_seen is None:
             run.flags_seen = step.flags
 
-    safetensors_in = is_safetensors(path)
-    suffix = ".safetensors" if safetensors_in else ".pt"
+    suffix = ".safetensors" if is_safetensors(path) else ".pt"
     source = str(path)
 
     # inspect: human text, then --json with the fingerprint (where the weights are, prefix)
@@ -281,39 +298,46 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
                 problem = f"with {declared}: verdict {allowed_verdict!r}, {last_line(allowed)}"
         record("scan", problem, f"verdict {verdict}")
 
-    def write(name: str, args: list[str], out: Path, ok_codes: tuple[int, ...] = (EXIT_OK,)) -> Step:
+    def write(name: str, args: list[str], out: Path) -> Step:
         step = run_step([*args, "-o", str(out)], declared, rerun_args=[*args, "-o", str(out), "--force"])
         note_flags(step)
-        if step.problem is None and step.completed.returncode in ok_codes and step.completed.returncode == EXIT_OK:
+        if step.problem is None and step.completed.returncode == EXIT_OK:
             run.outputs[name] = str(out)
         return step
 
+    # a file without model weights (optimizer, scheduler, RNG state): the commands that rewrite weights refuse it
+    # in one line that says what it holds
+    weightless = bool(report) and report.get("layout") is None
+
     # add-prefix, then strip (of the input's own wrapper; of add-prefix's output when it has none)
     step = write("add-prefix", ["add-prefix", source, "--prefix", ADDED_PREFIX], work / f"added{suffix}")
-    record("add-prefix", step.problem or (None if step.completed.returncode == EXIT_OK else last_line(step.completed)))
+    record("add-prefix", refused_or(step, weightless))
     prefix = report.get("prefix") or ""
     strip_source = source if prefix else run.outputs.get("add-prefix")
     strip_rename: Callable[[str], str] = (lambda key: key.removeprefix(prefix)) if prefix else (lambda key: key)
-    if strip_source is None:
+    if weightless:
+        step = write("strip", ["strip", source], work / f"stripped{suffix}")
+        record("strip", refused_or(step, weightless))
+    elif strip_source is None:
         record("strip", "no add-prefix output to strip")
     else:
         step = write("strip", ["strip", strip_source], work / f"stripped{suffix}")
         detail = f"stripped {prefix!r}" if prefix else "round trip of add-prefix's output"
-        record("strip", step.problem or (None if step.completed.returncode == EXIT_OK else last_line(step.completed)),
-               detail)
+        record("strip", refused_or(step, weightless), detail)
 
     # remap --to cpu: pickles only (safetensors has no device tags)
-    if not safetensors_in:
+    if not str(report.get("format", "")).startswith("safetensors"):
         step = write("remap", ["remap", source, "--to", "cpu"], work / "remapped.pt")
-        record("remap --to cpu", step.problem or (None if step.completed.returncode == EXIT_OK
-                                                   else last_line(step.completed)))
+        record("remap --to cpu", refused_or(step, False))
 
-    # convert to safetensors (a folder of shards for a folder input), then that back to .pt
-    converted = work / ("converted" if path.is_dir() else "converted.safetensors")
-    step = write("safetensors", ["convert", source, "--to", "safetensors"], converted)
-    record("convert .safetensors", step.problem or (None if step.completed.returncode == EXIT_OK
-                                                     else last_line(step.completed)))
+    # convert to safetensors (a folder input: a folder of shards + index), then that back to .pt
+    if path.is_dir():  # a name without a suffix is a folder output
+        step = write("safetensors", ["convert", source], work / "converted")
+    else:
+        step = write("safetensors", ["convert", source], work / "converted.safetensors")
+    record("convert .safetensors", refused_or(step, weightless))
     if "safetensors" in run.outputs:
+        converted = Path(run.outputs["safetensors"])
         back = work / "back.pt"
         completed = ckptool("convert", str(converted), "-o", str(back))
         if completed.returncode == EXIT_OK:
@@ -323,9 +347,12 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
         record("verify --against", None if completed.returncode == EXIT_OK else last_line(completed))
         completed = ckptool("diff", source, str(converted), *flags)
         record("diff", None if completed.returncode == EXIT_OK else last_line(completed))
-    else:
+    elif not weightless:
         for check in ("convert back to .pt", "verify --against", "diff"):
             record(check, "no safetensors output")
+    if weightless and state_weights:  # what a file without model weights holds, written when asked
+        completed = ckptool("convert", source, "-o", str(work / "state.safetensors"), "--weights", "state", *flags)
+        record("convert --weights state", None if completed.returncode == EXIT_OK else last_line(completed))
 
     # every output read back by ckptool and by torch: the same tensors as torch's reading of the input
     if values and report:
@@ -341,13 +368,29 @@ def check_values(framework: str, case: dict, path: Path, work: Path, report: dic
     if reference["error"]:
         record("values", None, f"not compared: torch does not read the input ({reference['error'][:160]})")
         return
-    expected = weights_at(reference, report.get("layout") or [])
-    if not expected:
-        record("values", f"torch finds no tensors at ckptool's layout {report.get('layout')} "
-                         f"({reference['loader']})")
-        return
     problems = []
+    if "remap" in outputs:  # remap keeps everything: every tensor dict of the file, not only the weights
+        view = views[str(outputs["remap"])]
+        if view["error"]:
+            problems.append(f"remap: torch cannot read the output: {view['error'][:200]}")
+        else:
+            for key_path, tensors in reference["dicts"]:
+                problem = compare(tensors, weights_at(view, key_path))
+                if problem:
+                    problems.append(f"remap: at {key_path}: {problem}")
+            if set(view["locations"]) - {"cpu"}:
+                problems.append(f"remap: output still tagged {sorted(set(view['locations']) - {'cpu'})}")
+    if report.get("layout") is None:
+        record("values", "; ".join(problems) or None,
+               f"no model weights; remap's output holds every tensor torch reads in the input ({reference['loader']})")
+        return
+    expected = weights_at(reference, report["layout"])
+    if not expected:
+        record("values", f"torch finds no tensors at ckptool's layout {report['layout']} ({reference['loader']})")
+        return
     for name, out in outputs.items():
+        if name == "remap":
+            continue
         view = views[str(out)]
         if view["error"]:
             problems.append(f"{name}: torch cannot read the output: {view['error'][:200]}")
@@ -357,11 +400,8 @@ def check_values(framework: str, case: dict, path: Path, work: Path, report: dic
             rename = lambda key: ADDED_PREFIX + key  # noqa: E731
         elif name == "strip":
             rename = strip_rename
-        got = weights_with_keys(view, {rename(key) for key in expected})
-        problem = compare(expected, got, rename)
+        problem = compare(expected, weights_with_keys(view, {rename(key) for key in expected}), rename)
         if problem:
             problems.append(f"{name}: {problem}")
-        elif name == "remap" and set(view["locations"]) - {"cpu"}:
-            problems.append(f"remap: output still tagged {sorted(set(view['locations']) - {'cpu'})}")
     record("values", "; ".join(problems) or None,
            f"{len(expected)} tensors of {len(outputs)} outputs equal torch's reading ({reference['loader']})")

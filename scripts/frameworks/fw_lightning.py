@@ -7,6 +7,7 @@ command again, so the Trainer must live in a script, not in the driver's process
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +108,14 @@ def load_back(case: dict, outputs: dict[str, str]) -> str:
     from lightning.fabric.utilities.cloud_io import _load as lightning_load
 
     module_class = lightning_module_class()
-    original = module_class.load_from_checkpoint(outputs["input"], map_location="cpu").eval()
+
+    def lightning_loads(path: str):  # noqa: ANN202
+        """Lightning's own loader, under torch's weights_only unpickler with the one global a default
+        ModelCheckpoint file needs beyond it (its dirpath, and the data_dir hyper-parameter, are PosixPaths)."""
+        with torch.serialization.safe_globals([pathlib.PosixPath]):
+            return module_class.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+
+    original = lightning_loads(outputs["input"]).eval()
     expected = original.state_dict()
     probe = torch.randn(5, FEATURES, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -132,14 +140,15 @@ def load_back(case: dict, outputs: dict[str, str]) -> str:
     # the full-checkpoint .pt outputs: Lightning's own loader, hyper-parameters from the file
     for name in ("remap", "pt"):
         if name in outputs:
-            model = module_class.load_from_checkpoint(outputs[name], map_location="cpu")
+            model = lightning_loads(outputs[name])
             if dict(model.hparams) != dict(original.hparams):
                 raise AssertionError(f"{name}: hparams {dict(model.hparams)} != {dict(original.hparams)}")
             same(model, f"load_from_checkpoint({name})")
     # strip: 'model.' gone, the bare nn.Module takes the weights as they are
     if "strip" not in outputs:
         raise AssertionError("no strip output")
-    stripped = lightning_load(outputs["strip"], map_location="cpu")
+    with torch.serialization.safe_globals([pathlib.PosixPath]):
+        stripped = lightning_load(outputs["strip"], map_location="cpu", weights_only=True)
     state_dict = stripped["state_dict"] if "state_dict" in stripped else stripped
     bare = module_class(**original.hparams).model
     bare.load_state_dict(state_dict, strict=True)

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         work_root = out_root() / "work" / name
         for case in report["cases"]:
             try:
-                run = check_case(name, case, base / case["path"], work_root / case["id"])
+                run = check_case(name, case, base / case["path"], work_root / case["id"], state_weights=True)
             except Exception as error:  # noqa: BLE001
                 run = CaseRun([Outcome(name, case["id"], "harness", False, f"{type(error).__name__}: {error}")])
             runs[case["id"]] = run

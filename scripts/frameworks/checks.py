@@ -47,14 +47,25 @@ class CaseRun:
     outcomes: list[Outcome] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)
     flags_seen: list[str] | None = None  # the --allow-global patterns a refusal printed (None: no refusal)
+    report: dict = field(default_factory=dict)  # inspect --json of the input ({} when it failed)
+    strip_prefix: str = ""  # the input's own wrapper prefix that strip removed ("" : strip was a round trip)
 
 
-def ckptool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m ckptool ARGS`` with this checkout's ckptool first on the path."""
+def in_subprocess(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``python -m ckptool ARGS`` with this checkout's ckptool first on the path: what a user runs."""
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                             os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "ckptool", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO_ROOT, env=environment, timeout=COMMAND_TIMEOUT_S)
+                          cwd=REPO_ROOT, env=environment, timeout=COMMAND_TIMEOUT_S)
+
+
+# how a command is run: a subprocess by default; the test suite runs the CLI in its own process (the same
+# exit codes and stderr lines, without an interpreter start per command)
+RUNNER: Callable[[list[str]], subprocess.CompletedProcess[str]] = in_subprocess
+
+
+def ckptool(*args: str) -> subprocess.CompletedProcess[str]:
+    return RUNNER(list(args))
 
 
 def last_line(completed: subprocess.CompletedProcess[str]) -> str:
@@ -314,7 +325,6 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
     record("add-prefix", refused_or(step, weightless))
     prefix = report.get("prefix") or ""
     strip_source = source if prefix else run.outputs.get("add-prefix")
-    strip_rename: Callable[[str], str] = (lambda key: key.removeprefix(prefix)) if prefix else (lambda key: key)
     if weightless:
         step = write("strip", ["strip", source], work / f"stripped{suffix}")
         record("strip", refused_or(step, weightless))
@@ -354,19 +364,31 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
         completed = ckptool("convert", source, "-o", str(work / "state.safetensors"), "--weights", "state", *flags)
         record("convert --weights state", None if completed.returncode == EXIT_OK else last_line(completed))
 
-    # every output read back by ckptool and by torch: the same tensors as torch's reading of the input
-    if values and report:
-        check_values(framework, case, path, work, report, run, strip_rename, record)
+    run.report, run.strip_prefix = report, prefix
+    if values:
+        check_values(framework, case, path, run, torch_view(value_sources(path, run), work))
     return run
 
 
-def check_values(framework: str, case: dict, path: Path, work: Path, report: dict, run: CaseRun,
-                 strip_rename: Callable[[str], str], record: Callable[..., None]) -> None:
+def value_sources(path: Path, run: CaseRun) -> list[Path]:
+    """The files whose torch reading :func:`check_values` needs: the input and every output."""
+    return [path, *map(Path, run.outputs.values())] if run.report else []
+
+
+def check_values(framework: str, case: dict, path: Path, run: CaseRun, views: dict[str, dict]) -> None:
+    """Every output's tensors against torch's own reading of the input (``views``: :func:`torch_view` of
+    :func:`value_sources`); one ``values`` outcome."""
+
+    def record(problem: str | None, detail: str = "") -> None:
+        run.outcomes.append(Outcome(framework, case["id"], "values", problem is None, problem or detail))
+
+    report = run.report
+    if not report:
+        return
     outputs = {name: Path(out) for name, out in run.outputs.items()}
-    views = torch_view([path, *outputs.values()], work)
     reference = views[str(path)]
     if reference["error"]:
-        record("values", None, f"not compared: torch does not read the input ({reference['error'][:160]})")
+        record(None, f"not compared: torch does not read the input ({reference['error'][:160]})")
         return
     problems = []
     if "remap" in outputs:  # remap keeps everything: every tensor dict of the file, not only the weights
@@ -381,12 +403,12 @@ def check_values(framework: str, case: dict, path: Path, work: Path, report: dic
             if set(view["locations"]) - {"cpu"}:
                 problems.append(f"remap: output still tagged {sorted(set(view['locations']) - {'cpu'})}")
     if report.get("layout") is None:
-        record("values", "; ".join(problems) or None,
+        record("; ".join(problems) or None,
                f"no model weights; remap's output holds every tensor torch reads in the input ({reference['loader']})")
         return
     expected = weights_at(reference, report["layout"])
     if not expected:
-        record("values", f"torch finds no tensors at ckptool's layout {report['layout']} ({reference['loader']})")
+        record(f"torch finds no tensors at ckptool's layout {report['layout']} ({reference['loader']})")
         return
     for name, out in outputs.items():
         if name == "remap":
@@ -399,9 +421,9 @@ def check_values(framework: str, case: dict, path: Path, work: Path, report: dic
         if name == "add-prefix":
             rename = lambda key: ADDED_PREFIX + key  # noqa: E731
         elif name == "strip":
-            rename = strip_rename
+            rename = lambda key: key.removeprefix(run.strip_prefix)  # noqa: E731
         problem = compare(expected, weights_with_keys(view, {rename(key) for key in expected}), rename)
         if problem:
             problems.append(f"{name}: {problem}")
-    record("values", "; ".join(problems) or None,
+    record("; ".join(problems) or None,
            f"{len(expected)} tensors of {len(outputs)} outputs equal torch's reading ({reference['loader']})")

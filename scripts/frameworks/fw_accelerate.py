@@ -55,7 +55,7 @@ def train(out: Path) -> None:
     accelerator.save_state(str(out / "save_state_bin"), safe_serialization=False)
     accelerator.wait_for_everyone()
     accelerator.save_model(model, str(out / "save_model"))  # model.safetensors
-    accelerator.save_model(model, str(out / "save_model_sharded"), max_shard_size="1KB")
+    accelerator.save_model(model, str(out / "save_model_sharded"), max_shard_size=400)
     accelerator.save_model(model, str(out / "save_model_bin"), safe_serialization=False)
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -86,7 +86,7 @@ def write(out: Path) -> list[dict]:
          "load_back": "load_checkpoint_in_model", "about": "save_model(): model.safetensors"},
         {"id": "save-model-sharded", "path": "save_model_sharded", "allow_globals": [],
          "load_back": "load_checkpoint_in_model", "fixture": True,
-         "about": "save_model(max_shard_size='1KB'): model-0000N-of-0000M.safetensors + index"},
+         "about": "save_model(max_shard_size=400): model-0000N-of-0000M.safetensors + index"},
         {"id": "save-model-bin", "path": "save_model_bin/pytorch_model.bin", "allow_globals": [],
          "load_back": "load_checkpoint_in_model", "about": "save_model(safe_serialization=False)"},
     ]

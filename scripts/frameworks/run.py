@@ -16,6 +16,7 @@ line per check, a table per framework, the versions installed, and exits 1 when 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -103,6 +104,8 @@ def refresh_fixtures(name: str, base: Path, report: dict, runs: dict[str, CaseRu
         entry = {key: value for key, value in case.items() if key not in ("fixture",)}
         entry["path"] = str(destination.relative_to(target))
         entry["written_as"] = case["path"]
+        files = sorted(p for p in destination.rglob("*") if p.is_file()) if destination.is_dir() else [destination]
+        entry["sha256"] = {str(p.relative_to(target)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
         kept.append(entry)
     (target / "cases.json").write_text(json.dumps({
         "framework": name,
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], help="a framework (fw_NAME.py); repeatable")
     parser.add_argument("--rewrite", action="store_true", help="write the framework files again (else cached)")
     parser.add_argument("--refresh-fixtures", action="store_true",
-                        help="copy the cases marked 'fixture' into fixtures/frameworks/NAME/ (implies --rewrite)")
+                        help="copy the cases marked 'fixture' into fixtures/frameworks/NAME/ (with --rewrite: freshly written)")
     parser.add_argument("--json-out", type=Path, help="also write every outcome as JSON here")
     args = parser.parse_args(argv)
     names = [name for name in frameworks() if not args.only or name in args.only]
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     all_versions: dict[str, str] = {}
     for name in names:
         try:
-            base, report = written(python, name, args.rewrite or args.refresh_fixtures)
+            base, report = written(python, name, args.rewrite)
         except Exception as error:  # noqa: BLE001 — one line per framework, then the next
             outcomes.append(Outcome(name, "-", "write", False, str(error)[:600]))
             print(f"FAIL  {name:12} {'-':28} write: {error}", flush=True)

@@ -103,11 +103,17 @@ class WeightSet:
 
 
 def _weight_set(node: Any, layout: tuple[Any, ...]) -> WeightSet | None:
-    if is_state_dict(node):
+    if is_state_dict(node) and not (layout and _scalars_only(node)):
         return WeightSet(layout, "state dict")
     if modules.is_module(node):
         return WeightSet(layout, "whole-model pickle", modules.class_name(node))
     return None
+
+
+def _scalars_only(mapping: dict[Any, Any]) -> bool:
+    """Every tensor in ``mapping`` is 0-dim: scores, not weights (Lightning's ``ModelCheckpoint`` keeps
+    ``best_k_models``, checkpoint paths mapped to their monitored metric, beside the real state dict)."""
+    return all(not value.shape for value in dict.values(mapping) if isinstance(value, TensorRef | LayoutTensor))
 
 
 def weight_sets(container: Any) -> list[WeightSet]:

@@ -128,3 +128,22 @@ def test_refusal_flags_are_read_as_a_user_copies_them() -> None:
            "(if you trust this file, allow it by name: --allow-global a.B)")
     assert checks.refusal_flags(one) == ["a.B"]
     assert checks.refusal_flags("ckptool: error: x.pt: holds no weights") is None
+
+
+def test_lightning_metric_scores_are_not_a_set_of_weights(tmp_path: Path) -> None:
+    """ModelCheckpoint(monitor=...) keeps {checkpoint path: 0-dim score} in the callbacks' state: not weights."""
+    import torch
+
+    path = tmp_path / "epoch=1-step=8.ckpt"
+    callback = "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}"
+    torch.save({"state_dict": {"model.0.weight": torch.ones(2, 3), "model.0.bias": torch.zeros(2)},
+                "state_dict_ema": {"model.0.weight": torch.ones(2, 3), "model.0.bias": torch.zeros(2)},
+                "callbacks": {callback: {"best_k_models": {"/runs/weights-epoch=1.ckpt": torch.tensor(0.25)},
+                                         "best_model_score": torch.tensor(0.25)}}}, path)
+    result = in_process(["inspect", "--json", str(path)])
+    assert result.returncode == 0, result.stderr
+    assert [c["weights"] for c in json.loads(result.stdout)["candidates"]] == ["state_dict", "state_dict_ema"]
+    committed = FRAMEWORKS / "lightning" / "ddp-modelcheckpoint"
+    for ckpt in committed.glob("*.ckpt"):  # the real file holds such scores too; only its state_dict is listed
+        result = in_process(["inspect", "--json", str(ckpt)])
+        assert [c["weights"] for c in json.loads(result.stdout)["candidates"]] == ["state_dict"]

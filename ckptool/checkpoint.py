@@ -405,10 +405,11 @@ class Checkpoint:
     def strip_prefix(self, prefix: str | None = None) -> Checkpoint:
         """Remove ``prefix`` (default: the detected wrapper stack) from the weight keys."""
         prefix = self.prefix if prefix is None else prefix
+        state_dict = self.state_dict  # a file without weights (optimizer state) says so, as add-prefix does
         if not prefix:
             raise NothingToDoError("no wrapper prefix (module., _orig_mod., model.) on the weight keys — nothing to strip",
                                    path=self.path)
-        return self.with_state_dict(keys_.strip_prefix(self.state_dict, prefix))
+        return self.with_state_dict(keys_.strip_prefix(state_dict, prefix))
 
     def add_prefix(self, prefix: str = keys_.DDP_PREFIX) -> Checkpoint:
         """Put ``prefix`` in front of every weight key."""

@@ -237,14 +237,14 @@ def is_safetensors(path: Path) -> bool:
 
 def refused_or(step: Step, weightless: bool) -> str | None:
     """The problem with a write step: None when it wrote, or, for a file without model weights, when it refused
-    in one line (exit 3, or 1 for nothing to do; no traceback) — a rewrite of weights has nothing to work on."""
+    in one line (exit 3, no traceback) — a rewrite of weights has nothing to work on there."""
     if step.problem is not None:
         return step.problem
     completed = step.completed
     if completed.returncode == EXIT_OK:
         return None
     lines = completed.stderr.strip().splitlines()
-    if weightless and completed.returncode in (EXIT_PROBLEM, EXIT_REFUSED) and len(lines) == 1:
+    if weightless and completed.returncode == EXIT_REFUSED and len(lines) == 1 and "no weights" in lines[0]:
         return None
     return last_line(completed)
 

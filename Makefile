@@ -7,7 +7,7 @@ DEMO := demo-out
 # tests/conftest.py hands the longest files out first
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test bench fixtures realworld clean
+.PHONY: venv demo test bench fixtures realworld frameworks clean
 
 $(VENV)/.installed: pyproject.toml training/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ fixtures: venv
 # (cache: $$CKPTOOL_REALWORLD_CACHE or ~/.cache/ckptool-realworld)
 realworld: venv
 	$(PY) scripts/realworld.py
+
+# every command on what Lightning, transformers, accelerate, timm, mmengine and ultralytics write with their own
+# save paths, loaded back in each framework; a venv of its own for them (scripts/frameworks/README.md); not in CI
+frameworks: venv
+	$(PY) scripts/frameworks/run.py
 
 clean:
 	rm -rf $(DEMO) build *.egg-info training/*.egg-info

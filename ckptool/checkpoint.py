@@ -103,11 +103,17 @@ class WeightSet:
 
 
 def _weight_set(node: Any, layout: tuple[Any, ...]) -> WeightSet | None:
-    if is_state_dict(node):
+    if is_state_dict(node) and not (layout and _scalars_only(node)):
         return WeightSet(layout, "state dict")
     if modules.is_module(node):
         return WeightSet(layout, "whole-model pickle", modules.class_name(node))
     return None
+
+
+def _scalars_only(mapping: dict[Any, Any]) -> bool:
+    """Every tensor in ``mapping`` is 0-dim: scores, not weights (Lightning's ``ModelCheckpoint`` keeps
+    ``best_k_models``, checkpoint paths mapped to their monitored metric, beside the real state dict)."""
+    return all(not value.shape for value in dict.values(mapping) if isinstance(value, TensorRef | LayoutTensor))
 
 
 def weight_sets(container: Any) -> list[WeightSet]:
@@ -399,10 +405,11 @@ class Checkpoint:
     def strip_prefix(self, prefix: str | None = None) -> Checkpoint:
         """Remove ``prefix`` (default: the detected wrapper stack) from the weight keys."""
         prefix = self.prefix if prefix is None else prefix
+        state_dict = self.state_dict  # a file without weights (optimizer state) says so, as add-prefix does
         if not prefix:
             raise NothingToDoError("no wrapper prefix (module., _orig_mod., model.) on the weight keys — nothing to strip",
                                    path=self.path)
-        return self.with_state_dict(keys_.strip_prefix(self.state_dict, prefix))
+        return self.with_state_dict(keys_.strip_prefix(state_dict, prefix))
 
     def add_prefix(self, prefix: str = keys_.DDP_PREFIX) -> Checkpoint:
         """Put ``prefix`` in front of every weight key."""

@@ -309,8 +309,9 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
                 problem = f"with {declared}: verdict {allowed_verdict!r}, {last_line(allowed)}"
         record("scan", problem, f"verdict {verdict}")
 
-    def write(name: str, args: list[str], out: Path) -> Step:
-        step = run_step([*args, "-o", str(out)], declared, rerun_args=[*args, "-o", str(out), "--force"])
+    def write(name: str, args: list[str], out: Path, needs: list[str] | None = None) -> Step:
+        needs = declared if needs is None else needs
+        step = run_step([*args, "-o", str(out)], needs, rerun_args=[*args, "-o", str(out), "--force"])
         note_flags(step)
         if step.problem is None and step.completed.returncode == EXIT_OK:
             run.outputs[name] = str(out)
@@ -331,7 +332,14 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
     elif strip_source is None:
         record("strip", "no add-prefix output to strip")
     else:
-        step = write("strip", ["strip", strip_source], work / f"stripped{suffix}")
+        # add-prefix's output needs the input's flags only if it kept the classes (a whole pickled model is
+        # written as a plain state dict, which needs none)
+        needs = declared
+        if strip_source != source:
+            scanned = ckptool("scan", "--json", strip_source)
+            if scanned.stdout.strip() and json.loads(scanned.stdout).get("verdict") == "safe":
+                needs = []
+        step = write("strip", ["strip", strip_source], work / f"stripped{suffix}", needs)
         detail = f"stripped {prefix!r}" if prefix else "round trip of add-prefix's output"
         record("strip", refused_or(step, weightless), detail)
 

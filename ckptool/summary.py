@@ -178,8 +178,6 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
 def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     """A training folder's: files that need trust to be described, or name code-running globals;
     no model weights at all."""
-    from .safety import allow_patterns
-
     hints: list[Hint] = []
     state = summary.training_folder
     folder = checkpoint.path
@@ -190,7 +188,8 @@ def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
                               "where it came from", suggest.command("scan", folder)))
         elif file.needs:
             shown = ", ".join(file.needs[:3]) + (", ..." if len(file.needs) > 3 else "")
-            allowed = [*checkpoint.allow_globals, *allow_patterns(file.needs)]
+            # one pattern per package (a pattern never allows a code-running global)
+            allowed = [*checkpoint.allow_globals, *dict.fromkeys(f"{name.split('.', 1)[0]}.*" for name in file.needs)]
             hints.append(Hint(f"{file.file} pickles {shown} (another package's classes; torch.load would import "
                               "and run them): the weights read without them; to see what it holds, if you trust it",
                               suggest.command("inspect", folder, allow_globals=allowed)))

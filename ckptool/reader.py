@@ -164,7 +164,7 @@ def _select_in_folder(checkpoint: Checkpoint, weights: str | tuple | list,
                              + (" (or 'state': the optimizer's tensors)" if folder.of_role(training_folder.OPTIMIZER)
                                 else "") + "; pass one of them as " + suggest_option("weights", Metavar("PATH")),
                              path=checkpoint.path) from None
-    member = load_member(folder.directory, chosen.name, resolver=resolver)
+    member = load_member(folder.directory, chosen.name, allow_globals=resolver.allow_globals)
     member.path, member.folder = checkpoint.path, dataclasses.replace(folder, read=chosen.name)
     if rest is not None:
         return member.select_weights(rest)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import formats, layouts, modules, optimizers, suggest
+from .formats import training_folder
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .digest import fingerprint
@@ -171,7 +172,16 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
                           "keep this file for resuming training; its tensors as safetensors:",
                           suggest.optimizer_to_safetensors(path, allow_globals=checkpoint.allow_globals)))
     elif checkpoint.layout is None:
-        hints.append(Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint"))
+        from .training_state import describe_content
+
+        what = describe_content(checkpoint.container)
+        if what is not None:  # a training run's other part (a scheduler's, the rng's state)
+            hints.append(Hint(f"no model weights: this file is a training run's {what}",
+                              "keep it for resuming training; the model's weights are saved beside it "
+                              "(e.g. model.safetensors, pytorch_model.bin)"))
+        else:
+            hints.append(Hint("no weights found (no mapping of names to tensors)",
+                              "check that this is a model checkpoint"))
     return hints
 
 
@@ -194,7 +204,7 @@ def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
                               "and run them): the weights read without them; to see what it holds, if you trust it",
                               suggest.command("inspect", folder, allow_globals=allowed)))
     if checkpoint.layout is None:
-        optimizer = [file for file in state.files if file.role == "optimizer"] if state is not None else []
+        optimizer = [file for file in state.files if file.role == training_folder.OPTIMIZER] if state is not None else []
         if optimizer:
             hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
                               "index); the optimizer's tensors as safetensors:",
@@ -226,7 +236,7 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
         found.append(entry)
     state = summary.training_folder
     described = {file.file: file for file in state.files} if state is not None else {}
-    for number, file in enumerate(folder.of_role("optimizer")):
+    for number, file in enumerate(folder.of_role(training_folder.OPTIMIZER)):
         tensors = described[file.name].details.get("tensors") if file.name in described else None
         found.append({"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
                       "kind": "optimizer state", "module_class": None, "tensors": tensors,

@@ -247,3 +247,25 @@ def describe_folder(folder: TrainingFolder, allow_globals: tuple[str, ...] = ())
             if file.role == training_folder.TRAINER_STATE:
                 break
     return state
+
+
+_RNG_NAMES = frozenset({"python", "numpy", "cpu", "cuda", "mps", "xpu", "npu", "hpu", "mlu", "musa", "random_state",
+                        "numpy_random_seed", "torch_manual_seed", "torch_cuda_manual_seed", "torch_xpu_manual_seed",
+                        "xm_seed", "step"})
+
+
+def describe_content(container: Any) -> str | None:
+    """What a file without model weights holds when it is a training run's part (an optimizer's,
+    a scheduler's, a gradient scaler's state, the random number generators'), or None."""
+    if optimizers.is_optimizer_state(container):
+        return describe_optimizer(container)[0]
+    if not isinstance(container, dict) or not container or not all(isinstance(key, str) for key in container):
+        return None
+    keys = set(container)
+    if "last_epoch" in keys and ("base_lrs" in keys or "_last_lr" in keys):
+        return describe_scheduler(container)[0]
+    if {"scale", "growth_factor"} <= keys:
+        return describe_scaler(container)[0]
+    if keys <= _RNG_NAMES and keys - {"step"}:
+        return describe_rng(container)[0]
+    return None

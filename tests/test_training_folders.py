@@ -510,3 +510,17 @@ def test_renaming_an_optimizers_tensors_is_refused(tmp_path: Path) -> None:
         code, out, err = run(*command, "--weights", "state")
         assert code == 2 and out == "" and err.count("\n") == 1 and "optimizer's state" in err, command
     assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_training_runs_other_files_say_what_they_are(runs: Path) -> None:
+    folder = runs / "trainer/checkpoint-500"
+    for name, said in (("scheduler.pt", "learning-rate schedule: last_epoch 1"),
+                       ("rng_state.pth", "random number generator states: python, numpy, cpu"),
+                       ("scaler.pt", "gradient scaler state: scale 65536"),
+                       ("optimizer.pt", "optimizer state: 4 params over 1 parameter group, 12 tensors (AdamW:")):
+        code, out, err = run("inspect", folder / name)
+        assert code == 0, err
+        assert "no model weights: this file is" in out and said in out, name
+        assert "no weights found" not in out
+    code, out, err = run("inspect", runs / "accelerate/random_states_0.pkl")
+    assert code == 0 and "random_state, numpy_random_seed, torch_manual_seed (step 7)" in out, err

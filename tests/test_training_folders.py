@@ -298,7 +298,9 @@ def test_every_command_on_each_folder(runs: Path, name: str, tmp_path: Path) -> 
     assert (code, report["verdict"]) == ((1, "unknown") if trainer else (0, "safe")), err
     if trainer:  # training_args.bin's classes: unknown, never dangerous
         assert report["verdicts"]["transformers.training_args.TrainingArguments"] == "unknown"
-        assert report["dangerous"] == []
+        assert report["dangerous"] == [] and report["readable"] is False  # the flags read it, as inert data
+        assert any(problem.startswith("training_args.bin: unknown (transformers.training_args.TrainingArguments")
+                   for problem in report["problems"]), report["problems"]
     assert any(label.startswith("optimizer") for label in report["pickles"])
 
     code, out, err = run("convert", folder, "-o", tmp_path / "model.safetensors", "--fingerprint")
@@ -376,6 +378,7 @@ def test_scan_judges_every_pickle_of_a_folder(runs: Path, tmp_path: Path) -> Non
     assert code == 1 and report["verdict"] == "dangerous", out
     assert [name.split(".")[-1] for name in report["dangerous"]] == ["system"]
     assert any(label.startswith("custom_checkpoint_1.pkl") for label in report["pickles"])
+    assert [problem.split(" (")[0] for problem in report["problems"]] == ["custom_checkpoint_1.pkl: dangerous"]
     code, out, err = run("inspect", folder)  # the weights are read; the file is named, loudly
     assert code == 0, err
     assert "custom_checkpoint_1.pkl names globals known to run code" in out

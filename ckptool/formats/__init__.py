@@ -84,6 +84,7 @@ class PickleBlob:
     label: str
     data: bytes
     read_by_load: bool = True
+    file: str | None = None  # the file of a folder input it lies in, when the input spans several (a training folder)
 
 
 @dataclass

@@ -240,7 +240,8 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
                 fmt = sniff_input(None, path / name)
                 if fmt is not None:
                     found = fmt.scan_pickles(path / name, ReadOptions(None, b"", options.resolver))
-                    blobs += [PickleBlob(f"{name}/{blob.label}", blob.data, name in loaded) for blob in found.blobs]
+                    blobs += [PickleBlob(f"{name}/{blob.label}", blob.data, name in loaded, name)
+                              for blob in found.blobs]
             continue
         if not name.lower().endswith(PICKLE_SUFFIXES):
             continue
@@ -250,7 +251,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             if fmt is None:
                 continue  # not a checkpoint: nothing torch would unpickle as one
             found = fmt.scan_pickles(path / name, ReadOptions(handle, head, options.resolver))
-        blobs += [PickleBlob(f"{name}: {blob.label}", blob.data, blob.read_by_load and name in loaded)
+        blobs += [PickleBlob(f"{name}: {blob.label}", blob.data, blob.read_by_load and name in loaded, name)
                   for blob in found.blobs]
     return Pickles(FORMAT.name, blobs)
 

@@ -527,3 +527,28 @@ def test_a_training_runs_other_files_say_what_they_are(runs: Path) -> None:
         assert "no weights found" not in out
     code, out, err = run("inspect", runs / "accelerate/random_states_0.pkl")
     assert code == 0 and "random_state, numpy_random_seed, torch_manual_seed (step 7)" in out, err
+
+
+def test_fsdp_weights_as_a_dcp_sub_folder(tmp_path: Path) -> None:
+    """accelerate under FSDP saves the model as a DCP folder, pytorch_model_fsdp_0/, beside optimizer.bin."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = stepped(torch.optim.AdamW, lr=1e-3)
+    folder = tmp_path / "fsdp_state"
+    folder.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... save in a single process"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=folder / "pytorch_model_fsdp_0", no_dist=True)
+    torch.save(optimizer.state_dict(), folder / "optimizer.bin")
+    torch.save({"step": 2}, folder / "random_states_0.pkl")
+    code, out, err = run("inspect", folder)
+    assert code == 0, err
+    assert "accelerate save_state folder: weights from pytorch_model_fsdp_0" in out and "step           2" in out
+    code, out, err = run("scan", folder)
+    assert code == 0, out + err
+    assert_same(model.state_dict(), to_state_dict(ckptool.load(folder).tensors))
+    code, _, err = run("convert", folder, "-o", tmp_path / "model.safetensors")
+    assert code == 0, err
+    assert_same(model.state_dict(), load_file(tmp_path / "model.safetensors"))

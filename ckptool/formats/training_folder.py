@@ -31,11 +31,15 @@ import re
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import inputs
 from ..errors import InputError
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions
 from . import sniff as sniff_input
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .. import pickles
 
 # The roles of the files beside the weights, and the names the frameworks give them.
 OPTIMIZER = "optimizer"
@@ -273,8 +277,16 @@ def _loaded_files(path: Path, layout: TrainingFolder) -> set[str]:
         return set()  # the load says what is wrong with it
 
 
+def scan_resolver(resolver: pickles.GlobalResolver) -> pickles.GlobalResolver:
+    """DCP's metadata classes count as read, as for a DCP folder: FSDP's weights are a DCP sub-folder."""
+    from .dcp import FORMAT as DCP
+
+    assert DCP.scan_resolver is not None
+    return DCP.scan_resolver(resolver)
+
+
 FORMAT = Format(
-    name="training-folder", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
+    name="training-folder", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=scan_resolver,
     has_location_tags=False,
     in_place_refused="is a training folder: name the model file to rewrite in place, or write beside it",
 )

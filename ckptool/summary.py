@@ -237,10 +237,14 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
     state = summary.training_folder
     described = {file.file: file for file in state.files} if state is not None else {}
     for number, file in enumerate(folder.of_role(training_folder.OPTIMIZER)):
-        tensors = described[file.name].details.get("tensors") if file.name in described else None
-        found.append({"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
-                      "kind": "optimizer state", "module_class": None, "tensors": tensors,
-                      "chosen": file.name == folder.read and checkpoint.flattened, "file": file.name})
+        said = described.get(file.name)
+        entry = {"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
+                 "kind": "optimizer state", "module_class": None,
+                 "tensors": said.details.get("tensors") if said is not None else None,
+                 "chosen": file.name == folder.read and checkpoint.flattened, "file": file.name}
+        if entry["tensors"] is None and said is not None:
+            entry["problem"] = said.problem or said.summary
+        found.append(entry)
     return found
 
 

@@ -63,6 +63,10 @@ def _human_bytes(size: int) -> str:
     return human(size)
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _scalar(value: Any) -> bool:
     return isinstance(value, bool | int | float | str) or value is None
 
@@ -119,7 +123,7 @@ def describe_rng(container: Any) -> tuple[str, dict[str, Any]]:
     step = dict.get(container, "step")
     if isinstance(step, int) and not isinstance(step, bool):
         details["step"] = step
-    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") or "none"
     return f"random number generator states: {shown}" + (f" (step {step})" if "step" in details else ""), details
 
 
@@ -174,11 +178,11 @@ def describe_trainer_state(value: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(history, list):
         details["log_entries"] = len(history)
     parts = []
-    if isinstance(details.get("global_step"), int):
-        parts.append(f"global_step {details['global_step']}" + (f" of {details['max_steps']}"
-                                                                  if isinstance(details.get("max_steps"), int) else ""))
+    if _integer(details.get("global_step")):
+        max_steps = details.get("max_steps")
+        parts.append(f"global_step {details['global_step']}" + (f" of {max_steps}" if _integer(max_steps) else ""))
     if isinstance(details.get("epoch"), float | int):
-        parts.append(f"epoch {details['epoch']:g}")
+        parts.append(f"epoch {_short(details['epoch'])}")
     if "log_entries" in details:
         parts.append(f"{details['log_entries']} log entr{'y' if details['log_entries'] == 1 else 'ies'}")
     if details.get("best_metric") is not None:

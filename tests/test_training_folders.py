@@ -552,3 +552,25 @@ def test_fsdp_weights_as_a_dcp_sub_folder(tmp_path: Path) -> None:
     code, _, err = run("convert", folder, "-o", tmp_path / "model.safetensors")
     assert code == 0, err
     assert_same(model.state_dict(), load_file(tmp_path / "model.safetensors"))
+
+
+def test_damaged_training_files_are_described_not_fatal(runs: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    (folder / "pytorch_model.bin").write_bytes((runs / "accelerate_bin/pytorch_model.bin").read_bytes())
+    (folder / "optimizer.pt").write_bytes(b"garbage")
+    (folder / "config.json").write_text("[[[[")
+    (folder / "trainer_state.json").write_text('{"global_step": 123456789012345678901234567890, "epoch": 1e999, '
+                                               '"max_steps": true, "log_history": 5, "best_metric": [1, [2]]}')
+    os.mkfifo(folder / "rng_state.pth")
+    code, out, err = run("inspect", folder)
+    assert code == 0, err
+    assert "optimizer.pt: unreadable: optimizer.pt is not a checkpoint" in out
+    assert "rng_state.pth: unreadable: rng_state.pth is a FIFO" in out
+    assert "config.json: unreadable: config.json is not valid UTF-8 JSON" in out
+    assert "global_step 123456789012345678901234567890, epoch inf" in out
+    code, out, err = run("inspect", folder, "--json")
+    assert code == 0 and json.loads(out)["training_folder"]["step"] == 123456789012345678901234567890, err
+    code, out, err = run("scan", folder)  # scan reads every pickle: the FIFO is refused, never waited on
+    assert code == 3 and out == "" and err.count("\n") == 1 and "FIFO" in err
+    assert_same(torch.load(folder / "pytorch_model.bin", weights_only=True), to_state_dict(ckptool.load(folder).tensors))

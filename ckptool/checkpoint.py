@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from . import keys as keys_
-from . import modules
-from .errors import InputError, NothingToDoError
+from . import modules, optimizers
+from .errors import InputError, NothingToDoError, UsageError
 from .suggest import Metavar
 from .suggest import option as suggest_option
 from .refs import StorageRef, TensorRef
@@ -93,7 +93,9 @@ class WeightSet:
 
     Attributes:
         layout: the key path to it (``()`` for the top level).
-        kind: ``"state dict"`` or ``"whole-model pickle"`` (a pickled ``nn.Module``).
+        kind: ``"state dict"``, ``"whole-model pickle"`` (a pickled ``nn.Module``) or
+            ``"optimizer state"`` (an optimizer's state dict, its tensors named by key path:
+            :func:`ckptool.optimizers.flatten`).
         module_class: the module's class, for a whole-model pickle.
     """
 
@@ -102,11 +104,16 @@ class WeightSet:
     module_class: str | None = None
 
 
+OPTIMIZER_STATE = "optimizer state"
+
+
 def _weight_set(node: Any, layout: tuple[Any, ...]) -> WeightSet | None:
     if is_state_dict(node) and not (layout and _scalars_only(node)):
         return WeightSet(layout, "state dict")
     if modules.is_module(node):
         return WeightSet(layout, "whole-model pickle", modules.class_name(node))
+    if optimizers.is_optimizer_state(node):
+        return WeightSet(layout, OPTIMIZER_STATE)
     return None
 
 
@@ -120,8 +127,8 @@ def weight_sets(container: Any) -> list[WeightSet]:
     """Every set of weights in ``container`` (state dicts and pickled modules), in container order.
 
     Mappings are entered :data:`CANDIDATE_DEPTH` levels deep; a set of weights is not entered
-    (a module's submodules are its own), nor an optimizer's state (its per-parameter dicts of
-    tensors are not weights).
+    (a module's submodules are its own), nor an optimizer's state (listed as one set: its
+    per-parameter dicts of tensors are not weights of their own).
 
     Example:
         >>> [w.layout for w in weight_sets({"state_dict": sd, "state_dict_ema": sd2, "epoch": 3})]  # doctest: +SKIP
@@ -240,6 +247,12 @@ class Checkpoint:
             output holds them as a plain state dict.
         selected: the weights were chosen by the caller (``load(..., weights=...)``), not found
             by the default rule; a ``.pt`` rewrite is read back at the same place.
+        flattened: the "weights" are an optimizer's state dict at ``layout``, its tensors named by
+            key path (``state.0.exp_avg``; :func:`ckptool.optimizers.flatten`); a safetensors
+            output carries the rest of it in ``ckptool.entries``.
+        folder: for a training folder input (a transformers ``checkpoint-N/``, an accelerate
+            ``save_state`` folder), what the folder holds besides the weights read
+            (:class:`ckptool.formats.training_folder.TrainingFolder`); None otherwise.
 
     Example:
         >>> ckpt = ckptool.load("ddp.pt")                      # doctest: +SKIP
@@ -262,6 +275,8 @@ class Checkpoint:
     # a .pt rewrite re-emits a whole-model pickle's modules themselves, not the weights alone: set by
     # remap, which changes device tags only, so the model still loads where its classes are
     keep_modules: bool = False
+    flattened: bool = False
+    folder: Any = None
     # the state dict read from a module record, once (a transform's copy reads its own)
     _module_weights: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -276,6 +291,10 @@ class Checkpoint:
         if self.layout is None:
             raise InputError("holds no weights (no mapping of names to tensors) — is this a checkpoint?", path=self.path)
         node = get_at(self.container, self.layout)
+        if self.flattened:
+            if self._module_weights is None:
+                self._module_weights = optimizers.flatten(node, path=self.path)
+            return self._module_weights
         if isinstance(node, OpaqueObject) and modules.is_module(node):
             if self._module_weights is None:
                 notes: list[str] = []
@@ -313,6 +332,9 @@ class Checkpoint:
         """
         layout = resolve_weights(self.container, weights)
         shown = weights if isinstance(weights, str) else "/".join(str(key) for key in weights)
+        if layout and layout[-1] == optimizers.STATE_KEY and \
+                optimizers.is_optimizer_state(get_at(self.container, layout[:-1])):
+            layout = layout[:-1]  # an optimizer's "state": its tensors, with the groups that give them meaning
         node = get_at(self.container, layout) if layout is not None else None
         found = _weight_set(node, layout) if layout is not None else None
         if layout is not None and found is None and isinstance(node, dict) and \
@@ -323,12 +345,14 @@ class Checkpoint:
             what = "nothing is there" if layout is None else "what is there holds no tensors"
             raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates or 'none'}; "
                              "pass one of them as " + suggest_option("weights", Metavar("PATH")), path=self.path)
-        return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes))
+        return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes),
+                       flattened=found.kind == OPTIMIZER_STATE)
 
     def weights_as_written(self, written: Checkpoint) -> Checkpoint:
         """``written`` (this checkpoint written to a file and read back) with its weights at the
         place this one's are: where the caller chose them in a container written whole."""
-        if self.selected and not self.whole_model and self.layout is not None and written.layout != self.layout \
+        if (self.selected or self.flattened) and not self.whole_model and self.layout is not None and \
+                (written.layout != self.layout or written.flattened != self.flattened) \
                 and resolve_weights(written.container, self.layout) is not None:
             return written.select_weights(self.layout)
         return written
@@ -382,7 +406,7 @@ class Checkpoint:
     @property
     def prefix(self) -> str:
         """The wrapper stack every weight key carries ("" if none)."""
-        if self.layout is None:
+        if self.layout is None or self.flattened:  # an optimizer's names are key paths: no wrapper
             return ""
         return keys_.detect_prefix(self.tensors, lightning=self.is_lightning)
 
@@ -399,6 +423,10 @@ class Checkpoint:
 
     # transforms (pure: a new Checkpoint shares what did not change) ---------------------------
     def with_state_dict(self, state_dict: dict) -> Checkpoint:
+        if self.flattened:  # the names are key paths into the optimizer's dict, not keys of a mapping
+            raise UsageError("the weights chosen are an optimizer's state: its tensors are named by where they lie "
+                             "in it, and renaming or casting them would not give an optimizer state back — convert "
+                             "it as it is", path=self.path)
         return replace(self, container=replace_at(self.container, self.layout or (), state_dict),
                        layout=self.layout if self.layout is not None else ())
 

@@ -35,6 +35,9 @@ dtypes; argparse          "args": [NODE, ...], "state": NODE}`` — the call the
 .Namespace                in :data:`CARRIED_GLOBALS` only; a class passed as an argument is
                           ``{"$ckptool": "global", "name": G}``
 the weights             ``{"$ckptool": "weights"}``, exactly once: where the weights mapping lies
+flattened weights       ``{"$ckptool": "weights", "tree": NODE}``: weights that are not a mapping
+                        of names (an optimizer's state dict) lie here as NODE, each of its tensors
+                        ``{"$ckptool": "tensor", "name": NAME}``, NAME the file's tensor
 ======================  =====================================================================
 
 KEY is a NODE that decodes to a hashable value. Numpy values are kept as the pickle's own call
@@ -114,6 +117,8 @@ class Decoded:
     container: Any
     layout: tuple[Any, ...] | None
     notes: list[str] = field(default_factory=list)
+    # the weights were flattened: the tree at ``layout`` holds the file's tensors by name (already placed)
+    flattened: bool = False
 
 
 class _Weights:
@@ -176,16 +181,21 @@ def _is_optimizer_state(value: Any) -> bool:
 
 
 class _Encoder:
-    def __init__(self, weights_path: tuple[Any, ...]) -> None:
+    def __init__(self, weights_path: tuple[Any, ...], tensor_names: dict[int, str] | None = None) -> None:
         self.weights_path = weights_path
+        # flattened weights: id(tensor) -> its name in the file, for the tensors of the tree at weights_path
+        self.tensor_names = tensor_names
+        self.named: set[str] = set()
         self.placed = False
         self.values = 0
         self.open: set[int] = set()  # containers on the current path: a cycle would never end
         self.notes: list[str] = []
 
     def node(self, value: Any, path: tuple[Any, ...], depth: int) -> Any:
-        if path == self.weights_path:
+        if path == self.weights_path and not self.placed:
             self.placed = True
+            if self.tensor_names is not None:  # the tree itself goes along, its tensors by name
+                return {TAG: "weights", "tree": self.node(value, path + (_Inside("weights"),), depth + 1)}
             self._weights_members(value, path)
             return {TAG: "weights"}
         self.values += 1
@@ -213,6 +223,10 @@ class _Encoder:
                             "keep the .pt for it")
             return {TAG: kind.__name__, "base64": base64.b64encode(bytes(value)).decode("ascii")}
         if isinstance(value, TensorRef):
+            name = self.tensor_names.get(id(value)) if self.tensor_names is not None else None
+            if name is not None:
+                self.named.add(name)
+                return {TAG: "tensor", "name": name}
             raise _Drop(f"a tensor ({value.dtype.torch_name} {list(value.shape)}) outside the weights", TENSOR_ADVICE)
         if isinstance(value, StorageRef):
             raise _Drop(f"a storage ({value.dtype.torch_name}, {value.numel} elements) outside the weights",
@@ -247,7 +261,7 @@ class _Encoder:
         if kind in (set, frozenset):
             return {TAG: kind.__name__, "items": [self._key(item, path, depth) for item in value]}
         if isinstance(value, dict):
-            if _is_optimizer_state(value) and (count := _tensor_count(value)):
+            if _is_optimizer_state(value) and self.tensor_names is None and (count := _tensor_count(value)):
                 raise _Drop(f"optimizer state ({count} tensors)", OPTIMIZER_ADVICE)
             pairs = self._pairs(value, path, depth)
             if kind is dict:
@@ -339,15 +353,20 @@ class _Encoder:
                                   "the weights not carried — safetensors stores tensors only")
 
 
-def encode(container: Any, weights_path: tuple[Any, ...]) -> tuple[str | None, list[str]]:
+def encode(container: Any, weights_path: tuple[Any, ...], *,
+           tensor_names: dict[int, str] | None = None) -> tuple[str | None, list[str]]:
     """The container minus the weights at ``weights_path``, as the ``ckptool.entries`` value.
+
+    ``tensor_names``: the weights are flattened (an optimizer's state dict, see
+    :func:`ckptool.optimizers.flatten`): ``id(tensor) -> name`` of each of its tensors; the tree at
+    ``weights_path`` goes along with its tensors by name, so the reader builds it again.
 
     Returns:
         ``(json_text, dropped)``: ``json_text`` is None when nothing but the weights is there to
         carry; ``dropped`` names, by key path, every value left out and why (one line each).
     """
-    encoder = _Encoder(tuple(weights_path))
-    if not weights_path:
+    encoder = _Encoder(tuple(weights_path), tensor_names)
+    if not weights_path and tensor_names is None:
         encoder._weights_members(container, ())
         return None, encoder.notes
     try:
@@ -360,6 +379,10 @@ def encode(container: Any, weights_path: tuple[Any, ...]) -> tuple[str | None, l
     if not encoder.placed:
         return None, [*encoder.notes, f"{key_path(weights_path)}: the container around the weights not carried — "
                                       "the place of the weights cannot be represented; keep the .pt for it"]
+    if tensor_names is not None and encoder.named != set(tensor_names.values()):
+        # a tensor inside a value the encoding could not carry: the tree would not place every tensor
+        return None, [*encoder.notes, f"{key_path(weights_path)}: the structure around the tensors not carried "
+                                      "(a value holding tensors could not be encoded); keep the .pt for it"]
     text = json.dumps({TAG: "entries", "version": VERSION, "container": tree}, allow_nan=False,
                       separators=(",", ":"))
     if len(text) > MAX_ENTRIES_CHARS:
@@ -381,9 +404,13 @@ def _refuse_constant(name: str) -> Any:
 
 
 class _Decoder:
-    def __init__(self) -> None:
+    def __init__(self, tensors: dict[str, Any] | None = None) -> None:
         self.values = 0
         self.layout: tuple[Any, ...] | None = None
+        self.tensors = tensors  # the file's tensors by name, which a flattened tree's records name
+        self.in_tree = False
+        self.flattened = False
+        self.named: set[str] = set()
 
     def node(self, node: Any, path: tuple[Any, ...] | None, depth: int) -> Any:
         """``path``: where this node lies as the weights' layout would reach it (None: a place no
@@ -429,11 +456,28 @@ class _Decoder:
                 yield key, self.node(pair[1], None if path is None else path + (key,), depth + 1)
 
         if tag == "weights":
-            need()
-            if path is None or self.layout is not None:
+            need(optional=("tree",))
+            if path is None or self.layout is not None or self.in_tree:
                 raise _malformed("places the weights twice, or where no key path reaches")
             self.layout = path
-            return WEIGHTS
+            if "tree" not in node:
+                return WEIGHTS
+            self.in_tree = self.flattened = True
+            try:
+                return self.node(node["tree"], None, depth + 1)
+            finally:
+                self.in_tree = False
+        if tag == "tensor":
+            need("name")
+            name = node["name"]
+            if not self.in_tree or type(name) is not str or name in self.named:
+                raise _malformed("names a tensor outside the weights' tree, or one tensor twice")
+            self.named.add(name)
+            if self.tensors is None:
+                return None  # only the entries' names were asked for
+            if name not in self.tensors:
+                raise _malformed(f"names the tensor {name[:60]!r}, which the file does not hold")
+            return self.tensors[name]
         if tag == "float":
             need("value")
             values = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -541,11 +585,13 @@ def _check_collisions(keys: list[Any]) -> None:
         raise _malformed(f"puts over {MAX_HASH_COLLISIONS} distinct keys with one hash in a dict or set")
 
 
-def decode(json_text: str) -> Decoded:
+def decode(json_text: str, tensors: dict[str, Any] | None = None) -> Decoded:
     """Read a ``ckptool.entries`` value: the container with :data:`WEIGHTS` where the weights go.
 
     Metadata from a ckptool before version 1 (a JSON object of top-level entries, which records no
-    place for the weights) is read as those entries, with ``layout`` None.
+    place for the weights) is read as those entries, with ``layout`` None. Flattened weights (a
+    ``tree``) are built from ``tensors``, the file's tensors by name, each of which the tree must
+    place exactly once.
 
     Raises:
         EntriesError: malformed, of another version, or over a limit (one line, naming the key).
@@ -558,7 +604,7 @@ def decode(json_text: str) -> Decoded:
         raise _malformed(f"is not JSON ({type(e).__name__})") from e
     if type(value) is not dict:
         raise _malformed("is not a JSON object")
-    decoder = _Decoder()
+    decoder = _Decoder(tensors)
     if TAG not in value:  # written before the encoding had a version: top-level JSON entries
         return Decoded(decoder.node(value, None, 0), None)
     if value.get(TAG) != "entries" or set(value) != {TAG, "version", "container"}:
@@ -569,20 +615,29 @@ def decode(json_text: str) -> Decoded:
     container = decoder.node(value["container"], (), 0)
     if decoder.layout is None:
         raise _malformed("marks no place for the weights")
-    return Decoded(container, decoder.layout)
+    if decoder.flattened and tensors is not None and decoder.named != set(tensors):
+        raise _malformed(f"places {len(decoder.named)} tensors in the weights' tree, but the file holds "
+                         f"{len(tensors)}")
+    return Decoded(container, decoder.layout, flattened=decoder.flattened)
 
 
 def restore(decoded: Decoded, weights: dict) -> Any:
     """The decoded container with ``weights`` where the encoding marked them."""
     assert decoded.layout is not None
+    if decoded.flattened:  # the tree already holds the tensors
+        return decoded.container
     from .tree import replace_at
 
     return replace_at(decoded.container, decoded.layout, weights)
 
 
-def restored_notes(layout: tuple[Any, ...] | None, metadata: dict[str, str]) -> list[str]:
+def restored_notes(layout: tuple[Any, ...] | None, metadata: dict[str, str], *, flattened: bool = False) -> list[str]:
     """What a .pt output written from a safetensors input says about the container: restored from
-    ``ckptool.entries`` (weights at ``layout``), or an older ckptool's entries it could not place."""
+    ``ckptool.entries`` (weights at ``layout``; an optimizer's state built again around its tensors
+    when ``flattened``), or an older ckptool's entries it could not place."""
+    if flattened:
+        return [f"restored the optimizer state carried in metadata {ENTRIES_KEY} around its tensors"
+                + (f" (at {key_path(layout)})" if layout else "")]
     if layout:
         return [f"restored the container carried in metadata {ENTRIES_KEY} (weights at {key_path(layout)})"]
     raw = metadata.get(ENTRIES_KEY)

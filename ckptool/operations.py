@@ -60,9 +60,13 @@ class WriteReport:
         return {**written, "notes": self.notes, "input": str(self.input), **self.details}
 
 
-def _target(ckpt: Path, out: Path | None, in_place: bool) -> Path:
+def _target(ckpt: Path, out: Path | None, in_place: bool, checkpoint: Checkpoint | None = None) -> Path:
     if out is None:
         if in_place:
+            folder = checkpoint.folder if checkpoint is not None else None
+            if folder is not None and folder.read is not None and \
+                    [file.name for file in checkpoint.files] == [folder.read]:  # type: ignore[union-attr]
+                return ckpt / folder.read  # a training folder's one weights file, rewritten where it is
             return ckpt
         raise UsageError("missing " + option("out", Metavar("OUT")) + " (or " + option("in_place")
                          + " to rewrite the input)")
@@ -87,7 +91,7 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
     mapping = tuple(mapping)
     mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
-    target = _target(ckpt, out, in_place)
+    target = _target(ckpt, out, in_place, checkpoint)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(prefix)
     renamed = count_keys(checkpoint.state_dict, prefix=used)
@@ -124,7 +128,7 @@ def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str =
 
     ckpt, out = Path(ckpt), _optional_path(out)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
-    target = _target(ckpt, out, in_place)
+    target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
     saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
                  in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
@@ -148,7 +152,7 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     mapper = _mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     _has_location_tags(checkpoint, ckpt)
-    target = _target(ckpt, out, in_place)
+    target = _target(ckpt, out, in_place, checkpoint)
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
@@ -318,7 +322,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     if formats.for_name(checkpoint.format).weights_only and not formats.for_name(saved.format).weights_only:
         from .entries import restored_notes
 
-        notes += restored_notes(checkpoint.layout, checkpoint.metadata)
+        notes += restored_notes(checkpoint.layout, checkpoint.metadata, flattened=checkpoint.flattened)
     return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
 
 

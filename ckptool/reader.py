@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from . import formats, inputs, modules, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from .suggest import Metavar
+from .suggest import option as suggest_option
 from .tree import get_at
 
 
@@ -28,6 +31,10 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
             ``"model.ema"``, ``"ema"`` of a whole-model pickle): keys joined by ``.`` or ``/``
             (:func:`ckptool.checkpoint.resolve_weights`), or a tuple of keys. None: the first
             found of :data:`ckptool.checkpoint.WEIGHTS_KEYS` (the live weights before an EMA copy).
+            ``"state"`` (or the optimizer's key path) takes an optimizer's state, its tensors named
+            ``state.<param>.<name>``. In a training folder, a file of the folder may be named first
+            (``"model_1"``, ``"optimizer.bin"``, ``"model_1.safetensors/..."``); ``"state"`` there
+            is its optimizer file's.
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
@@ -45,7 +52,11 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
         checkpoint = _load(path, resolver)
-        return checkpoint if weights is None else checkpoint.select_weights(weights)
+        if weights is None:
+            return checkpoint
+        if checkpoint.folder is not None:
+            return _select_in_folder(checkpoint, weights, resolver)
+        return checkpoint.select_weights(weights)
     except pickles.RefusedGlobal as e:
         from .safety import refusal
 
@@ -100,6 +111,68 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
         )
 
 
+def load_member(folder: Path, name: str, *, allow_globals: tuple[str, ...] | list[str] = (),
+                resolver: pickles.GlobalResolver | None = None) -> Checkpoint:
+    """One file of the input ``folder`` (a training folder's optimizer, scheduler...), read as the
+    checkpoint it is; it must be a regular file inside the folder (or a link that stays inside).
+
+    Raises:
+        InputError, UnsafeCheckpointError, UnsupportedFormatError: as :func:`load`, naming the file.
+    """
+    from .formats import training_folder
+
+    resolver = resolver if resolver is not None else pickles.GlobalResolver(allow_globals)
+    path = folder / name
+    try:
+        contents = training_folder.read_member(folder, name, formats.ReadOptions(None, b"", resolver))
+        return _checkpoint(path, formats.for_name(contents.format or ""), contents, resolver)
+    except pickles.RefusedGlobal as e:
+        from .safety import refusal
+
+        raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
+    except CkptError as e:
+        if e.path is None or Path(e.path) == folder:
+            raise type(e)(e.wording or e.message, path=path) from e
+        raise
+
+
+def _select_in_folder(checkpoint: Checkpoint, weights: str | tuple | list,
+                      resolver: pickles.GlobalResolver) -> Checkpoint:
+    """``weights`` in a training folder: a file of it (``model_1``, ``optimizer.bin``, then a path
+    inside it after ``/``), else a path inside the weights read, else (``state``) its optimizer's."""
+    from . import optimizers
+    from .checkpoint import resolve_weights
+    from .formats import training_folder
+
+    folder = checkpoint.folder
+    text = weights if isinstance(weights, str) else None
+    chosen, rest = None, None
+    if text is not None:
+        head, _, tail = text.partition("/")
+        chosen = folder.named(text) or folder.named(head)
+        rest = None if chosen is not None and folder.named(text) is chosen else (tail or None)
+        optimizers_ = folder.of_role(training_folder.OPTIMIZER)
+        if chosen is None and optimizers_ and text.split("/")[0].split(".")[0] == optimizers.STATE_KEY \
+                and (not checkpoint.has_weights or resolve_weights(checkpoint.container, text) is None):
+            chosen, rest = optimizers_[0], text
+    if chosen is None:
+        try:
+            return checkpoint.select_weights(weights)
+        except InputError as e:
+            names = [file.name for file in (*folder.weights, *folder.of_role(training_folder.OPTIMIZER))]
+            raise InputError(f"{e.message.split(' — ')[0]} — the folder's weights: {', '.join(names) or 'none'}"
+                             + (" (or 'state': the optimizer's tensors)" if folder.of_role(training_folder.OPTIMIZER)
+                                else "") + "; pass one of them as " + suggest_option("weights", Metavar("PATH")),
+                             path=checkpoint.path) from None
+    member = load_member(folder.directory, chosen.name, allow_globals=resolver.allow_globals)
+    member.path, member.folder = checkpoint.path, dataclasses.replace(folder, read=chosen.name)
+    if rest is not None:
+        return member.select_weights(rest)
+    if member.layout is None and optimizers.is_optimizer_state(member.container):
+        return member.select_weights(())  # an optimizer file named: its tensors
+    return member
+
+
 def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
                 resolver: pickles.GlobalResolver) -> Checkpoint:
     """The one place a Checkpoint is made from what a format read."""
@@ -113,4 +186,5 @@ def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
     return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
                       globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
                       notes=contents.notes, allow_globals=resolver.allow_globals,
-                      module_class=modules.class_name(get_at(contents.container, layout)) if found else None)
+                      module_class=modules.class_name(get_at(contents.container, layout)) if found else None,
+                      flattened=contents.flattened, folder=contents.folder)

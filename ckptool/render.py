@@ -36,6 +36,10 @@ def summary(summary: Summary) -> None:
     """inspect's description of a checkpoint, then its problems and their fixes."""
     echo(f"{summary.path}")
     echo(f"  format         {summary.format}  ({human_bytes(summary.file_bytes)} on disk)")
+    folder = summary.training_folder
+    if folder is not None:
+        read = next((c["file"] for c in summary.candidates if c["chosen"]), None)
+        echo(f"  folder         {folder.kind}" + (f": weights from {read}" if read else ": no model weights"))
     layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
                                                           " -> ".join(repr(k) for k in summary.layout))
     if summary.module_class is not None:
@@ -59,6 +63,11 @@ def summary(summary: Summary) -> None:
         echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
     for key, entry in summary.entries.items():
         echo(f"  entry          {key}: {entry['summary']}")
+    if folder is not None:
+        if folder.step is not None:
+            echo(f"  step           {folder.step}  ({folder.step_from})")
+        for file in folder.files:
+            echo(f"  {file.role:<14} {file.file}: {file.summary}")
     if summary.globals:
         echo(f"  pickle globals {', '.join(summary.globals)}")
     for key, value in summary.metadata.items():

@@ -177,6 +177,9 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
                         pickles=[blob.label for blob in blobs], problems=[*found.notes, *problems],
                         dangerous=dangerous, verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
                         verdicts=verdicts, readable=load_error is None)
+    by_file, unread = _by_file(blobs, verdicts, cache)
+    report.problems += by_file
+    report.readable = report.readable and not unread  # a folder's other file that a load never reads
     if unsafe:
         return report
     if load_error is not None:
@@ -198,6 +201,29 @@ def _found_pickles(path: Path, fmt: formats.Format | None, allow_globals: tuple[
         raise InputError("cannot be read: permission denied — check the file's permissions", path=path) from e
     except OSError as e:
         raise InputError(f"cannot be read ({e.strerror})", path=path) from e
+
+
+def _by_file(blobs: list[formats.PickleBlob], verdicts: dict[str, str],
+             cache: pickles.GuardCache) -> tuple[list[str], bool]:
+    """For an input of several files (a training folder), which file names the globals outside the
+    allowlist: one line per such file, with its verdict; and whether one of them is a file a load
+    of the input does not read (its globals then need the flags even to be read as inert data)."""
+    names: dict[str, list[str]] = {}
+    unread = False
+    for blob in blobs:
+        if blob.file is None:
+            continue
+        _, found = _static_pass([blob], cache)
+        names.setdefault(blob.file, [])
+        outside = [name for name in found if verdicts.get(name, ALLOWED) != ALLOWED]
+        names[blob.file] += [name for name in outside if name not in names[blob.file]]
+        unread = unread or (bool(outside) and not blob.read_by_load)
+    lines = []
+    for file, unsafe in names.items():
+        if unsafe:
+            verdict = DANGEROUS if any(verdicts[name] == DANGEROUS for name in unsafe) else UNKNOWN
+            lines.append(f"{file}: {verdict} ({', '.join(unsafe[:6])}{', ...' if len(unsafe) > 6 else ''})")
+    return lines, unread
 
 
 def _static_pass(blobs: list[formats.PickleBlob], cache: pickles.GuardCache) -> tuple[Counter, list[str]]:

@@ -240,3 +240,10 @@ def to_safetensors(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
 def each(commands: Sequence[str]) -> str:
     """Several commands run one after the other, stopping at the first that fails."""
     return " && ".join(commands)
+
+
+def optimizer_to_safetensors(path: Path, *, folder: bool = False, allow_globals: Sequence[str] = ()) -> str:
+    """The convert command that writes the optimizer state in ``path`` (an optimizer file, or a
+    training ``folder``) as safetensors beside it, its tensors named ``state.<param>.<name>``."""
+    return command("convert", Path(path), out=sibling(Path(path), "optimizer" if folder else "", ".safetensors"),
+                   weights="state", allow_globals=list(allow_globals))

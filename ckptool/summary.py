@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import formats, layouts, modules, suggest
+from . import formats, layouts, modules, optimizers, suggest
+from .formats import training_folder
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .jsonout import key_text
@@ -66,11 +67,16 @@ class Summary:
     # "layout", "kind", "module_class", "tensors", "chosen"}; the chosen one is what the rest describes
     candidates: list[dict[str, Any]] = field(default_factory=list)
     module_class: str | None = None
+    # a training folder input: its kind, weights files, the step reached and every other file,
+    # each with a line saying what it holds (training_state.FolderState); None for any other input
+    training_folder: Any = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         if self.tensor_list is None:
             data.pop("tensor_list")
+        if self.training_folder is None:
+            data.pop("training_folder")
         if self.fingerprint is None:
             data.pop("fingerprint")
         return data
@@ -180,23 +186,21 @@ def entry_record(value: Any) -> dict[str, Any]:
     return record
 
 
-def is_optimizer_state(value: Any) -> bool:
-    """An ``optimizer.state_dict()``: ``{"state": {index: {...}}, "param_groups": [...]}``."""
-    return isinstance(value, dict) and isinstance(dict.get(value, "state"), dict) \
-        and isinstance(dict.get(value, "param_groups"), list)
+is_optimizer_state = optimizers.is_optimizer_state
 
 
 def describe_optimizer_state(value: dict) -> str:
-    """``optimizer state: 2 params over 1 parameter group, 6 tensors (per parameter: exp_avg, exp_avg_sq,
-    step), 104 B`` — what an optimizer's own state_dict holds, named by torch's per-parameter keys."""
+    """``optimizer state: 2 params over 1 parameter group, 6 tensors (AdamW: step, exp_avg,
+    exp_avg_sq), 104 B`` — what an optimizer's own state_dict holds: the optimizer it came from as
+    far as its names tell (:func:`ckptool.optimizers.optimizer_kind`; else ``per parameter``) and
+    torch's per-parameter keys."""
     state = dict.get(value, "state")
     groups = len(dict.get(value, "param_groups"))
     tensors = [tensor for _, tensor in iter_tensors(value)]
-    names: list[str] = []
-    for per_parameter in dict.values(state):
-        if isinstance(per_parameter, dict):
-            names += [str(key) for key in per_parameter if str(key) not in names]
-    kinds = f" (per parameter: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''})" if names else ""
+    names = optimizers.state_names(value)
+    kind = optimizers.optimizer_kind(value)
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    kinds = f" ({kind or 'per parameter'}: {shown})" if names else f" ({kind})" if kind else ""
     return (f"optimizer state: {len(state)} params over {groups} parameter group{'s' if groups != 1 else ''}, "
             f"{len(tensors)} tensors{kinds}, {_human_bytes(sum(t.nbytes for t in tensors))}")
 
@@ -230,13 +234,88 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     elif extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
                           suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
-    if checkpoint.layout is None and is_optimizer_state(checkpoint.container):
-        hints.append(Hint("no model weights: this file is " + describe_optimizer_state(checkpoint.container),
-                          "the model's weights are saved beside it (e.g. model.safetensors, pytorch_model.bin); "
-                          "keep this file for resuming training"))
+    if checkpoint.folder is not None:
+        hints += _folder_hints(checkpoint, summary)
+    elif checkpoint.layout is None and is_optimizer_state(checkpoint.container):
+        hints.append(Hint("no model weights: this file is " + describe_optimizer_state(checkpoint.container) + "; "
+                          "the model's weights are saved beside it (e.g. model.safetensors, pytorch_model.bin) — "
+                          "keep this file for resuming training; its tensors as safetensors:",
+                          suggest.optimizer_to_safetensors(path, allow_globals=checkpoint.allow_globals)))
     elif checkpoint.layout is None:
-        hints.append(Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint"))
+        from .training_state import describe_content
+
+        what = describe_content(checkpoint.container)
+        if what is not None:  # a training run's other part (a scheduler's, the rng's state)
+            hints.append(Hint(f"no model weights: this file is a training run's {what}",
+                              "keep it for resuming training; the model's weights are saved beside it "
+                              "(e.g. model.safetensors, pytorch_model.bin)"))
+        else:
+            hints.append(Hint("no weights found (no mapping of names to tensors)",
+                              "check that this is a model checkpoint"))
     return hints
+
+
+def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
+    """A training folder's: files that need trust to be described, or name code-running globals;
+    no model weights at all."""
+    hints: list[Hint] = []
+    state = summary.training_folder
+    folder = checkpoint.path
+    for file in state.files if state is not None else []:
+        if file.dangerous:
+            hints.append(Hint(f"{file.file} names globals known to run code ({', '.join(file.dangerous[:4])}): "
+                              "torch.load of it would run them — do not resume from this folder unless you trust "
+                              "where it came from", suggest.command("scan", folder)))
+        elif file.needs:
+            shown = ", ".join(file.needs[:3]) + (", ..." if len(file.needs) > 3 else "")
+            # one pattern per package (a pattern never allows a code-running global)
+            allowed = [*checkpoint.allow_globals, *dict.fromkeys(f"{name.split('.', 1)[0]}.*" for name in file.needs)]
+            hints.append(Hint(f"{file.file} pickles {shown} (another package's classes; torch.load would import "
+                              "and run them): the weights read without them; to see what it holds, if you trust it",
+                              suggest.command("inspect", folder, allow_globals=allowed)))
+    if checkpoint.layout is None:
+        optimizer = [file for file in state.files if file.role == training_folder.OPTIMIZER] if state is not None else []
+        if optimizer:
+            hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
+                              "index); the optimizer's tensors as safetensors:",
+                              suggest.optimizer_to_safetensors(folder, folder=True, allow_globals=checkpoint.allow_globals)))
+        else:
+            hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
+                              "index)", "the weights are saved elsewhere (save_model / save_pretrained)"))
+    return hints
+
+
+def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str, Any]]:
+    """A training folder's sets of weights: each model's file, then each optimizer's state."""
+    from .reader import load_member
+
+    folder = checkpoint.folder
+    found: list[dict[str, Any]] = []
+    for file in folder.weights:
+        entry: dict[str, Any] = {"weights": file.name, "layout": [], "kind": "state dict", "module_class": None,
+                                 "tensors": None, "chosen": file.name == folder.read and not checkpoint.flattened,
+                                 "file": file.name}
+        try:
+            if entry["chosen"]:
+                entry["tensors"] = len(checkpoint.tensors)
+            else:
+                entry["tensors"] = len(load_member(folder.directory, file.name,
+                                                   allow_globals=checkpoint.allow_globals).tensors)
+        except InputError as e:
+            entry["problem"] = e.message
+        found.append(entry)
+    state = summary.training_folder
+    described = {file.file: file for file in state.files} if state is not None else {}
+    for number, file in enumerate(folder.of_role(training_folder.OPTIMIZER)):
+        said = described.get(file.name)
+        entry = {"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
+                 "kind": "optimizer state", "module_class": None,
+                 "tensors": said.details.get("tensors") if said is not None else None,
+                 "chosen": file.name == folder.read and checkpoint.flattened, "file": file.name}
+        if entry["tensors"] is None and said is not None:
+            entry["problem"] = said.problem or said.summary
+        found.append(entry)
+    return found
 
 
 def weight_candidates(checkpoint: Checkpoint) -> list[dict[str, Any]]:
@@ -301,7 +380,13 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         notes=list(checkpoint.notes),
     )
     summary.module_class = checkpoint.module_class
-    summary.candidates = weight_candidates(checkpoint)
+    if checkpoint.folder is not None:
+        from .training_state import describe_folder
+
+        summary.training_folder = describe_folder(checkpoint.folder, checkpoint.allow_globals)
+        summary.candidates = folder_candidates(checkpoint, summary)
+    else:
+        summary.candidates = weight_candidates(checkpoint)
     with_bits = [name for name, t in tensors.items() if t.conj or t.neg]
     if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
         summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"

@@ -193,7 +193,7 @@ def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
         # a pickled nn.Module: its weights as a plain state dict, none of its classes
         return checkpoint.state_dict
     if formats.for_name(checkpoint.format).weights_only:
-        if checkpoint.layout:  # the container its ckptool.entries carried, restored around the weights
+        if checkpoint.layout or checkpoint.flattened:  # the container ckptool.entries carried, around the weights
             if nest:
                 raise UsageError(suggest.option("nest", None) + " applies to safetensors input holding weights "
                                  "alone; this file carries its container (the weights at "
@@ -235,7 +235,10 @@ def _json_entries(checkpoint: Checkpoint, notes: list[str] | None = None) -> str
 
     if not checkpoint.has_weights or not isinstance(checkpoint.layout, tuple):
         return None
-    text, dropped = entries.encode(checkpoint.container, checkpoint.layout)
+    names = None
+    if checkpoint.flattened:  # an optimizer's state: its tree goes along, each tensor by its name in the file
+        names = {id(tensor): name for name, tensor in checkpoint.tensors.items()}
+    text, dropped = entries.encode(checkpoint.container, checkpoint.layout, tensor_names=names)
     if notes is not None:
         notes.extend(dropped)
     return text

@@ -33,3 +33,49 @@ OMEGACONF = {
         class BooleanNode(_Node): pass
         """,
 }
+
+# What transformers' Trainer pickles into training_args.bin (torch.save(self.args)), in miniature:
+# a dataclass instance with the library's enums and a nested dataclass among its fields.
+TRANSFORMERS = {
+    "transformers/__init__.py": "",
+    "transformers/trainer_utils.py": """
+        import enum
+        class ExplicitEnum(str, enum.Enum):
+            pass
+        class IntervalStrategy(ExplicitEnum):
+            NO = "no"
+            STEPS = "steps"
+            EPOCH = "epoch"
+        class SchedulerType(ExplicitEnum):
+            LINEAR = "linear"
+            COSINE = "cosine"
+        """,
+    "transformers/trainer_pt_utils.py": """
+        import dataclasses
+        @dataclasses.dataclass
+        class AcceleratorConfig:
+            split_batches: bool = False
+            dispatch_batches: object = None
+        """,
+    "transformers/training_args.py": """
+        import dataclasses
+        from transformers.trainer_utils import ExplicitEnum, IntervalStrategy, SchedulerType
+        from transformers.trainer_pt_utils import AcceleratorConfig
+        class OptimizerNames(ExplicitEnum):
+            ADAMW_TORCH = "adamw_torch"
+            SGD = "sgd"
+        @dataclasses.dataclass
+        class TrainingArguments:
+            output_dir: str = "out"
+            learning_rate: float = 5e-5
+            num_train_epochs: float = 3.0
+            max_steps: int = -1
+            per_device_train_batch_size: int = 8
+            gradient_accumulation_steps: int = 1
+            lr_scheduler_type: SchedulerType = SchedulerType.LINEAR
+            save_strategy: IntervalStrategy = IntervalStrategy.STEPS
+            optim: OptimizerNames = OptimizerNames.ADAMW_TORCH
+            seed: int = 42
+            accelerator_config: AcceleratorConfig = dataclasses.field(default_factory=AcceleratorConfig)
+        """,
+}

@@ -290,7 +290,8 @@ def test_an_optimizer_file_says_it_is_optimizer_state(tmp_path: Path) -> None:
     code, out, err = run("inspect", path)
     assert code == 0, err
     assert ("no model weights: this file is optimizer state: 4 params over 2 parameter groups, 12 tensors "
-            "(per parameter: step, exp_avg, exp_avg_sq)") in out
+            "(Adam: step, exp_avg, exp_avg_sq)") in out
+    assert f"fix: ckptool convert {path} -o {tmp_path / 'optimizer.safetensors'} --weights state" in out
     assert "no weights found" not in out
     container = tmp_path / "run.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, container)

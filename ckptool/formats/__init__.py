@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 REGISTRY: list[str] = [
     ".torch_zip:FORMAT",      # "PK\x03\x04"
     ".safetensors:FORMAT",    # a u64 header length, then "{"
+    ".training_folder:FORMAT",  # a folder holding a training run's state (optimizer.pt, random_states_0.pkl...)
     ".torch_sharded:FORMAT",  # a *.bin.index.json, and a folder holding one (and no safetensors weights)
     ".safetensors:SHARDED",   # a *.safetensors.index.json (and a folder holding one)
     ".torch_legacy:FORMAT",   # a pickle opcode first
@@ -68,6 +69,12 @@ class Contents:
     # where the weights lie in ``container`` when the format records it (a safetensors file's
     # ckptool.entries); None: found as for any container (a weights-only format's: the container)
     layout: tuple[Any, ...] | None = None
+    # the weights at ``layout`` are an optimizer's state dict, read by its tensors' key paths
+    # (a safetensors file ckptool wrote from one)
+    flattened: bool = False
+    # a training folder's layout (its model files and the training state beside them), for the
+    # folder input that was read through one of its files
+    folder: Any = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class PickleBlob:
     label: str
     data: bytes
     read_by_load: bool = True
+    file: str | None = None  # the file of a folder input it lies in, when the input spans several (a training folder)
 
 
 @dataclass

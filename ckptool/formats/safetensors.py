@@ -108,13 +108,13 @@ def _contents(contents: SafetensorsContents, path: Path) -> Contents:
     from .. import entries
 
     try:
-        decoded = entries.decode(raw)
+        decoded = entries.decode(raw, contents.tensors)
     except entries.EntriesError as e:
         raise type(e)(e.message, path=path) from None
     if decoded.layout is None:  # an older ckptool's top-level entries, which record no place for the weights
         return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
     return Contents(container=entries.restore(decoded, contents.tensors), files=contents.files,
-                    metadata=contents.metadata, layout=decoded.layout)
+                    metadata=contents.metadata, layout=decoded.layout, flattened=decoded.flattened)
 
 
 def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:

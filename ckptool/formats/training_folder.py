@@ -1,0 +1,292 @@
+"""Training folders: a transformers Trainer ``checkpoint-N/`` or an accelerate ``save_state`` folder.
+
+A training framework saves a resumable run as a folder: the model's weights in the files its
+``save_pretrained``/``save_model`` writes (``model.safetensors``, ``pytorch_model.bin``, sharded
+with an index; accelerate numbers further models ``model_1.safetensors``, ``pytorch_model_1.bin``),
+and beside them the training state, each part in a file of its own:
+
+============================  ==========================================================
+transformers ``Trainer``       ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` (one
+                               ``rng_state_N.pth`` per rank), ``trainer_state.json``,
+                               ``training_args.bin`` (a pickled ``TrainingArguments``),
+                               ``scaler.pt``; often ``config.json``
+accelerate ``save_state``      ``optimizer.bin`` (``optimizer_N.bin``), ``scheduler.bin``,
+                               ``random_states_N.pkl`` (per rank, with the step),
+                               ``scaler.pt``, ``sampler.bin``, ``custom_checkpoint_N.pkl``
+============================  ==========================================================
+
+:func:`find` tells such a folder by those names alone (nothing is opened) and lays it out: its
+sets of weights, the one read by default first, and its other files by role. :data:`FORMAT`
+claims the folder, reads the weights through the format of their file (``Contents.format`` then
+names that format, so every command treats the weights as it treats that file) and hands the
+layout on (``Contents.folder``; ``inspect`` describes the other files). ``scan`` judges every
+pickle in the folder. Each file is opened as a file of the folder (``inputs.open_member``: a
+regular file inside it, or in a hub cache snapshot's ``blobs/``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import inputs
+from ..errors import InputError
+from . import Contents, Format, PickleBlob, Pickles, ReadOptions
+from . import sniff as sniff_input
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .. import pickles
+
+# The roles of the files beside the weights, and the names the frameworks give them.
+OPTIMIZER = "optimizer"
+SCHEDULER = "scheduler"
+RNG_STATE = "rng state"
+TRAINER_STATE = "trainer state"
+TRAINING_ARGS = "training args"
+SCALER = "grad scaler"
+SAMPLER = "sampler"
+CUSTOM_STATE = "custom state"
+CONFIG = "model config"
+_ROLES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (OPTIMIZER, re.compile(r"optimizer(_\d+)?\.(pt|bin)")),  # transformers .pt, accelerate .bin (one per optimizer)
+    (SCHEDULER, re.compile(r"scheduler(_\d+)?\.(pt|bin)")),
+    (RNG_STATE, re.compile(r"rng_state(_\d+)?\.pth|random_states_\d+\.pkl")),  # per rank
+    (TRAINER_STATE, re.compile(r"trainer_state\.json")),
+    (TRAINING_ARGS, re.compile(r"training_args\.bin")),
+    (SCALER, re.compile(r"scaler(_\d+)?\.pt")),
+    (SAMPLER, re.compile(r"(sampler|dl_state_dict)(_\d+)?\.bin")),
+    (CUSTOM_STATE, re.compile(r"custom_checkpoint_\d+\.pkl")),
+    (CONFIG, re.compile(r"config\.json|generation_config\.json")),  # listed, but no sign of a training folder
+)
+_TRANSFORMERS_SIGNS = re.compile(r"trainer_state\.json|training_args\.bin|rng_state(_\d+)?\.pth|optimizer\.pt"
+                                 r"|scheduler\.pt")
+_ACCELERATE_SIGNS = re.compile(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin"
+                               r"|custom_checkpoint_\d+\.pkl")
+
+# The files one model's weights may lie in, most preferred first (transformers reads safetensors
+# before .bin, an index before a single file); accelerate numbers every model after the first.
+_FIRST_MODEL = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin", "pytorch_model_fsdp_0")
+_NUMBERED_MODEL = re.compile(r"(?:model_(\d+)\.safetensors|pytorch_model_(\d+)\.bin|pytorch_model_fsdp_(\d+))")
+_ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")  # a PEFT adapter saved by the Trainer
+# files whose content may be a pickle (scan judges each); names a framework torch.loads
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".pickle", ".tar")
+MAX_FOLDER_ENTRIES = 100_000  # names looked at in one folder: far more than any training run writes
+
+
+@dataclass(frozen=True)
+class FolderFile:
+    """One file (or a DCP sub-folder) of a training folder and what it holds."""
+
+    name: str
+    role: str
+
+
+@dataclass(frozen=True)
+class TrainingFolder:
+    """What a training folder holds, by names alone.
+
+    Attributes:
+        directory: the folder.
+        kind: ``"transformers Trainer checkpoint"``, ``"accelerate save_state folder"`` or
+            ``"training folder"``.
+        weights: each model's weights file (an index, a single file or a DCP sub-folder), the one
+            read by default first.
+        files: the other files, in role order (optimizer, scheduler, rng state, ...).
+        read: the file the weights were read from (None: none yet, or the folder holds none).
+    """
+
+    directory: Path
+    kind: str
+    weights: tuple[FolderFile, ...]
+    files: tuple[FolderFile, ...]
+    read: str | None = None
+
+    def of_role(self, role: str) -> list[FolderFile]:
+        return [file for file in self.files if file.role == role]
+
+    def named(self, name: str) -> FolderFile | None:
+        """The weights or training file ``name`` names: its file name, or that name without its suffix
+        (``model_1``, ``optimizer_1``)."""
+        for file in (*self.weights, *self.files):
+            if name in (file.name, _stem(file.name)):
+                return file
+        return None
+
+
+def _stem(name: str) -> str:
+    for suffix in (".safetensors.index.json", ".bin.index.json", ".safetensors", ".bin", ".pt", ".pth", ".pkl",
+                   ".json"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _entries(directory: Path) -> dict[str, bool]:
+    """The folder's names -> whether each is a directory (a link is judged when it is opened)."""
+    found: dict[str, bool] = {}
+    try:
+        with os.scandir(directory) as listing:
+            for entry in listing:
+                try:
+                    found[entry.name] = entry.is_dir(follow_symlinks=False)
+                except OSError:
+                    found[entry.name] = False
+                if len(found) >= MAX_FOLDER_ENTRIES:
+                    break
+    except OSError:
+        return {}
+    return found
+
+
+def find(directory: Path) -> TrainingFolder | None:
+    """The layout of a training folder (a Trainer checkpoint, an accelerate ``save_state`` folder),
+    or None when ``directory`` holds no training state by its names. Nothing is opened."""
+    entries = _entries(directory)
+    files: list[FolderFile] = []
+    for role, pattern in _ROLES:
+        files += [FolderFile(name, role) for name in sorted(entries, key=_numbered)
+                  if pattern.fullmatch(name) and not entries[name]]
+    if not any(file.role != CONFIG for file in files):
+        return None
+    weights: list[FolderFile] = []
+    first = next((name for name in _FIRST_MODEL if name in entries), None)
+    if first is not None:
+        weights.append(FolderFile(first, "weights"))
+    numbered: dict[int, str] = {}
+    for name in sorted(entries):
+        match = _NUMBERED_MODEL.fullmatch(name)
+        if match is not None:
+            number = int(next(group for group in match.groups() if group is not None))
+            if number > 0:
+                numbered.setdefault(number, name)  # model_N.safetensors before pytorch_model_N.bin (sorted)
+    weights += [FolderFile(numbered[number], "weights") for number in sorted(numbered)]
+    adapter = next((name for name in _ADAPTER if name in entries), None)
+    if adapter is not None:
+        weights.append(FolderFile(adapter, "weights"))
+    names = [file.name for file in files]
+    kind = ("transformers Trainer checkpoint" if any(_TRANSFORMERS_SIGNS.fullmatch(name) for name in names) else
+            "accelerate save_state folder" if any(_ACCELERATE_SIGNS.fullmatch(name) for name in names) else
+            "training folder")
+    return TrainingFolder(directory, kind, tuple(weights), tuple(files))
+
+
+def _numbered(name: str) -> tuple[int, str]:
+    """rng_state_2.pth before rng_state_10.pth."""
+    digits = re.findall(r"\d+", name)
+    return (int(digits[-1]) if digits else -1, name)
+
+
+def sniff(head: bytes | None, path: Path) -> bool:
+    """A folder holding a training run's state (optimizer, scheduler, rng state...) by its names."""
+    return head is None and find(path) is not None
+
+
+def read_member(folder: Path, name: str, options: ReadOptions) -> Contents:
+    """One file (or DCP sub-folder) of the folder, read by the format it is; ``Contents.format``
+    names that format."""
+    path = folder / name
+    try:
+        is_folder = stat.S_ISDIR(os.lstat(path).st_mode)  # a link is no sub-folder: opened as a file of the folder
+    except OSError:
+        is_folder = False
+    if is_folder:  # FSDP's DCP weights
+        fmt = sniff_input(None, path)
+        if fmt is None:
+            raise InputError(f"{name} is a folder without a checkpoint", path=folder)
+        contents = fmt.read(path, ReadOptions(None, b"", options.resolver))
+        contents.format = contents.format or fmt.name
+        return contents
+    with inputs.open_member(folder, path, what=name, report=folder) as handle:
+        try:
+            head = handle.read(64)
+        except OSError as e:
+            raise InputError(f"{name} cannot be read ({e.strerror})", path=folder) from e
+        if not head:
+            raise InputError(f"{name} is empty (0 bytes) — the save or copy did not finish", path=folder)
+        fmt = sniff_input(head, path)
+        if fmt is None:
+            raise InputError(f"{name} is not a checkpoint ckptool recognizes", path=folder)
+        contents = fmt.read(path, ReadOptions(handle, head, options.resolver))
+    contents.format = contents.format or fmt.name
+    return contents
+
+
+def read(path: Path, options: ReadOptions) -> Contents:
+    """The folder's first model weights, read by the format of their file; the layout goes along."""
+    layout = find(path)
+    assert layout is not None  # sniff claimed it
+    if not layout.weights:
+        roles = ", ".join(dict.fromkeys(file.role for file in layout.files if file.role != CONFIG))
+        return Contents(container={}, files=[], folder=layout,
+                        notes=[f"{layout.kind} without model weights (no model.safetensors, pytorch_model.bin or "
+                               f"their index): it holds {roles}"])
+    contents = read_member(path, layout.weights[0].name, options)
+    contents.folder = replace(layout, read=layout.weights[0].name)
+    return contents
+
+
+def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
+    """Every pickle of every file in the folder that may hold one, labelled by file; only the default
+    weights' are read by a load (scan runs the others dry)."""
+    layout = find(path)
+    assert layout is not None
+    entries = _entries(path)
+    loaded = _loaded_files(path, layout)
+    blobs: list[PickleBlob] = []
+    for name in sorted(entries):
+        if entries[name]:
+            if any(file.name == name for file in layout.weights):  # a DCP sub-folder of weights
+                fmt = sniff_input(None, path / name)
+                if fmt is not None:
+                    found = fmt.scan_pickles(path / name, ReadOptions(None, b"", options.resolver))
+                    blobs += [PickleBlob(f"{name}/{blob.label}", blob.data, name in loaded, name)
+                              for blob in found.blobs]
+            continue
+        if not name.lower().endswith(PICKLE_SUFFIXES):
+            continue
+        with inputs.open_member(path, path / name, what=name, report=path) as handle:
+            head = handle.read(64)
+            fmt = sniff_input(head, path / name) if head else None
+            if fmt is None:
+                continue  # not a checkpoint: nothing torch would unpickle as one
+            found = fmt.scan_pickles(path / name, ReadOptions(handle, head, options.resolver))
+        blobs += [PickleBlob(f"{name}: {blob.label}", blob.data, blob.read_by_load and name in loaded, name)
+                  for blob in found.blobs]
+    return Pickles(FORMAT.name, blobs)
+
+
+def _loaded_files(path: Path, layout: TrainingFolder) -> set[str]:
+    """The files a load of the folder reads: the first weights file, or the shards its index names."""
+    if not layout.weights:
+        return set()
+    name = layout.weights[0].name
+    if not name.endswith(".index.json"):
+        return {name}
+    import json
+
+    try:
+        with inputs.open_member(path, path / name, what=name, report=path) as handle:
+            index = json.loads(handle.read(100_000_000))
+        return {str(shard) for shard in index["weight_map"].values()}
+    except (InputError, OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return set()  # the load says what is wrong with it
+
+
+def scan_resolver(resolver: pickles.GlobalResolver) -> pickles.GlobalResolver:
+    """DCP's metadata classes count as read, as for a DCP folder: FSDP's weights are a DCP sub-folder."""
+    from .dcp import FORMAT as DCP
+
+    assert DCP.scan_resolver is not None
+    return DCP.scan_resolver(resolver)
+
+
+FORMAT = Format(
+    name="training-folder", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=scan_resolver,
+    has_location_tags=False,
+    in_place_refused="is a training folder: name the model file to rewrite in place, or write beside it",
+)

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from click.testing import CliRunner
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 from standins import TRANSFORMERS
 
 import ckptool
+from ckptool import jsonout
 from ckptool.cli import main
 from ckptool.materialize import to_state_dict
 
@@ -220,6 +222,7 @@ def test_inspect_json_and_trusted_training_args(runs: Path) -> None:
     code, out, err = run("inspect", folder, "--json", "--allow-global", "transformers.*")
     assert code == 0, err
     data = json.loads(out)
+    jsonschema.validate(data, jsonout.schema("inspect"), cls=jsonschema.Draft202012Validator)
     state = data["training_folder"]
     assert state["kind"] == "transformers Trainer checkpoint" and state["weights_files"] == ["model.safetensors"]
     assert (state["step"], state["step_from"]) == (500, "trainer_state.json")
@@ -452,7 +455,7 @@ def test_weights_state_round_trip(tmp_path: Path, optimizer_class: type, options
     code, out, err = run("convert", source, "-o", tmp_path / "state.safetensors", "--weights", "state", "--fingerprint",
                          "--json")
     assert code == 0, err
-    assert json.loads(out)["fingerprint"] == fingerprint
+    assert json.loads(out)["converted"][0]["fingerprint"] == fingerprint
     with safe_open(tmp_path / "state.safetensors", "pt") as handle:
         names = sorted(handle.keys())
         metadata = handle.metadata()

@@ -46,6 +46,7 @@ from .models import ModelSpec, parse_input_shape, parse_model_spec
 from .reader import load
 from .refs import check_expansion
 from .suggest import Metavar, option, typed
+from .torch_import import import_torch
 from .verify_report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
 from .weight_checks import (  # noqa: F401  (re-exported)
     bits_equal,
@@ -125,6 +126,8 @@ def plan_model(model_spec: str | ModelSpec | None, model_args: Sequence[str] = (
         UsageError: a bad SPEC or shape, model options without a model, or no shape for a model
             whose family has no default.
     """
+    if model_spec is not None:
+        import_torch("verifying a model")  # before a family's own module (which imports torch) is looked up
     spec = model_spec if isinstance(model_spec, ModelSpec) or model_spec is None else \
         parse_model_spec(model_spec, model_args)
     if spec is None and (model_args or input_shape is not None):

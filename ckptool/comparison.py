@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .byteio import FileCache, read_exact, read_into
-from . import suggest
+from . import progress, suggest
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
@@ -293,10 +293,11 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
     if elements is None:
         elements = max(1, CHUNK_SIZE // tensor.dtype.itemsize)
     spans = _spans(tensor) if files is not None and hasattr(os, "preadv") else None
-    if spans is None:
-        yield from element_chunks(tensor, elements)
-    else:
-        yield from _read_spans(spans, elements * tensor.dtype.itemsize, files)
+    chunks = element_chunks(tensor, elements) if spans is None else \
+        _read_spans(spans, elements * tensor.dtype.itemsize, files)
+    for chunk in chunks:
+        progress.advance(len(chunk))  # the running diff's or verify's bar, if one is shown
+        yield chunk
 
 
 def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[int] | None = None,
@@ -428,7 +429,9 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
     report.only_in_a = [key for key in a_tensors if key not in b_tensors]
     report.only_in_b = [key for key in b_tensors if key not in a_tensors]
-    with FileCache() as files:
+    total = sum(tensor.nbytes + b_tensors[name].nbytes for name, tensor in a_tensors.items()
+                if name in b_tensors and tuple(tensor.shape) == tuple(b_tensors[name].shape))
+    with progress.task(total, "diff"), FileCache() as files:
         for name, tensor_a in a_tensors.items():
             tensor_b = b_tensors.get(name)
             if tensor_b is None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from . import progress
 from .checkpoint import Checkpoint
 from .comparison import DiffReport, diff
 from .determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
@@ -234,10 +235,12 @@ def _weight_checks(plan: VerifyPlan) -> tuple[VerifyReport, DiffReport | None]:
     for device in plan.devices:
         if device.name == "cpu" and plan.fuses_against:
             assert plan.against is not None
-            row, weights = check_cpu_weights_against(checkpoint, plan.against, plan.atol)
+            with _reading(checkpoint, plan.against):
+                row, weights = check_cpu_weights_against(checkpoint, plan.against, plan.atol)
             report.devices.append(row)
         elif device.name == "cpu":
-            report.devices.append(check_cpu_weights(tensors))
+            with _reading(checkpoint):
+                report.devices.append(check_cpu_weights(tensors))
         else:
             assert state_dict is not None
             report.devices.append(check_device_weights(state_dict, device))
@@ -245,6 +248,13 @@ def _weight_checks(plan: VerifyPlan) -> tuple[VerifyReport, DiffReport | None]:
     if nonfinite:
         report.notes.append(f"{len(nonfinite)} weight tensor(s) hold NaN or Inf: {', '.join(sorted(nonfinite)[:5])}")
     return report, weights
+
+
+def _reading(*checkpoints: Checkpoint) -> contextlib.AbstractContextManager[progress.Task]:
+    """The progress of the CPU row: every weight byte of ``checkpoints`` streamed from the files."""
+    total = sum(tensor.nbytes for checkpoint in checkpoints if checkpoint.has_weights
+                for tensor in checkpoint.tensors.values())
+    return progress.task(total, "verify")
 
 
 def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Reference | None]:

@@ -98,7 +98,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs ("X as X": ex
     from .digest import fingerprint as fingerprint
     from .errors import (CkptError as CkptError, InputError as InputError, InternalError as InternalError,
                          OutputError as OutputError, ResourceError as ResourceError,
-                         UnsafeCheckpointError as UnsafeCheckpointError, UnsupportedFormatError as UnsupportedFormatError)
+                         UnsafeCheckpointError as UnsafeCheckpointError,
+                         UnsupportedFormatError as UnsupportedFormatError)
     from .materialize import LoadMismatchError as LoadMismatchError, LoadReport as LoadReport, load_into as load_into
     from .reader import load as load
     from .safety import ScanReport as ScanReport, scan as scan

@@ -29,7 +29,7 @@ def _env(delay: str = "0") -> dict[str, str]:
 
 
 def run_on_terminal(tmp_path: Path, *args: object) -> tuple[int, str, bytes]:
-    """``ckptool ARGS`` with stderr on a pseudo-terminal 100 columns wide: (exit code, stdout, what the terminal got)."""
+    """``ckptool ARGS``, stderr on a 100-column pseudo-terminal: (exit code, stdout, what the terminal got)."""
     import fcntl
     import struct
     import termios

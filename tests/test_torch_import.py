@@ -40,7 +40,8 @@ def assert_torch_free(loaded: set[str], what: str) -> None:
 
 
 def _commands(fixtures: Path, out: Path) -> list[tuple[str, list[object], int]]:
-    ddp, gpu, lenet = fixtures / "ddp_lenet_wrapped.pt", fixtures / "gpu_cuda1_ddp_lenet.pt", fixtures / "single_lenet.pt"
+    ddp, gpu = fixtures / "ddp_lenet_wrapped.pt", fixtures / "gpu_cuda1_ddp_lenet.pt"
+    lenet = fixtures / "single_lenet.pt"
     (out / "many").mkdir()
     return [
         ("inspect", ["inspect", ddp, "--tensors", "--fingerprint"], 0),
@@ -143,7 +144,8 @@ def test_float8_values_compare_without_torch_as_torch_decodes_them(tmp_path: Pat
     if not hasattr(torch, torch_name):
         pytest.skip(f"this torch has no {torch_name}")
     a_bytes, b_bytes = bytes(range(0, 256, 3)), bytes((value * 7 + 1) % 256 for value in range(0, 256, 3))
-    a, b = _safetensors(tmp_path / "a.safetensors", dtype, a_bytes), _safetensors(tmp_path / "b.safetensors", dtype, b_bytes)
+    a = _safetensors(tmp_path / "a.safetensors", dtype, a_bytes)
+    b = _safetensors(tmp_path / "b.safetensors", dtype, b_bytes)
     code, stdout, stderr, loaded = run_without_torch(tmp_path, "diff", a, b, "--json")
     assert code == 1, stderr
     assert_torch_free(loaded, "diff of float8 tensors")

@@ -92,15 +92,17 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .checkpoint import Checkpoint
-    from .comparison import DiffReport, diff
-    from .errors import (CkptError, InputError, InternalError, OutputError, ResourceError, UnsafeCheckpointError,
-                         UnsupportedFormatError)
-    from .digest import fingerprint
-    from .materialize import LoadMismatchError, LoadReport, load_into
-    from .reader import load
-    from .safety import ScanReport, scan
-    from .summary import Summary, inspect
-    from .verification import VerifyReport, verify
-    from .writer import SaveReport, save
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs ("X as X": exported, as __all__ says)
+    from .checkpoint import Checkpoint as Checkpoint
+    from .comparison import DiffReport as DiffReport, diff as diff
+    from .digest import fingerprint as fingerprint
+    from .errors import (CkptError as CkptError, InputError as InputError, InternalError as InternalError,
+                         OutputError as OutputError, ResourceError as ResourceError,
+                         UnsafeCheckpointError as UnsafeCheckpointError,
+                         UnsupportedFormatError as UnsupportedFormatError)
+    from .materialize import LoadMismatchError as LoadMismatchError, LoadReport as LoadReport, load_into as load_into
+    from .reader import load as load
+    from .safety import ScanReport as ScanReport, scan as scan
+    from .summary import Summary as Summary, inspect as inspect
+    from .verification import VerifyReport as VerifyReport, verify as verify
+    from .writer import SaveReport as SaveReport, save as save

@@ -128,6 +128,26 @@ allow_expansion_option = click.option(
 dry_run_option = click.option(
     "--dry-run", is_flag=True,
     help="Make every check and refusal of the write, then stop: say what would be written; write nothing.")
+
+
+def shows_progress(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--quiet``, and a byte progress bar on stderr for the command's long work (past about a second)
+    when stderr is a terminal, unless ``--json`` or ``--quiet``: nothing in a pipe or a log."""
+
+    @click.option("-q", "--quiet", is_flag=True,
+                  help="No progress bar (it shows only on a terminal, for work past a second).")
+    @functools.wraps(command)
+    def wrapper(*args: Any, quiet: bool, **kwargs: Any) -> Any:
+        from . import progress
+
+        stderr = sys.stderr
+        show = not quiet and not kwargs.get("as_json") and stderr is not None and stderr.isatty()
+        with progress.showing(progress.terminal_bars(stderr)) if show else contextlib.nullcontext():
+            return command(*args, **kwargs)
+
+    return wrapper
+
+
 fingerprint_write_option = click.option(
     "--fingerprint", "with_fingerprint", is_flag=True,
     help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
@@ -181,6 +201,7 @@ def _terminate(signum: int, frame: Any) -> None:
 @allow_global_option
 @allow_expansion_option
 @weights_option
+@shows_progress
 @handle_errors
 def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...],
             allow_expansion: bool, weights: str | None) -> None:
@@ -248,6 +269,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--to", "to_device", default=None, metavar="DEVICE",
               help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.")
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
+@shows_progress
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
           with_fingerprint: bool, weights: str | None, dry_run: bool, prefix: str | None, to_device: str | None,
@@ -277,6 +299,7 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @main.command("add-prefix")
 @_rewrite_options
 @click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
+@shows_progress
 @handle_errors
 def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
                allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, dry_run: bool,
@@ -300,6 +323,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 @_rewrite_options
 @click.option("--to", "to_device", default=None, metavar="DEVICE", help="Send every storage to DEVICE (cpu, cuda:0...).")
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
+@shows_progress
 @handle_errors
 def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
           with_fingerprint: bool, weights: str | None, dry_run: bool, to_device: str | None,
@@ -357,6 +381,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @fingerprint_write_option
 @weights_option
 @dry_run_option
+@shows_progress
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
@@ -378,10 +403,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
         allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
         fingerprint=with_fingerprint, weights=weights, dry_run=dry_run, drop=drop, rename=rename,
         weights_only=weights_only)
-    show_progress = len(plan.jobs) > 1 and not as_json
-    with click.progressbar(plan.jobs, label="converting", file=sys.stderr, show_pos=True) if show_progress else \
-            contextlib.nullcontext(plan.jobs) as jobs:
-        report = operations.convert(plan, options, jobs=jobs)
+    report = operations.convert(plan, options)  # each output's bar, on a terminal (shows_progress)
     if as_json:
         _emit_json("convert", report.to_json(_error_text))
     else:
@@ -421,6 +443,7 @@ def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_
 @allow_expansion_option
 @weights_option
 @click.option("--against-weights", default=None, metavar="PATH", help="--weights for OTHER.")
+@shows_progress
 @handle_errors
 def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devices: str, against: Path | None,
            input_shape: str | None, atol: float | None, rtol: float | None, allow_nonfinite: bool,
@@ -462,6 +485,7 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 @allow_expansion_option
 @weights_option
 @click.option("--weights-b", default=None, metavar="PATH", help="--weights for B (--weights applies to A).")
+@shows_progress
 @handle_errors
 def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...], allow_expansion: bool,
          weights: str | None, weights_b: str | None) -> None:

@@ -3,7 +3,7 @@
 Keys are compared as stored (a ``module.`` prefix on one side shows as keys only in A / only in
 B, with a note naming the prefix). For tensors both hold, bytes are streamed pairwise chunk by
 chunk: equal chunks cost a comparison, and only a chunk whose bytes differ is decoded (numpy; bf16
-by bit shifting, float8 through torch) to find its largest absolute difference. Memory stays
+by bit shifting, float8 by table) to find its largest absolute difference. Memory stays
 bounded by one chunk per side, never a whole tensor or file.
 
 Contiguous tensors (nearly all) are read with ``os.preadv`` into one reused buffer per side, through one
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .byteio import FileCache, read_exact, read_into
-from . import suggest
+from . import progress, suggest
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
@@ -164,12 +164,48 @@ def decode(raw: memoryview | bytes, dtype: DType) -> Any:
     if dtype.name == "BF16":  # bfloat16 is the top half of a float32
         halves = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
         return halves.view(np.float32).astype(np.float64)
-    import torch  # float8 and anything newer: let torch decode it
+    table = float8_table(dtype.name)  # float8: each of the 256 bit patterns looked up (numpy has no float8)
+    if table is None:
+        raise ValueError(f"no decoding for dtype {dtype.name}")
+    return table[np.frombuffer(raw, dtype=np.uint8)]
 
-    from .materialize import torch_dtype
 
-    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype(dtype))
-    return tensor.to(torch.float64).numpy()
+# float8 layouts: (exponent bits, mantissa bits, bias, kind) — "fn": no infinities, S.1111.111 is NaN
+# (OCP e4m3); "ieee": infinities and NaNs as in IEEE 754 (e5m2); "fnuz": no -0.0, 0x80 the only NaN
+# (Graphcore/AMD); "e8m0": unsigned powers of two, 0xFF NaN (the OCP MX scale)
+_FLOAT8 = {"F8_E4M3": (4, 3, 7, "fn"), "F8_E5M2": (5, 2, 15, "ieee"), "F8_E4M3FNUZ": (4, 3, 8, "fnuz"),
+           "F8_E5M2FNUZ": (5, 2, 16, "fnuz"), "F8_E8M0": (8, 0, 127, "e8m0")}
+_float8_tables: dict[str, Any] = {}
+
+
+def float8_table(name: str) -> Any:
+    """The float64 value of each of the 256 bit patterns of a float8 dtype (as torch decodes them), or None."""
+    import numpy as np
+
+    if name not in _FLOAT8 or name in _float8_tables:
+        return _float8_tables.get(name)
+    exponent_bits, mantissa_bits, bias, kind = _FLOAT8[name]
+    values = []
+    for bits in range(256):
+        if kind == "e8m0":
+            values.append(math.nan if bits == 0xFF else math.ldexp(1.0, bits - bias))
+            continue
+        sign = -1.0 if bits >> 7 else 1.0
+        exponent = (bits >> mantissa_bits) & ((1 << exponent_bits) - 1)
+        mantissa = bits & ((1 << mantissa_bits) - 1)
+        top = exponent == (1 << exponent_bits) - 1
+        if kind == "fnuz" and bits == 0x80:
+            values.append(math.nan)
+        elif (kind == "fn" and top and mantissa == (1 << mantissa_bits) - 1) or (kind == "ieee" and top and mantissa):
+            values.append(math.copysign(math.nan, sign))
+        elif kind == "ieee" and top:
+            values.append(sign * math.inf)
+        elif exponent == 0:  # subnormal
+            values.append(sign * math.ldexp(mantissa, 1 - bias - mantissa_bits))
+        else:
+            values.append(sign * math.ldexp((1 << mantissa_bits) + mantissa, exponent - bias - mantissa_bits))
+    table = _float8_tables[name] = np.array(values, dtype=np.float64)
+    return table
 
 
 _INTEGER_UNITS = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
@@ -257,10 +293,11 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
     if elements is None:
         elements = max(1, CHUNK_SIZE // tensor.dtype.itemsize)
     spans = _spans(tensor) if files is not None and hasattr(os, "preadv") else None
-    if spans is None:
-        yield from element_chunks(tensor, elements)
-    else:
-        yield from _read_spans(spans, elements * tensor.dtype.itemsize, files)
+    chunks = element_chunks(tensor, elements) if spans is None else \
+        _read_spans(spans, elements * tensor.dtype.itemsize, files)
+    for chunk in chunks:
+        progress.advance(len(chunk))  # the running diff's or verify's bar, if one is shown
+        yield chunk
 
 
 def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[int] | None = None,
@@ -392,7 +429,9 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
     report.only_in_a = [key for key in a_tensors if key not in b_tensors]
     report.only_in_b = [key for key in b_tensors if key not in a_tensors]
-    with FileCache() as files:
+    total = sum(tensor.nbytes + b_tensors[name].nbytes for name, tensor in a_tensors.items()
+                if name in b_tensors and tuple(tensor.shape) == tuple(b_tensors[name].shape))
+    with progress.task(total, "diff"), FileCache() as files:
         for name, tensor_a in a_tensors.items():
             tensor_b = b_tensors.get(name)
             if tensor_b is None:

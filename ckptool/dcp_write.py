@@ -95,6 +95,9 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
         return SaveReport(path=out, format="dcp", files=[out / ".metadata", out / "__0_0.distcp"],
                           tensors=len(tensors), bytes=sum(t.nbytes for t in tensors.values()), dry_run=True,
                           notes=notes)
+    from .torch_import import import_torch
+
+    import_torch("writing a DCP folder (convert --to dcp)")
     import torch.distributed.checkpoint as dcp
 
     left: list[str] = []

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from .errors import UsageError
 from .suggest import given, option
+from .torch_import import import_torch, torch_installed
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported where a device is used
     import torch
@@ -76,7 +77,10 @@ def available_devices() -> list[str]:
     """CPU plus every visible CUDA device (and MPS). Tests substitute this function."""
     if not _accelerator_possible():
         return ["cpu"]
-    import torch
+    try:
+        import torch
+    except ImportError:  # the core install, without torch: the CPU alone, where verify streams the bytes
+        return ["cpu"]
 
     devices = ["cpu"]
     if torch.cuda.is_available():
@@ -150,6 +154,8 @@ def resolve_devices(devices: str | Sequence[str]) -> list[str]:
         if tag in ("cuda", "xpu"):
             tag += ":0"
         if tag not in available:
+            if tag != "cpu" and not torch_installed():
+                import_torch(f"verifying on {tag}")  # says how to install it
             raise UsageError(option("devices", None) + f": {tag} is not available on this machine "
                              f"(available: {', '.join(available)})")
         if tag not in resolved:

@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 
+from . import progress
 from .refs import TensorRef, check_expansion
 
 PREFIX = "sha256:"
@@ -28,6 +29,16 @@ def fingerprint(tensors: Mapping[str, TensorRef], *, allow_expansion: bool = Fal
     are hashed in full only with ``allow_expansion``; otherwise :class:`~ckptool.errors.InputError`.
     """
     check_expansion(tensors, allow=allow_expansion, doing="hash")
+    total = sum(value.nbytes for value in tensors.values() if isinstance(value, TensorRef))
+    with progress.task(total, "fingerprint") as job:
+        return compute(tensors, allow_expansion=True, job=job)
+
+
+def compute(tensors: Mapping[str, TensorRef], *, allow_expansion: bool = False,
+            job: progress.Task = progress.SILENT) -> str:
+    """:func:`fingerprint`, each chunk hashed counted on ``job`` (none: silent, as beside a write's copy)."""
+    if not allow_expansion:
+        check_expansion(tensors, allow=False, doing="hash")
     digest = hashlib.sha256()
     for key in sorted(k for k, v in tensors.items() if isinstance(v, TensorRef)):
         tensor = tensors[key]
@@ -37,4 +48,5 @@ def fingerprint(tensors: Mapping[str, TensorRef], *, allow_expansion: bool = Fal
         digest.update(tensor.nbytes.to_bytes(8, "little"))
         for chunk in tensor.iter_reused():
             digest.update(chunk)
+            job.advance(len(chunk))
     return PREFIX + digest.hexdigest()

@@ -97,3 +97,10 @@ class InternalError(CkptError):
     """
 
     exit_code = exitcodes.INTERNAL
+
+
+class MissingExtraError(CkptError, ImportError):
+    """The work needs an optional dependency that is not installed (PyTorch: ``pip install 'ckptool[torch]'``).
+
+    An ``ImportError`` too, so ``except ImportError`` around an optional feature catches it.
+    """

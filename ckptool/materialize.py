@@ -31,6 +31,7 @@ from .errors import CkptError, InputError
 from .keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
 from .reader import load
 from .refs import StorageRef, TensorRef
+from .torch_import import import_torch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
     import torch
@@ -123,6 +124,7 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
         >>> state_dict["embed.weight"].data_ptr() == state_dict["head.weight"].data_ptr()   # doctest: +SKIP
         True
     """
+    import_torch("materializing tensors")  # where it is missing: the install step, not a bare ImportError
     import torch
 
     from . import layouts
@@ -568,6 +570,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
     Raises:
         LoadMismatchError: the keys or shapes do not fit (exit code 1); ``.diagnosis`` has the detail.
         InputError: the checkpoint is unreadable or holds no weights.
+        MissingExtraError: torch is not installed (an ``ImportError``: ``pip install 'ckptool[torch]'``).
 
     Example:
         >>> report = ckptool.load_into(LeNet(), "ddp.pt")    # doctest: +SKIP
@@ -576,6 +579,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         >>> ckptool.load_into(net, "ema.pt", strict=False,  # doctest: +SKIP
         ...                   filter_fn=lambda sd, m: {k: v for k, v in sd.items() if not k.startswith("head.")})
     """
+    import_torch("loading into a model")
     checkpoint = _open(path, allow_globals, weights)
     tensors = checkpoint.tensors
     if not tensors:

@@ -29,8 +29,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
+from .errors import MissingExtraError, UsageError
 from .suggest import Wording, given, option, typed
+from .torch_import import INSTALL
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -272,7 +273,8 @@ def _torchvision_builder(text: str, name: str) -> Any:
     try:
         from torchvision import models
     except ImportError as e:
-        raise UsageError(typed("model_spec", text) + ": torchvision is not installed — pip install torchvision") from e
+        raise MissingExtraError(typed("model_spec", text) + ": torchvision is not installed — "
+                                f"{INSTALL}") from e
     try:
         return models.get_model_builder(name)
     except ValueError:

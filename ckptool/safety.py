@@ -132,7 +132,7 @@ def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Form
         return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
 
 
-def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport:
+def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -> ScanReport:
     """List a checkpoint's pickle globals and opcodes and judge them, running nothing.
 
     Raises:
@@ -143,7 +143,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] = ()) -> ScanReport
         >>> report.safe, report.unsafe              # doctest: +SKIP
         (True, [])
     """
-    path = Path(path)
+    path, allow_globals = Path(path), tuple(allow_globals)
     if not path.exists():
         raise InputError("does not exist — check the path", path=path)
     is_dir = path.is_dir()

@@ -411,7 +411,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
     return summary
 
 
-def inspect(path: Path | str, *, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
+def inspect(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (), fingerprint: bool = False,
             tensors: bool = False, allow_expansion: bool = False, weights: str | None = None) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 

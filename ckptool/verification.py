@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from . import progress
 from .checkpoint import Checkpoint
 from .comparison import DiffReport, diff
 from .determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
@@ -46,6 +47,7 @@ from .models import ModelSpec, parse_input_shape, parse_model_spec
 from .reader import load
 from .refs import check_expansion
 from .suggest import Metavar, option, typed
+from .torch_import import import_torch
 from .verify_report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
 from .weight_checks import (  # noqa: F401  (re-exported)
     bits_equal,
@@ -125,6 +127,8 @@ def plan_model(model_spec: str | ModelSpec | None, model_args: Sequence[str] = (
         UsageError: a bad SPEC or shape, model options without a model, or no shape for a model
             whose family has no default.
     """
+    if model_spec is not None:
+        import_torch("verifying a model")  # before a family's own module (which imports torch) is looked up
     spec = model_spec if isinstance(model_spec, ModelSpec) or model_spec is None else \
         parse_model_spec(model_spec, model_args)
     if spec is None and (model_args or input_shape is not None):
@@ -231,10 +235,12 @@ def _weight_checks(plan: VerifyPlan) -> tuple[VerifyReport, DiffReport | None]:
     for device in plan.devices:
         if device.name == "cpu" and plan.fuses_against:
             assert plan.against is not None
-            row, weights = check_cpu_weights_against(checkpoint, plan.against, plan.atol)
+            with _reading(checkpoint, plan.against):
+                row, weights = check_cpu_weights_against(checkpoint, plan.against, plan.atol)
             report.devices.append(row)
         elif device.name == "cpu":
-            report.devices.append(check_cpu_weights(tensors))
+            with _reading(checkpoint):
+                report.devices.append(check_cpu_weights(tensors))
         else:
             assert state_dict is not None
             report.devices.append(check_device_weights(state_dict, device))
@@ -242,6 +248,13 @@ def _weight_checks(plan: VerifyPlan) -> tuple[VerifyReport, DiffReport | None]:
     if nonfinite:
         report.notes.append(f"{len(nonfinite)} weight tensor(s) hold NaN or Inf: {', '.join(sorted(nonfinite)[:5])}")
     return report, weights
+
+
+def _reading(*checkpoints: Checkpoint) -> contextlib.AbstractContextManager[progress.Task]:
+    """The progress of the CPU row: every weight byte of ``checkpoints`` streamed from the files."""
+    total = sum(tensor.nbytes for checkpoint in checkpoints if checkpoint.has_weights
+                for tensor in checkpoint.tensors.values())
+    return progress.task(total, "verify")
 
 
 def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Reference | None]:

@@ -26,8 +26,9 @@ from typing import Any, BinaryIO
 from .atomic import atomic_output, folder_output
 from .byteio import read_into
 from .copying import crc32_combine, pieces_crc
+from . import progress
 from .errors import CkptError, FingerprintMismatchError
-from .digest import fingerprint as weights_fingerprint
+from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
 from .refs import TensorRef
 
 # reads an output back: its tensors as the reader finds them
@@ -114,6 +115,7 @@ class OutputSums:
 
     def written(self, offset: int, length: int) -> None:
         self._queue.put((offset, length))
+        progress.advance(length)
         if self._kick is not None:
             self._end = max(self._end, offset + length)
             if self._end - self._kicked >= KICK_EVERY:

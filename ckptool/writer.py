@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, formats, layouts, pickles, suggest
+from . import dtypes, formats, layouts, pickles, progress, suggest
 from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
@@ -386,7 +386,7 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expect
 def _write_pt(container: Any, out: Path, expect: Expectations,
               reader: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool,
               cache: pickles.GuardCache | None = None) -> int:
-    with checked_output(out, expect, reader, views_raw=True) as output:
+    with progress.task(None, out.name), checked_output(out, expect, reader, views_raw=True) as output:
         torch_zip.write(output.handle, container, archive_name=_archive_name(out), on_data=output.on_data,
                         trust_recorded_crcs=trust_recorded, guard_cache=cache)
     return output.checked
@@ -426,7 +426,7 @@ def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], 
                       expect: Expectations) -> SaveReport:
     notes: list[str] = []
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint, notes=notes)
-    with checked_output(out, expect, read_back(checkpoint)) as output:
+    with progress.task(None, out.name), checked_output(out, expect, read_back(checkpoint)) as output:
         aliases = safetensors.write_file(output.handle, tensors, metadata, duplicate_tied=duplicate_tied,
                                          on_data=output.on_data)
         value = expect.fingerprint()
@@ -498,8 +498,9 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
     weight_map: dict[str, str] = {}
     files: list[Path] = []
     # shards and index are written into a temp folder, checked, then moved in: the index last
-    with checked_folder(out, expect, read_back(checkpoint), last=safetensors.INDEX_NAME,
-                        remove=plan.removes) as folder:
+    total = sum(tensor.nbytes for tensor in plan.stored.values())
+    with progress.task(total, out.name), checked_folder(out, expect, read_back(checkpoint),
+                                                        last=safetensors.INDEX_NAME, remove=plan.removes) as folder:
         for index, (name, names) in enumerate(zip(plan.names, plan.shards)):
             shard_tensors = {k: plan.stored[k] for k in names}
             # an alias lives in the shard that stores its target

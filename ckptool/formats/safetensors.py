@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import dtypes, inputs
+from .. import dtypes, inputs, progress
 from ..copying import DataOut
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
@@ -372,6 +372,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
                           "write a .pt instead (" + option("to", "pt") + ")")
     handle.write(struct.pack("<Q", len(encoded)) + encoded)
     handle.flush()
+    progress.expect(position)
     out_offset = 8 + len(encoded)
     out = DataOut(handle, on_data)
     try:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import pickles
+from .. import pickles, progress
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torchscript, zipio
@@ -162,6 +162,7 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
     ``guard_cache`` (the write's) remembers the pickle, so reading the output back need not walk it.
     """
     pickle_bytes, storages = pickles.dump(container, renumber_storages=True, guard_cache=guard_cache)
+    progress.expect(sum(storage.nbytes for _, storage in storages))
     writer = zipio.ZipWriter(handle, on_data)
     try:
         writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)

@@ -97,7 +97,7 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
                           notes=notes)
     from .torch_import import import_torch
 
-    import_torch("writing a DCP folder (convert --to dcp)")
+    import_torch("writing a DCP folder")
     import torch.distributed.checkpoint as dcp
 
     left: list[str] = []

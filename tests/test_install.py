@@ -78,7 +78,7 @@ def test_the_core_installs_and_runs_without_torch(torchless_venv: Path, fixtures
     converted = _run(torchless_venv, "convert", checkpoint, "-o", tmp_path / "model.safetensors", "--strip",
                      "--json", cwd=tmp_path)
     assert converted.returncode == 0, converted.stderr
-    assert json.loads(converted.stdout)["checked"] == 8
+    assert json.loads(converted.stdout)["converted"][0]["checked"] == 8
     verified = _run(torchless_venv, "verify", tmp_path / "model.safetensors", cwd=tmp_path)
     assert verified.returncode == 0, verified.stderr
 

@@ -88,7 +88,7 @@ def test_no_bar_with_json_or_quiet_even_on_a_terminal(fixtures_dir: Path, tmp_pa
     ddp = fixtures_dir / "ddp_lenet_wrapped.pt"
     code, stdout, terminal = run_on_terminal(tmp_path, "convert", ddp, "-o", tmp_path / "a.safetensors", "--json")
     assert code == 0 and terminal == b""
-    assert json.loads(stdout)["checked"] == 8
+    assert json.loads(stdout)["converted"][0]["checked"] == 8
     code, stdout, terminal = run_on_terminal(tmp_path, "convert", ddp, "-o", tmp_path / "b.safetensors", "--quiet")
     assert code == 0 and terminal == b""
     code, stdout, terminal = run_on_terminal(tmp_path, "verify", ddp, "-q")

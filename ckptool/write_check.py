@@ -261,6 +261,18 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
 
 
 
+def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]:
+    """The checks of computed tensors: the CRC their write summed as it produced them (computed now
+    for any the write did not produce in full)."""
+    checks = {}
+    for name, tensor in tensors.items():
+        derived = tensor.whole_derived()
+        crc = derived.crc32 if derived is not None else None
+        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc) if crc is not None else \
+            tensor_checks({name: tensor}, trust_stored=False)[name]
+    return checks
+
+
 def run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
     result: dict[str, Any] = {}
 
@@ -353,9 +365,23 @@ class Expectations:
 
     @classmethod
     def start(cls, tensors: Mapping[str, TensorRef], *, fingerprint: bool, views_raw: bool) -> Expectations:
-        """Start working out what ``tensors`` must read back as (and their fingerprint, if asked) in threads."""
+        """Start working out what ``tensors`` must read back as (and their fingerprint, if asked) in threads.
+
+        Computed bytes (a cast) are not computed twice: the write's own pass sums them
+        (``Derived.crc32``), and their checks are taken from it once the write is done.
+        """
+        computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None}
+        stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
+        join = run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+
+        def checks() -> dict[str, TensorCheck]:
+            result = join()
+            if computed:
+                result = {**result, **_computed_checks(computed)}
+            return result
+
         return cls(
-            checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=True, views_raw=views_raw)),
+            checks=checks,
             fingerprint=run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None),
             wants_fingerprint=fingerprint,
             recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],

@@ -430,24 +430,46 @@ def checked_output(out: Path, expect: Expectations, read_back: ReadBack, *,
 
 
 class CheckedFolder:
-    """The temp folder a :func:`checked_folder` body writes its files into, each summed as it is written."""
+    """The temp folder a :func:`checked_folder` body writes its files into, each summed as it is written
+    and fsync'd in the background once it is complete."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.sums: list[OutputSums] = []
         self.checked = 0  # tensors compared, once the check has passed
+        self._syncs: list[Callable[[], Any]] = []
 
     @contextlib.contextmanager
     def file(self, name: str) -> Iterator[tuple[BinaryIO, OutputSums]]:
         """A new file of the folder, and the sums that take its regions (``sums.written``)."""
+        # at most two files' re-read threads and buffers at a time, however many files there are: the
+        # previous one finishes its last regions while this one is written, instead of holding it up
+        if len(self.sums) >= 2:
+            self.sums[-2].finish()
         with open(self.directory / name, "w+b") as handle:
             sums = OutputSums(self.directory / name)  # its thread re-reads the file: created first
             self.sums.append(sums)
             try:
                 yield handle, sums
-            finally:
-                # one file's re-read thread and buffer at a time, however many files there are
+                handle.flush()
+            except BaseException:
                 sums.finish()
+                raise
+            # its writeback started as it was written; waiting for it overlaps the next file's write
+            self._syncs.append(run_in_thread(lambda fd=os.dup(handle.fileno()): _fsync_close(fd)))
+
+    def sync(self) -> None:
+        """Wait for every file's fsync (the folder's own is the caller's)."""
+        for join in self._syncs:
+            join()
+        self._syncs.clear()
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -462,6 +484,13 @@ def checked_folder(out: Path, expect: Expectations, read_back: ReadBack, *, last
     """
     with folder_output(out, last=last, remove=remove) as tmp_dir:
         folder = CheckedFolder(tmp_dir)
-        yield folder
-        folder.checked = verify_output(tmp_dir / last, expect, read_back, lambda: None, folder.sums)
+        try:
+            yield folder
+        except BaseException:
+            for sums in folder.sums:
+                sums.finish()
+            with contextlib.suppress(BaseException):
+                folder.sync()
+            raise
+        folder.checked = verify_output(tmp_dir / last, expect, read_back, folder.sync, folder.sums)
 

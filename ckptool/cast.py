@@ -122,11 +122,11 @@ class _Steps:
     def _round_bf16(self, wide: Any, out: Any, n: int) -> None:
         """fp32 bits to bf16, rounding to nearest even: add 0x7FFF plus the lowest kept bit, keep the top half."""
         np = self.np
-        rounding = np.right_shift(wide, 16, out=self.rounding[:n])
-        rounding &= 1
+        rounding = np.bitwise_and(wide, 0x10000, out=self.rounding[:n])
+        rounding >>= 16
         rounding += 0x7FFF
         rounding += wide
-        np.copyto(out, rounding.view("<u2")[1::2])
+        np.right_shift(rounding, 16, out=out, casting="unsafe")  # the top half, stored as uint16
 
     def _specials(self, bits: Any, magnitude: Any, wide: Any, out: Any) -> bool:
         """Set NaN outputs to torch's bits; whether a finite value became Inf."""

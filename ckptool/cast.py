@@ -304,9 +304,14 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
         if names:
             raise _overflow_error(names, dtype, checkpoint.path)
 
+    found: list[list[str]] = []
+
     def refusal() -> InputError:
         # the rare path: a second pass over every cast tensor, so that the message names them all
-        return _overflow_error(overflowing(tensors, target), dtype, checkpoint.path)
+        # (once: a fingerprint's pass over the same bytes refuses them too)
+        if not found:
+            found.append(overflowing(tensors, target))
+        return _overflow_error(found[0], dtype, checkpoint.path)
 
     memo: dict[tuple, TensorRef] = {}
 

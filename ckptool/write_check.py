@@ -362,6 +362,7 @@ class Expectations:
     fingerprint: Callable[[], str | None]
     wants_fingerprint: bool
     recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
+    threads: tuple[Callable[[], Any], ...] = ()  # what settle waits for (default: checks and fingerprint)
 
     @classmethod
     def start(cls, tensors: Mapping[str, TensorRef], *, fingerprint: bool, views_raw: bool) -> Expectations:
@@ -380,17 +381,19 @@ class Expectations:
                 result = {**result, **_computed_checks(computed)}
             return result
 
+        digest = run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None)
         return cls(
             checks=checks,
-            fingerprint=run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None),
+            fingerprint=digest,
             wants_fingerprint=fingerprint,
             recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
+            threads=(join, digest),  # not the computed tensors' checks: after a failed write they would cast again
         )
 
     def settle(self) -> None:
         """Wait for the threads, dropping what they raise: the write already failed or succeeded, and
         its own error is the one to report."""
-        for join in (self.checks, self.fingerprint):
+        for join in self.threads or (self.checks, self.fingerprint):
             try:
                 join()
             except BaseException:

@@ -251,3 +251,15 @@ def test_a_refused_cast_imports_no_torch_and_writes_nothing(tmp_path: Path) -> N
                           cwd=Path(__file__).resolve().parent.parent)
     assert "CODE:3\n" in done.stdout and "TORCH:\n" in done.stdout and not out.exists(), done.stdout + done.stderr
     assert "would turn finite values into Inf in 1 tensor(s): 'a'" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("output", ["x.pt", "x.safetensors", "shards"])
+def test_a_refused_cast_leaves_nothing_behind(tmp_path: Path, output: str) -> None:
+    # the overflow is found in the write's own pass, after other tensors (and shards) were written
+    source = tmp_path / "big.pt"
+    torch.save({"a": torch.ones(300_000), "m": torch.ones(300_000), "z": torch.tensor([1.0, 1e5])}, source)
+    args = ["convert", str(source), "-o", str(tmp_path / output), "--dtype", "fp16", "--fingerprint"]
+    result = CliRunner().invoke(main, args + (["--max-shard-size", "1MB"] if output == "shards" else []))
+    assert result.exit_code == 3, result.output
+    assert "would turn finite values into Inf in 1 tensor(s): 'z'" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]

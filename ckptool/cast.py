@@ -36,6 +36,7 @@ from typing import Any
 
 from . import dtypes
 from .checkpoint import Checkpoint
+from .copying import crc32_combine
 from .errors import InputError, UsageError
 from .quantized import cast_exempt
 from .refs import StorageRef, TensorRef, check_expansion, contiguous_stride
@@ -157,7 +158,24 @@ class CastBytes:
         self.target = target
         self.overflow = overflow
         self.nbytes = source.numel * target.itemsize
-        self.crc32: int | None = None if self.nbytes else 0
+        self._crc32: int | None = None if self.nbytes else 0
+        self._regions: dict[int, tuple[int, int]] = {}  # offset -> (length, CRC), summed by a consumer
+
+    @property
+    def crc32(self) -> int | None:
+        """The CRC-32 of all the bytes, once a pass has summed them all (or consumers every region)."""
+        if self._crc32 is None and self._regions:
+            crc, position = 0, 0
+            while position < self.nbytes and position in self._regions:
+                length, part = self._regions[position]
+                crc = crc32_combine(crc, part, length)
+                position += length
+            if position == self.nbytes:
+                self._crc32 = crc
+        return self._crc32
+
+    def region_summed(self, offset: int, length: int, crc: int) -> None:
+        self._regions[offset] = (length, crc)
 
     def _steps(self) -> Iterator[tuple[memoryview, bool]]:
         """Each step's cast bytes (valid until the next step) and whether a finite value became Inf there."""
@@ -176,17 +194,20 @@ class CastBytes:
         if pending:
             raise InputError(f"tensor bytes end inside a {self.source.dtype.torch_name} element — the file is corrupt")
 
-    def chunks(self) -> Iterator[memoryview]:
-        """The cast bytes in steps of :data:`CAST_CHUNK` elements; each is valid until the next is asked for."""
+    def chunks(self, summed: bool = True) -> Iterator[memoryview]:
+        """The cast bytes in steps of :data:`CAST_CHUNK` elements; each is valid until the next is asked
+        for. ``summed=False``: the consumer sums them (:meth:`region_summed`), not this pass."""
         if not self.nbytes:
             return
         crc = 0
         for produced, overflowed in self._steps():
             if overflowed and self.overflow is not None:
                 raise self.overflow()
-            crc = zlib.crc32(produced, crc)
+            if summed:
+                crc = zlib.crc32(produced, crc)
             yield produced
-        self.crc32 = crc
+        if summed:
+            self._crc32 = crc
 
     def read(self) -> bytearray:
         """All the cast bytes at once (to build a tensor from them)."""

@@ -36,7 +36,6 @@ from typing import Any
 
 from . import dtypes
 from .checkpoint import Checkpoint
-from .copying import crc32_combine
 from .errors import InputError, UsageError
 from .quantized import cast_exempt
 from .refs import StorageRef, TensorRef, check_expansion, contiguous_stride
@@ -158,24 +157,7 @@ class CastBytes:
         self.target = target
         self.overflow = overflow
         self.nbytes = source.numel * target.itemsize
-        self._crc32: int | None = None if self.nbytes else 0
-        self._regions: dict[int, tuple[int, int]] = {}  # offset -> (length, CRC), summed by a consumer
-
-    @property
-    def crc32(self) -> int | None:
-        """The CRC-32 of all the bytes, once a pass has summed them all (or consumers every region)."""
-        if self._crc32 is None and self._regions:
-            crc, position = 0, 0
-            while position < self.nbytes and position in self._regions:
-                length, part = self._regions[position]
-                crc = crc32_combine(crc, part, length)
-                position += length
-            if position == self.nbytes:
-                self._crc32 = crc
-        return self._crc32
-
-    def region_summed(self, offset: int, length: int, crc: int) -> None:
-        self._regions[offset] = (length, crc)
+        self.crc32: int | None = None if self.nbytes else 0
 
     def _steps(self) -> Iterator[tuple[memoryview, bool]]:
         """Each step's cast bytes (valid until the next step) and whether a finite value became Inf there."""
@@ -194,20 +176,17 @@ class CastBytes:
         if pending:
             raise InputError(f"tensor bytes end inside a {self.source.dtype.torch_name} element — the file is corrupt")
 
-    def chunks(self, summed: bool = True) -> Iterator[memoryview]:
-        """The cast bytes in steps of :data:`CAST_CHUNK` elements; each is valid until the next is asked
-        for. ``summed=False``: the consumer sums them (:meth:`region_summed`), not this pass."""
+    def chunks(self) -> Iterator[memoryview]:
+        """The cast bytes in steps of :data:`CAST_CHUNK` elements; each is valid until the next is asked for."""
         if not self.nbytes:
             return
         crc = 0
         for produced, overflowed in self._steps():
             if overflowed and self.overflow is not None:
                 raise self.overflow()
-            if summed:
-                crc = zlib.crc32(produced, crc)
+            crc = zlib.crc32(produced, crc)
             yield produced
-        if summed:
-            self._crc32 = crc
+        self.crc32 = crc
 
     def read(self) -> bytearray:
         """All the cast bytes at once (to build a tensor from them)."""

@@ -11,10 +11,8 @@ combined from the pieces' own (:func:`crc32_combine`) when each piece's is known
 from __future__ import annotations
 
 import os
-import queue
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,20 +25,7 @@ REPORT_EVERY = 8 << 20  # small pieces' regions are reported to ``on_data`` in b
 COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re-read and writeback follow closely
 _BUFFER = 8 << 20  # the buffer of a copy the kernel cannot make, and of a copy that sums its bytes
 
-STREAM_STEP = 8 << 20  # computed bytes (a cast) are written, and handed to the re-read, in steps of this size
-STREAM_BUFFERS = 2  # steps in flight: one filled by the writer while the re-read compares the other
-
 OnData = Callable[[int, int], None]
-
-
-@dataclass
-class Produced:
-    """Computed bytes handed to ``on_data`` in their own buffer (``OutputSums.written``): ``summed(crc)``
-    is told their CRC-32, and ``release()`` hands the buffer back to the writer."""
-
-    buffer: bytearray
-    summed: Callable[[int], None]
-    release: Callable[[], None]
 
 
 class DataOut:
@@ -58,7 +43,6 @@ class DataOut:
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
         self._sources: FileCache[int] = FileCache()
-        self._free: queue.SimpleQueue[bytearray] | None = None  # stream's step buffers, made on first use
 
     def written(self, offset: int, length: int) -> None:
         """``length`` bytes at ``offset`` were written through the buffer."""
@@ -117,19 +101,10 @@ class DataOut:
                 crc = stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
         return crc
 
-    def stream(self, chunks: Iterable[bytes | bytearray | memoryview], out_offset: int,
-               on_crc: Callable[[int, int, int], None] | None = None) -> int:
-        """Write computed bytes (a cast) where the output stands, reporting them as they land; returns
-        where they end. A chunk may be a reused buffer: it is used at once.
-
-        With ``on_crc`` and an ``on_data`` that takes them (``OutputSums.written``), the bytes go out in
-        :data:`STREAM_STEP` steps through buffers the re-read worker sums and compares with the file,
-        telling ``on_crc(offset in the stream, length, crc)`` each step's CRC: the bytes are summed
-        once, off the writer's thread. Otherwise they are reported in :data:`COPY_STEP` steps.
-        """
+    def stream(self, chunks: Iterable[bytes | bytearray | memoryview], out_offset: int) -> int:
+        """Write computed bytes (a cast) where the output stands, reporting them in :data:`COPY_STEP`
+        steps as they land; returns where they end. A chunk may be a reused buffer: it is written at once."""
         self.report()
-        if on_crc is not None and getattr(self.on_data, "takes_produced", False):
-            return self._stream_steps(chunks, out_offset, on_crc)
         position = reported = out_offset
         for chunk in chunks:
             self.handle.write(chunk)
@@ -143,42 +118,6 @@ class DataOut:
             self.handle.flush()
             if self.on_data is not None:
                 self.on_data(reported, position - reported)
-        return position
-
-    def _stream_steps(self, chunks: Iterable[bytes | bytearray | memoryview], out_offset: int,
-                      on_crc: Callable[[int, int, int], None]) -> int:
-        if self._free is None:
-            self._free = queue.SimpleQueue()
-            for _ in range(STREAM_BUFFERS):
-                self._free.put(bytearray(STREAM_STEP))
-        free = self._free
-        position = out_offset
-
-        def hand(buffer: bytearray, fill: int) -> None:
-            self.handle.write(memoryview(buffer)[:fill])
-            self.handle.flush()
-            assert self.on_data is not None
-            self.on_data(position, fill, Produced(  # type: ignore[call-arg]
-                buffer, lambda crc, start=position - out_offset, length=fill: on_crc(start, length, crc),
-                lambda: free.put(buffer)))
-
-        buffer, fill = free.get(), 0
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            while len(view):
-                take = min(len(view), STREAM_STEP - fill)
-                buffer[fill:fill + take] = view[:take]
-                fill += take
-                view = view[take:]
-                if fill == STREAM_STEP:
-                    hand(buffer, fill)
-                    position += fill
-                    buffer, fill = free.get(), 0  # waits while the re-read holds both
-        if fill:
-            hand(buffer, fill)
-            position += fill
-        else:
-            free.put(buffer)
         return position
 
     def release(self) -> None:

@@ -91,19 +91,10 @@ class Derived(Protocol):
     """Bytes a storage computes from others, chunk by chunk (:class:`ckptool.cast.CastBytes`)."""
 
     nbytes: int
+    crc32: int | None  # of all the bytes, once a pass has produced them all
 
-    @property
-    def crc32(self) -> int | None:
-        """The CRC-32 of all the bytes, once a pass has produced (and summed) them all."""
-        ...
-
-    def chunks(self, summed: bool = True) -> Iterator[memoryview]:
-        """The bytes in order; each chunk is valid until the next is asked for. ``summed=False``: the
-        caller sums them and tells :meth:`region_summed`."""
-        ...
-
-    def region_summed(self, offset: int, length: int, crc: int) -> None:
-        """The CRC-32 of ``length`` of the bytes at ``offset``, summed by whoever consumed them."""
+    def chunks(self) -> Iterator[memoryview]:
+        """The bytes in order; each chunk is valid until the next is asked for."""
         ...
 
 

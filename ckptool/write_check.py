@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from .atomic import atomic_output, folder_output
 from .byteio import read_into
-from .copying import STREAM_STEP, Produced, crc32_combine, pieces_crc
+from .copying import crc32_combine, pieces_crc
 from .errors import CkptError, FingerprintMismatchError
 from .digest import fingerprint as weights_fingerprint
 from .refs import TensorRef
@@ -112,11 +112,8 @@ class OutputSums:
             self._flusher = threading.Thread(target=self._flush_loop, daemon=True)
             self._flusher.start()
 
-    def written(self, offset: int, length: int, produced: Produced | None = None) -> None:
-        """``length`` bytes at ``offset`` are in the file. ``produced``: computed bytes (a cast) still
-        in their buffer, which the worker sums and compares with what it reads back (one CRC pass
-        for the write and its check, not two), then hands back."""
-        self._queue.put((offset, length, produced))
+    def written(self, offset: int, length: int) -> None:
+        self._queue.put((offset, length))
         if self._kick is not None:
             self._end = max(self._end, offset + length)
             if self._end - self._kicked >= KICK_EVERY:
@@ -147,12 +144,9 @@ class OutputSums:
     def _run(self) -> None:
         view = memoryview(bytearray(CHUNK)) if self._fd >= 0 else None  # one buffer, reused: no allocation per read
         while (item := self._queue.get()) is not None:
-            offset, length, produced = item
-            if produced is not None:
-                self._compare(offset, length, produced, view)
-                continue
             if self._error is not None or view is None:
                 continue
+            offset, length = item
             try:
                 crc, done = 0, 0
                 while done < length:
@@ -163,27 +157,6 @@ class OutputSums:
                 self.sums[offset] = (length, crc)
             except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads itself
                 self._error = e
-
-    def _compare(self, offset: int, length: int, produced: Produced, view: memoryview | None) -> None:
-        """Sum computed bytes, and read them back: the region's CRC is theirs when the file holds them."""
-        try:
-            data = produced.buffer
-            crc = zlib.crc32(memoryview(data)[:length])
-            produced.summed(crc)
-            if self._error is not None or view is None or length > len(view):
-                return
-            try:
-                back = view[:length]
-                read_into(self._fd, back, offset, self.path)
-                if length == len(view) == len(data):  # a whole step: bytearray == bytearray is one memcmp
-                    same = view.obj == data
-                else:  # the last, shorter step
-                    same = back.tobytes() == bytes(memoryview(data)[:length])
-                self.sums[offset] = (length, crc if same else zlib.crc32(back))
-            except (OSError, CkptError) as e:  # as for a plain region: the check re-reads itself
-                self._error = e
-        finally:
-            produced.release()
 
     def crc_of(self, offset: int, length: int) -> int | None:
         """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
@@ -215,8 +188,6 @@ class OutputSums:
         return self.sums
 
 
-OutputSums.written.takes_produced = True  # type: ignore[attr-defined]  # DataOut.stream hands it buffers
-
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -235,7 +206,7 @@ def writeback_starter() -> Callable[[int, int, int, int], int] | None:
     return function
 
 
-CHUNK = STREAM_STEP  # a computed step (Produced) is read back whole into the worker's buffer
+CHUNK = 8 * 1024 * 1024
 FLUSH_EVERY = 128 * 1024 * 1024
 KICK_EVERY = 8 * 1024 * 1024
 

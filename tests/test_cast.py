@@ -263,3 +263,23 @@ def test_a_refused_cast_leaves_nothing_behind(tmp_path: Path, output: str) -> No
     assert result.exit_code == 3, result.output
     assert "would turn finite values into Inf in 1 tensor(s): 'z'" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
+
+
+def test_cast_bytes_that_read_back_different_are_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the expected CRC of a cast tensor is summed as it is computed; the re-read behind the writer must match it
+    from ckptool import write_check
+    from ckptool.errors import FingerprintMismatchError
+
+    source = tmp_path / "model.pt"
+    torch.save({"w": torch.randn(3_000_000), "b": torch.randn(10)}, source)
+    reads = write_check.read_into
+
+    def flipped(fd: int, view: memoryview, offset: int, path: Path) -> None:
+        reads(fd, view, offset, path)
+        view[len(view) // 2] ^= 1
+
+    monkeypatch.setattr(write_check, "read_into", flipped)
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(FingerprintMismatchError, match="reads back different"):
+        ckptool.save(cast_weights(ckptool.load(source), "bf16"), out)
+    assert not out.exists()

@@ -12,6 +12,7 @@ GOAL_ANON_FLAT_MIB = 16.0       # "flat in size": growth from the smallest to th
 GOAL_READONLY_S = 0.15          # inspect / scan whole process, any size
 GOAL_COMPARE_VS_READ = 2.0      # diff / verify --against <= 2 x reading both files once
 GOAL_HELP_S = 0.15              # ckptool --help
+GOAL_CAST_VS_DISK = 1.5         # convert --dtype bf16 <= 1.5 x cp+sync of the input, no torch loaded
 
 
 class _Goals:
@@ -40,12 +41,13 @@ class _Goals:
 
 def evaluate_goals(rows: list[dict], inputs: list[Input]) -> list[dict]:
     g = _Goals(rows)
-    for tool in ("convert", "strip", "remap"):
+    for tool in ("convert", "convert-shards", "strip", "remap"):
         _rewrite_goals(g, tool, inputs)
     for tool in ("inspect", "inspect-json", "scan"):
         _readonly_goals(g, tool, inputs)
     for tool in ("diff", "verify"):
         _compare_goals(g, tool, inputs)
+    _cast_goals(g, "convert-bf16", inputs)
     r = g.get("help", "-", "-")
     if r:
         g.add("ckptool --help whole process (s)", "help", "-", r["median_s"], f"<= {GOAL_HELP_S} s",
@@ -114,3 +116,32 @@ def _compare_goals(g: _Goals, tool: str, inputs: list[Input]) -> None:
             if r and "x_limit" in r:
                 g.add("time vs reading both files (cat A B)", tool, f"{size} {cache}", r["x_limit"],
                       f"<= {GOAL_COMPARE_VS_READ}x", r["x_limit"] <= GOAL_COMPARE_VS_READ)
+
+
+def _cast_goals(g: _Goals, tool: str, inputs: list[Input]) -> None:
+    """convert --dtype bf16: near the disk limit, memory flat and small, torch never loaded."""
+    if g.status_of(tool) != "ok":
+        g.add(f"<= {GOAL_CAST_VS_DISK}x cp+sync, anon <= 64 MiB over python, flat, no torch", tool, "all", None, "",
+              None, g.note_of(tool))
+        return
+    big = [i.label for i in inputs if i.nbytes]
+    sized = []
+    for size in big:
+        r = g.get(tool, size, "warm")
+        if not r:
+            continue
+        sized.append(r)
+        if "x_limit" in r:
+            g.add("time vs cp+sync", tool, f"{size} warm", r["x_limit"], f"<= {GOAL_CAST_VS_DISK}x",
+                  r["x_limit"] <= GOAL_CAST_VS_DISK)
+        if "x_naive" in r:
+            g.add(f"speed-up over naive ({r['x_naive_tool']})", tool, f"{size} warm", 1 / r["x_naive"], "(reported)",
+                  None, "torch.load + .to(bfloat16) + save_file")
+        g.add("torch not loaded", tool, size, float(bool(r.get("torch_loaded"))), "0", not r.get("torch_loaded"))
+        if r.get("anon_over_baseline_mib") is not None:
+            g.add(f"peak anon over {r['anon_baseline']}", tool, size, r["anon_over_baseline_mib"],
+                  f"<= {GOAL_ANON_OVER_BASE_MIB:g} MiB", r["anon_over_baseline_mib"] <= GOAL_ANON_OVER_BASE_MIB)
+    if len(sized) >= 2:
+        growth = sized[-1]["anon_peak_mib"] - sized[0]["anon_peak_mib"]
+        g.add("anon flat in size", tool, f"{sized[0]['size']} -> {sized[-1]['size']}", growth,
+              f"<= {GOAL_ANON_FLAT_MIB:g} MiB growth", growth <= GOAL_ANON_FLAT_MIB)

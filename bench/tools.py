@@ -17,6 +17,9 @@ import sys, torch
 src, dst, mmap, how = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 sd = torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
 sd = {(k[len("module."):] if k.startswith("module.") else k): v for k, v in sd.items()}
+if how == "safetensors-bf16":  # the reference for convert --dtype bf16
+    sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+    how = "safetensors"
 if how == "safetensors":
     from safetensors.torch import save_file
     save_file(sd, dst)
@@ -59,7 +62,7 @@ def _out(ctx: Ctx, name: str) -> str:
 
 
 def _naive(mmap: bool, how: str) -> Callable[[Ctx], list[str]]:
-    ext = "safetensors" if how == "safetensors" else "pt"
+    ext = "safetensors" if how.startswith("safetensors") else "pt"
     return lambda c: [c.python, "-c", NAIVE_SCRIPT, str(c.inp.path), _out(c, f"naive.{ext}"), "1" if mmap else "0", how]
 
 
@@ -86,6 +89,8 @@ TOOLS: list[Tool] = [
          description="torch.load + strip keys + safetensors save_file"),
     Tool("naive-st-mmap", "naive", _naive(True, "safetensors"), job="convert", writes="naive.safetensors",
          description="torch.load(mmap=True) + strip keys + save_file"),
+    Tool("naive-st-bf16", "naive", _naive(False, "safetensors-bf16"), job="cast", writes="naive.safetensors",
+         cold=False, description="torch.load + strip keys + .to(bfloat16) + save_file"),
     Tool("naive-pt", "naive", _naive(False, "torch"), job="rewrite", writes="naive.pt", cold=False,
          description="torch.load + strip keys + torch.save"),
     Tool("naive-pt-mmap", "naive", _naive(True, "torch"), job="rewrite", writes="naive.pt",
@@ -93,6 +98,14 @@ TOOLS: list[Tool] = [
     # ckptool
     Tool("convert", "ckptool", lambda c: _ckptool(c, "convert", str(c.inp.path), "-o", _out(c, "out.safetensors")),
          job="convert", writes="out.safetensors", subcommand="convert", description="ckptool convert CKPT -o OUT.safetensors"),
+    Tool("convert-bf16", "ckptool",
+         lambda c: _ckptool(c, "convert", str(c.inp.path), "-o", _out(c, "bf16.safetensors"), "--dtype", "bf16"),
+         job="cast", writes="bf16.safetensors", subcommand="convert",
+         description="ckptool convert CKPT -o OUT.safetensors --dtype bf16"),
+    Tool("convert-shards", "ckptool",
+         lambda c: _ckptool(c, "convert", str(c.inp.path), "-o", _out(c, "shards"), "--max-shard-size", "200MB"),
+         job="convert", writes="shards", subcommand="convert", cold=False,
+         description="ckptool convert CKPT -o DIR --max-shard-size 200MB"),
     Tool("strip", "ckptool", lambda c: _ckptool(c, "strip", str(c.inp.path), "-o", _out(c, "strip.pt")),
          job="rewrite", writes="strip.pt", subcommand="strip", description="ckptool strip CKPT -o OUT"),
     Tool("remap", "ckptool", lambda c: _ckptool(c, "remap", str(c.inp.path), "-o", _out(c, "remap.pt"), "--to", "cpu"),
@@ -110,12 +123,13 @@ TOOLS: list[Tool] = [
          description="ckptool verify A --against TWIN"),
 ]
 TOOL_NAMES = [t.name for t in TOOLS]
-ALIASES = {"naive": ["naive-st", "naive-st-mmap", "naive-pt", "naive-pt-mmap"],
+ALIASES = {"naive": ["naive-st", "naive-st-mmap", "naive-st-bf16", "naive-pt", "naive-pt-mmap"],
            "baselines": ["python", "import-torch"], "disk": ["read", "read-both", "cp", "cp+sync"],
-           "ckptool": ["help", "convert", "strip", "remap", "inspect", "inspect-json", "scan", "diff", "verify"]}
+           "ckptool": ["help", "convert", "convert-bf16", "convert-shards", "strip", "remap", "inspect", "inspect-json",
+                       "scan", "diff", "verify"]}
 # what a row is compared with: the disk limit and the naive path of the same job
-LIMIT_FOR = {"convert": "cp+sync", "rewrite": "cp+sync", "compare": "read-both", "copy": "cp+sync"}
-NAIVE_FOR = {"convert": "naive-st", "rewrite": "naive-pt"}
+LIMIT_FOR = {"convert": "cp+sync", "rewrite": "cp+sync", "compare": "read-both", "copy": "cp+sync", "cast": "cp+sync"}
+NAIVE_FOR = {"convert": "naive-st", "rewrite": "naive-pt", "cast": "naive-st-bf16"}
 NAIVE_MMAP_FOR = {"convert": "naive-st-mmap", "rewrite": "naive-pt-mmap"}
 
 

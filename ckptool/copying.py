@@ -101,6 +101,25 @@ class DataOut:
                 crc = stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
         return crc
 
+    def stream(self, chunks: Iterable[bytes | bytearray | memoryview], out_offset: int) -> int:
+        """Write computed bytes (a cast) where the output stands, reporting them in :data:`COPY_STEP`
+        steps as they land; returns where they end. A chunk may be a reused buffer: it is written at once."""
+        self.report()
+        position = reported = out_offset
+        for chunk in chunks:
+            self.handle.write(chunk)
+            position += len(chunk)
+            if position - reported >= COPY_STEP:
+                self.handle.flush()
+                if self.on_data is not None:
+                    self.on_data(reported, position - reported)
+                reported = position
+        if position > reported:
+            self.handle.flush()
+            if self.on_data is not None:
+                self.on_data(reported, position - reported)
+        return position
+
     def release(self) -> None:
         """Close the source descriptors (also after a failed write)."""
         self._sources.close()

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .dtypes import DType
 from .errors import InputError
@@ -87,6 +87,17 @@ class ByteRange:
                 yield buffer
 
 
+class Derived(Protocol):
+    """Bytes a storage computes from others, chunk by chunk (:class:`ckptool.cast.CastBytes`)."""
+
+    nbytes: int
+    crc32: int | None  # of all the bytes, once a pass has produced them all
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The bytes in order; each chunk is valid until the next is asked for."""
+        ...
+
+
 @dataclass(eq=False)
 class StorageRef:
     """One saved storage: the unit of sharing (tied tensors point at the same StorageRef).
@@ -107,6 +118,9 @@ class StorageRef:
     data: ByteRange | None = None
     type_global: str = ""
     producer: Callable[[], bytes | bytearray] | None = None  # bytes computed on demand (a cast, DCP chunks)
+    # bytes computed from other bytes chunk by chunk (a cast): streamed, never held whole; ``producer``
+    # then gives them whole for the few readers that need that (a tensor built from them)
+    derived: Derived | None = None
     # bytes that lie in several places, end to end (DCP row shards): streamed piece by piece, no assembly
     pieces: tuple[ByteRange, ...] | None = None
 
@@ -220,6 +234,11 @@ class TensorRef:
         """The bytes of the view in C order as the storage holds them (no bits applied)."""
         if self.numel == 0:
             return
+        derived = self.whole_derived()
+        if derived is not None:
+            for chunk in derived.chunks():
+                yield bytes(chunk)
+            return
         if self.storage.pieces is not None and self.offset == 0 and self.nbytes == self.storage.nbytes:
             for piece in self.storage.pieces:
                 yield from piece.iter_chunks(chunk_size=chunk_size)
@@ -239,13 +258,17 @@ class TensorRef:
             return
         yield from self._gather(chunk_size)
 
-    def iter_reused(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes | bytearray]:
+    def iter_reused(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes | bytearray | memoryview]:
         """:meth:`iter_bytes` for consumers that use each chunk at once: contiguous bytes come in one
         reused buffer (valid until the next chunk), sparing an allocation per chunk."""
         pieces = self.whole_pieces()
         if pieces is not None:
             for piece in pieces:
                 yield from piece.iter_reused(chunk_size=chunk_size)
+            return
+        derived = self.whole_derived()
+        if derived is not None:
+            yield from derived.chunks()
             return
         span = self.contiguous_byte_range() if self.numel else None
         if span is None:
@@ -260,6 +283,14 @@ class TensorRef:
                 or not self.is_contiguous():
             return None
         return storage.pieces
+
+    def whole_derived(self) -> Derived | None:
+        """The computed bytes (a cast) that are this tensor's, all of them in order, else None."""
+        derived = self.storage.derived
+        if derived is None or self.conj or self.neg or self.offset != 0 or self.nbytes != derived.nbytes \
+                or not self.is_contiguous():
+            return None
+        return derived
 
     def read_bytes(self) -> bytes:
         """All of the tensor's values as bytes in C order (conjugate/negative bits applied)."""

@@ -263,6 +263,18 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
 
 
 
+def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]:
+    """The checks of computed tensors: the CRC their write summed as it produced them (computed now
+    for any the write did not produce in full)."""
+    checks = {}
+    for name, tensor in tensors.items():
+        derived = tensor.whole_derived()
+        crc = derived.crc32 if derived is not None else None
+        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc) if crc is not None else \
+            tensor_checks({name: tensor}, trust_stored=False)[name]
+    return checks
+
+
 def run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
     result: dict[str, Any] = {}
 
@@ -352,21 +364,38 @@ class Expectations:
     fingerprint: Callable[[], str | None]
     wants_fingerprint: bool
     recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
+    threads: tuple[Callable[[], Any], ...] = ()  # what settle waits for (default: checks and fingerprint)
 
     @classmethod
     def start(cls, tensors: Mapping[str, TensorRef], *, fingerprint: bool, views_raw: bool) -> Expectations:
-        """Start working out what ``tensors`` must read back as (and their fingerprint, if asked) in threads."""
+        """Start working out what ``tensors`` must read back as (and their fingerprint, if asked) in threads.
+
+        Computed bytes (a cast) are not computed twice: the write's own pass sums them
+        (``Derived.crc32``), and their checks are taken from it once the write is done.
+        """
+        computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None}
+        stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
+        join = run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+
+        def checks() -> dict[str, TensorCheck]:
+            result = join()
+            if computed:
+                result = {**result, **_computed_checks(computed)}
+            return result
+
+        digest = run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None)
         return cls(
-            checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=True, views_raw=views_raw)),
-            fingerprint=run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None),
+            checks=checks,
+            fingerprint=digest,
             wants_fingerprint=fingerprint,
             recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
+            threads=(join, digest),  # not the computed tensors' checks: after a failed write they would cast again
         )
 
     def settle(self) -> None:
         """Wait for the threads, dropping what they raise: the write already failed or succeeded, and
         its own error is the one to report."""
-        for join in (self.checks, self.fingerprint):
+        for join in self.threads or (self.checks, self.fingerprint):
             try:
                 join()
             except BaseException:
@@ -406,24 +435,46 @@ def checked_output(out: Path, expect: Expectations, read_back: ReadBack, *,
 
 
 class CheckedFolder:
-    """The temp folder a :func:`checked_folder` body writes its files into, each summed as it is written."""
+    """The temp folder a :func:`checked_folder` body writes its files into, each summed as it is written
+    and fsync'd in the background once it is complete."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.sums: list[OutputSums] = []
         self.checked = 0  # tensors compared, once the check has passed
+        self._syncs: list[Callable[[], Any]] = []
 
     @contextlib.contextmanager
     def file(self, name: str) -> Iterator[tuple[BinaryIO, OutputSums]]:
         """A new file of the folder, and the sums that take its regions (``sums.written``)."""
+        # at most two files' re-read threads and buffers at a time, however many files there are: the
+        # previous one finishes its last regions while this one is written, instead of holding it up
+        if len(self.sums) >= 2:
+            self.sums[-2].finish()
         with open(self.directory / name, "w+b") as handle:
             sums = OutputSums(self.directory / name)  # its thread re-reads the file: created first
             self.sums.append(sums)
             try:
                 yield handle, sums
-            finally:
-                # one file's re-read thread and buffer at a time, however many files there are
+                handle.flush()
+            except BaseException:
                 sums.finish()
+                raise
+            # its writeback started as it was written; waiting for it overlaps the next file's write
+            self._syncs.append(run_in_thread(lambda fd=os.dup(handle.fileno()): _fsync_close(fd)))
+
+    def sync(self) -> None:
+        """Wait for every file's fsync (the folder's own is the caller's)."""
+        for join in self._syncs:
+            join()
+        self._syncs.clear()
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -438,6 +489,13 @@ def checked_folder(out: Path, expect: Expectations, read_back: ReadBack, *, last
     """
     with folder_output(out, last=last, remove=remove) as tmp_dir:
         folder = CheckedFolder(tmp_dir)
-        yield folder
-        folder.checked = verify_output(tmp_dir / last, expect, read_back, lambda: None, folder.sums)
+        try:
+            yield folder
+        except BaseException:
+            for sums in folder.sums:
+                sums.finish()
+            with contextlib.suppress(BaseException):
+                folder.sync()
+            raise
+        folder.checked = verify_output(tmp_dir / last, expect, read_back, folder.sync, folder.sums)
 

@@ -377,8 +377,8 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expect
         # the source recorded CRCs that are not its bytes' (saved with CRCs off, or patched after
         # saving; torch ignores them): write again, summing every storage instead of copying its CRC
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
-        expect = replace(expect, checks=run_in_thread(lambda: tensor_checks(tensors, trust_stored=False,
-                                                                            views_raw=True)))
+        summed = run_in_thread(lambda: tensor_checks(tensors, trust_stored=False, views_raw=True))
+        expect = replace(expect, checks=summed, threads=(summed, expect.fingerprint))
         checked = _write_pt(container, out, expect, read_back(checkpoint, cache), trust_recorded=False, cache=cache)
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 

@@ -175,6 +175,9 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
                     tuple(replace(piece, crc32=None) for piece in storage.pieces)
                 writer.add_pieces(f"{archive_name}/data/{key}", pieces)
                 continue
+            if storage.derived is not None and storage.derived.nbytes == storage.nbytes:
+                writer.add_derived(f"{archive_name}/data/{key}", storage.derived)  # a cast, streamed
+                continue
             if storage.producer is not None:
                 writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
                 continue

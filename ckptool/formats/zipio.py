@@ -21,8 +21,8 @@ from typing import BinaryIO
 
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
-from ..errors import InputError
-from ..refs import ByteRange
+from ..errors import InputError, OutputError
+from ..refs import ByteRange, Derived
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -353,6 +353,22 @@ class ZipWriter:
             self.handle.seek(data_start + size)
         self.entries.append((encoded, header_offset, size, crc))
         self.position = data_start + size
+
+    def add_derived(self, name: str, derived: Derived) -> None:
+        """Add a member whose bytes are computed chunk by chunk (a cast), under the CRC their pass sums."""
+        encoded = name.encode("utf-8")
+        header_offset = self.position
+        header = self._local_header(encoded, derived.nbytes, 0)
+        self.handle.write(header)
+        data_start = self.position + len(header)
+        end = self.out.stream(derived.chunks(), data_start)
+        if end - data_start != derived.nbytes or derived.crc32 is None:
+            raise OutputError(f"internal: member {name} was computed as {end - data_start} bytes, not {derived.nbytes}")
+        self.handle.seek(header_offset + 14)
+        self.handle.write(struct.pack("<I", derived.crc32))
+        self.handle.seek(end)
+        self.entries.append((encoded, header_offset, derived.nbytes, derived.crc32))
+        self.position = end
 
     def close(self) -> None:
         """Write the central directory (zip64 records when sizes, offsets or counts need them)."""

@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="0.25,1,2",
                    help="checkpoint sizes, comma-separated; GiB by default, or with a unit: 5M, 512MiB, 1G (default 0.25,1,2)")
     p.add_argument("--tiny", type=int, default=10000, help="also a checkpoint of this many tiny tensors (0: none; default 10000)")
+    p.add_argument("--many-tensors", type=int, default=0, metavar="N",
+                   help="also an MoE-like checkpoint of N small tensors of mixed shapes and dtypes (e.g. 100000; "
+                        "default 0: none)")
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is reported (default 3)")
     p.add_argument("--tools", default="all", help=f"comma-separated: {', '.join(TOOL_NAMES)}, or a group: "
                                                   f"{', '.join(ALIASES)} (default all)")

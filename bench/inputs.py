@@ -18,9 +18,30 @@ GEN_VERSION = 1  # bump when the generated checkpoints change shape
 GEN_SCRIPT = r'''
 import json, os, sys, torch
 path, twin, nbytes, n_small, n_tiny = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+n_many = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 g = torch.Generator().manual_seed(0)
 sd = {}
-if n_tiny:
+if n_many:
+    # an MoE-like state dict (DDP-wrapped: `module.` keys), small tensors of mixed shapes and dtypes:
+    # per layer a router, norms, and experts of three projections each, until n_many tensors
+    shapes = {"gate_proj.weight": (8, 8), "up_proj.weight": (8, 8), "down_proj.weight": (8, 8)}
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    i = 0
+    layer = 0
+    while len(sd) < n_many:
+        pre = f"module.model.layers.{layer}"
+        sd[f"{pre}.input_layernorm.weight"] = torch.randn(16, generator=g)
+        sd[f"{pre}.post_attention_layernorm.weight"] = torch.randn(16, generator=g)
+        sd[f"{pre}.mlp.gate.weight"] = torch.randn(16, 8, generator=g).to(torch.bfloat16)
+        sd[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.randn(16, generator=g)
+        sd[f"{pre}.mlp.tokens_seen"] = torch.tensor(layer, dtype=torch.int64)
+        for j in range(64):
+            for name, shape in shapes.items():
+                sd[f"{pre}.mlp.experts.{j}.{name}"] = torch.randn(*shape, generator=g).to(dtypes[i % 3])
+                i += 1
+        layer += 1
+    sd = dict(list(sd.items())[:n_many])
+elif n_tiny:
     # many tiny tensors: what inspect/scan cost per tensor, not per byte
     for i in range(n_tiny):
         sd[f"module.blocks.{i // 4}.p{i % 4}"] = torch.randn(16, generator=g)
@@ -65,7 +86,7 @@ print(json.dumps({"tensors": len(sd), "bytes": sum(t.numel() * t.element_size() 
 
 @dataclass
 class Input:
-    label: str          # "0.25 GiB", "10k tiny"
+    label: str          # "0.25 GiB", "10k tiny", "100k tensors"
     nbytes: int         # requested tensor bytes (0 for the tiny one)
     path: Path
     twin: Path
@@ -73,6 +94,7 @@ class Input:
     file_bytes: int = 0
     gen_s: float = 0.0
     reused: bool = False
+    many: bool = False  # the --many-tensors input (per-tensor cost; goals of its own)
 
 
 def parse_size(text: str) -> int:
@@ -102,8 +124,12 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes / MIB:g} MiB"
 
 
-def make_input(workdir: Path, python: str, *, nbytes: int = 0, n_tiny: int = 0, log: Callable[[str], None]) -> Input:
-    if n_tiny:
+def make_input(workdir: Path, python: str, *, nbytes: int = 0, n_tiny: int = 0, n_many: int = 0,
+               log: Callable[[str], None]) -> Input:
+    if n_many:
+        label = f"{n_many // 1000}k tensors" if n_many >= 1000 else f"{n_many} tensors"
+        stem, n_small = f"many-{n_many}", 0
+    elif n_tiny:
         label, stem, n_small = f"{n_tiny // 1000}k tiny" if n_tiny >= 1000 else f"{n_tiny} tiny", f"tiny-{n_tiny}", 0
     else:
         # ~1000 small tensors, fewer when the size is too small to hold them (the smoke test's 5 MiB)
@@ -111,14 +137,15 @@ def make_input(workdir: Path, python: str, *, nbytes: int = 0, n_tiny: int = 0, 
     path = workdir / f"{stem}-v{GEN_VERSION}.pt"
     twin = workdir / f"{stem}-v{GEN_VERSION}-twin.pt"
     meta_path = workdir / f"{stem}-v{GEN_VERSION}.json"
-    inp = Input(label, nbytes, path, twin)
+    inp = Input(label, nbytes, path, twin, many=bool(n_many))
     if path.exists() and twin.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         inp.tensors, inp.reused = meta["tensors"], True
     else:
         log(f"generating {label} checkpoint + twin in {workdir} ...")
         t0 = time.perf_counter()
-        out = subprocess.run([python, "-c", GEN_SCRIPT, str(path), str(twin), str(nbytes), str(n_small), str(n_tiny)],
+        out = subprocess.run([python, "-c", GEN_SCRIPT, str(path), str(twin), str(nbytes), str(n_small), str(n_tiny),
+                              str(n_many)],
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"bench: generating {label} failed:\n{out.stderr[-3000:]}")

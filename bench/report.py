@@ -180,7 +180,7 @@ def plot(result: dict, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "skipped: matplotlib is not importable (it is not a dependency; pip install matplotlib to get bench.png)"
-    sized = {i["label"]: i["file_bytes"] for i in result["inputs"] if "tiny" not in i["label"]}
+    sized = {i["label"]: i["file_bytes"] for i in result["inputs"] if not i["label"].endswith(("tiny", "tensors"))}
     if len(sized) < 1:
         return "skipped: no sized inputs"
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))

@@ -93,6 +93,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         inputs.append(make_input(args.workdir, python, nbytes=nbytes, log=log))
     if args.tiny:
         inputs.append(make_input(args.workdir, python, n_tiny=args.tiny, log=log))
+    if getattr(args, "many_tensors", 0):
+        inputs.append(make_input(args.workdir, python, n_many=args.many_tensors, log=log))
     os.sync()
 
     global_tools = [t for t in selected if not t.per_size]

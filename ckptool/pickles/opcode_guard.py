@@ -142,6 +142,58 @@ def _new_tuple(items: list[Value]) -> Value:
 _OPAQUE_TUPLES: dict[tuple[int, bool], Value] = {}
 
 
+def _opaque_tuple(nodes: int, hashable: bool) -> Value:
+    """The shared record of tuples of ``nodes`` values the guard cannot all know (as :func:`_new_tuple`)."""
+    record = _OPAQUE_TUPLES.get((nodes, hashable))
+    if record is None:
+        record = _OPAQUE_TUPLES[nodes, hashable] = Value("tuple", None, nodes, hashable, OPAQUE)
+    return record
+
+
+_MAX_SHAPE_BYTES = 64  # longer size or stride tuples are walked opcode by opcode (and not kept by their bytes)
+_INT_OPS = re.compile(rb"K.|M..|J....", re.DOTALL)
+_PUT, _GET, _INT = rb"(q.|r....)", rb"(h.|j....)", rb"(K.|M..|J....)"
+_INTS = rb"(\)|(?:K.|M..|J....){1,3}[\x85-\x87]|\((?:K.|M..|J....)*t)"
+# A state-dict entry after its key, as torch's pickler (protocol 2) writes it once the globals and the
+# strings 'storage' and 'cpu' are in the memo: PUT the key; _rebuild_tensor_v2 (GET) MARK MARK
+# 'storage' (GET) storage class (GET) storage key (BINUNICODE of digits, PUT) location (GET) numel
+# TUPLE PUT BINPERSID; offset; size tuple [PUT]; stride tuple [PUT]; requires_grad; OrderedDict (GET)
+# EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT.
+_ENTRY = re.compile(_PUT + _GET + rb"\(\(" + _GET + _GET + rb"X(.)\x00\x00\x00([0-9]{1,12})" + _PUT + _GET + _INT
+                    + rb"t" + _PUT + rb"Q" + _INT + _INTS + rb"(q.|r....)?" + _INTS + rb"(q.|r....)?" + rb"([\x88\x89])"
+                    + _GET + rb"\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+
+
+def _int_tuple(cache: dict, raw: bytes) -> tuple[Value, int, list[int], int] | None:
+    """A tuple of ints as the walk reads ``raw`` (EMPTY_TUPLE, ints and TUPLE1-3, or MARK ints TUPLE):
+    its record, its opcodes' count, their codes, and the memory the walk counts; None if the count
+    of ints is not the TUPLEn opcode's (the walk then reads it opcode by opcode). Kept in ``cache``."""
+    if raw == b")":
+        shape = (_EMPTY_TUPLE, 1, [0x29], 0)
+    else:
+        items: list[Value] = []
+        codes: list[int] = []
+        memory = 0
+        for op in _INT_OPS.findall(raw, 1 if raw[0] == 0x28 else 0, len(raw) - 1):
+            codes.append(op[0])
+            if op[0] == 0x4B:
+                items.append(_BYTE_INTS[op[1]])
+            else:
+                items.append(_literal(int.from_bytes(op[1:], "little", signed=op[0] == 0x4A)))
+                memory += 40
+        last = raw[-1]
+        if last == 0x74:  # MARK ... TUPLE
+            codes[:0] = [0x28]
+            memory += 8
+        elif last - 0x84 != len(items):
+            cache[raw] = None
+            return None
+        codes.append(last)
+        shape = (_new_tuple(items) if items else _EMPTY_TUPLE, len(codes), codes, memory + 56 + 8 * len(items))
+    cache[raw] = shape
+    return shape
+
+
 def _made_by(callable_: Value) -> Receiver:
     """The record of an object a callable builds (REDUCE, NEWOBJ, OBJ): it may receive items."""
     name = callable_.name if callable_.kind == "global" else None
@@ -185,7 +237,7 @@ class _Walk:
     """
 
     __slots__ = ("data", "end", "counts", "names", "stack", "marks", "memo", "at", "fence", "ops", "hashing",
-                 "memory")
+                 "memory", "tuples", "shapes", "entries")
 
     def __init__(self, data: bytes, counts: list[int], names: list[str]) -> None:
         self.data, self.end, self.counts, self.names = data, len(data), counts, names
@@ -193,6 +245,20 @@ class _Walk:
         self.marks: list[int] = []
         self.memo: dict[int, Value] = {}
         self.at = self.fence = self.ops = self.hashing = self.memory = 0
+        self.tuples: dict[bytes, tuple[Value, int, list[int], int] | None] = {}  # an entry's int tuples by their bytes
+        self.shapes: dict[bytes, int] = {}  # how many times each was walked in an entry
+        self.entries = 0  # the entries walked in one step (their opcodes counted at the end)
+
+    def count_entries(self) -> None:
+        """Add the opcodes of the entries walked in one step that :meth:`entry` only tallied."""
+        counts, entries = self.counts, self.entries
+        for code, times in ((0x58, 1), (0x28, 2), (0x74, 2), (0x51, 1), (0x52, 2), (0x29, 1)):
+            counts[code] += times * entries
+        for raw, times in self.shapes.items():
+            for code in self.tuples[raw][2]:  # type: ignore[index]
+                counts[code] += times
+        self.entries = 0
+        self.shapes.clear()
 
     def run(self) -> int:
         """Walk to STOP; return the pickle's length.
@@ -208,6 +274,7 @@ class _Walk:
         push = stack.append
         rare = _RARE
         byte_ints = _BYTE_INTS
+        entry_match = _ENTRY.match
         max_memory, max_pickle = limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES
         i = fence = ops = memory = 0
         try:
@@ -273,9 +340,23 @@ class _Walk:
                         if i + size > max_pickle:
                             raise refuse(f"has a {size}-byte value, over the {max_pickle}-byte pickle limit")
                         raise Truncated()
-                    push(Value("str", data[i:i + size], 1, True, OPAQUE) if size <= _MAX_TEXT_NAME else _STR)
+                    key = Value("str", data[i:i + size], 1, True, OPAQUE) if size <= _MAX_TEXT_NAME else _STR
                     i += size
                     memory += 56 + size
+                    if code == 0x58:  # a state-dict key: the tensor entry after it, in one step if it has torch's form
+                        match = entry_match(data, i)
+                        if match is not None:
+                            done = self.entry(match, ops, key)
+                            if done is not None:
+                                push(key)
+                                push(done[0])
+                                ops += done[1]
+                                memory += done[2]
+                                i = match.end()
+                                if memory > max_memory:
+                                    raise refuse(f"would build over {max_memory} bytes of objects (a memory bomb)")
+                                continue
+                    push(key)
                 elif code == 0x74 or 0x85 <= code <= 0x87:  # TUPLE TUPLE1 TUPLE2 TUPLE3
                     if code == 0x74:
                         items, fence = _pop_mark(stack, marks)
@@ -320,7 +401,102 @@ class _Walk:
                     raise refuse(f"would build over {max_memory} bytes of objects (a memory bomb)")
         except (IndexError, struct.error):
             raise Truncated() from None
+        self.at, self.ops, self.memory = i, ops, memory
+        self.count_entries()
         return i
+
+    def entry(self, match: re.Match[bytes], ops: int, key: Value) -> tuple[Value, int, int] | None:
+        """One tensor entry of a state dict after its key, as torch's pickler writes it, in one step.
+
+        ``match`` is :data:`_ENTRY` matched after the key: ``_rebuild_tensor_v2(persistent storage
+        tuple, offset, size, stride, requires_grad, OrderedDict())`` with its globals and the strings
+        it shares read from the memo. The records, memo entries, opcode counts and memory estimate
+        are exactly those the opcode-by-opcode walk makes; returns the record of the call's result,
+        the opcodes walked and the memory they add, or None (nothing changed) when the entry is not
+        plainly in that form — a memo read of a value the entry itself stores, a memo index stored
+        twice or past the opcodes so far, a tuple whose length is not its opcode's: the walk then
+        takes it opcode by opcode.
+        """
+        (key_put, fn_get, storage_get, class_get, skey_size, skey, skey_put, location_get, numel, storage_put,
+         offset, size, size_put, stride, stride_put, flag, hooks_get, hooks_put, args_put, result_put) = match.groups()
+        if skey_size[0] != len(skey) or len(size) > _MAX_SHAPE_BYTES or len(stride) > _MAX_SHAPE_BYTES:
+            return None
+        tuples = self.tuples
+        size_tuple = tuples.get(size) or _int_tuple(tuples, size)
+        stride_tuple = tuples.get(stride) or _int_tuple(tuples, stride)
+        if size_tuple is None or stride_tuple is None:
+            return None
+        # a memo index: BINGET/BINPUT's byte or LONG_BINGET/LONG_BINPUT's 4 bytes after the opcode
+        memo = self.memo
+        get = memo.get
+        fn = get(int.from_bytes(fn_get, "little") >> 8)
+        storage = get(int.from_bytes(storage_get, "little") >> 8)
+        class_ = get(int.from_bytes(class_get, "little") >> 8)
+        location = get(int.from_bytes(location_get, "little") >> 8)
+        hooks = get(int.from_bytes(hooks_get, "little") >> 8)
+        if fn is None or storage is None or class_ is None or location is None or hooks is None:
+            return None
+        # the stores: fresh indices, increasing (so none is a value the entry reads), none past the opcodes so far
+        key_at = int.from_bytes(key_put, "little") >> 8
+        skey_at = int.from_bytes(skey_put, "little") >> 8
+        storage_at = int.from_bytes(storage_put, "little") >> 8
+        size_at = -1 if size_put is None else int.from_bytes(size_put, "little") >> 8
+        stride_at = -1 if stride_put is None else int.from_bytes(stride_put, "little") >> 8
+        hooks_at = int.from_bytes(hooks_put, "little") >> 8
+        args_at = int.from_bytes(args_put, "little") >> 8
+        result_at = int.from_bytes(result_put, "little") >> 8
+        last = storage_at
+        if size_at >= 0:
+            if size_at <= last:
+                return None
+            last = size_at
+        if stride_at >= 0:
+            if stride_at <= last:
+                return None
+            last = stride_at
+        if not (key_at < skey_at < storage_at and last < hooks_at < args_at < result_at <= ops) or key_at in memo or \
+                skey_at in memo or storage_at in memo or size_at in memo or stride_at in memo or hooks_at in memo \
+                or args_at in memo or result_at in memo:
+            return None
+        max_nodes = limits.MAX_KEY_NODES
+        nodes = 3 + storage.nodes + class_.nodes + location.nodes
+        memo[key_at] = key
+        memo[skey_at] = Value("str", skey, 1, True, OPAQUE)
+        memo[storage_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1,
+                                         storage.hashable and class_.hashable and location.hashable)
+        stores = 6
+        if size_at >= 0:
+            memo[size_at] = size_tuple[0]
+            stores += 1
+        if stride_at >= 0:
+            memo[stride_at] = stride_tuple[0]
+            stores += 1
+        memo[hooks_at] = _made_by(hooks)
+        nodes = 5 + size_tuple[0].nodes + stride_tuple[0].nodes
+        memo[args_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1, False)
+        memo[result_at] = result = _made_by(fn)
+        # the opcodes' counts: what every entry has is tallied, and added up when the walk ends
+        counts = self.counts
+        long_puts = (len(key_put) + len(skey_put) + len(storage_put) + len(hooks_put) + len(args_put)
+                     + len(result_put) + (0 if size_put is None else len(size_put))
+                     + (0 if stride_put is None else len(stride_put)) - 2 * stores) // 3
+        long_gets = (len(fn_get) + len(storage_get) + len(class_get) + len(location_get) + len(hooks_get) - 10) // 3
+        counts[0x72] += long_puts
+        counts[0x71] += stores - long_puts
+        counts[0x6A] += long_gets
+        counts[0x68] += 5 - long_gets
+        counts[numel[0]] += 1
+        counts[offset[0]] += 1
+        counts[flag[0]] += 1
+        self.entries += 1
+        shapes = self.shapes
+        shapes[size] = shapes.get(size, 0) + 1
+        shapes[stride] = shapes.get(stride, 0) + 1
+        # opcodes: the 23 every entry has after its key, its stores of tuples, and its tuples' own
+        walked = 17 + stores + size_tuple[1] + stride_tuple[1]
+        memory = (16 * stores + 1856 + len(skey) + (40 if len(numel) > 2 else 0) + (40 if len(offset) > 2 else 0)
+                  + size_tuple[3] + stride_tuple[3])
+        return result, walked, memory
 
     # helpers of the methods below --------------------------------------------------------------
     def line(self) -> bytes:

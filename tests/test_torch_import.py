@@ -83,7 +83,6 @@ def test_verify_with_the_default_devices_runs_without_torch(fixtures_dir: Path, 
     assert "torch" not in loaded
 
 
-@pytest.mark.xfail(reason="the --dtype cast still materializes tensors with torch (cast.py)", strict=False)
 def test_a_cast_runs_without_torch(fixtures_dir: Path, tmp_path: Path) -> None:
     code, _, stderr, loaded = run_without_torch(tmp_path, "convert", fixtures_dir / "single_lenet.pt", "-o",
                                                 tmp_path / "half.safetensors", "--dtype", "bf16")

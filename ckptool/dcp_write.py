@@ -19,7 +19,7 @@ from typing import Any
 
 from .atomic import atomic_directory, check_output
 from .checkpoint import Checkpoint
-from .digest import fingerprint
+from .digest import fingerprint as weights_fingerprint
 from .errors import FingerprintMismatchError, OutputError
 from .pickles import OpaqueObject
 from .refs import DeviceRef, SizeRef, TensorRef, check_expansion
@@ -74,7 +74,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerprint_: bool = False,
+def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerprint: bool = False,
              allow_expansion: bool = False, dry_run: bool = False) -> SaveReport:
     """Write ``checkpoint`` as a DCP folder at ``out`` (atomically: a temp folder renamed into place),
     and prove every tensor reads back with the same values.
@@ -109,7 +109,7 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
         shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
         notes.append(f"left out {len(left)} object(s) of pickle globals a DCP folder cannot hold without running "
                      f"code: {shown}")
-    expected = fingerprint(tensors, allow_expansion=True)
+    expected = weights_fingerprint(tensors, allow_expansion=True)
     with atomic_directory(out) as folder:
         with _quiet():
             dcp.save(state, checkpoint_id=folder, no_dist=True)
@@ -120,10 +120,10 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
         if checkpoint.layout is not None and not checkpoint.whole_model and written.layout != checkpoint.layout:
             written = written.select_weights(checkpoint.layout)
         got = written.tensors if written.has_weights else {}
-        if sorted(got) != sorted(tensors) or fingerprint(got, allow_expansion=True) != expected:
+        if sorted(got) != sorted(tensors) or weights_fingerprint(got, allow_expansion=True) != expected:
             raise FingerprintMismatchError("the DCP folder did not read back with the weights' values — nothing "
                                            "was written; report it", path=out)
     files = sorted(path for path in out.iterdir() if path.is_file())
     return SaveReport(path=out, format="dcp", files=files, tensors=len(tensors),
                       bytes=sum(t.nbytes for t in tensors.values()), checked=len(tensors),
-                      fingerprint=expected if fingerprint_ else None, notes=notes)
+                      fingerprint=expected if fingerprint else None, notes=notes)

@@ -296,14 +296,14 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
                                   allow_expansion=options.allow_expansion)
         notes.append(f"cast floating weights to {options.dtype}")
-    if options.to == "dcp":  # a torch.distributed.checkpoint folder, written by torch's dcp.save
-        from .dcp_write import save_dcp
+    from . import formats
 
+    own_writer = formats.for_target(options.to) if options.to is not None else None
+    if own_writer is not None and own_writer.write is not None:  # DCP: written by torch's own saver
         if max_shard_bytes is not None:
-            raise UsageError(option("max_shard_size", None) + " applies to safetensors output; a DCP folder holds "
-                             "one file per process")
-        saved = save_dcp(checkpoint, target, force=options.force, fingerprint_=options.fingerprint,
-                         allow_expansion=options.allow_expansion, dry_run=options.dry_run)
+            raise UsageError(option("max_shard_size", None) + f" applies to safetensors output, not {own_writer.name}")
+        saved = own_writer.write(checkpoint, target, force=options.force, fingerprint=options.fingerprint,
+                                 allow_expansion=options.allow_expansion, dry_run=options.dry_run)
     else:
         saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
                      duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,

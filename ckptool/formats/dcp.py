@@ -328,7 +328,15 @@ def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tup
     return blobs
 
 
+def write(checkpoint: Any, out: Path, **options: Any) -> Any:
+    """``convert --to dcp``: the whole checkpoint through torch's own ``dcp.save`` (see :mod:`ckptool.dcp_write`)."""
+    from ..dcp_write import save_dcp
+
+    return save_dcp(checkpoint, out, **options)
+
+
 FORMAT = Format(
-    name="dcp", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=MetadataResolver,
+    name="dcp", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=MetadataResolver, target="dcp",
+    write=write,
     torch_load_refuses="a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
 )

@@ -343,7 +343,10 @@ class Checkpoint:
         if found is None:
             candidates = ", ".join(repr(spell_weights(self.container, w.layout)) for w in self.weight_sets()[:8])
             what = "nothing is there" if layout is None else "what is there holds no tensors"
-            raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates or 'none'}; "
+            if not candidates:  # a scheduler's, a scaler's or the RNG's state: nothing to pick
+                raise InputError(f"no weights at {shown!r} ({what}) — it holds no set of weights or optimizer "
+                                 "state at all; inspect says what it holds", path=self.path)
+            raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates}; "
                              "pass one of them as " + suggest_option("weights", Metavar("PATH")), path=self.path)
         return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes),
                        flattened=found.kind == OPTIMIZER_STATE)

@@ -300,7 +300,9 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
             problem = f"scan calls a framework's file dangerous: {json.loads(completed.stdout).get('dangerous')}"
         elif declared and verdict != "unknown":
             problem = f"verdict {verdict!r} for a file that needs {declared}"
-        elif not declared and verdict != "safe":
+        elif not declared and verdict != "safe" and not (path.is_dir() and verdict == "unknown"):
+            # a training folder's weights read with no flag while a side file (training_args.bin) needs trust:
+            # scan judges every pickle in the folder, so unknown is its right verdict there
             problem = f"verdict {verdict!r} for a file that reads with no flag: {json.loads(completed.stdout).get('unsafe')}"
         if problem is None and declared:
             allowed = ckptool("scan", "--json", source, *flags_for(declared))
@@ -370,7 +372,14 @@ def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bo
             record(check, "no safetensors output")
     if weightless and state_weights:  # what a file without model weights holds, written when asked
         completed = ckptool("convert", source, "-o", str(work / "state.safetensors"), "--weights", "state", *flags)
-        record("convert --weights state", None if completed.returncode == EXIT_OK else last_line(completed))
+        holds_state = any(candidate.get("kind") == "optimizer state" for candidate in report.get("candidates") or [])
+        if holds_state:  # an optimizer's state: its tensors go to safetensors
+            record("convert --weights state", None if completed.returncode == EXIT_OK else last_line(completed))
+        else:  # a scheduler's, the RNG's, the training arguments: refused in one line that says so
+            refused = completed.returncode == EXIT_REFUSED and completed.stderr.count("\n") == 1 \
+                and "optimizer state" in completed.stderr and not (work / "state.safetensors").exists()
+            record("convert --weights state", None if refused else f"expected one refusal line, got exit "
+                   f"{completed.returncode}: {last_line(completed)}", "refused: no optimizer state in it")
 
     run.report, run.strip_prefix = report, prefix
     if values:

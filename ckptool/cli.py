@@ -351,7 +351,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
 @main.command()
 @click.argument("ckpts", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("-o", "--out", type=click.Path(path_type=Path),
+@click.option("-o", "--out", type=click.Path(),  # a str: a trailing "/" says "a folder"
               help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Convert many inputs into this directory (name kept, suffix from --to).")
@@ -383,7 +383,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @dry_run_option
 @shows_progress
 @handle_errors
-def convert(ckpts: tuple[Path, ...], out: Path | None, out_dir: Path | None, to_format: str | None,
+def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
             dtype: str | None, allow_overflow: bool, drop: tuple[str, ...], rename: tuple[str, ...],
             weights_only: bool, allow_expansion: bool, force: bool, as_json: bool, allow_globals: tuple[str, ...],

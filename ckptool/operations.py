@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +272,8 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
         if len(sources) != 1:
             raise UsageError(option("out", None) + " takes one input; use " + option("out_dir", Metavar("DIR"))
                              + " to convert several")
+        if isinstance(out, str) and out.endswith(("/", os.sep)) and shard_bytes is None and to != "pt":
+            shard_bytes = parse_size("5GB")  # "out/": a folder of shards (the writer's default size), as no suffix says
         return ConvertPlan([(sources[0], Path(out))], True, shard_bytes)
     from .writer import plan_outputs
 

@@ -114,3 +114,13 @@ def test_drop_and_rename_refuse_what_would_be_a_mistake(fixtures_dir: Path, tmp_
         assert not (tmp_path / "x.pt").exists()
     assert os.listdir(tmp_path) == []
     shutil.rmtree(tmp_path)
+
+
+def test_a_trailing_slash_asks_for_a_folder(fixtures_dir: Path, tmp_path: Path) -> None:
+    """`-o out/ --to safetensors` writes a folder of shards (as `-o out/` does), never a file named `out`."""
+    code, _, err = run("convert", fixtures_dir / "single_lenet.pt", "-o", f"{tmp_path / 'out'}/", "--to", "safetensors")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model-00001-of-00001.safetensors",
+                                                                  "model.safetensors.index.json"]
+    code, _, err = run("diff", tmp_path / "out", fixtures_dir / "single_lenet.pt")
+    assert code == 0, err

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tensor_compare import compare, same_tensor  # noqa: F401  (beside this script)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_SCRIPT = Path(__file__).resolve().parent / "realworld_reference.py"
@@ -227,39 +228,6 @@ def weights_with_keys(view: dict, keys: set[str]) -> dict[str, torch.Tensor] | N
     return None
 
 
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.detach().cpu().reshape(-1).contiguous().view(torch.uint8),
-                       b.detach().cpu().reshape(-1).contiguous().view(torch.uint8))
-
-
-def compare(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor] | None,
-            rename: Callable[[str], str] = lambda key: key) -> str | None:
-    """None when ``got`` holds every expected tensor (under ``rename(key)``) with equal values.
-
-    A key may be missing only when its tensor shares storage with a key that is present (tied
-    weights stored once and re-tied by ckptool).
-    """
-    if got is None:
-        return "no tensor dict with the expected keys in the output"
-    storages: dict[int, list[str]] = {}
-    for key, tensor in expected.items():
-        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(key)
-    extra = set(got) - {rename(key) for key in expected}
-    if extra:
-        return f"{len(extra)} unexpected keys, e.g. {sorted(extra)[:3]}"
-    for key, tensor in expected.items():
-        target = rename(key)
-        if target not in got:
-            partners = [rename(k) for k in storages[tensor.untyped_storage().data_ptr()] if k != key]
-            if any(p in got and same_tensor(tensor, got[p]) for p in partners):
-                continue
-            return f"missing key {target!r}"
-        if not same_tensor(tensor, got[target]):
-            return f"{target!r}: values, dtype or shape differ from torch's"
-    return None
 
 
 def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:

@@ -21,6 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the tensor comparison shared
+from tensor_compare import compare, same_tensor  # noqa: E402,F401
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_SCRIPT = REPO_ROOT / "scripts" / "realworld_reference.py"
 ADDED_PREFIX = "module."  # a known wrapper: strip of add-prefix's output is a round trip
@@ -194,36 +197,6 @@ def weights_with_keys(view: dict, keys: set[str]) -> dict | None:
     return None
 
 
-def same_tensor(a, b) -> bool:  # noqa: ANN001 — torch tensors; torch is imported lazily
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.detach().cpu().reshape(-1).contiguous().view(torch.uint8),
-                       b.detach().cpu().reshape(-1).contiguous().view(torch.uint8))
-
-
-def compare(expected: Mapping, got: Mapping | None, rename: Callable[[str], str] = lambda key: key) -> str | None:
-    """None when ``got`` holds every expected tensor under ``rename(key)`` with equal bytes; a key may be missing
-    only when it shares storage with one that is present (tied weights stored once)."""
-    if got is None:
-        return "no tensor dict with the expected keys in the output"
-    storages: dict[int, list[str]] = {}
-    for key, tensor in expected.items():
-        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(key)
-    extra = set(got) - {rename(key) for key in expected}
-    if extra:
-        return f"{len(extra)} unexpected keys, e.g. {sorted(extra)[:3]}"
-    for key, tensor in expected.items():
-        target = rename(key)
-        if target not in got:
-            partners = [rename(k) for k in storages[tensor.untyped_storage().data_ptr()] if k != key]
-            if any(p in got and same_tensor(tensor, got[p]) for p in partners):
-                continue
-            return f"missing key {target!r}"
-        if not same_tensor(tensor, got[target]):
-            return f"{target!r}: values, dtype or shape differ from torch's reading of the input"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- one case

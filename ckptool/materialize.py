@@ -616,7 +616,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
             checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
             allow_globals=checkpoint.allow_globals,
         ) if not chosen.fits else _filtered_diagnosis(checkpoint, name, chosen, missing, unexpected, skipped))
-    casts = Counter(f"{value.dtype}->{model_state[key].dtype}".replace("torch.", "")
+    casts = Counter(f"{dtype_name(value)}->{dtype_name(model_state[key])}"
                     for key, value in fits.items() if value.dtype != model_state[key].dtype)
     if device is not None:
         model.to(device)
@@ -631,18 +631,10 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         path=checkpoint.path, format=checkpoint.format, layout=tuple(checkpoint.layout or ()), model=name,
         device=str(device) if device is not None else _model_device(model), rewrite=rewrite, matched=len(fits),
         missing=len(missing), unexpected=len(unexpected), mismatched=len(mismatched),
-        casts={_dtype_pair(pair): count for pair, count in casts.items()},
+        casts=dict(casts),
         tied=sum(count - 1 for count in storages.values() if count > 1), skipped=skipped, missing_keys=missing,
         unexpected_keys=unexpected, mismatched_keys=mismatched,
     )
-
-
-def _dtype_pair(pair: str) -> str:
-    """``float16->float32`` as the report spells dtypes: ``F16->F32``."""
-    from .dtypes import BY_TORCH_NAME
-
-    names = [BY_TORCH_NAME.get(side) for side in pair.split("->")]
-    return "->".join(known.name if known is not None else side for known, side in zip(names, pair.split("->")))
 
 
 def _filtered_diagnosis(checkpoint: Checkpoint, model: str, chosen: Any, missing: list[str], unexpected: list[str],

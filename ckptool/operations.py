@@ -313,8 +313,6 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
                      allow_expansion=options.allow_expansion, dry_run=options.dry_run)
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
-    from . import formats
-
     if checkpoint.prefix and formats.for_name(saved.format).weights_only:
         # a published safetensors file is loaded into bare models (from_pretrained, load_model): say so now
         notes.append(f'the keys still carry "{checkpoint.prefix}" (a training wrapper\'s); a bare model reports them '

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 from tensor_compare import compare, same_tensor  # noqa: F401  (beside this script)
+from tensor_compare import torch_view as reference_view
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_SCRIPT = Path(__file__).resolve().parent / "realworld_reference.py"
 DEFAULT_CACHE = Path.home() / ".cache" / "ckptool-realworld"
 ADDED_PREFIX = "module."  # a known wrapper: strip of the add-prefix output is a round trip
 COMMAND_TIMEOUT_S = 900
@@ -198,14 +198,7 @@ def fetch(real: RealFile, cache: Path) -> Path:
 
 def torch_view(paths: list[Path], work: Path) -> dict[str, dict]:
     """scripts/realworld_reference.py's reading of each path (a throwaway subprocess)."""
-    out = work / "reference.pt"
-    completed = subprocess.run([sys.executable, str(REFERENCE_SCRIPT), str(out), *map(str, paths)],
-                               capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=work)
-    if completed.returncode != 0:
-        raise RuntimeError(f"reference reader failed: {completed.stderr.strip()[-1500:]}")
-    results = torch.load(out, weights_only=True)
-    out.unlink()
-    return results
+    return reference_view(paths, work, timeout=COMMAND_TIMEOUT_S)
 
 
 def weights_at(view: dict, path: list | None) -> dict[str, torch.Tensor] | None:

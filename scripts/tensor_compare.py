@@ -1,11 +1,30 @@
-"""Comparing tensors as torch reads them, for the harnesses that check ckptool against torch and the frameworks
-(``scripts/realworld.py``, ``scripts/frameworks/checks.py``): same dtype, shape and bytes, tied weights allowed
-to be stored once."""
+"""torch's reading of files and the comparison of tensors, for the harnesses that check ckptool against torch
+and the frameworks (``scripts/realworld.py``, ``scripts/frameworks/checks.py``): same dtype, shape and bytes,
+tied weights allowed to be stored once."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+REFERENCE_SCRIPT = Path(__file__).resolve().parent / "realworld_reference.py"
+
+
+def torch_view(paths: list[Path], work: Path, *, timeout: float) -> dict[str, dict]:
+    """scripts/realworld_reference.py's reading of each path (a throwaway subprocess), by ``str(path)``."""
+    import torch
+
+    out = work / "reference.pt"
+    completed = subprocess.run([sys.executable, str(REFERENCE_SCRIPT), str(out), *map(str, paths)],
+                               capture_output=True, text=True, timeout=timeout, cwd=work)
+    if completed.returncode != 0:
+        raise RuntimeError(f"reference reader failed: {completed.stderr.strip()[-1500:]}")
+    results: dict[str, dict] = torch.load(out, weights_only=True)
+    out.unlink()
+    return results
 
 
 def same_tensor(a: Any, b: Any) -> bool:

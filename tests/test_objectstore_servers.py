@@ -303,6 +303,7 @@ def test_http_missing_file_listing_and_unsatisfiable_range(http_server: RangeHTT
     request = urllib.request.Request(http_server.url("a.bin"), headers={"Range": "bytes=5-9"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
+    refused.value.close()
     assert refused.value.code == 416 and refused.value.headers["Content-Range"] == "bytes */3"
 
 

@@ -12,13 +12,15 @@ Fixtures (a conftest.py registers them with ``pytest_plugins = ["objectstore"]``
     A fresh, empty bucket on ``seaweedfs`` for one test, as ``"s3://<name>"``; deleted afterwards.
 ``s3_faults`` (function)
     A ``FaultProxy`` in front of ``seaweedfs``: talk to its ``endpoint`` and tell it to answer some requests with
-    503 SlowDown, 403 AccessDenied, a delay, or a connection dropped mid-body; it counts what it saw.
+    503 SlowDown, 403 AccessDenied, a delay, or a connection dropped mid-body, or to run a callback (kill the
+    server) when a given request arrives; it counts what it saw, by S3 operation (``UploadPart``, ...).
 ``http_server`` (function)
     A ``RangeHTTPServer`` serving ``tmp_path / "www"`` over http with Range, HEAD, 404, optional basic auth, and
     counters of requests and body bytes sent.
 
 The S3 side is driven through botocore (a dependency of s3fs), imported only when a server starts, so importing
-this module needs neither fsspec nor botocore.
+this module needs neither fsspec nor botocore. ``python tests/objectstore.py [DIR] [--bucket NAME]`` starts a
+SeaweedFS by hand (for a benchmark or a try) and prints its ``AWS_*`` settings as shell exports.
 """
 
 from __future__ import annotations
@@ -1169,8 +1171,8 @@ def http_server(tmp_path: Path) -> Iterator[RangeHTTPServer]:
 
 __all__ = [
     "FaultProxy", "ObjectStoreUnavailable", "RangeHTTPServer", "Rule", "S3Endpoint", "SeaweedFS", "SeenRequest",
-    "bucket", "find_weed", "free_port_pairs", "http_server", "parse_range", "port_is_free", "s3_error_document",
-    "s3_faults", "s3_operation", "seaweedfs", "skip_or_fail", "unique_bucket_name",
+    "bucket", "find_weed", "free_port_pairs", "http_server", "main", "parse_range", "port_is_free",
+    "s3_error_document", "s3_faults", "s3_operation", "seaweedfs", "skip_or_fail", "unique_bucket_name",
 ]
 
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # imported in the tests, once pytest_plugins has loaded the m
 pytest_plugins = ["objectstore"]  # its fixtures: seaweedfs, bucket, s3_faults, http_server
 
 pytest.importorskip("s3fs", reason="the object-storage tests need s3fs (pip install 'ckptool[remote]')")
-from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError  # noqa: E402 - s3fs brings botocore
+# s3fs brings botocore
+from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError  # noqa: E402
 
 MiB = 1 << 20
 # A connection cut while the client still sends (a broken pipe) or once it waits for the answer (closed)

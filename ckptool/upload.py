@@ -15,7 +15,9 @@ uploaded:
   standard retries; s3fs retries SlowDown too). Where an abort cannot reach the store (it died),
   the next write to the same URL aborts the incomplete uploads of that key before it begins.
 - other fsspec protocols (``gs://``, ``memory://``, ...): the protocol's own file, opened without
-  autocommit where the protocol supports it and committed at the end; its atomicity is the protocol's.
+  autocommit where the protocol holds the commit back (gcsfs) and committed at the end, elsewhere
+  written to a temporary object beside the output and moved onto its name; the atomicity is the
+  protocol's.
 
 A folder of shards is uploaded as a set: every file's parts first, then each upload completed, the
 index last, then the earlier set's shards the new index no longer names are removed. A remote store
@@ -34,13 +36,14 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .atomic import exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
+from .atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
 from .errors import CkptError, OutputError, UsageError
 from .remote import STATS, RemotePath, remote_error
 from .suggest import option
@@ -309,7 +312,12 @@ def send_part(upload: _S3Upload, number: int, data: bytes) -> tuple[int, str, by
 
 
 class _StreamUpload(_Upload):
-    """Any other fsspec protocol: its own file, committed at the end where it can defer that."""
+    """Any other fsspec protocol. Where the protocol's file can hold back its commit (gcsfs's resumable
+    upload), it is written without autocommit and committed at the end; elsewhere the bytes go to a
+    temporary object beside the output (``.ckptool-tmp-*``), moved onto the output's name at the end
+    (a server-side copy on most stores). Either way its atomicity is the protocol's."""
+
+    DEFERRING = ("gs", "gcs")
 
     def __init__(self, local: Path, remote: RemotePath) -> None:
         self.local = local
@@ -317,26 +325,35 @@ class _StreamUpload(_Upload):
         self.fs, self.path = remote.filesystem()
         self.size = local.stat().st_size
         self.handle: Any = None
-        self.deferred = True
+        self.deferred = remote.protocol in self.DEFERRING
+        self.temp: str | None = None
 
     def send(self) -> None:
-        try:
+        if self.deferred:
             self.handle = self.fs.open(self.path, "wb", autocommit=False)
-        except (TypeError, NotImplementedError, ValueError):
-            self.deferred = False  # the protocol writes as it goes: its atomicity is its own
-            self.handle = self.fs.open(self.path, "wb")
+        else:
+            parent, _, name = self.path.rpartition("/")
+            self.temp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}" if parent else \
+                f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
+            self.handle = self.fs.open(self.temp, "wb")
         STATS.add(requests=1)
         with open(self.local, "rb") as source:
             while data := source.read(PART_SIZE):
                 self.handle.write(data)
                 STATS.add(written=len(data))
+        if not self.deferred:
+            self.handle.close()
 
     def complete(self) -> None:
-        self.handle.close()
-        if self.deferred:
-            self.handle.commit()
-        self.completed = True
         STATS.add(requests=1)
+        if self.deferred:
+            self.handle.close()
+            self.handle.commit()
+        else:
+            assert self.temp is not None
+            self.fs.mv(self.temp, self.path)
+            self.temp = None
+        self.completed = True
         self.fs.invalidate_cache(self.path)
         info = self.fs.info(self.path)
         if int(info.get("size") or 0) != self.size:
@@ -349,9 +366,14 @@ class _StreamUpload(_Upload):
         if self.handle is None or self.completed:
             return None
         try:
-            self.handle.discard()
+            if self.deferred:
+                self.handle.discard()
+            elif self.temp is not None:
+                self.fs.rm_file(self.temp)
+        except FileNotFoundError:
+            return None
         except Exception as e:
-            return str(type(e).__name__)
+            return type(e).__name__
         return None
 
 

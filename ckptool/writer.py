@@ -281,7 +281,9 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
 
     Args:
         checkpoint: what :func:`ckptool.load` returned, possibly transformed.
-        out: a ``.pt``-like file, a ``.safetensors`` file, or a directory for sharded safetensors.
+        out: a ``.pt``-like file, a ``.safetensors`` file, or a directory for sharded safetensors;
+            local, or a URL (``s3://``, ``gs://``, any writable fsspec protocol): written and checked
+            in a local staging folder, then uploaded (:mod:`ckptool.upload`).
         to: ``"pt"`` or ``"safetensors"`` to override the suffix.
         force: overwrite an existing output.
         in_place: allow ``out`` to be the input (still via a temp file).

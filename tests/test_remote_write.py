@@ -208,6 +208,35 @@ def test_the_api_operations_take_url_outputs(memory_bucket: str) -> None:
     assert keys and not any(key.startswith("module.") for key in keys)
 
 
+def test_a_many_input_convert_into_a_url_folder(memory_bucket: str) -> None:
+    from ckptool import operations
+
+    plan = operations.plan_convert([WRAPPED, GPU], out_dir=f"{memory_bucket}/many")
+    report = operations.convert(plan, operations.ConvertOptions())
+    assert not report.failed
+    names = sorted(p.rsplit("/", 1)[1] for p in _memory_fs().ls(f"{memory_bucket}/many", detail=False))
+    assert names == ["ddp_lenet_wrapped.safetensors", "gpu_cuda1_ddp_lenet.safetensors"]
+    _memory_fs().pipe(f"{memory_bucket}/object", b"x")
+    with pytest.raises(UsageError, match="is an object, not a folder"):
+        operations.plan_convert([WRAPPED], out_dir=f"{memory_bucket}/object")
+
+
+def test_a_dcp_folder_to_a_url_is_a_usage_error(memory_bucket: str) -> None:
+    from ckptool import operations
+
+    plan = operations.plan_convert([WRAPPED], out=f"{memory_bucket}/model.dcp", to="dcp")
+    with pytest.raises(UsageError, match="local path only"):
+        operations.convert(plan, operations.ConvertOptions(to="dcp"))
+    assert not _memory_fs().exists(f"{memory_bucket}/model.dcp")
+
+
+def test_cli_an_https_output_is_a_usage_error_naming_no_credentials(tmp_path: Path) -> None:
+    done = _cli(dict(os.environ), "convert", str(WRAPPED), "-o", "https://user:pw@example.com/m.safetensors")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("ckptool: error: https://example.com/m.safetensors: https:// is read-only — write "
+                                   "the output to a local path, s3://, gs:// or another writable fsspec protocol")
+
+
 def _keys_of(data: bytes, suffix: str) -> list[str]:
     import tempfile
 

@@ -287,6 +287,8 @@ class _S3Upload(_Upload):
                 return None
             except KeyboardInterrupt:
                 return "interrupted"
+            except FileNotFoundError:  # s3fs's word for NoSuchUpload: it is gone already
+                return None
             except Exception as e:
                 code = str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) \
                     if isinstance(getattr(e, "response", None), dict) else ""
@@ -377,6 +379,28 @@ class _StreamUpload(_Upload):
         return None
 
 
+_DIGEST_CODES = ("BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch")
+
+
+def write_error(error: BaseException, path: RemotePath) -> CkptError:
+    """One line for a failed upload request: bytes the store received altered (its checksum of them
+    is not the one sent), else as :func:`ckptool.remote.remote_error` says."""
+    current: BaseException | None = error
+    code = ""
+    for _ in range(8):  # s3fs raises an OSError whose cause is botocore's error
+        if current is None:
+            break
+        response = getattr(current, "response", None)
+        code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+        if code:
+            break
+        current = current.__cause__ or current.__context__
+    if code in _DIGEST_CODES:
+        return OutputError(f"the store received other bytes than were sent ({code}): something on the way altered "
+                           "them — try again, and check the network or proxy if it persists", path=path)
+    return remote_error(error, path, writing=True)
+
+
 def _upload_for(local: Path, remote: RemotePath) -> _Upload:
     return _S3Upload(local, remote) if remote.protocol in S3_PROTOCOLS else _StreamUpload(local, remote)
 
@@ -419,7 +443,7 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
         if isinstance(e, CkptError):
             message, path = e.message, e.path
         else:
-            error = remote_error(e, current or files[-1][1], writing=True)
+            error = write_error(e, current or files[-1][1])
             message, path = error.message, error.path
         if done and len(files) > 1:
             message += (f"; {done} of {len(files)} files of the set were already in place — the set is incomplete "

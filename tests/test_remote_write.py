@@ -603,7 +603,8 @@ def test_a_part_the_store_does_not_confirm_fails_the_write_and_leaves_nothing(s3
     url = f"{bucket}/model.safetensors"
     with pytest.raises(OutputError) as failed:
         save(ckptool.load(WRAPPED), url)
-    assert str(failed.value).startswith(f"{url}: ") and "nothing was written" in str(failed.value)
+    assert str(failed.value).startswith(f"{url}: the store received other bytes than were sent (BadDigest)")
+    assert "nothing was written" in str(failed.value)
     assert s3.list_objects(bucket) == {}
     assert s3.list_multipart_uploads(bucket) == []
 
@@ -628,3 +629,25 @@ def test_throttled_parts_are_retried_and_a_store_that_keeps_refusing_is_one_line
     assert "\n" not in message and "the upload was aborted: nothing was written" in message
     assert seaweedfs.list_multipart_uploads(bucket) == []
     assert sorted(seaweedfs.list_objects(bucket)) == ["big.safetensors"]
+
+
+def test_a_sharded_s3_output_is_invisible_until_every_shard_is_sent_and_its_index_comes_last(
+        s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    seen_at_first_completion: list[dict[str, int]] = []
+    real = upload._S3Upload.complete
+
+    def recording(self: upload._S3Upload) -> None:
+        if not order:
+            seen_at_first_completion.append(s3.list_objects(bucket))
+        real(self)
+        order.append(self.remote.name)
+
+    monkeypatch.setattr(upload._S3Upload, "complete", recording)
+    url = f"{bucket}/sharded"
+    save(ckptool.load(WRAPPED), url, max_shard_size=20_000)
+    assert seen_at_first_completion == [{}]  # every file was sent, none visible yet
+    objects = s3.list_objects(bucket, "sharded/")
+    assert order[-1] == INDEX and len(order) == len(objects) > 2
+    assert sorted(f"sharded/{name}" for name in order) == sorted(objects)
+    assert s3.list_multipart_uploads(bucket) == []

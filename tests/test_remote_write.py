@@ -651,3 +651,41 @@ def test_a_sharded_s3_output_is_invisible_until_every_shard_is_sent_and_its_inde
     assert order[-1] == INDEX and len(order) == len(objects) > 2
     assert sorted(f"sharded/{name}" for name in order) == sorted(objects)
     assert s3.list_multipart_uploads(bucket) == []
+
+
+@pytest.mark.skipif(not HAVE_SHARED_FIXTURE, reason="needs the fault-injecting proxy of tests/objectstore.py")
+def test_cli_ctrl_c_while_a_part_is_on_its_way_aborts_the_upload(s3_faults: Any, seaweedfs: Any, bucket: str,
+                                                                tmp_path: Path) -> None:
+    import signal
+
+    source = _big_checkpoint(tmp_path / "big.pt", mib=20)
+    s3_faults.delay(3.0, op="UploadPart")  # every part waits at the proxy: a Ctrl-C lands mid-upload
+    env = {**s3_faults.endpoint.subprocess_env(), "PYTHONPATH": str(REPO), "CKPTOOL_STAGING_DIR": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, "-m", "ckptool", "convert", str(source), "-o",
+                                f"{bucket}/big.safetensors"], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(r.operation == "UploadPart" for r in s3_faults.requests):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert seaweedfs.list_objects(bucket) == {}
+    assert seaweedfs.list_multipart_uploads(bucket) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(upload.STAGING_PREFIX)] == []
+
+
+@pytest.mark.skipif(not HAVE_SHARED_FIXTURE, reason="needs the fault-injecting proxy of tests/objectstore.py")
+def test_cli_connections_lost_mid_part_abort_the_upload_in_one_line(s3_faults: Any, seaweedfs: Any, bucket: str,
+                                                                    tmp_path: Path) -> None:
+    source = _big_checkpoint(tmp_path / "big.pt", mib=20)
+    s3_faults.drop(after_bytes=1 << 20, op="UploadPart", times=None)
+    env = {**s3_faults.endpoint.subprocess_env(), "PYTHONPATH": str(REPO), "CKPTOOL_STAGING_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "ckptool", "convert", str(source), "-o",
+                           f"{bucket}/big.safetensors"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"ckptool: error: {bucket}/big.safetensors: ")
+    assert "the upload was aborted: nothing was written" in done.stderr
+    assert seaweedfs.list_objects(bucket) == {}
+    assert seaweedfs.list_multipart_uploads(bucket) == []

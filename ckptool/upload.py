@@ -440,11 +440,8 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
         done = sum(1 for upload in uploads if upload.completed)
         if not isinstance(e, Exception):
             raise
-        if isinstance(e, CkptError):
-            message, path = e.message, e.path
-        else:
-            error = write_error(e, current or files[-1][1])
-            message, path = error.message, error.path
+        error = e if isinstance(e, CkptError) else write_error(e, current or files[-1][1])
+        message, named = error.message, error.path
         if done and len(files) > 1:
             message += (f"; {done} of {len(files)} files of the set were already in place — the set is incomplete "
                         "(no index was written): write it again")
@@ -453,7 +450,7 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
                         "next write to this URL, or the bucket's lifecycle rule, removes them")
         else:
             message += "; the upload was aborted: nothing was written"
-        raise OutputError(message, path=path) from e
+        raise OutputError(message, path=named) from e
     notes: list[str] = []
     for stale in remove:
         fs, path = stale.filesystem()

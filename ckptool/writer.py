@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import dtypes, formats, layouts, pickles, progress, suggest
 from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
@@ -35,6 +35,8 @@ from .formats import safetensors, torch_zip
 from .refs import StorageRef, TensorRef, check_expansion
 from .tree import map_tensors
 # the content check moved to write_check; these names are imported from here too
+if TYPE_CHECKING:
+    from .remote import RemotePath
 from .write_check import (  # noqa: F401
     Expectations,
     OutputSums,
@@ -306,10 +308,12 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     Example:
         >>> ckptool.save(ckptool.load("ddp.pt").strip_prefix(), "model.safetensors")  # doctest: +SKIP
     """
-    out = location(out)  # a URL is written here and uploaded (ckptool.upload): the one place that decides
-    remote = not isinstance(out, Path)
-    if remote:
+    # the one place that decides between disk and a URL: a URL is written here and uploaded (ckptool.upload)
+    destination = location(out)
+    url = destination if not isinstance(destination, Path) else None
+    if url is not None:
         from . import upload
+    out = cast(Path, destination)  # a RemotePath stands where a Path stands (name, suffix, /, is_dir)
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
     if not target.weights_only:
@@ -330,14 +334,14 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     if target.sharded:
         plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
                             checkpoint.path)
-        if remote:
-            upload.check_output(out, inputs=inputs, force=force, in_place=in_place, writes=plan.writes,
+        if url is not None:
+            upload.check_output(url, inputs=inputs, force=force, in_place=in_place, writes=plan.writes,
                                 removes=plan.removes)
         else:
             check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
                                 in_place=in_place)
-    elif remote:
-        upload.check_output(out, inputs=inputs, force=force, in_place=in_place)
+    elif url is not None:
+        upload.check_output(url, inputs=inputs, force=force, in_place=in_place)
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
     if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
@@ -345,8 +349,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         return SaveReport(path=out, format=target.name, files=files, tensors=len(tensors),
                           bytes=sum(t.nbytes for t in tensors.values()), dry_run=True,
                           notes=list(plan.notes) if plan is not None else [])
-    if remote:
-        report = _save_remote(checkpoint, tensors, out, target, plan, nest=nest, duplicate_tied=duplicate_tied,
+    if url is not None:
+        report = _save_remote(checkpoint, tensors, url, target, plan, nest=nest, duplicate_tied=duplicate_tied,
                               fingerprint=fingerprint, views_raw=views_raw)
     else:
         report = _save_local(checkpoint, tensors, out, target, plan, nest=nest, duplicate_tied=duplicate_tied,
@@ -359,7 +363,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     return report
 
 
-def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Any, target: formats.Format,
+def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: RemotePath, target: formats.Format,
                  plan: _ShardPlan | None, **options: Any) -> SaveReport:
     """The local checked write into a staging folder, then its upload to ``out`` (:mod:`ckptool.upload`)."""
     from . import upload
@@ -376,8 +380,8 @@ def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: 
             files = [(local / name, out / name) for name in plan.writes]
         notes = upload.publish(files, replaces_last=plan is not None and plan.replaces_index,
                                remove=[out / name for name in plan.removes] if plan is not None else [])
-    report.path = out
-    report.files = [out] if plan is None else [out / file.name for file in report.files]
+    report.path = cast(Path, out)  # the report names the URL (a RemotePath stands where a Path stands)
+    report.files = [cast(Path, out)] if plan is None else [cast(Path, out / file.name) for file in report.files]
     report.notes = [note.replace(str(local), str(out)) for note in report.notes]
     if plan is not None:
         report.notes += plan.notes

@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from . import progress
 from .atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
 from .errors import CkptError, OutputError, UsageError
 from .remote import STATS, RemotePath, remote_error
@@ -244,17 +245,21 @@ class _S3Upload(_Upload):
                             break
                         number += 1
                         while len(pending) >= PARTS_IN_FLIGHT:
-                            self.parts.append(pending.popleft().result())
+                            self._collect(pending.popleft().result())
                         pending.append(pool.submit(send_part, self, number, data))
                         del data  # the part lives in its future only, until sent
                         if handle.tell() >= self.size:
                             break
                 while pending:
-                    self.parts.append(pending.popleft().result())
+                    self._collect(pending.popleft().result())
             except BaseException:
                 for future in pending:
                     future.cancel()
                 raise  # the pool waits for a part being sent; the caller aborts the upload after it
+
+    def _collect(self, part: tuple[int, str, bytes]) -> None:
+        self.parts.append(part)
+        progress.advance(min(self.part_size, self.size - (part[0] - 1) * self.part_size))
 
     def complete(self) -> None:
         assert self.upload_id is not None
@@ -343,6 +348,7 @@ class _StreamUpload(_Upload):
             while data := source.read(PART_SIZE):
                 self.handle.write(data)
                 STATS.add(written=len(data))
+                progress.advance(len(data))
         if not self.deferred:
             self.handle.close()
 
@@ -406,7 +412,7 @@ def _upload_for(local: Path, remote: RemotePath) -> _Upload:
 
 
 def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = False,
-            remove: Iterable[RemotePath] = ()) -> list[str]:
+            remove: Iterable[RemotePath] = (), label: str | None = None) -> list[str]:
     """Upload the staged ``files`` (local, remote) as one set: every file sent, then every upload
     completed in order (the last file last); then ``remove`` the objects the set no longer names.
     ``replaces_last``: the last file's object exists already and goes first, so a reader never finds
@@ -419,12 +425,14 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
     """
     uploads: list[_Upload] = []
     current: RemotePath | None = None
+    total = sum(local.stat().st_size for local, _ in files)
     try:
-        for local, remote in files:
-            current = remote
-            upload = _upload_for(local, remote)
-            uploads.append(upload)
-            upload.send()
+        with progress.task(total, f"upload {label or files[-1][1].name}"):
+            for local, remote in files:
+                current = remote
+                upload = _upload_for(local, remote)
+                uploads.append(upload)
+                upload.send()
         with signals_deferred():  # a few short requests: a Ctrl-C now would leave half a set
             if replaces_last:
                 last = files[-1][1]

@@ -379,7 +379,8 @@ def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: 
         else:
             files = [(local / name, out / name) for name in plan.writes]
         notes = upload.publish(files, replaces_last=plan is not None and plan.replaces_index,
-                               remove=[out / name for name in plan.removes] if plan is not None else [])
+                               remove=[out / name for name in plan.removes] if plan is not None else [],
+                               label=out.name)
     report.path = cast(Path, out)  # the report names the URL (a RemotePath stands where a Path stands)
     report.files = [cast(Path, out)] if plan is None else [cast(Path, out / file.name) for file in report.files]
     report.notes = [note.replace(str(local), str(out)) for note in report.notes]

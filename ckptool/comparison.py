@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .byteio import FileCache, read_exact, read_into
+from .byteio import FileCache, Source, read_exact, read_into
 from . import progress, suggest
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
@@ -257,7 +257,7 @@ def _spans(tensor: TensorRef) -> tuple[ByteRange, ...] | None:
     return None if span is None else (span,)
 
 
-def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[int]) -> Iterator[bytes | bytearray]:
+def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source]) -> Iterator[bytes | bytearray]:
     """The bytes of ``spans`` end to end in pieces of ``size`` bytes (the last may be shorter), read
     straight into one reused buffer: each piece is valid only until the next is asked for."""
     total = sum(span.length for span in spans)
@@ -287,7 +287,7 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[int]) 
 
 
 def tensor_chunks(tensor: TensorRef, elements: int | None = None,
-                  files: FileCache[int] | None = None) -> Iterator[bytes | bytearray]:
+                  files: FileCache[Source] | None = None) -> Iterator[bytes | bytearray]:
     """:func:`element_chunks` (by default of :data:`CHUNK_SIZE` bytes), read with ``os.preadv`` through
     ``files`` when the bytes lie in the file as they are. A chunk may be a reused buffer."""
     if elements is None:
@@ -300,7 +300,7 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
         yield chunk
 
 
-def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[int] | None = None,
+def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[Source] | None = None,
                    on_a_chunk: ChunkCallback | None = None) -> tuple[bool, float, int, int]:
     """Stream two equal-shape tensors: ``(byte_identical, max_abs_diff, differing, beyond_atol)``.
 

@@ -86,6 +86,13 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
     span = storage.byte_range()
     if span.length == 0:
         return torch.UntypedStorage(0)
+    if not isinstance(span.path, Path):  # a URL: its bytes fetched by ranges (parallel for a big one)
+        buffer = torch.empty(span.length, dtype=torch.uint8)
+        view, filled = memoryview(buffer.numpy()), 0
+        for chunk in span.iter_chunks():
+            view[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return buffer.untyped_storage()
     try:
         file_size = os.path.getsize(span.path)
     except OSError as e:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from . import formats, inputs, modules, pickles
 from .checkpoint import Checkpoint, find_layout
-from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError, location
 from .suggest import Metavar
 from .suggest import option as suggest_option
 from .tree import get_at
@@ -48,7 +48,7 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         >>> ckpt.format, ckpt.prefix, len(ckpt.tensors)   # doctest: +SKIP
         ('torch-zip', 'module.', 10)
     """
-    path = Path(path)
+    path = location(path)
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
         checkpoint = _load(path, resolver)
@@ -69,9 +69,11 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
 
 def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = None) -> Checkpoint:
     """Read ``path``; ``folder`` is the input folder it was found in, whose bounds it must keep."""
-    if folder is None and not path.exists():
-        raise InputError("does not exist — check the path", path=path)
-    if folder is None and path.is_dir():
+    remote = inputs.describe_remote(path) if folder is None else None  # one request: is it there, a folder?
+    if folder is None and not (path.exists() if remote is None else remote.exists):
+        raise InputError("does not exist — check the path" if remote is None else
+                         "does not exist (404) — check the URL", path=path)
+    if folder is None and (path.is_dir() if remote is None else remote.is_dir):
         fmt = formats.sniff(None, path)
         if fmt is not None:
             return _checkpoint(path, fmt, fmt.read(path, formats.ReadOptions(None, b"", resolver)), resolver)
@@ -90,7 +92,7 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
     if folder is not None:
         handle = inputs.open_member(folder, path, what=path.name, report=folder)
     else:
-        handle = inputs.open_regular(path)
+        handle = inputs.open_regular(path, size=remote.size if remote is not None else None)
     with handle:
         try:
             head = handle.read(64)

@@ -218,28 +218,38 @@ class RemotePath:
             raise InputError("does not exist (404) — check the URL", path=self)
         return int(info.get("size") or 0)
 
-    def iterdir(self) -> Iterator[RemotePath]:
+    def listing(self) -> dict[str, bool]:
+        """The folder's names -> whether each is a folder (a prefix); empty when nothing is there."""
         fs, path = self.filesystem()
         try:
             with STATS.request():
-                names = fs.ls(path, detail=False)
+                entries = fs.ls(path, detail=True)
         except FileNotFoundError:
-            return iter(())
+            return {}
         except Exception as e:
             raise remote_error(e, self) from None
         prefix = path.rstrip("/") + "/"
-        children = []
-        for name in names:
-            name = name.rstrip("/")
+        children: dict[str, bool] = {}
+        for entry in entries:
+            name = str(entry.get("name", "")).rstrip("/") if isinstance(entry, dict) else str(entry).rstrip("/")
             if self.protocol in READ_ONLY_PROTOCOLS:
                 name = name.rsplit("/", 1)[-1]
             elif name.startswith(prefix):
                 name = name[len(prefix):]
             else:
                 name = name.rsplit("/", 1)[-1]
-            if name and name != path.rstrip("/"):
-                children.append(self / name)
-        return iter(children)
+            if name and name != path.rstrip("/") and "/" not in name:
+                children[name] = isinstance(entry, dict) and entry.get("type") == "directory"
+        return children
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        return iter([self / name for name in self.listing()])
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        """The folder's children whose names match ``pattern`` (one level, case-sensitive, as a local glob)."""
+        import fnmatch
+
+        return iter([self / name for name in self.listing() if fnmatch.fnmatchcase(name, pattern)])
 
     def read_bytes(self) -> bytes:
         with RemoteFile(self) as handle:
@@ -413,6 +423,7 @@ class IOStats:
     def reset(self) -> None:
         with self._lock:
             self.requests = self.bytes_read = self.bytes_written = 0
+        LEARNT_SIZES.clear()
 
     @contextlib.contextmanager
     def request(self, read: int = 0) -> Iterator[None]:
@@ -433,6 +444,8 @@ class IOStats:
 
 
 STATS = IOStats()
+# the sizes the store told of the files this command opened (``inspect``'s file_bytes costs no request)
+LEARNT_SIZES: dict[RemotePath, int] = {}
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -460,6 +473,7 @@ class RemoteFile(io.RawIOBase):
             if info.get("type") == "directory":
                 raise InputError("is a folder, not a file", path=path)
             size = int(info.get("size") or 0)
+            LEARNT_SIZES[path] = size
         self.size = size
         self._position = 0
         self._windows: OrderedDict[int, bytes] = OrderedDict()  # start -> bytes, most recently used last
@@ -537,6 +551,39 @@ class RemoteFile(io.RawIOBase):
             self._windows.popitem(last=False)
         self._last_end = end
         return data[offset - start:end - start]
+
+    def cached(self, offset: int, size: int) -> bytes | None:
+        """The bytes at ``offset`` when a window already holds them all (no request), else None."""
+        end = min(self.size, offset + size)
+        for start, data in self._windows.items():
+            if start <= offset and end <= start + len(data):
+                return data[offset - start:end - start]
+        return None
+
+    def pread_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Many small ``(offset, size)`` reads at once: those a window holds from it, the others
+        fetched exactly, as parallel ranges in one batch (zip local headers spread over a file)."""
+        found: list[bytes | None] = [self.cached(offset, size) for offset, size in ranges]
+        wanted = [i for i, data in enumerate(found) if data is None]
+        if wanted:
+            starts = [ranges[i][0] for i in wanted]
+            ends = [min(self.size, ranges[i][0] + ranges[i][1]) for i in wanted]
+            try:
+                if hasattr(self._fs, "cat_ranges") and len(wanted) > 1:
+                    pieces = self._fs.cat_ranges([self._key] * len(wanted), starts, ends)
+                else:
+                    pieces = [self._fs.cat_file(self._key, start=starts[0], end=ends[0])]
+                for piece in pieces:
+                    if isinstance(piece, BaseException):
+                        raise piece
+            except InputError:
+                raise
+            except Exception as e:
+                raise remote_error(e, self.path) from None
+            STATS.add(requests=len(wanted), read=sum(len(piece) for piece in pieces))
+            for i, piece in zip(wanted, pieces):
+                found[i] = piece
+        return [data or b"" for data in found]
 
     def preadinto(self, view: memoryview, offset: int) -> int:
         data = self.pread(len(view), offset)

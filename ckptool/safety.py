@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, formats, pickles
-from .errors import CkptError, InputError, UnsupportedFormatError
+from . import dtypes, formats, inputs, pickles
+from .errors import CkptError, InputError, UnsupportedFormatError, location
 from .refs import StorageRef
+from .remote import LEARNT_SIZES, RemotePath
 from .suggest import Wording, option
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -122,7 +123,7 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
 
 def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Format | None, formats.Pickles]:
     """The format that claims a file and the pickles in it, read as its format lists them."""
-    with open(path, "rb") as handle:
+    with inputs.open_regular(path, size=LEARNT_SIZES.get(path) if isinstance(path, RemotePath) else None) as handle:
         head = handle.read(64)
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
@@ -143,11 +144,13 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -
         >>> report.safe, report.unsafe              # doctest: +SKIP
         (True, [])
     """
-    path, allow_globals = Path(path), tuple(allow_globals)
-    if not path.exists():
-        raise InputError("does not exist — check the path", path=path)
-    is_dir = path.is_dir()
-    if not is_dir and not path.is_file():  # opening a FIFO would wait forever for a writer
+    path, allow_globals = location(path), tuple(allow_globals)
+    remote = inputs.describe_remote(path)  # a URL: one request says whether it is there, and what
+    if not (path.exists() if remote is None else remote.exists):
+        raise InputError("does not exist — check the path" if remote is None else
+                         "does not exist (404) — check the URL", path=path)
+    is_dir = path.is_dir() if remote is None else remote.is_dir
+    if not is_dir and remote is None and not path.is_file():  # opening a FIFO would wait forever for a writer
         raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
     fmt = formats.sniff(None, path) if is_dir else None
     if is_dir and fmt is None:  # a folder of safetensors: nothing pickled

@@ -189,10 +189,19 @@ CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".
                        ".tar", ".dcp")
 
 
+def _where(path: Any) -> Any:
+    """A local path as a :class:`Path`; a URL (:class:`~ckptool.remote.RemotePath`) as it is."""
+    from .remote import RemotePath, is_url, location
+
+    if isinstance(path, RemotePath):
+        return path
+    return location(path) if is_url(path) else Path(path)
+
+
 def stem(path: Path | str) -> str:
     """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
     ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
-    name = Path(path).name
+    name = _where(path).name
     lowered = name.lower()
     for suffix in CHECKPOINT_SUFFIXES:
         if lowered.endswith(suffix):
@@ -220,20 +229,20 @@ def strip(path: Path, *, format_: str, prefix: str | None = None, allow_globals:
     """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack);
     ``allow_globals``: the entries ``path`` was read with, carried by the command; ``to_cpu``: the same
     write also moves every saved storage tag to the CPU (one command from a GPU cluster's file to a laptop's)."""
-    out = sibling(Path(path), "cpu" if to_cpu else "stripped", weights_suffix(format_))
-    return command("strip", Path(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
+    out = sibling(_where(path), "cpu" if to_cpu else "stripped", weights_suffix(format_))
+    return command("strip", _where(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
                    allow_globals=list(allow_globals))
 
 
 def remap_to_cpu(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The remap command that moves every saved storage tag of ``path`` to the CPU."""
-    return command("remap", Path(path), out=sibling(Path(path), "cpu", ".pt"), to="cpu",
+    return command("remap", _where(path), out=sibling(_where(path), "cpu", ".pt"), to="cpu",
                    allow_globals=list(allow_globals))
 
 
 def to_safetensors(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes ``path``'s weights as safetensors beside it."""
-    return command("convert", Path(path), out=sibling(Path(path), "", ".safetensors"),
+    return command("convert", _where(path), out=sibling(_where(path), "", ".safetensors"),
                    allow_globals=list(allow_globals))
 
 
@@ -245,5 +254,5 @@ def each(commands: Sequence[str]) -> str:
 def optimizer_to_safetensors(path: Path, *, folder: bool = False, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes the optimizer state in ``path`` (an optimizer file, or a
     training ``folder``) as safetensors beside it, its tensors named ``state.<param>.<name>``."""
-    return command("convert", Path(path), out=sibling(Path(path), "optimizer" if folder else "", ".safetensors"),
+    return command("convert", _where(path), out=sibling(_where(path), "optimizer" if folder else "", ".safetensors"),
                    weights="state", allow_globals=list(allow_globals))

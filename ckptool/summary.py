@@ -14,6 +14,7 @@ from .formats import training_folder
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .jsonout import key_text
+from .byteio import path_size
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
@@ -357,8 +358,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
     file_bytes = 0
     for file in checkpoint.files:
         try:
-            file_bytes += os.path.getsize(file)
-        except OSError:
+            file_bytes += path_size(file, learnt=True)
+        except (OSError, InputError):
             pass
     summary = Summary(
         path=str(checkpoint.path),

@@ -7,12 +7,12 @@ Read-only: ckptool writes the zip format (and says so).
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles
+from ..byteio import file_size as handle_size
 from ..errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
 from . import PICKLE_FIRST_BYTES, Contents, Format, PickleBlob, Pickles, ReadOptions, describe, looks_like_text
@@ -141,7 +141,7 @@ def _place_storages(path: Path, handle: BinaryIO, keys: list[str], loader: _Stor
     """Point each storage at its bytes after the pickles (an 8-byte element count, then the data), in
     ``keys`` order, and each view into its storage's; every storage the tree names must get bytes."""
     storages, views = loader.storages, loader.views
-    file_size = os.fstat(handle.fileno()).st_size
+    file_size = handle_size(handle)
     position = handle.tell()
     for key in keys:
         storage = storages.get(key)

@@ -10,19 +10,20 @@ mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.copyin
 
 from __future__ import annotations
 
-import os
 import struct
 import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..errors import InputError, OutputError
+from ..byteio import file_size as handle_size
 from ..refs import ByteRange, Derived
+from ..remote import RemoteFile
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -51,6 +52,82 @@ class Member:
     compression_method: int = 0
     raw_name: bytes = b""  # the name's bytes in the central directory, as miniz compares them
 
+    def __getattr__(self, name: str) -> Any:
+        # reached only for ``data_offset`` of a remote archive's member whose local header is not read yet
+        headers = self.__dict__.get("_headers")
+        if name != "data_offset" or headers is None:
+            raise AttributeError(name)
+        offset = headers.resolve(self)
+        object.__setattr__(self, "data_offset", offset)
+        return offset
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the data offset is known (always, except a remote member not yet read)."""
+        return "data_offset" in self.__dict__
+
+
+class _LocalHeaders:
+    """A remote archive's local headers, read when a member's data offset is first needed.
+
+    Reading each header while listing would cost a request per member, scattered over the file;
+    ``inspect`` needs only the pickle's, which lies in the window already read. A member's offset is
+    resolved on first use — with the checks the listing makes of a local file, raised then — and a
+    header not yet fetched is fetched together with every other unread one, as parallel ranges.
+    """
+
+    def __init__(self, path: Path, handle: RemoteFile, file_size: int) -> None:
+        self.path = path
+        self.handle = handle
+        self.file_size = file_size
+        self.pending: list[Member] = []
+        self.limits: dict[int, tuple[int, str]] = {}  # id(member) -> (where its data must end, the message past it)
+
+    def add(self, member: Member) -> Member:
+        object.__delattr__(member, "data_offset")
+        object.__setattr__(member, "_headers", self)
+        self.pending.append(member)
+        return member
+
+    def resolve(self, member: Member) -> int:
+        raw = self.handle.cached(member.header_offset, _LOCAL_HEADER.size)
+        if raw is None:  # fetch every unread header not in a window, at once
+            batch = [m for m in self.pending if not m.resolved]
+            headers = self.handle.pread_ranges([(m.header_offset, _LOCAL_HEADER.size) for m in batch])
+            for other, data in zip(batch, headers):
+                if other is not member:
+                    offset = self._place(other, data, raise_=False)
+                    if offset is not None:
+                        object.__setattr__(other, "data_offset", offset)
+            raw = headers[batch.index(member)]
+        offset = self._place(member, raw, raise_=True)
+        assert offset is not None
+        return offset
+
+    def _place(self, member: Member, raw: bytes, *, raise_: bool) -> int | None:
+        problem, offset = None, None
+        if len(raw) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(raw)[0] != _LOCAL_SIG:
+            problem = f"zip member {member.name!r} has no local header — the archive is corrupt"
+        else:
+            fields = _LOCAL_HEADER.unpack(raw)
+            offset = member.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+            limit = self.limits.get(id(member))
+            if offset + member.stored_size > self.file_size:
+                problem = f"zip member {member.name!r} ends past the end of the file — the file is truncated"
+            elif limit is not None and offset + member.stored_size > limit[0]:
+                problem = limit[1]
+        if problem is None:
+            return offset
+        if raise_:
+            raise InputError(problem, path=self.path)
+        return None
+
+
+def _data_end(member: Member) -> int:
+    """Where the member's bytes end; for a remote member not yet read, the least that can be."""
+    start = member.data_offset if member.resolved else member.header_offset + _LOCAL_HEADER.size
+    return start + member.stored_size
+
 
 @dataclass(frozen=True)
 class Listing:
@@ -74,13 +151,17 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
     except Exception as e:  # zipfile parses hostile bytes: OverflowError, KeyError... all mean "corrupt"
         raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
                          path=path) from e
-    file_size = size if size is not None else os.fstat(handle.fileno()).st_size
+    file_size = size if size is not None else handle_size(handle)
     found: list[Member] = []
     problems: list[str] = []
+    lazy = _LocalHeaders(path, handle, file_size) if isinstance(handle, RemoteFile) and size is None else None
     for info in archive.infolist():
         name = info.filename
         if info.header_offset < 0 or info.header_offset + _LOCAL_HEADER.size > file_size:
             problems.append(f"zip member {name!r} lies outside the file — the file is truncated or corrupt")
+            continue
+        if lazy is not None:
+            found.append(lazy.add(_member(info, -1)))
             continue
         handle.seek(info.header_offset)
         fields = _LOCAL_HEADER.unpack(handle.read(_LOCAL_HEADER.size))
@@ -91,21 +172,25 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
         if data_offset + info.compress_size > file_size:
             problems.append(f"zip member {name!r} ends past the end of the file — the file is truncated")
             continue
-        found.append(Member(
-            name=name,
-            data_offset=data_offset,
-            size=info.file_size,
-            crc32=info.CRC,
-            compressed=info.compress_type != zipfile.ZIP_STORED,
-            stored_size=info.compress_size,
-            header_offset=info.header_offset,
-            encrypted=bool(info.flag_bits & 0x1),
-            compression_method=info.compress_type,
-            raw_name=info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "surrogateescape"),
-        ))
+        found.append(_member(info, data_offset))
     directory_start = archive.start_dir
     archive.close()
     return Listing(found, problems, directory_start)
+
+
+def _member(info: zipfile.ZipInfo, data_offset: int) -> Member:
+    return Member(
+        name=info.filename,
+        data_offset=data_offset,
+        size=info.file_size,
+        crc32=info.CRC,
+        compressed=info.compress_type != zipfile.ZIP_STORED,
+        stored_size=info.compress_size,
+        header_offset=info.header_offset,
+        encrypted=bool(info.flag_bits & 0x1),
+        compression_method=info.compress_type,
+        raw_name=info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "surrogateescape"),
+    )
 
 
 def fold_name(name: str) -> str:
@@ -226,15 +311,23 @@ def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Me
             # readers copy a stored member's file_size bytes: a larger claim would reach into other members
             raise InputError(f"zip member {name!r} is stored but claims {member.size} bytes in "
                              f"{member.stored_size} — the archive is corrupt", path=path)
-        spans.append((member.header_offset, member.data_offset + member.stored_size, name))
+        spans.append((member.header_offset, _data_end(member), name, member))
     # members sharing bytes are how small zips inflate to terabytes; torch never writes them
-    spans.sort()
-    for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
+    spans.sort(key=lambda span: span[:3])
+    for (_, previous_end, previous, _), (start, _, name, _) in zip(spans, spans[1:]):
         if start < previous_end:
             raise InputError(f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb", path=path)
     if spans and spans[-1][1] > listing.directory_start:
         raise InputError(f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is corrupt",
                          path=path)
+    for (_, _, previous, member), (start, _, name, _) in zip(spans, spans[1:]):  # checked when a remote one is read
+        headers = member.__dict__.get("_headers")
+        if headers is not None:
+            headers.limits[id(member)] = (start, f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb")
+    if spans and spans[-1][3].__dict__.get("_headers") is not None:
+        spans[-1][3]._headers.limits[id(spans[-1][3])] = (
+            listing.directory_start, f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is "
+            "corrupt")
     return Members(path, entries)
 
 

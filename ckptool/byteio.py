@@ -49,6 +49,15 @@ def file_size(handle: BinaryIO | RemoteFile | int) -> int:
     return os.fstat(handle if isinstance(handle, int) else handle.fileno()).st_size
 
 
+def read_capped(handle: BinaryIO, limit: int) -> bytes | None:
+    """The rest of ``handle``, or None when that is more than ``limit`` bytes. A remote file's size
+    is known before any byte is fetched: one claiming more than the limit costs no download."""
+    if isinstance(handle, RemoteFile) and handle.size - handle.tell() > limit:
+        return None
+    raw = handle.read(limit + 1)
+    return None if len(raw) > limit else raw
+
+
 def path_size(path: Path | RemotePath, *, learnt: bool = False) -> int:
     """The size of the file at ``path``, local or remote; with ``learnt``, a URL's size as this
     command's reading of it learnt it (no request), where it did.

@@ -55,7 +55,12 @@ def allowed_roots(folder: Path) -> list[Path]:
 def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: object) -> dict:
     """The store's description of ``path``, a file of the remote ``folder``: it must lie under the
     folder, be there, and be an object (not a prefix)."""
-    if not isinstance(path, RemotePath) or not path.is_relative_to(folder) or path == folder:
+    inside = isinstance(path, RemotePath) and path.is_relative_to(folder) and path != folder
+    if inside:  # a store or an HTTP server may resolve "a/../b" to b: no such step is taken
+        base, below = folder.url.split("?", 1)[0].rstrip("/"), path.url.split("?", 1)[0]
+        inside = below.startswith(base + "/") and all(
+            part not in ("", ".", "..") for part in below[len(base) + 1:].split("/"))
+    if not inside:
         raise InputError(f"{what} lies outside the folder — refused (ckptool reads only files inside an input "
                          "folder)", path=report)
     info = path.info()

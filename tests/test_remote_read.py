@@ -493,3 +493,31 @@ def test_convert_of_a_big_pt_over_http_streams_every_byte_once(http, big_pt: Pat
     size = big_pt.stat().st_size
     assert size <= server.bytes_sent < size + (4 << 20)  # the tensors once, plus the directory and pickle
     assert fingerprint(tmp_path / "big.safetensors") == fingerprint(big_pt)
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "./../outside.distcp", "sub/../../outside.distcp"])
+def test_a_remote_folder_member_may_not_step_out_of_it(name: str) -> None:
+    from ckptool import inputs
+    from ckptool.errors import InputError
+    from ckptool.remote import RemotePath
+
+    folder = RemotePath("memory://bucket/ckpt")
+    with pytest.raises(InputError, match="outside the folder"):
+        inputs.check_member(folder, folder / name, what="DCP data file", report=folder)
+
+
+def test_an_index_over_the_limit_is_refused_by_its_size_alone(http, tmp_path: Path) -> None:
+    from ckptool.formats.safetensors import MAX_HEADER_BYTES
+
+    server, base = http
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    with index.open("wb") as handle:  # sparse: claims more than any real index
+        handle.write(b'{"weight_map": {}}')
+        handle.truncate(MAX_HEADER_BYTES + 10)
+    url = put_http(server, base, folder) + "/model.safetensors.index.json"
+    server.reset()
+    code, _, err = cli("inspect", url)
+    assert code == 3 and "larger than any real index" in err and err.count("\n") == 1
+    assert server.bytes_sent < 1 << 20

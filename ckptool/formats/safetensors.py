@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 from .. import dtypes, inputs, progress
 from ..copying import DataOut
-from ..byteio import file_size as handle_size
+from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 from ..suggest import option
@@ -214,10 +214,10 @@ def read_index(index_path: Path) -> SafetensorsContents:
     """Read a sharded checkpoint through its ``*.safetensors.index.json``."""
     try:
         with inputs.open_regular(index_path) as handle:
-            raw = handle.read(MAX_HEADER_BYTES + 1)
+            raw = read_capped(handle, MAX_HEADER_BYTES)
     except OSError as e:
         raise InputError(f"cannot read ({e.strerror}) — check the path and permissions", path=index_path) from e
-    if len(raw) > MAX_HEADER_BYTES:
+    if raw is None:
         raise InputError("index file is larger than any real index — refused", path=index_path)
     try:
         index = json.loads(raw.decode("utf-8"))
@@ -265,8 +265,8 @@ def shards_named_by(index_path: Path) -> list[str] | None:
     index lists, or None when it cannot be read as an index."""
     try:
         with inputs.open_regular(index_path) as handle:
-            raw = handle.read(MAX_HEADER_BYTES + 1)
-        index = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_HEADER_BYTES else None
+            raw = read_capped(handle, MAX_HEADER_BYTES)
+        index = json.loads(raw.decode("utf-8")) if raw is not None else None
     except (InputError, OSError, ValueError, RecursionError):
         return None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -13,12 +13,15 @@ reader, copier and comparer reads a remote file through the same calls as a loca
 from __future__ import annotations
 
 import os
+import threading
+import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Generic, TypeVar, Union
 
 from .errors import InputError
-from .remote import LEARNT_SIZES, RemoteFile, RemotePath
+from .remote import LEARNT_SIZES, ON_RESET, RemoteFile, RemotePath
 
 Opened = TypeVar("Opened")
 Source = Union[int, RemoteFile]  # a local descriptor, or a remote file read by ranges
@@ -71,15 +74,64 @@ def path_size(path: Path | RemotePath, *, learnt: bool = False) -> int:
     return os.path.getsize(path)
 
 
+# the CRC-32 of each whole remote range this process streamed, by (URL, offset, length): a write's
+# check of its source takes them instead of downloading the bytes a second time
+RANGE_CRCS: dict[tuple[RemotePath, int, int], int] = {}
+_SHARED: OrderedDict[RemotePath, tuple[RemoteFile, threading.Lock]] = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+_SHARED_FILES = 2  # remote files whose windows serve small ranges (a bias, a norm) across tensors
+SMALL_RANGE = 1 << 20
+
+
+def _shared(path: RemotePath) -> tuple[RemoteFile, threading.Lock]:
+    with _SHARED_LOCK:
+        found = _SHARED.pop(path, None)
+        if found is None:
+            found = (RemoteFile(path, size=LEARNT_SIZES.get(path)), threading.Lock())
+            while len(_SHARED) >= _SHARED_FILES:
+                _SHARED.popitem(last=False)
+        _SHARED[path] = found
+        return found
+
+
+def forget_windows() -> None:
+    """Drop the shared windows of remote files: a read that starts (a load) sees the objects as they are now."""
+    with _SHARED_LOCK:
+        _SHARED.clear()
+
+
+def forget_remote() -> None:
+    """Drop what this process remembers of remote files (their windows and range CRCs)."""
+    forget_windows()
+    RANGE_CRCS.clear()
+
+
+ON_RESET.append(forget_remote)
+
+
 def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int) -> Iterator[bytes]:
-    """``size`` bytes of ``path`` at ``offset`` in chunks (fetched one chunk ahead for a URL).
+    """``size`` bytes of ``path`` at ``offset`` in chunks. A URL's small range comes from a window
+    shared by the ranges around it (one request for many small tensors), a big one in chunks fetched
+    one ahead; either is summed as it streams (:data:`RANGE_CRCS`).
 
     Raises:
         InputError: the file ends first.
     """
     if isinstance(path, RemotePath):
-        with RemoteFile(path, size=offset + size) as remote:
-            yield from remote.iter_chunks(offset, size, chunk_size)
+        remote, lock = _shared(path)
+        crc = 0
+        if size <= SMALL_RANGE:
+            with lock:
+                data = remote.pread(size, offset)
+            if len(data) < size:
+                raise InputError.truncated(path)
+            RANGE_CRCS[(path, offset, size)] = zlib.crc32(data)
+            yield data
+            return
+        for chunk in remote.iter_chunks(offset, size, chunk_size):
+            crc = zlib.crc32(chunk, crc)
+            yield chunk
+        RANGE_CRCS[(path, offset, size)] = crc
         return
     with open(path, "rb", buffering=0) as handle:
         handle.seek(offset)
@@ -168,6 +220,7 @@ def read_exact(fd: Source, offset: int, size: int, path: Path) -> bytes:
         data = fd.pread(size, offset)
         if len(data) < size:
             raise InputError.truncated(path)
+        RANGE_CRCS[(fd.path, offset, size)] = zlib.crc32(data)
         return data
     data = os.pread(fd, size, offset)
     while len(data) < size:

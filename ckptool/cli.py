@@ -163,7 +163,7 @@ def storage_options(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             options = parse_storage_options(storage_option)
         except ValueError as e:
-            raise click.BadParameter(str(e).replace("--storage-option ", ""), param_hint="'--storage-option'") from None
+            raise click.BadParameter(str(e), param_hint="'--storage-option'") from None
         set_storage_options(options)
         STATS.reset()
         return command(*args, **kwargs)

@@ -49,6 +49,10 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         ('torch-zip', 'module.', 10)
     """
     path = location(path)
+    if not isinstance(path, Path):
+        from .byteio import forget_windows
+
+        forget_windows()  # a remote file's bytes are read as they are now, not as an earlier read saw them
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
         checkpoint = _load(path, resolver)

@@ -278,7 +278,7 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option {key or pair!r} is not KEY=VALUE")
+            raise ValueError(f"{key or pair!r} is not KEY=VALUE")
         try:
             value: Any = json.loads(raw)
         except ValueError:
@@ -297,6 +297,8 @@ def set_storage_options(options: Mapping[str, Any] | None) -> None:
         _options.clear()
         _options.update(options or {})
         _filesystems.clear()
+    for forget in ON_RESET:
+        forget()
 
 
 @contextlib.contextmanager
@@ -375,6 +377,7 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
     """One line for a failed request: the cause (404, 403, throttled, timeout...) and the next step;
     never the store's raw text (it may quote a signed URL)."""
     from .errors import OutputError
+    from .suggest import Metavar, option
 
     kind = OutputError if writing else InputError
     chain: list[BaseException] = []
@@ -390,7 +393,8 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
         if isinstance(item, PermissionError) or status in (401, 403) or code in (
                 "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
             return kind(f"access denied ({status or 403}{', ' + code if code else ''}) — check the credentials "
-                        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or --storage-option)",
+                        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or "
+                        + option("storage_options", Metavar("KEY=VALUE")) + ")",
                         path=path)  # type: ignore[return-value]
         if status in (429, 503) or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
             return kind(f"the store is throttling requests ({status or 503}{' ' + code if code else ''}) and kept "
@@ -400,8 +404,9 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
             return kind("timed out talking to the store — check the network or the endpoint, then retry",
                         path=path)  # type: ignore[return-value]
         if "Connect" in name or isinstance(item, ConnectionError):
-            return kind("cannot connect to the store — check the endpoint (AWS_ENDPOINT_URL or --storage-option "
-                        "endpoint_url=...) and that it is up", path=path)  # type: ignore[return-value]
+            return kind("cannot connect to the store — check the endpoint (AWS_ENDPOINT_URL or "
+                        + option("storage_options", Metavar("endpoint_url=...")) + ") and that it is up",
+                        path=path)  # type: ignore[return-value]
         if status is not None and status >= 500:
             return kind(f"the store failed ({status}{' ' + code if code else ''}) — retry later",
                         path=path)  # type: ignore[return-value]
@@ -424,6 +429,8 @@ class IOStats:
         with self._lock:
             self.requests = self.bytes_read = self.bytes_written = 0
         LEARNT_SIZES.clear()
+        for forget in ON_RESET:
+            forget()
 
     @contextlib.contextmanager
     def request(self, read: int = 0) -> Iterator[None]:
@@ -443,6 +450,9 @@ class IOStats:
             return {"bytes_read": self.bytes_read, "requests": self.requests, "bytes_written": self.bytes_written}
 
 
+# what else forgets the remote files it remembers when the counts reset (a command starts) or the
+# options change (the byte-I/O layer's shared windows and range CRCs)
+ON_RESET: list[Any] = []
 STATS = IOStats()
 # the sizes the store told of the files this command opened (``inspect``'s file_bytes costs no request)
 LEARNT_SIZES: dict[RemotePath, int] = {}
@@ -454,6 +464,7 @@ READAHEAD = 256 * 1024          # a small read fetches at least this much (the h
 MAX_READAHEAD = 8 * 1024 * 1024  # sequential small reads double the window up to this
 PARALLEL_FROM = 32 * 1024 * 1024  # a read this big is fetched as parallel ranges
 PART = 8 * 1024 * 1024
+KEEP_UP_TO = 2 * 1024 * 1024  # a big read up to this size is kept as a window too
 _WINDOWS = 4
 
 
@@ -535,9 +546,17 @@ class RemoteFile(io.RawIOBase):
             if start <= offset and end <= start + len(data):
                 self._windows.move_to_end(start)
                 return data[offset - start:end - start]
+        for start, data in reversed(self._windows.items()):
+            if start <= offset < start + len(data):  # a read that starts in a window: only the rest is fetched
+                self._windows.move_to_end(start)
+                head = data[offset - start:]
+                return head + self.pread(end - offset - len(head), offset + len(head))
         if end - offset >= self._readahead:
             self._last_end = end
-            return self._fetch(offset, end)
+            data = self._fetch(offset, end)
+            if len(data) <= KEEP_UP_TO:  # a reader's look-ahead (a pickle read by the MiB): kept for what follows
+                self._keep(offset, data)
+            return data
         # a small read: fetch a window around it, bigger when reads go on where the last ended
         if offset == self._last_end:
             self._readahead = min(MAX_READAHEAD, self._readahead * 2)
@@ -546,11 +565,15 @@ class RemoteFile(io.RawIOBase):
             start = max(0, self.size - self._readahead)
         stop = min(self.size, max(end, start + self._readahead))
         data = self._fetch(start, stop)
-        self._windows[start] = data
-        while len(self._windows) > _WINDOWS:
-            self._windows.popitem(last=False)
+        self._keep(start, data)
         self._last_end = end
         return data[offset - start:end - start]
+
+    def _keep(self, start: int, data: bytes) -> None:
+        self._windows[start] = data
+        self._windows.move_to_end(start)
+        while len(self._windows) > _WINDOWS:
+            self._windows.popitem(last=False)
 
     def cached(self, offset: int, size: int) -> bytes | None:
         """The bytes at ``offset`` when a window already holds them all (no request), else None."""

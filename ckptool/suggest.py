@@ -31,7 +31,7 @@ PROGRAM = "ckptool"
 
 # keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
 _FLAGS = {"out": "-o", "allow_globals": "--allow-global", "to_device": "--to", "mapping": "--map",
-          "model_spec": "--model", "model_args": "--model-arg"}
+          "model_spec": "--model", "model_args": "--model-arg", "storage_options": "--storage-option"}
 # keyword argument -> the flag that gives it a list, where the switch and the list are two flags
 # (``allow_nonfinite=True`` is --allow-nonfinite, ``allow_nonfinite=['*.mask']`` --allow-nonfinite-key)
 _LIST_FLAGS = {"allow_nonfinite": "--allow-nonfinite-key"}

@@ -47,8 +47,7 @@ _EXPORTS = {
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 # the functions that read, write or compare files: whatever goes wrong inside them reaches the
-# caller as a CkptError — InputError and friends for the input's faults, InternalError for a bug;
-# each takes ``storage_options=`` (fsspec options for the URLs it is given, as --storage-option)
+# caller as a CkptError — InputError and friends for the input's faults, InternalError for a bug
 _BOUNDARY = {"diff", "fingerprint", "inspect", "load", "load_into", "save", "scan", "verify"}
 
 
@@ -72,13 +71,7 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
     from .errors import CkptError, InternalError, ResourceError
 
     @functools.wraps(function)
-    def call(*args: Any, storage_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        # storage_options: fsspec options for URLs (as --storage-option), kept for this process's
-        # later reads too (a checkpoint loaded from a URL reads its tensors when they are used)
-        if storage_options is not None:
-            from .remote import set_storage_options
-
-            set_storage_options(storage_options)
+    def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except CkptError:

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .byteio import FileCache, Source, read_exact, read_into
 from . import progress, suggest
+from .byteio import FileCache, Source, read_exact, read_into
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
 from .reader import load
 from .refs import ByteRange, TensorRef, check_expansion
+from .remote import use_storage_options
 
 # Bytes per side per comparison step. Small enough that both sides stay in L2 while they are compared
 # (and checked for NaN/Inf): with 8 MiB pieces every byte went through memory twice and diff took ~2x
@@ -375,7 +376,8 @@ def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
 def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float = 0.0,
          allow_globals: tuple[str, ...] | list[str] = (), align_prefixes: bool = False,
          chunk_hook: ChunkHook | None = None, allow_expansion: bool = False,
-         weights_a: str | None = None, weights_b: str | None = None) -> DiffReport:
+         weights_a: str | None = None, weights_b: str | None = None,
+         storage_options: Mapping[str, Any] | None = None) -> DiffReport:
     """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
 
     Works across formats (.pt against .safetensors or a sharded directory). Values are compared
@@ -403,6 +405,7 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         >>> report.identical, report.byte_identical                 # doctest: +SKIP
         (True, 8)
     """
+    use_storage_options(storage_options)
     left, right = _open(a, allow_globals, weights_a), _open(b, allow_globals, weights_b)
     if left.has_weights or right.has_weights:
         a_tensors, b_tensors = left.tensors, right.tensors

@@ -31,6 +31,7 @@ from .errors import CkptError, InputError
 from .keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
 from .reader import load
 from .refs import StorageRef, TensorRef
+from .remote import use_storage_options
 from .torch_import import import_torch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
@@ -551,7 +552,8 @@ def _model_device(model: nn.Module) -> str:
 def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str | None = None,
               strict: bool = True, filter_fn: Callable[[dict[str, torch.Tensor], nn.Module],
                                                        dict[str, torch.Tensor]] | None = None,
-              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None) -> LoadReport:
+              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None,
+              storage_options: Mapping[str, Any] | None = None) -> LoadReport:
     """Load any checkpoint's weights into ``model``, fixing wrapper prefixes on the way.
 
     Reads the file without running its code, finds the weights inside any training container,
@@ -587,6 +589,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         ...                   filter_fn=lambda sd, m: {k: v for k, v in sd.items() if not k.startswith("head.")})
     """
     import_torch("loading into a model")
+    use_storage_options(storage_options)
     checkpoint = _open(path, allow_globals, weights)
     tensors = checkpoint.tensors
     if not tensors:

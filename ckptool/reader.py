@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from . import formats, inputs, modules, pickles
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError, location
+from .remote import use_storage_options
 from .suggest import Metavar
 from .suggest import option as suggest_option
 from .tree import get_at
@@ -15,7 +18,8 @@ from .tree import get_at
 
 def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
          guard_cache: pickles.GuardCache | None = None,
-         weights: str | tuple | list | None = None) -> Checkpoint:
+         weights: str | tuple | list | None = None, storage_options: Mapping[str, Any] | None = None
+         ) -> Checkpoint:
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
@@ -35,6 +39,10 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
             ``state.<param>.<name>``. In a training folder, a file of the folder may be named first
             (``"model_1"``, ``"optimizer.bin"``, ``"model_1.safetensors/..."``); ``"state"`` there
             is its optimizer file's.
+        storage_options: fsspec options for a URL ``path`` (``s3://``, ``gs://``, ``https://``...),
+            as the CLI's ``--storage-option``: an endpoint, a profile, ``anon``. They stay in force for
+            the reads that follow (the tensors of a remote checkpoint are read when used). The other
+            reading functions (inspect, scan, diff, verify, load_into) take them too.
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
@@ -48,6 +56,7 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         >>> ckpt.format, ckpt.prefix, len(ckpt.tensors)   # doctest: +SKIP
         ('torch-zip', 'module.', 10)
     """
+    use_storage_options(storage_options)
     path = location(path)
     if not isinstance(path, Path):
         from .byteio import forget_windows

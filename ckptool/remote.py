@@ -301,6 +301,13 @@ def set_storage_options(options: Mapping[str, Any] | None) -> None:
         forget()
 
 
+def use_storage_options(options: Mapping[str, Any] | None) -> None:
+    """An API call's ``storage_options=``: None keeps the options in force; a mapping replaces them
+    for this call and the reads after it (a checkpoint loaded from a URL reads its tensors when used)."""
+    if options is not None:
+        set_storage_options(options)
+
+
 @contextlib.contextmanager
 def storage_options(options: Mapping[str, Any] | None) -> Iterator[None]:
     """:func:`set_storage_options` for a ``with`` block (the API's ``storage_options=``), restored after."""

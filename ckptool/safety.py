@@ -21,12 +21,13 @@ import pickletools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from . import dtypes, formats, inputs, pickles
 from .errors import CkptError, InputError, UnsupportedFormatError, location
 from .refs import StorageRef
-from .remote import LEARNT_SIZES, RemotePath
+from .remote import LEARNT_SIZES, RemotePath, use_storage_options
 from .suggest import Wording, option
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -133,7 +134,8 @@ def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Form
         return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
 
 
-def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -> ScanReport:
+def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
+         storage_options: Mapping[str, Any] | None = None) -> ScanReport:
     """List a checkpoint's pickle globals and opcodes and judge them, running nothing.
 
     Raises:
@@ -144,6 +146,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -
         >>> report.safe, report.unsafe              # doctest: +SKIP
         (True, [])
     """
+    use_storage_options(storage_options)
     path, allow_globals = location(path), tuple(allow_globals)
     remote = inputs.describe_remote(path)  # a URL: one request says whether it is there, and what
     if not (path.exists() if remote is None else remote.exists):

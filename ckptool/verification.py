@@ -20,10 +20,10 @@ states the verdict. Settings are deterministic while checking (:mod:`ckptool.det
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import progress
 from .checkpoint import Checkpoint
@@ -46,6 +46,7 @@ from .model_checks import (  # noqa: F401  (re-exported: verify's public helpers
 from .models import ModelSpec, parse_input_shape, parse_model_spec
 from .reader import load
 from .refs import check_expansion
+from .remote import use_storage_options
 from .suggest import Metavar, option, typed
 from .torch_import import import_torch
 from .verify_report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
@@ -158,6 +159,7 @@ def verify(
     allow_nonfinite: bool | Sequence[str] = False,
     weights: str | None = None,
     against_weights: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Prove a checkpoint loads and evaluates identically on CPU and every device.
 
@@ -192,6 +194,7 @@ def verify(
         (True, 0.0)
     """
     # the plan, in the order its arguments are judged: the checkpoint, the model, the devices, the other
+    use_storage_options(storage_options)
     checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=weights)
     spec, shape = plan_model(model_spec, model_args, input_shape)
     device_list = open_devices(devices)

@@ -123,6 +123,18 @@ class _LocalHeaders:
         return None
 
 
+def _bound(entries: list[Member], directory_start: int) -> None:
+    """Where each remote member's bytes must end (the next member's header, or the directory), and
+    the refusal past it — the overlap checks :func:`read_members` makes of a local archive."""
+    order = sorted(entries, key=lambda member: (member.header_offset, _data_end(member), member.name))
+    for member, following in zip(order, order[1:]):
+        member._headers.limits[id(member)] = (
+            following.header_offset, f"zip members {member.name!r} and {following.name!r} overlap — refusing a zip bomb")
+    last = order[-1]
+    last._headers.limits[id(last)] = (
+        directory_start, f"zip member {last.name!r} overlaps the central directory — the archive is corrupt")
+
+
 def _data_end(member: Member) -> int:
     """Where the member's bytes end; for a remote member not yet read, the least that can be."""
     start = member.data_offset if member.resolved else member.header_offset + _LOCAL_HEADER.size
@@ -311,23 +323,17 @@ def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Me
             # readers copy a stored member's file_size bytes: a larger claim would reach into other members
             raise InputError(f"zip member {name!r} is stored but claims {member.size} bytes in "
                              f"{member.stored_size} — the archive is corrupt", path=path)
-        spans.append((member.header_offset, _data_end(member), name, member))
+        spans.append((member.header_offset, _data_end(member), name))
     # members sharing bytes are how small zips inflate to terabytes; torch never writes them
-    spans.sort(key=lambda span: span[:3])
-    for (_, previous_end, previous, _), (start, _, name, _) in zip(spans, spans[1:]):
+    spans.sort()
+    for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
         if start < previous_end:
             raise InputError(f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb", path=path)
     if spans and spans[-1][1] > listing.directory_start:
         raise InputError(f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is corrupt",
                          path=path)
-    for (_, _, previous, member), (start, _, name, _) in zip(spans, spans[1:]):  # checked when a remote one is read
-        headers = member.__dict__.get("_headers")
-        if headers is not None:
-            headers.limits[id(member)] = (start, f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb")
-    if spans and spans[-1][3].__dict__.get("_headers") is not None:
-        spans[-1][3]._headers.limits[id(spans[-1][3])] = (
-            listing.directory_start, f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is "
-            "corrupt")
+    if entries and not entries[0].resolved:  # a remote archive's: each checked again once it is placed
+        _bound(entries, listing.directory_start)
     return Members(path, entries)
 
 

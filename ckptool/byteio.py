@@ -13,30 +13,60 @@ reader, copier and comparer reads a remote file through the same calls as a loca
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Generic, TypeVar, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar, Union
 
 from .errors import InputError
-from .remote import LEARNT_SIZES, ON_RESET, RemoteFile, RemotePath
+
+if TYPE_CHECKING:
+    from .remote import RemoteFile, RemotePath
 
 Opened = TypeVar("Opened")
-Source = Union[int, RemoteFile]  # a local descriptor, or a remote file read by ranges
+Source = Union[int, "RemoteFile"]  # a local descriptor, or a remote file read by ranges
+_REMOTE = __name__.rsplit(".", 1)[0] + ".remote"
+
+
+def is_remote(value: object) -> bool:
+    """Whether ``value`` is a URL (:class:`~ckptool.remote.RemotePath`) or a file read from one.
+
+    :mod:`ckptool.remote` is imported only when a URL is used, so a local path never pays for it:
+    until then nothing can be remote."""
+    remote = sys.modules.get(_REMOTE)
+    return remote is not None and isinstance(value, (remote.RemotePath, remote.RemoteFile))
+
+
+def learnt_size(path: object) -> int | None:
+    """A URL's size as this command's reading of it learnt it (no request), or None."""
+    remote = sys.modules.get(_REMOTE)
+    return remote.LEARNT_SIZES.get(path) if remote is not None and isinstance(path, remote.RemotePath) else None
+
+
+def use_storage_options(options: Mapping[str, Any] | None) -> None:
+    """An API call's ``storage_options=``: None keeps the options in force; a mapping replaces them
+    for this call and the reads after it (a checkpoint loaded from a URL reads its tensors when used)."""
+    if options is not None:
+        from .remote import set_storage_options
+
+        set_storage_options(options)
 
 
 def open_source(path: Path | RemotePath, *, size: int | None = None) -> Source:
     """A read-only descriptor of a local file, or a :class:`RemoteFile` for a URL (``size`` when
     known spares a request)."""
-    if isinstance(path, RemotePath):
-        return RemoteFile(path, size=size)
+    if is_remote(path):
+        from .remote import RemoteFile
+
+        return RemoteFile(path, size=size)  # type: ignore[arg-type]
     return os.open(path, os.O_RDONLY)
 
 
 def close_source(source: Source) -> None:
-    if isinstance(source, RemoteFile):
+    if not isinstance(source, int):
         source.close()
     else:
         os.close(source)
@@ -44,8 +74,8 @@ def close_source(source: Source) -> None:
 
 def file_size(handle: BinaryIO | RemoteFile | int) -> int:
     """The size of an open file: a descriptor, a file object, or a :class:`RemoteFile`."""
-    if isinstance(handle, RemoteFile):
-        return handle.size
+    if is_remote(handle):
+        return handle.size  # type: ignore[union-attr]
     size = getattr(handle, "size", None)
     if isinstance(size, int) and not hasattr(handle, "fileno"):  # a window onto part of a file
         return size
@@ -55,7 +85,7 @@ def file_size(handle: BinaryIO | RemoteFile | int) -> int:
 def read_capped(handle: BinaryIO, limit: int) -> bytes | None:
     """The rest of ``handle``, or None when that is more than ``limit`` bytes. A remote file's size
     is known before any byte is fetched: one claiming more than the limit costs no download."""
-    if isinstance(handle, RemoteFile) and handle.size - handle.tell() > limit:
+    if is_remote(handle) and handle.size - handle.tell() > limit:  # type: ignore[attr-defined]
         return None
     raw = handle.read(limit + 1)
     return None if len(raw) > limit else raw
@@ -68,9 +98,9 @@ def path_size(path: Path | RemotePath, *, learnt: bool = False) -> int:
     Raises:
         OSError: a local file that cannot be stat'ed. InputError: a URL with nothing there.
     """
-    if isinstance(path, RemotePath):
-        size = LEARNT_SIZES.get(path) if learnt else None
-        return size if size is not None else path.size()
+    if is_remote(path):
+        size = learnt_size(path) if learnt else None
+        return size if size is not None else path.size()  # type: ignore[union-attr]
     return os.path.getsize(path)
 
 
@@ -87,7 +117,9 @@ def _shared(path: RemotePath) -> tuple[RemoteFile, threading.Lock]:
     with _SHARED_LOCK:
         found = _SHARED.pop(path, None)
         if found is None:
-            found = (RemoteFile(path, size=LEARNT_SIZES.get(path)), threading.Lock())
+            from .remote import RemoteFile
+
+            found = (RemoteFile(path, size=learnt_size(path)), threading.Lock())
             while len(_SHARED) >= _SHARED_FILES:
                 _SHARED.popitem(last=False)
         _SHARED[path] = found
@@ -106,8 +138,6 @@ def forget_remote() -> None:
     RANGE_CRCS.clear()
 
 
-ON_RESET.append(forget_remote)
-
 
 def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int) -> Iterator[bytes]:
     """``size`` bytes of ``path`` at ``offset`` in chunks. A URL's small range comes from a window
@@ -117,21 +147,21 @@ def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int)
     Raises:
         InputError: the file ends first.
     """
-    if isinstance(path, RemotePath):
-        remote, lock = _shared(path)
+    if is_remote(path):
+        remote, lock = _shared(path)  # type: ignore[arg-type]
         crc = 0
         if size <= SMALL_RANGE:
             with lock:
                 data = remote.pread(size, offset)
             if len(data) < size:
                 raise InputError.truncated(path)
-            RANGE_CRCS[(path, offset, size)] = zlib.crc32(data)
+            RANGE_CRCS[(path, offset, size)] = zlib.crc32(data)  # type: ignore[index]
             yield data
             return
         for chunk in remote.iter_chunks(offset, size, chunk_size):
             crc = zlib.crc32(chunk, crc)
             yield chunk
-        RANGE_CRCS[(path, offset, size)] = crc
+        RANGE_CRCS[(path, offset, size)] = crc  # type: ignore[index]
         return
     with open(path, "rb", buffering=0) as handle:
         handle.seek(offset)
@@ -187,7 +217,7 @@ class FileCache(Generic[Opened]):
 
 def pread_into(fd: Source, view: memoryview, offset: int) -> int:
     """One positional read into ``view``: the bytes read, fewer at the end of the file, 0 past it."""
-    if isinstance(fd, RemoteFile):
+    if not isinstance(fd, int):  # a RemoteFile
         return fd.preadinto(view, offset)
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
@@ -216,7 +246,7 @@ def read_exact(fd: Source, offset: int, size: int, path: Path) -> bytes:
     Raises:
         InputError: the file (``path``, for the message) ends first.
     """
-    if isinstance(fd, RemoteFile):
+    if not isinstance(fd, int):  # a RemoteFile
         data = fd.pread(size, offset)
         if len(data) < size:
             raise InputError.truncated(path)

@@ -114,6 +114,7 @@ def _emit_json(command: str, data: dict[str, Any]) -> None:
 
 
 _URL_NAMED = "ckptool.url_named"
+_REMOTE = __name__.rsplit(".", 1)[0] + ".remote"
 
 
 def _names_url() -> bool:
@@ -132,11 +133,13 @@ class Location(click.ParamType):
         self.keep_text = keep_text  # convert's -o: a str, whose trailing "/" says "a folder"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from .remote import RemotePath, is_url, location
+        if isinstance(value, Path) or not isinstance(value, (str, bytes)):
+            return value  # a Path, or a RemotePath given by a caller
+        text = os.fsdecode(value) if isinstance(value, bytes) else value
+        if "://" not in text:  # a local path, as before (ckptool.remote is not even imported)
+            return text if self.keep_text else Path(text)
+        from .remote import is_url, location
 
-        if isinstance(value, (Path, RemotePath)):
-            return value
-        text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
         if is_url(text):
             if ctx is not None:
                 ctx.find_root().meta[_URL_NAMED] = True
@@ -158,14 +161,15 @@ def storage_options(command: Callable[..., Any]) -> Callable[..., Any]:
                        "client_kwargs.region_name=eu-west-1. Credentials come from the environment, never printed.")
     @functools.wraps(command)
     def wrapper(*args: Any, storage_option: tuple[str, ...], **kwargs: Any) -> Any:
-        from .remote import STATS, parse_storage_options, set_storage_options
+        if storage_option or _REMOTE in sys.modules:  # ckptool.remote is imported only when URLs are in play
+            from .remote import STATS, parse_storage_options, set_storage_options
 
-        try:
-            options = parse_storage_options(storage_option)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="'--storage-option'") from None
-        set_storage_options(options)
-        STATS.reset()
+            try:
+                options = parse_storage_options(storage_option)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="'--storage-option'") from None
+            set_storage_options(options)
+            STATS.reset()
         return command(*args, **kwargs)
 
     return wrapper

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from . import progress, suggest
-from .byteio import FileCache, Source, read_exact, read_into
+from .byteio import FileCache, Source, read_exact, read_into, use_storage_options
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
 from .reader import load
 from .refs import ByteRange, TensorRef, check_expansion
-from .remote import use_storage_options
 
 # Bytes per side per comparison step. Small enough that both sides stay in L2 while they are compared
 # (and checked for NaN/Inf): with 8 MiB pieces every byte went through memory twice and diff took ~2x

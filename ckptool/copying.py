@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .byteio import FileCache, Source, iter_range, read_exact, read_into
-from .remote import RemotePath
+from .byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
 from .errors import InputError
 from .refs import ByteRange
 
@@ -130,7 +129,7 @@ def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offs
                    on_data: OnData | None) -> None:
     """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
     telling ``on_data`` of each step once it is in the file."""
-    if isinstance(source, RemotePath):  # one stream of ranges fetched ahead, reported as it lands
+    if is_remote(source):  # one stream of ranges fetched ahead, reported as it lands
         out.seek(out_offset)
         done = 0
         for chunk in iter_range(source, offset, size, COPY_STEP):
@@ -161,7 +160,7 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
     Raises:
         InputError: ``source`` ends first.
     """
-    if isinstance(source, RemotePath):  # a URL: fetched by ranges, a chunk ahead, and written
+    if is_remote(source):  # a URL: fetched by ranges, a chunk ahead, and written
         out.seek(out_offset)
         for chunk in iter_range(source, offset, size, _BUFFER):
             out.write(chunk)
@@ -192,7 +191,7 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
 
 def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: int = 0) -> int:
     """Write ``size`` bytes of ``source`` at ``offset`` where ``out`` stands, continuing ``crc`` over them."""
-    if isinstance(source, RemotePath):  # a URL: fetched by ranges, a chunk ahead
+    if is_remote(source):  # a URL: fetched by ranges, a chunk ahead
         for chunk in iter_range(source, offset, size, _BUFFER):
             crc = zlib.crc32(chunk, crc)
             out.write(chunk)

@@ -22,10 +22,13 @@ import contextlib
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
+from .byteio import is_remote
 from .errors import InputError
-from .remote import LEARNT_SIZES, RemoteFile, RemotePath
+
+if TYPE_CHECKING:
+    from .remote import RemoteFile, RemotePath
 
 
 def _kind(mode: int) -> str:
@@ -55,7 +58,7 @@ def allowed_roots(folder: Path) -> list[Path]:
 def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: object) -> dict:
     """The store's description of ``path``, a file of the remote ``folder``: it must lie under the
     folder, be there, and be an object (not a prefix)."""
-    inside = isinstance(path, RemotePath) and path.is_relative_to(folder) and path != folder
+    inside = is_remote(path) and path.is_relative_to(folder) and path != folder
     if inside:  # a store or an HTTP server may resolve "a/../b" to b: no such step is taken
         base, below = folder.url.split("?", 1)[0].rstrip("/"), path.url.split("?", 1)[0]
         inside = below.startswith(base + "/") and all(
@@ -91,7 +94,7 @@ def check_member(folder: Path, path: Path, *, what: str, report: Path | None = N
         InputError: a link leaving the folder, a FIFO/device/directory, or a missing file.
     """
     where = report if report is not None else path
-    if isinstance(folder, RemotePath) or isinstance(path, RemotePath):
+    if is_remote(folder) or is_remote(path):
         info = _remote_member(folder, path, what=what, report=where)  # type: ignore[arg-type]
         return _RemoteStat(int(info.get("size") or 0))  # type: ignore[return-value]
     try:
@@ -131,11 +134,13 @@ class Remote:
 
 def describe_remote(path: Path | RemotePath) -> Remote | None:
     """:class:`Remote` for a URL (one request), None for a local path."""
-    if not isinstance(path, RemotePath):
+    if not is_remote(path):
         return None
-    found = Remote(path.info())
+    from .remote import LEARNT_SIZES
+
+    found = Remote(path.info())  # type: ignore[union-attr]
     if found.size is not None:
-        LEARNT_SIZES[path] = found.size
+        LEARNT_SIZES[path] = found.size  # type: ignore[index]
     return found
 
 
@@ -151,7 +156,7 @@ def open_regular(path: Path, *, what: str | None = None, report: Path | None = N
     """
     where = report if report is not None else path
     label = f"{what} " if what else ""
-    if isinstance(path, RemotePath):  # ``size``: what the store said of it already (no second request)
+    if is_remote(path):  # ``size``: what the store said of it already (no second request)
         return _open_remote(path, label=label, report=where, size=size)  # type: ignore[return-value]
     with contextlib.suppress(OSError):  # a device is not even opened (opening some has effects)...
         mode = os.stat(path).st_mode
@@ -179,6 +184,8 @@ def open_regular(path: Path, *, what: str | None = None, report: Path | None = N
 
 def _open_remote(path: RemotePath, *, label: str, report: object, size: int | None = None) -> RemoteFile:
     """A remote file read by ranges; a missing object or a prefix (a folder) refused as a local one is."""
+    from .remote import LEARNT_SIZES, RemoteFile
+
     if size is None:
         info = path.info()
         if info is None:
@@ -193,7 +200,7 @@ def _open_remote(path: RemotePath, *, label: str, report: object, size: int | No
 def open_member(folder: Path, path: Path, *, what: str, report: Path | None = None) -> BinaryIO:
     """:func:`check_member`, then :func:`open_regular`: how every file of a folder input is opened."""
     info = check_member(folder, path, what=what, report=report)
-    if isinstance(path, RemotePath):  # one request: the size check_member learnt opens it
+    if is_remote(path):  # one request: the size check_member learnt opens it
         return _open_remote(path, label=f"{what} ", report=report if report is not None else path,
                             size=info.st_size)  # type: ignore[return-value]
     return open_regular(path, what=what, report=report)

@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import suggest
+from .byteio import use_storage_options
 from .checkpoint import Checkpoint
 from .dtypes import DType
 from .errors import CkptError, InputError
 from .keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
 from .reader import load
 from .refs import StorageRef, TensorRef
-from .remote import use_storage_options
 from .torch_import import import_torch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from . import formats, inputs, modules, pickles
+from .byteio import forget_windows, use_storage_options
 from .checkpoint import Checkpoint, find_layout
 from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError, location
-from .remote import use_storage_options
 from .suggest import Metavar
 from .suggest import option as suggest_option
 from .tree import get_at
@@ -59,8 +59,6 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     use_storage_options(storage_options)
     path = location(path)
     if not isinstance(path, Path):
-        from .byteio import forget_windows
-
         forget_windows()  # a remote file's bytes are read as they are now, not as an earlier read saw them
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:

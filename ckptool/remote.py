@@ -297,15 +297,16 @@ def set_storage_options(options: Mapping[str, Any] | None) -> None:
         _options.clear()
         _options.update(options or {})
         _filesystems.clear()
-    for forget in ON_RESET:
-        forget()
+    _forget_remote_files()
 
 
-def use_storage_options(options: Mapping[str, Any] | None) -> None:
-    """An API call's ``storage_options=``: None keeps the options in force; a mapping replaces them
-    for this call and the reads after it (a checkpoint loaded from a URL reads its tensors when used)."""
-    if options is not None:
-        set_storage_options(options)
+def _forget_remote_files() -> None:
+    """The byte-I/O layer's shared windows and range CRCs go when a command starts or the options change."""
+    import sys
+
+    byteio = sys.modules.get(__name__.rsplit(".", 1)[0] + ".byteio")
+    if byteio is not None:
+        byteio.forget_remote()
 
 
 @contextlib.contextmanager
@@ -436,8 +437,7 @@ class IOStats:
         with self._lock:
             self.requests = self.bytes_read = self.bytes_written = 0
         LEARNT_SIZES.clear()
-        for forget in ON_RESET:
-            forget()
+        _forget_remote_files()
 
     @contextlib.contextmanager
     def request(self, read: int = 0) -> Iterator[None]:
@@ -457,9 +457,6 @@ class IOStats:
             return {"bytes_read": self.bytes_read, "requests": self.requests, "bytes_written": self.bytes_written}
 
 
-# what else forgets the remote files it remembers when the counts reset (a command starts) or the
-# options change (the byte-I/O layer's shared windows and range CRCs)
-ON_RESET: list[Any] = []
 STATS = IOStats()
 # the sizes the store told of the files this command opened (``inspect``'s file_bytes costs no request)
 LEARNT_SIZES: dict[RemotePath, int] = {}

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import dtypes, formats, inputs, pickles
+from .byteio import learnt_size, use_storage_options
 from .errors import CkptError, InputError, UnsupportedFormatError, location
 from .refs import StorageRef
-from .remote import LEARNT_SIZES, RemotePath, use_storage_options
 from .suggest import Wording, option
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -124,7 +124,7 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
 
 def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Format | None, formats.Pickles]:
     """The format that claims a file and the pickles in it, read as its format lists them."""
-    with inputs.open_regular(path, size=LEARNT_SIZES.get(path) if isinstance(path, RemotePath) else None) as handle:
+    with inputs.open_regular(path, size=learnt_size(path)) as handle:
         head = handle.read(64)
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)

@@ -191,6 +191,10 @@ CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".
 
 def _where(path: Any) -> Any:
     """A local path as a :class:`Path`; a URL (:class:`~ckptool.remote.RemotePath`) as it is."""
+    if isinstance(path, Path):
+        return path
+    if isinstance(path, str) and "://" not in path:
+        return Path(path)
     from .remote import RemotePath, is_url, location
 
     if isinstance(path, RemotePath):

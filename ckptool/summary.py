@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import formats, layouts, modules, optimizers, suggest
-from .byteio import path_size
+from .byteio import path_size, use_storage_options
 from .formats import training_folder
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
@@ -19,7 +19,6 @@ from .jsonout import key_text
 from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
-from .remote import use_storage_options
 from .refs import DeviceRef, SizeRef, TensorRef, check_expansion, expansion
 from .tree import iter_tensors
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import progress
+from .byteio import use_storage_options
 from .checkpoint import Checkpoint
 from .comparison import DiffReport, diff
 from .determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
@@ -46,7 +47,6 @@ from .model_checks import (  # noqa: F401  (re-exported: verify's public helpers
 from .models import ModelSpec, parse_input_shape, parse_model_spec
 from .reader import load
 from .refs import check_expansion
-from .remote import use_storage_options
 from .suggest import Metavar, option, typed
 from .torch_import import import_torch
 from .verify_report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)

@@ -532,3 +532,17 @@ def test_an_index_over_the_limit_is_refused_by_its_size_alone(http, tmp_path: Pa
     code, _, err = cli("inspect", url)
     assert code == 3 and "larger than any real index" in err and err.count("\n") == 1
     assert server.bytes_sent < 1 << 20
+
+
+def test_local_commands_never_import_the_remote_layer() -> None:
+    """A local path costs nothing for URLs: ckptool.remote (and fsspec) stay unimported."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom ckptool.cli import main\n"
+            f"for args in (['inspect', {str(FIXTURES / 'single_lenet.pt')!r}, '--fingerprint'],\n"
+            f"             ['scan', {str(FIXTURES / 'legacy_mlp.pt')!r}],\n"
+            f"             ['diff', {str(FIXTURES / 'mlp.safetensors')!r}, {str(FIXTURES / 'sharded')!r}]):\n"
+            "    result = CliRunner().invoke(main, args)\n"
+            "    assert result.exit_code in (0, 1), result.output\n"
+            "assert 'ckptool.remote' not in sys.modules and 'fsspec' not in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr

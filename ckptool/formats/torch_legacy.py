@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles
-from ..byteio import file_size as handle_size
+from ..byteio import file_size as handle_size, is_remote
 from ..errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
-from ..remote import RemoteFile
 from . import PICKLE_FIRST_BYTES, Contents, Format, PickleBlob, Pickles, ReadOptions, describe, looks_like_text
 from .pickle_stream import split_pickles
 
@@ -142,7 +141,7 @@ def _remote_counts(handle: BinaryIO, position: int, keys: list[str], storages: d
                    file_size: int) -> dict[int, bytes] | None:
     """For a remote file, each storage's 8-byte element count, fetched at once where the pickle says
     they lie (parallel ranges, not a request per storage in turn); None for a local file."""
-    if not isinstance(handle, RemoteFile):
+    if not is_remote(handle):
         return None
     places = []
     for key in keys:
@@ -151,7 +150,7 @@ def _remote_counts(handle: BinaryIO, position: int, keys: list[str], storages: d
             break
         places.append(position)
         position += 8 + storage.nbytes
-    return dict(zip(places, handle.pread_ranges([(place, 8) for place in places])))
+    return dict(zip(places, handle.pread_ranges([(place, 8) for place in places])))  # type: ignore[attr-defined]
 
 
 def _place_storages(path: Path, handle: BinaryIO, keys: list[str], loader: _StorageLoader) -> None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import inputs
+from ..byteio import is_remote
 from ..errors import InputError
-from ..remote import RemotePath
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions
 from . import sniff as sniff_input
 
@@ -130,8 +130,8 @@ def _stem(name: str) -> str:
 def _entries(directory: Path) -> dict[str, bool]:
     """The folder's names -> whether each is a directory (a link is judged when it is opened)."""
     found: dict[str, bool] = {}
-    if isinstance(directory, RemotePath):  # a folder of a store: one listing says the same
-        return dict(list(directory.listing().items())[:MAX_FOLDER_ENTRIES])
+    if is_remote(directory):  # a folder of a store: one listing says the same
+        return dict(list(directory.listing().items())[:MAX_FOLDER_ENTRIES])  # type: ignore[attr-defined]
     try:
         with os.scandir(directory) as listing:
             for entry in listing:
@@ -193,7 +193,7 @@ def read_member(folder: Path, name: str, options: ReadOptions) -> Contents:
     """One file (or DCP sub-folder) of the folder, read by the format it is; ``Contents.format``
     names that format."""
     path = folder / name
-    if isinstance(path, RemotePath):
+    if is_remote(path):
         is_folder = path.is_dir()
     else:
         try:

@@ -21,9 +21,8 @@ from typing import Any, BinaryIO
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..errors import InputError, OutputError
-from ..byteio import file_size as handle_size
+from ..byteio import file_size as handle_size, is_remote
 from ..refs import ByteRange, Derived
-from ..remote import RemoteFile
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -76,7 +75,7 @@ class _LocalHeaders:
     header not yet fetched is fetched together with every other unread one, as parallel ranges.
     """
 
-    def __init__(self, path: Path, handle: RemoteFile, file_size: int) -> None:
+    def __init__(self, path: Path, handle: Any, file_size: int) -> None:  # handle: a RemoteFile
         self.path = path
         self.handle = handle
         self.file_size = file_size
@@ -166,7 +165,7 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
     file_size = size if size is not None else handle_size(handle)
     found: list[Member] = []
     problems: list[str] = []
-    lazy = _LocalHeaders(path, handle, file_size) if isinstance(handle, RemoteFile) and size is None else None
+    lazy = _LocalHeaders(path, handle, file_size) if is_remote(handle) and size is None else None
     for info in archive.infolist():
         name = info.filename
         if info.header_offset < 0 or info.header_offset + _LOCAL_HEADER.size > file_size:

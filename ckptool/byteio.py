@@ -111,6 +111,7 @@ _SHARED: OrderedDict[RemotePath, tuple[RemoteFile, threading.Lock]] = OrderedDic
 _SHARED_LOCK = threading.Lock()
 _SHARED_FILES = 2  # remote files whose windows serve small ranges (a bias, a norm) across tensors
 SMALL_RANGE = 1 << 20
+_FETCH = 8 << 20  # a big remote range is fetched in parts of this size, one part ahead
 
 
 def _shared(path: RemotePath) -> tuple[RemoteFile, threading.Lock]:
@@ -158,9 +159,14 @@ def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int)
             RANGE_CRCS[(path, offset, size)] = zlib.crc32(data)  # type: ignore[index]
             yield data
             return
-        for chunk in remote.iter_chunks(offset, size, chunk_size):
-            crc = zlib.crc32(chunk, crc)
-            yield chunk
+        part = max(chunk_size, _FETCH)  # fetched by the part (a request per few MiB), handed on by the chunk
+        for fetched in remote.iter_chunks(offset, size, part):
+            crc = zlib.crc32(fetched, crc)
+            if len(fetched) <= chunk_size:
+                yield fetched
+                continue
+            for start in range(0, len(fetched), chunk_size):
+                yield fetched[start:start + chunk_size]
         RANGE_CRCS[(path, offset, size)] = crc  # type: ignore[index]
         return
     with open(path, "rb", buffering=0) as handle:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import progress, suggest
-from .byteio import FileCache, Source, read_exact, read_into, use_storage_options
+from .byteio import FileCache, Source, is_remote, read_exact, read_into, use_storage_options
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
@@ -293,6 +293,8 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
     if elements is None:
         elements = max(1, CHUNK_SIZE // tensor.dtype.itemsize)
     spans = _spans(tensor) if files is not None and hasattr(os, "preadv") else None
+    if spans and is_remote(spans[0].path):
+        spans = None  # a URL's bytes: streamed by parts fetched one ahead, not a request per chunk
     chunks = element_chunks(tensor, elements) if spans is None else \
         _read_spans(spans, elements * tensor.dtype.itemsize, files)
     for chunk in chunks:

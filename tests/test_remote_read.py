@@ -546,3 +546,18 @@ def test_local_commands_never_import_the_remote_layer() -> None:
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+
+
+def test_inspect_of_a_big_safetensors_over_http_reads_its_header_only(http, big_pt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    server, base = http
+    path = tmp_path / "big.safetensors"
+    save_file(torch.load(big_pt, weights_only=True)["model"], path)
+    url = put_http(server, base, path)
+    server.reset()
+    code, out, err = cli("inspect", url, "--json")
+    assert code == 0, err
+    io = json.loads(out)["io"]
+    assert io["bytes_read"] < 2 << 20 and io["requests"] <= 6
+    assert server.bytes_sent == io["bytes_read"] and server.requests <= 6

@@ -62,7 +62,7 @@ def open_source(path: Path | RemotePath, *, size: int | None = None) -> Source:
         from .remote import RemoteFile
 
         return RemoteFile(path, size=size)  # type: ignore[arg-type]
-    return os.open(path, os.O_RDONLY)
+    return os.open(path, os.O_RDONLY)  # type: ignore[arg-type]
 
 
 def close_source(source: Source) -> None:
@@ -101,7 +101,7 @@ def path_size(path: Path | RemotePath, *, learnt: bool = False) -> int:
     if is_remote(path):
         size = learnt_size(path) if learnt else None
         return size if size is not None else path.size()  # type: ignore[union-attr]
-    return os.path.getsize(path)
+    return os.path.getsize(path)  # type: ignore[arg-type]
 
 
 # the CRC-32 of each whole remote range this process streamed, by (URL, offset, length): a write's
@@ -169,7 +169,7 @@ def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int)
                 yield fetched[start:start + chunk_size]
         RANGE_CRCS[(path, offset, size)] = crc  # type: ignore[index]
         return
-    with open(path, "rb", buffering=0) as handle:
+    with open(path, "rb", buffering=0) as handle:  # type: ignore[arg-type]
         handle.seek(offset)
         remaining = size
         while remaining:
@@ -192,7 +192,8 @@ class FileCache(Generic[Opened]):
     """
 
     def __init__(self, opener: Callable[[Path], Opened] = open_source,  # type: ignore[assignment]
-                 closer: Callable[[Opened], Any] = close_source, *, limit: int | None = 32) -> None:
+                 closer: Callable[[Opened], Any] = close_source,  # type: ignore[assignment]
+                 *, limit: int | None = 32) -> None:
         self._opened: dict[Path, Opened] = {}
         self._opener = opener
         self._closer = closer

@@ -55,7 +55,7 @@ def allowed_roots(folder: Path) -> list[Path]:
     return roots
 
 
-def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: object) -> dict:
+def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: Path | RemotePath | None) -> dict:
     """The store's description of ``path``, a file of the remote ``folder``: it must lie under the
     folder, be there, and be an object (not a prefix)."""
     inside = is_remote(path) and path.is_relative_to(folder) and path != folder
@@ -95,8 +95,8 @@ def check_member(folder: Path, path: Path, *, what: str, report: Path | None = N
     """
     where = report if report is not None else path
     if is_remote(folder) or is_remote(path):
-        info = _remote_member(folder, path, what=what, report=where)  # type: ignore[arg-type]
-        return _RemoteStat(int(info.get("size") or 0))  # type: ignore[return-value]
+        found = _remote_member(folder, path, what=what, report=where)  # type: ignore[arg-type]
+        return _RemoteStat(int(found.get("size") or 0))  # type: ignore[return-value]
     try:
         link = stat.S_ISLNK(os.lstat(path).st_mode)
     except FileNotFoundError as e:
@@ -157,7 +157,7 @@ def open_regular(path: Path, *, what: str | None = None, report: Path | None = N
     where = report if report is not None else path
     label = f"{what} " if what else ""
     if is_remote(path):  # ``size``: what the store said of it already (no second request)
-        return _open_remote(path, label=label, report=where, size=size)  # type: ignore[return-value]
+        return _open_remote(path, label=label, report=where, size=size)  # type: ignore[arg-type, return-value]
     with contextlib.suppress(OSError):  # a device is not even opened (opening some has effects)...
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
@@ -182,7 +182,7 @@ def open_regular(path: Path, *, what: str | None = None, report: Path | None = N
         raise
 
 
-def _open_remote(path: RemotePath, *, label: str, report: object, size: int | None = None) -> RemoteFile:
+def _open_remote(path: RemotePath, *, label: str, report: Path | RemotePath | None, size: int | None = None) -> RemoteFile:
     """A remote file read by ranges; a missing object or a prefix (a folder) refused as a local one is."""
     from .remote import LEARNT_SIZES, RemoteFile
 
@@ -201,6 +201,6 @@ def open_member(folder: Path, path: Path, *, what: str, report: Path | None = No
     """:func:`check_member`, then :func:`open_regular`: how every file of a folder input is opened."""
     info = check_member(folder, path, what=what, report=report)
     if is_remote(path):  # one request: the size check_member learnt opens it
-        return _open_remote(path, label=f"{what} ", report=report if report is not None else path,
+        return _open_remote(path, label=f"{what} ", report=report if report is not None else path,  # type: ignore[arg-type]
                             size=info.st_size)  # type: ignore[return-value]
     return open_regular(path, what=what, report=report)

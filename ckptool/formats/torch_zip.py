@@ -118,7 +118,7 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
             numel=numel,
             location=location,
             # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
-            data=_data_range(source, base_offset, member, nbytes,
+            data=_data_range(source, base_offset, member, getattr(members, "headers", None), nbytes,
                              member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None),
             type_global=f"{storage_type.module}.{storage_type.name}",
         )
@@ -133,12 +133,13 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     return persistent_load
 
 
-def _data_range(source: Path, base_offset: int, member: zipio.Member, nbytes: int, crc32: int | None) -> ByteRange:
+def _data_range(source: Path, base_offset: int, member: zipio.Member, headers: zipio.LocalHeaders | None,
+                nbytes: int, crc32: int | None) -> ByteRange:
     """Where a storage's bytes lie: at once, or — for a remote member whose local header is not read
     yet — when first needed (inspect never reads the headers of the storages)."""
-    if member.resolved:
+    if member.data_offset != zipio.NOT_READ or headers is None:
         return ByteRange(source, base_offset + member.data_offset, nbytes, crc32)
-    return LazyByteRange(source, None, nbytes, crc32, resolve=lambda: base_offset + member.data_offset)
+    return LazyByteRange(source, None, nbytes, crc32, resolve=lambda: base_offset + headers.resolve(member))
 
 
 def _swapped(storage: StorageRef) -> Callable[[], bytes] | None:
@@ -251,7 +252,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
         if not _may_be_pickle(member):
             continue  # a storage's bytes: never read
         try:
-            handle.seek(member.data_offset)
+            handle.seek(zipio.data_offset(handle, member))
         except InputError:
             continue  # unplaceable (a remote member read late): the load's one-line refusal speaks for it
         head = handle.read(2) if not member.compressed else b""

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .byteio import FileCache, read_exact, read_into
+from .byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
 from .errors import InputError
 from .refs import ByteRange
 
@@ -42,7 +42,7 @@ class DataOut:
         self.on_data = on_data
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
-        self._sources: FileCache[int] = FileCache()
+        self._sources: FileCache[Source] = FileCache()
 
     def written(self, offset: int, length: int) -> None:
         """``length`` bytes at ``offset`` were written through the buffer."""
@@ -129,6 +129,16 @@ def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offs
                    on_data: OnData | None) -> None:
     """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
     telling ``on_data`` of each step once it is in the file."""
+    if is_remote(source):  # one stream of ranges fetched ahead, reported as it lands
+        out.seek(out_offset)
+        done = 0
+        for chunk in iter_range(source, offset, size, COPY_STEP):
+            out.write(chunk)
+            out.flush()
+            if on_data is not None:
+                on_data(out_offset + done, len(chunk))
+            done += len(chunk)
+        return
     done = 0
     while done < size:
         step = min(COPY_STEP, size - done)
@@ -150,6 +160,11 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
     Raises:
         InputError: ``source`` ends first.
     """
+    if is_remote(source):  # a URL: fetched by ranges, a chunk ahead, and written
+        out.seek(out_offset)
+        for chunk in iter_range(source, offset, size, _BUFFER):
+            out.write(chunk)
+        return
     out.flush()
     with open(source, "rb") as src:
         in_fd, out_fd = src.fileno(), out.fileno()
@@ -176,6 +191,11 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
 
 def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: int = 0) -> int:
     """Write ``size`` bytes of ``source`` at ``offset`` where ``out`` stands, continuing ``crc`` over them."""
+    if is_remote(source):  # a URL: fetched by ranges, a chunk ahead
+        for chunk in iter_range(source, offset, size, _BUFFER):
+            crc = zlib.crc32(chunk, crc)
+            out.write(chunk)
+        return crc
     buffer = memoryview(bytearray(min(size, _BUFFER) or 1))
     with open(source, "rb", buffering=0) as src:
         fd = src.fileno()

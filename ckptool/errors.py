@@ -53,7 +53,7 @@ class InputError(CkptError):
     """The input cannot be read: missing, unreadable, truncated, corrupt or not a checkpoint."""
 
     @classmethod
-    def truncated(cls, path: Path | str | None,
+    def truncated(cls, path: Path | str | RemotePath | None,
                   cause: str = "tensor bytes end before the data they promise") -> InputError:
         """The file ends before bytes it promises: ``<path>: file is truncated: <cause> — <next step>``."""
         return cls(f"file is truncated: {cause} — re-save or re-download the checkpoint", path=path)

@@ -218,28 +218,38 @@ class RemotePath:
             raise InputError("does not exist (404) — check the URL", path=self)
         return int(info.get("size") or 0)
 
-    def iterdir(self) -> Iterator[RemotePath]:
+    def listing(self) -> dict[str, bool]:
+        """The folder's names -> whether each is a folder (a prefix); empty when nothing is there."""
         fs, path = self.filesystem()
         try:
             with STATS.request():
-                names = fs.ls(path, detail=False)
+                entries = fs.ls(path, detail=True)
         except FileNotFoundError:
-            return iter(())
+            return {}
         except Exception as e:
             raise remote_error(e, self) from None
         prefix = path.rstrip("/") + "/"
-        children = []
-        for name in names:
-            name = name.rstrip("/")
+        children: dict[str, bool] = {}
+        for entry in entries:
+            name = str(entry.get("name", "")).rstrip("/") if isinstance(entry, dict) else str(entry).rstrip("/")
             if self.protocol in READ_ONLY_PROTOCOLS:
                 name = name.rsplit("/", 1)[-1]
             elif name.startswith(prefix):
                 name = name[len(prefix):]
             else:
                 name = name.rsplit("/", 1)[-1]
-            if name and name != path.rstrip("/"):
-                children.append(self / name)
-        return iter(children)
+            if name and name != path.rstrip("/") and "/" not in name:
+                children[name] = isinstance(entry, dict) and entry.get("type") == "directory"
+        return children
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        return iter([self / name for name in self.listing()])
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        """The folder's children whose names match ``pattern`` (one level, case-sensitive, as a local glob)."""
+        import fnmatch
+
+        return iter([self / name for name in self.listing() if fnmatch.fnmatchcase(name, pattern)])
 
     def read_bytes(self) -> bytes:
         with RemoteFile(self) as handle:
@@ -268,7 +278,7 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option {key or pair!r} is not KEY=VALUE")
+            raise ValueError(f"{key or pair!r} is not KEY=VALUE")
         try:
             value: Any = json.loads(raw)
         except ValueError:
@@ -287,6 +297,16 @@ def set_storage_options(options: Mapping[str, Any] | None) -> None:
         _options.clear()
         _options.update(options or {})
         _filesystems.clear()
+    _forget_remote_files()
+
+
+def _forget_remote_files() -> None:
+    """The byte-I/O layer's shared windows and range CRCs go when a command starts or the options change."""
+    import sys
+
+    byteio = sys.modules.get(__name__.rsplit(".", 1)[0] + ".byteio")
+    if byteio is not None:
+        byteio.forget_remote()
 
 
 @contextlib.contextmanager
@@ -365,6 +385,7 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
     """One line for a failed request: the cause (404, 403, throttled, timeout...) and the next step;
     never the store's raw text (it may quote a signed URL)."""
     from .errors import OutputError
+    from .suggest import Metavar, option
 
     kind = OutputError if writing else InputError
     chain: list[BaseException] = []
@@ -380,7 +401,8 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
         if isinstance(item, PermissionError) or status in (401, 403) or code in (
                 "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
             return kind(f"access denied ({status or 403}{', ' + code if code else ''}) — check the credentials "
-                        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or --storage-option)",
+                        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or "
+                        + option("storage_options", Metavar("KEY=VALUE")) + ")",
                         path=path)  # type: ignore[return-value]
         if status in (429, 503) or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
             return kind(f"the store is throttling requests ({status or 503}{' ' + code if code else ''}) and kept "
@@ -390,8 +412,9 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
             return kind("timed out talking to the store — check the network or the endpoint, then retry",
                         path=path)  # type: ignore[return-value]
         if "Connect" in name or isinstance(item, ConnectionError):
-            return kind("cannot connect to the store — check the endpoint (AWS_ENDPOINT_URL or --storage-option "
-                        "endpoint_url=...) and that it is up", path=path)  # type: ignore[return-value]
+            return kind("cannot connect to the store — check the endpoint (AWS_ENDPOINT_URL or "
+                        + option("storage_options", Metavar("endpoint_url=...")) + ") and that it is up",
+                        path=path)  # type: ignore[return-value]
         if status is not None and status >= 500:
             return kind(f"the store failed ({status}{' ' + code if code else ''}) — retry later",
                         path=path)  # type: ignore[return-value]
@@ -413,6 +436,8 @@ class IOStats:
     def reset(self) -> None:
         with self._lock:
             self.requests = self.bytes_read = self.bytes_written = 0
+        LEARNT_SIZES.clear()
+        _forget_remote_files()
 
     @contextlib.contextmanager
     def request(self, read: int = 0) -> Iterator[None]:
@@ -433,6 +458,8 @@ class IOStats:
 
 
 STATS = IOStats()
+# the sizes the store told of the files this command opened (``inspect``'s file_bytes costs no request)
+LEARNT_SIZES: dict[RemotePath, int] = {}
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -441,6 +468,7 @@ READAHEAD = 256 * 1024          # a small read fetches at least this much (the h
 MAX_READAHEAD = 8 * 1024 * 1024  # sequential small reads double the window up to this
 PARALLEL_FROM = 32 * 1024 * 1024  # a read this big is fetched as parallel ranges
 PART = 8 * 1024 * 1024
+KEEP_UP_TO = 2 * 1024 * 1024  # a big read up to this size is kept as a window too
 _WINDOWS = 4
 
 
@@ -460,6 +488,7 @@ class RemoteFile(io.RawIOBase):
             if info.get("type") == "directory":
                 raise InputError("is a folder, not a file", path=path)
             size = int(info.get("size") or 0)
+            LEARNT_SIZES[path] = size
         self.size = size
         self._position = 0
         self._windows: OrderedDict[int, bytes] = OrderedDict()  # start -> bytes, most recently used last
@@ -521,9 +550,17 @@ class RemoteFile(io.RawIOBase):
             if start <= offset and end <= start + len(data):
                 self._windows.move_to_end(start)
                 return data[offset - start:end - start]
+        for start, data in reversed(self._windows.items()):
+            if start <= offset < start + len(data):  # a read that starts in a window: only the rest is fetched
+                self._windows.move_to_end(start)
+                head = data[offset - start:]
+                return head + self.pread(end - offset - len(head), offset + len(head))
         if end - offset >= self._readahead:
             self._last_end = end
-            return self._fetch(offset, end)
+            data = self._fetch(offset, end)
+            if len(data) <= KEEP_UP_TO:  # a reader's look-ahead (a pickle read by the MiB): kept for what follows
+                self._keep(offset, data)
+            return data
         # a small read: fetch a window around it, bigger when reads go on where the last ended
         if offset == self._last_end:
             self._readahead = min(MAX_READAHEAD, self._readahead * 2)
@@ -532,11 +569,48 @@ class RemoteFile(io.RawIOBase):
             start = max(0, self.size - self._readahead)
         stop = min(self.size, max(end, start + self._readahead))
         data = self._fetch(start, stop)
-        self._windows[start] = data
-        while len(self._windows) > _WINDOWS:
-            self._windows.popitem(last=False)
+        self._keep(start, data)
         self._last_end = end
         return data[offset - start:end - start]
+
+    def _keep(self, start: int, data: bytes) -> None:
+        self._windows[start] = data
+        self._windows.move_to_end(start)
+        while len(self._windows) > _WINDOWS:
+            self._windows.popitem(last=False)
+
+    def cached(self, offset: int, size: int) -> bytes | None:
+        """The bytes at ``offset`` when a window already holds them all (no request), else None."""
+        end = min(self.size, offset + size)
+        for start, data in self._windows.items():
+            if start <= offset and end <= start + len(data):
+                return data[offset - start:end - start]
+        return None
+
+    def pread_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Many small ``(offset, size)`` reads at once: those a window holds from it, the others
+        fetched exactly, as parallel ranges in one batch (zip local headers spread over a file)."""
+        found: list[bytes | None] = [self.cached(offset, size) for offset, size in ranges]
+        wanted = [i for i, data in enumerate(found) if data is None]
+        if wanted:
+            starts = [ranges[i][0] for i in wanted]
+            ends = [min(self.size, ranges[i][0] + ranges[i][1]) for i in wanted]
+            try:
+                if hasattr(self._fs, "cat_ranges") and len(wanted) > 1:
+                    pieces = self._fs.cat_ranges([self._key] * len(wanted), starts, ends)
+                else:
+                    pieces = [self._fs.cat_file(self._key, start=starts[0], end=ends[0])]
+                for piece in pieces:
+                    if isinstance(piece, BaseException):
+                        raise piece
+            except InputError:
+                raise
+            except Exception as e:
+                raise remote_error(e, self.path) from None
+            STATS.add(requests=len(wanted), read=sum(len(piece) for piece in pieces))
+            for i, piece in zip(wanted, pieces):
+                found[i] = piece
+        return [data or b"" for data in found]
 
     def preadinto(self, view: memoryview, offset: int) -> int:
         data = self.pread(len(view), offset)

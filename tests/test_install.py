@@ -64,10 +64,12 @@ def _run(venv: Path, *args: object, cwd: Path) -> subprocess.CompletedProcess[st
 def test_the_core_installs_and_runs_without_torch(torchless_venv: Path, fixtures_dir: Path, tmp_path: Path) -> None:
     python = str(_venv_python(torchless_venv))
     probe = subprocess.run([python, "-c", "import importlib.util as u, ckptool, pathlib; "
-                                          "print(u.find_spec('torch') is None, u.find_spec('tqdm') is not None, "
+                                          "print(u.find_spec('torch') is None, u.find_spec('fsspec') is None, "
+                                          "u.find_spec('tqdm') is not None, "
                                           "(pathlib.Path(ckptool.__file__).parent / 'py.typed').is_file())"],
                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert probe.stdout.split() == ["True", "True", "True"], probe.stderr  # no torch; tqdm; py.typed in the wheel
+    # no torch, no fsspec; tqdm; py.typed in the wheel
+    assert probe.stdout.split() == ["True", "True", "True", "True"], probe.stderr
 
     checkpoint = fixtures_dir / "ddp_lenet_wrapped.pt"
     inspected = _run(torchless_venv, "inspect", checkpoint, "--json", "--fingerprint", cwd=tmp_path)
@@ -86,3 +88,9 @@ def test_the_core_installs_and_runs_without_torch(torchless_venv: Path, fixtures
                        cwd=tmp_path)
     assert needs_torch.returncode == 3
     assert needs_torch.stderr.count("\n") == 1 and INSTALL in needs_torch.stderr, needs_torch.stderr
+
+    for args in (["inspect", "s3://bucket/model.pt"], ["convert", checkpoint, "-o", "s3://bucket/model.safetensors"]):
+        needs_remote = _run(torchless_venv, *args, cwd=tmp_path)  # a URL without the remote extra: one line
+        assert needs_remote.returncode == 3, needs_remote.stderr
+        assert needs_remote.stderr.count("\n") == 1 and "pip install 'ckptool[remote]'" in needs_remote.stderr, \
+            needs_remote.stderr

@@ -88,6 +88,8 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     read as their bytes swapped, as torch swaps them on load (so a rewrite writes them little-endian).
     """
     source = data_file or path
+    prefix = f"{top}/data/"
+    type_globals: dict[Any, str] = {}  # by placeholder (held, so by identity): each class's name made once
 
     def persistent_load(pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
@@ -101,7 +103,7 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         cached = storages.get(key)
         if cached is not None and (cached.nbytes or cached.dtype is storage_type.dtype):
             return cached
-        member = members.get(f"{top}/data/{key}")
+        member = members.get(prefix + key)
         if member is None:
             raise InputError(f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
                              "truncated or corrupt", path=path)
@@ -120,7 +122,8 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
             # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
             data=ByteRange(source, base_offset + member.data_offset, nbytes,
                            member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None),
-            type_global=f"{storage_type.module}.{storage_type.name}",
+            type_global=type_globals.get(storage_type) or type_globals.setdefault(
+                storage_type, f"{storage_type.module}.{storage_type.name}"),
         )
         if big_endian:
             storage.producer = _swapped(storage)

@@ -22,6 +22,7 @@ from typing import BinaryIO, NamedTuple
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..errors import InputError, OutputError
+from ..gcpause import paused
 from ..refs import ByteRange, Derived
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -335,6 +336,11 @@ def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Me
     ``size`` is the archive's length when ``handle`` is a window onto part of a file (a DCP chunk)
     rather than a whole file; member offsets are then relative to the window.
     """
+    with paused():  # 100,000 members are 100,000 records, none of them garbage
+        return _read_members(path, handle, size)
+
+
+def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
     listing = list_members(path, handle, size=size)
     if listing.problems:
         raise InputError(listing.problems[0], path=path)

@@ -21,6 +21,7 @@ from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
+from ..gcpause import paused
 from ..refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 from .placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
 
@@ -438,7 +439,8 @@ def dump(obj: Any, *, renumber_storages: bool = False,
     emitter = _Emitter(renumber_storages)
     emitter.write(_P.PROTO + b"\x02")
     try:
-        emitter.save(obj)
+        with paused():  # the memo keeps every object it numbers alive: nothing here is garbage
+            emitter.save(obj)
     except RecursionError as e:
         raise InputError("checkpoint object is nested too deeply to write") from e
     emitter.write(_P.STOP)

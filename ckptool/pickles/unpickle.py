@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InputError
+from ..gcpause import paused
 from ..refs import DeviceRef, TensorRef, human_size
 from . import limits
 from .allowlist import GlobalResolver, RefusedGlobal
@@ -67,17 +68,18 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
     # a refused global becomes an inert placeholder and the walk goes on, so that one refusal names
     # every refused global; what the walk then meets (a rebuild given a placeholder, a corrupt
     # tail) ends it with the refusal of the names found so far
-    try:
-        obj = _unpickle(blob, resolver, persistent_load)
-    except (RefusedGlobal, InputError) as e:
-        refusal = resolver.refusal(complete=False)
-        if refusal is not None and not isinstance(e, RefusedGlobal):
-            raise refusal from None
-        raise
-    refusal = resolver.refusal()
-    if refusal is not None:
-        raise refusal
-    check_tree(obj, source_bytes=len(blob))
+    with paused():  # the tree is the result: nothing it builds is garbage
+        try:
+            obj = _unpickle(blob, resolver, persistent_load)
+        except (RefusedGlobal, InputError) as e:
+            refusal = resolver.refusal(complete=False)
+            if refusal is not None and not isinstance(e, RefusedGlobal):
+                raise refusal from None
+            raise
+        refusal = resolver.refusal()
+        if refusal is not None:
+            raise refusal
+        check_tree(obj, source_bytes=len(blob))
     return obj
 
 

@@ -127,6 +127,12 @@ _TEXT = frozenset({str, bytes, bytearray})  # leaves a copy (json, repr, a heade
 _EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})  # empty ones are leaves too
 
 
+def _plain_tensor(obj: Any) -> bool:
+    """The usual tensor: a leaf of the tree (no metadata, hooks, parameter or attributes to enter)."""
+    return type(obj) is TensorRef and obj.extra == () and not obj.backward_hooks and obj.parameter is None \
+        and obj.subclass is None
+
+
 def _tree_children(obj: Any) -> list[Any]:
     if type(obj) is TensorRef:
         if obj.extra == () and not obj.backward_hooks and obj.parameter is None and obj.subclass is None:
@@ -177,7 +183,7 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
             on_path.add(key)
             stack[-1] = (obj, kids)
             stack.extend((kid, None) for kid in kids
-                         if type(kid) not in _ATOMS and (kid or type(kid) not in _EMPTYABLE)
+                         if type(kid) not in _ATOMS and not _plain_tensor(kid) and (kid or type(kid) not in _EMPTYABLE)
                          and id(kid) not in done and id(kid) not in on_path)
             continue
         stack.pop()
@@ -191,7 +197,13 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
                     text += len(kid)
                 continue
             entry = done.get(id(kid))
-            if entry is None:  # an empty container, or a cycle back to an ancestor: a leaf
+            if entry is None:
+                if kind is TensorRef and _plain_tensor(kid):  # what its own visit would record: (1, 1, 0)
+                    size += 1
+                    if height < 2:
+                        height = 2
+                    continue
+                # an empty container, or a cycle back to an ancestor: a leaf
                 size += 1
                 continue
             if entry[0] >= height:

@@ -1,6 +1,7 @@
 """A minimal, validating zip layer for torch archives: read the directory, write stored members.
 
-Python's ``zipfile`` parses the central directory; this module adds what a checkpoint reader
+The central directory is read exactly as Python's ``zipfile`` reads it (in one pass over its
+bytes, ``zipfile`` itself for a directory that pass refuses); this module adds what a checkpoint reader
 needs on top — the exact offset of each member's bytes (so storages are copied raw), members
 located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
 case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,

@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 $(VENV)/.installed: pyproject.toml training/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[torch,test]' -e ./training  # training/: the runs, a distribution of their own
+	$(PY) -m pip install --quiet -e '.[torch,test,remote]' -e ./training  # training/: the runs, a distribution of their own
 	$(PY) -m compileall -q ckptool training  # as a wheel install does: no recompiling in every process
 	touch $@
 

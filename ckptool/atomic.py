@@ -33,6 +33,27 @@ def same_file(a: Path, b: Path) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
+def exists_refusal(out: Any) -> OutputError:
+    """The refusal of an output that exists, without ``force`` (a local path or a URL)."""
+    return OutputError("already exists — pass " + option("force") + " to overwrite it, or choose another "
+                       + option("out", None), path=out)
+
+
+def is_input_refusal(out: Any) -> OutputError:
+    """The refusal of an output that is the input file, without ``in_place``."""
+    return OutputError("is the input file; refusing to overwrite it — write elsewhere with "
+                       + option("out", None) + ", or pass " + option("in_place"), path=out)
+
+
+def folder_holds_refusal(out: Any, writes: list[str], existing: list[str]) -> OutputError:
+    """The refusal of a folder output holding ``existing`` files of the set it ``writes``, without ``force``."""
+    # the last file written (an index) names the earlier set best
+    shown = writes[-1] if writes and writes[-1] in existing else existing[0]
+    return OutputError(f"already holds {shown}{' and more of its files' if len(existing) > 1 else ''} "
+                       "— pass " + option("force") + " to replace the earlier set (only its shards and index; "
+                       "nothing else in the folder is touched), or choose another " + option("out", None), path=out)
+
+
 def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = False, in_place: bool = False) -> None:
     """Refuse an output that would clobber a file or overwrite an input unless asked.
 
@@ -42,8 +63,7 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
     for source in inputs:
         if out.exists() and same_file(out, source):
             if not in_place:
-                raise OutputError("is the input file; refusing to overwrite it — write elsewhere with "
-                                  + option("out", None) + ", or pass " + option("in_place"), path=out)
+                raise is_input_refusal(out)
             return
     if in_place:
         raise OutputError(_NOT_THE_INPUT, path=out)
@@ -54,8 +74,7 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
                 raise OutputError(f"is a directory holding the input {source} — replacing it would delete the input; "
                                   "choose another " + option("out", None), path=out)
     if out.exists() and not force:
-        raise OutputError("already exists — pass " + option("force") + " to overwrite it, or choose another "
-                          + option("out", None), path=out)
+        raise exists_refusal(out)
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"directory {parent} does not exist — create it first", path=out)
@@ -96,11 +115,7 @@ def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inp
                                   "choose another " + option("out", None), path=out)
         existing.append(name)
     if existing and not force and not in_place:  # --in-place is the ask to replace the input's own set
-        # the last file written (an index) names the earlier set best
-        shown = writes[-1] if writes and writes[-1] in existing else existing[0]
-        raise OutputError(f"already holds {shown}{' and more of its files' if len(existing) > 1 else ''} "
-                          "— pass " + option("force") + " to replace the earlier set (only its shards and index; "
-                          "nothing else in the folder is touched), or choose another " + option("out", None), path=out)
+        raise folder_holds_refusal(out, writes, existing)
 
 
 def _os_error_message(error: OSError) -> str:

@@ -102,9 +102,77 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _emit_json(command: str, data: dict[str, Any]) -> None:
-    """Print ``command``'s --json document (see :mod:`ckptool.jsonout`): ASCII, strict, schema named first."""
+    """Print ``command``'s --json document (see :mod:`ckptool.jsonout`): ASCII, strict, schema named first.
+    A command that named a URL also reports what it cost: ``io: {bytes_read, requests}``."""
+    if _names_url():
+        from .remote import STATS
+
+        counted = STATS.as_dict()
+        data = {**data, "io": {"bytes_read": counted["bytes_read"], "requests": counted["requests"]}}
     # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
     click.echo(jsonout.dumps(jsonout.document(jsonout.KINDS[command], data)))
+
+
+_URL_NAMED = "ckptool.url_named"
+_REMOTE = __name__.rsplit(".", 1)[0] + ".remote"
+
+
+def _names_url() -> bool:
+    context = click.get_current_context(silent=True)
+    return context is not None and bool(context.find_root().meta.get(_URL_NAMED))
+
+
+class Location(click.ParamType):
+    """A path argument or option: a local :class:`Path` as before, or a URL (``s3://``, ``gs://``,
+    ``https://``, any fsspec protocol) as a :class:`~ckptool.remote.RemotePath` — never normalized
+    into a path (``s3://b/k`` is not ``s3:/b/k``). ``file://`` names a local path."""
+
+    name = "path"
+
+    def __init__(self, *, keep_text: bool = False) -> None:
+        self.keep_text = keep_text  # convert's -o: a str, whose trailing "/" says "a folder"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, Path) or not isinstance(value, (str, bytes)):
+            return value  # a Path, or a RemotePath given by a caller
+        text = os.fsdecode(value) if isinstance(value, bytes) else value
+        if "://" not in text:  # a local path, as before (ckptool.remote is not even imported)
+            return text if self.keep_text else Path(text)
+        from .remote import is_url, location
+
+        if is_url(text):
+            if ctx is not None:
+                ctx.find_root().meta[_URL_NAMED] = True
+            return text if self.keep_text else location(text)
+        if self.keep_text:
+            return text
+        return location(text) if text.lower().startswith("file://") else Path(text)
+
+
+LOCATION = Location()
+
+
+def storage_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--storage-option KEY=VALUE`` (repeatable): fsspec options for every URL of the command; and
+    the request and byte counts (``--json``'s ``io``) start at zero for the command."""
+
+    @click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
+                  help="An fsspec option for URLs (repeatable): endpoint_url=http://127.0.0.1:8333, anon=true, "
+                       "client_kwargs.region_name=eu-west-1. Credentials come from the environment, never printed.")
+    @functools.wraps(command)
+    def wrapper(*args: Any, storage_option: tuple[str, ...], **kwargs: Any) -> Any:
+        if storage_option or _REMOTE in sys.modules:  # ckptool.remote is imported only when URLs are in play
+            from .remote import STATS, parse_storage_options, set_storage_options
+
+            try:
+                options = parse_storage_options(storage_option)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="'--storage-option'") from None
+            set_storage_options(options)
+            STATS.reset()
+        return command(*args, **kwargs)
+
+    return wrapper
 
 
 allow_global_option = click.option(
@@ -193,7 +261,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.argument("ckpt", type=LOCATION)
 @json_option
 @click.option("--tensors", "list_tensors", is_flag=True, help="List every weight tensor.")
 @click.option("--fingerprint", "with_fingerprint", is_flag=True,
@@ -202,6 +270,7 @@ def _terminate(signum: int, frame: Any) -> None:
 @allow_expansion_option
 @weights_option
 @shows_progress
+@storage_options
 @handle_errors
 def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...],
             allow_expansion: bool, weights: str | None) -> None:
@@ -225,9 +294,10 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.argument("ckpt", type=LOCATION)
 @json_option
 @allow_global_option
+@storage_options
 @handle_errors
 def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
     """List every pickle global and opcode without executing anything; judge safe, unknown or dangerous.
@@ -252,8 +322,8 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed([
-        click.argument("ckpt", type=click.Path(path_type=Path)),
-        click.option("-o", "--out", type=click.Path(path_type=Path),
+        click.argument("ckpt", type=LOCATION),
+        click.option("-o", "--out", type=LOCATION,
                      help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
                           "another suffix keeps the input's)."),
         force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option, weights_option,
@@ -270,6 +340,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
               help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.")
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
 @shows_progress
+@storage_options
 @handle_errors
 def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
           with_fingerprint: bool, weights: str | None, dry_run: bool, prefix: str | None, to_device: str | None,
@@ -300,6 +371,7 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @_rewrite_options
 @click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
 @shows_progress
+@storage_options
 @handle_errors
 def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
                allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, dry_run: bool,
@@ -324,6 +396,7 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 @click.option("--to", "to_device", default=None, metavar="DEVICE", help="Send every storage to DEVICE (cpu, cuda:0...).")
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
 @shows_progress
+@storage_options
 @handle_errors
 def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
           with_fingerprint: bool, weights: str | None, dry_run: bool, to_device: str | None,
@@ -350,10 +423,10 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
 
 @main.command()
-@click.argument("ckpts", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("-o", "--out", type=click.Path(),  # a str: a trailing "/" says "a folder"
+@click.argument("ckpts", nargs=-1, required=True, type=LOCATION)
+@click.option("-o", "--out", type=Location(keep_text=True),  # a str: a trailing "/" says "a folder"
               help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
-@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
+@click.option("--out-dir", type=LOCATION,
               help="Convert many inputs into this directory (name kept, suffix from --to).")
 @click.option("--to", "to_format", type=click.Choice(["safetensors", "pt", "dcp"]), default=None,
               help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "
@@ -382,6 +455,7 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @weights_option
 @dry_run_option
 @shows_progress
+@storage_options
 @handle_errors
 def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_format: str | None,
             strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
@@ -421,7 +495,7 @@ def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_f
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.argument("ckpt", type=LOCATION)
 @click.option("--model", "model_spec", default=None, metavar="SPEC",
               help="torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory — the "
                    "last imports and runs YOUR code on purpose (never the checkpoint's).")
@@ -429,7 +503,7 @@ def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_f
               help="Keyword argument for the model builder, e.g. num_classes=10 (repeatable).")
 @click.option("--devices", default="all", show_default=True, metavar="all|cpu,cuda:0,...",
               help="Devices to evaluate on; the CPU run is always the reference.")
-@click.option("--against", type=click.Path(path_type=Path), default=None, metavar="OTHER",
+@click.option("--against", type=LOCATION, default=None, metavar="OTHER",
               help="A second checkpoint (any format) that must hold the same weights (and outputs, with --model).")
 @click.option("--input-shape", default=None, metavar="1,3,224,224",
               help="Shape of the seeded input (default: 1,1,28,28 for training:, 1,3,224,224 for torchvision:).")
@@ -444,6 +518,7 @@ def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_f
 @weights_option
 @click.option("--against-weights", default=None, metavar="PATH", help="--weights for OTHER.")
 @shows_progress
+@storage_options
 @handle_errors
 def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devices: str, against: Path | None,
            input_shape: str | None, atol: float | None, rtol: float | None, allow_nonfinite: bool,
@@ -476,8 +551,8 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 
 
 @main.command()
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path))
+@click.argument("a", type=LOCATION)
+@click.argument("b", type=LOCATION)
 @click.option("--atol", type=float, default=0.0, show_default=True,
               help="Value differences up to this are not changes (0: exact; floats count -0.0 as 0.0, NaN as NaN).")
 @json_option
@@ -486,6 +561,7 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 @weights_option
 @click.option("--weights-b", default=None, metavar="PATH", help="--weights for B (--weights applies to A).")
 @shows_progress
+@storage_options
 @handle_errors
 def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...], allow_expansion: bool,
          weights: str | None, weights_b: str | None) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .byteio import FileCache, read_exact, read_into
 from . import progress, suggest
+from .byteio import FileCache, Source, is_remote, read_exact, read_into, use_storage_options
 from .checkpoint import Checkpoint
 from .dtypes import BIT_PATTERNS, DType
 from .keys import detect_prefix
@@ -257,7 +257,7 @@ def _spans(tensor: TensorRef) -> tuple[ByteRange, ...] | None:
     return None if span is None else (span,)
 
 
-def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[int]) -> Iterator[bytes | bytearray]:
+def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source]) -> Iterator[bytes | bytearray]:
     """The bytes of ``spans`` end to end in pieces of ``size`` bytes (the last may be shorter), read
     straight into one reused buffer: each piece is valid only until the next is asked for."""
     total = sum(span.length for span in spans)
@@ -287,12 +287,14 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[int]) 
 
 
 def tensor_chunks(tensor: TensorRef, elements: int | None = None,
-                  files: FileCache[int] | None = None) -> Iterator[bytes | bytearray]:
+                  files: FileCache[Source] | None = None) -> Iterator[bytes | bytearray]:
     """:func:`element_chunks` (by default of :data:`CHUNK_SIZE` bytes), read with ``os.preadv`` through
     ``files`` when the bytes lie in the file as they are. A chunk may be a reused buffer."""
     if elements is None:
         elements = max(1, CHUNK_SIZE // tensor.dtype.itemsize)
     spans = _spans(tensor) if files is not None and hasattr(os, "preadv") else None
+    if spans and is_remote(spans[0].path):
+        spans = None  # a URL's bytes: streamed by parts fetched one ahead, not a request per chunk
     chunks = element_chunks(tensor, elements) if spans is None else \
         _read_spans(spans, elements * tensor.dtype.itemsize, files)
     for chunk in chunks:
@@ -300,7 +302,7 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
         yield chunk
 
 
-def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[int] | None = None,
+def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[Source] | None = None,
                    on_a_chunk: ChunkCallback | None = None) -> tuple[bool, float, int, int]:
     """Stream two equal-shape tensors: ``(byte_identical, max_abs_diff, differing, beyond_atol)``.
 
@@ -375,7 +377,8 @@ def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
 def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float = 0.0,
          allow_globals: tuple[str, ...] | list[str] = (), align_prefixes: bool = False,
          chunk_hook: ChunkHook | None = None, allow_expansion: bool = False,
-         weights_a: str | None = None, weights_b: str | None = None) -> DiffReport:
+         weights_a: str | None = None, weights_b: str | None = None,
+         storage_options: Mapping[str, Any] | None = None) -> DiffReport:
     """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
 
     Works across formats (.pt against .safetensors or a sharded directory). Values are compared
@@ -403,6 +406,7 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
         >>> report.identical, report.byte_identical                 # doctest: +SKIP
         (True, 8)
     """
+    use_storage_options(storage_options)
     left, right = _open(a, allow_globals, weights_a), _open(b, allow_globals, weights_b)
     if left.has_weights or right.has_weights:
         a_tensors, b_tensors = left.tensors, right.tensors

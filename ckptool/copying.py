@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .byteio import FileCache, read_exact, read_into
+from .byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
 from .errors import InputError
 from .refs import ByteRange
 
@@ -44,7 +44,7 @@ class DataOut:
         self.on_data = on_data
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
-        self._sources: FileCache[int] = FileCache()
+        self._sources: FileCache[Source] = FileCache()
         self._window: tuple[Path, int, bytes] | None = None  # (source, offset, bytes) read ahead
         self._last_end: tuple[Path, int] | None = None  # where the last small piece ended
 
@@ -70,7 +70,8 @@ class DataOut:
 
         Pieces read in the order they lie (a checkpoint's storages, a zip header apart) come from one
         read of :data:`READ_AHEAD` bytes each run of them, not a read each: once a piece starts
-        within :data:`READ_GAP` bytes after the last one ended, the next window is read ahead."""
+        within :data:`READ_GAP` bytes after the last one ended, the next window is read ahead (from a
+        local file)."""
         window = self._window
         if window is not None and window[0] == source:
             start = offset - window[1]
@@ -80,15 +81,17 @@ class DataOut:
         sequential = self._last_end is not None and self._last_end[0] == source \
             and 0 <= offset - self._last_end[1] <= READ_GAP
         self._last_end = (source, offset + size)
-        if sequential and size < READ_AHEAD:
+        opened = self._sources.get(source)
+        # a local file only: a remote one records the CRC of each range it reads (RANGE_CRCS), piece by piece
+        if sequential and size < READ_AHEAD and isinstance(opened, int):
             try:
-                data = read_exact(self._sources.get(source), offset, READ_AHEAD, source)
+                data = read_exact(opened, offset, READ_AHEAD, source)
             except InputError:  # the file ends within the window: the piece alone
                 pass
             else:
                 self._window = (source, offset, data)
                 return data[:size]
-        return read_exact(self._sources.get(source), offset, size, source)
+        return read_exact(opened, offset, size, source)
 
     def copy(self, source: Path, offset: int, size: int, out_offset: int) -> None:
         """Copy ``size`` bytes of ``source`` at ``offset`` to the output at ``out_offset``, where it stands.
@@ -154,6 +157,16 @@ def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offs
                    on_data: OnData | None) -> None:
     """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
     telling ``on_data`` of each step once it is in the file."""
+    if is_remote(source):  # one stream of ranges fetched ahead, reported as it lands
+        out.seek(out_offset)
+        done = 0
+        for chunk in iter_range(source, offset, size, COPY_STEP):
+            out.write(chunk)
+            out.flush()
+            if on_data is not None:
+                on_data(out_offset + done, len(chunk))
+            done += len(chunk)
+        return
     done = 0
     while done < size:
         step = min(COPY_STEP, size - done)
@@ -175,6 +188,11 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
     Raises:
         InputError: ``source`` ends first.
     """
+    if is_remote(source):  # a URL: fetched by ranges, a chunk ahead, and written
+        out.seek(out_offset)
+        for chunk in iter_range(source, offset, size, _BUFFER):
+            out.write(chunk)
+        return
     out.flush()
     with open(source, "rb") as src:
         in_fd, out_fd = src.fileno(), out.fileno()
@@ -201,6 +219,11 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
 
 def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: int = 0) -> int:
     """Write ``size`` bytes of ``source`` at ``offset`` where ``out`` stands, continuing ``crc`` over them."""
+    if is_remote(source):  # a URL: fetched by ranges, a chunk ahead
+        for chunk in iter_range(source, offset, size, _BUFFER):
+            crc = zlib.crc32(chunk, crc)
+            out.write(chunk)
+        return crc
     buffer = memoryview(bytearray(min(size, _BUFFER) or 1))
     with open(source, "rb", buffering=0) as src:
         fd = src.fileno()

@@ -13,10 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import exitcodes
 from .suggest import Option, Wording, keyword
 from .text import printable
+
+if TYPE_CHECKING:
+    from .remote import RemotePath
+
+
+def location(path: Path | str | RemotePath) -> Path | RemotePath:
+    """A local path, or a URL as a :class:`~ckptool.remote.RemotePath` (imported only for a URL)."""
+    if isinstance(path, Path) or (isinstance(path, str) and "://" not in path):
+        return Path(path)
+    from .remote import location as to_location
+
+    return to_location(path)
 
 
 class CkptError(Exception):
@@ -24,8 +37,8 @@ class CkptError(Exception):
 
     exit_code = exitcodes.INPUT
 
-    def __init__(self, message: str | Wording, *, path: Path | str | None = None) -> None:
-        self.path = Path(path) if path is not None else None
+    def __init__(self, message: str | Wording, *, path: Path | str | RemotePath | None = None) -> None:
+        self.path = location(path) if path is not None else None  # a URL stays a URL (printed without credentials)
         self.wording = message if isinstance(message, Wording) else None
         self.message = str(message)  # an option it names spelled as the API's keyword argument
         super().__init__(self.render(keyword))
@@ -40,7 +53,7 @@ class InputError(CkptError):
     """The input cannot be read: missing, unreadable, truncated, corrupt or not a checkpoint."""
 
     @classmethod
-    def truncated(cls, path: Path | str | None,
+    def truncated(cls, path: Path | str | RemotePath | None,
                   cause: str = "tensor bytes end before the data they promise") -> InputError:
         """The file ends before bytes it promises: ``<path>: file is truncated: <cause> — <next step>``."""
         return cls(f"file is truncated: {cause} — re-save or re-download the checkpoint", path=path)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import suggest
+from .byteio import use_storage_options
 from .checkpoint import Checkpoint
 from .dtypes import DType
 from .errors import CkptError, InputError
@@ -86,6 +87,13 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
     span = storage.byte_range()
     if span.length == 0:
         return torch.UntypedStorage(0)
+    if not isinstance(span.path, Path):  # a URL: its bytes fetched by ranges (parallel for a big one)
+        buffer = torch.empty(span.length, dtype=torch.uint8)
+        view, filled = memoryview(buffer.numpy()), 0
+        for chunk in span.iter_chunks():
+            view[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return buffer.untyped_storage()
     try:
         file_size = os.path.getsize(span.path)
     except OSError as e:
@@ -544,7 +552,8 @@ def _model_device(model: nn.Module) -> str:
 def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str | None = None,
               strict: bool = True, filter_fn: Callable[[dict[str, torch.Tensor], nn.Module],
                                                        dict[str, torch.Tensor]] | None = None,
-              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None) -> LoadReport:
+              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None,
+              storage_options: Mapping[str, Any] | None = None) -> LoadReport:
     """Load any checkpoint's weights into ``model``, fixing wrapper prefixes on the way.
 
     Reads the file without running its code, finds the weights inside any training container,
@@ -580,6 +589,7 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         ...                   filter_fn=lambda sd, m: {k: v for k, v in sd.items() if not k.startswith("head.")})
     """
     import_torch("loading into a model")
+    use_storage_options(storage_options)
     checkpoint = _open(path, allow_globals, weights)
     tensors = checkpoint.tensors
     if not tensors:

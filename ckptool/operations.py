@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CkptError, UsageError
+from .errors import CkptError, UsageError, location
 from . import suggest
 from .suggest import Metavar, option
 
@@ -88,7 +88,7 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
     from .reader import load
     from .writer import rewrite_format, save
 
-    ckpt, out = Path(ckpt), _optional_path(out)
+    ckpt, out = location(ckpt), _optional_path(out)
     mapping = tuple(mapping)
     mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
@@ -127,7 +127,7 @@ def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str =
     from .reader import load
     from .writer import rewrite_format, save
 
-    ckpt, out = Path(ckpt), _optional_path(out)
+    ckpt, out = location(ckpt), _optional_path(out)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
@@ -149,7 +149,7 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     from .reader import load
     from .writer import rewrite_format, save
 
-    ckpt, out = Path(ckpt), _optional_path(out)
+    ckpt, out = location(ckpt), _optional_path(out)
     mapper = _mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     _has_location_tags(checkpoint, ckpt)
@@ -188,7 +188,7 @@ def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
 
 
 def _optional_path(path: Path | str | None) -> Path | None:
-    return Path(path) if path is not None else None
+    return location(path) if path is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -263,7 +263,7 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
     """
     from .formats.safetensors import parse_size
 
-    sources = [Path(source) for source in sources]
+    sources = [location(source) for source in sources]
     shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if (out is None) == (out_dir is None):
         raise UsageError("give exactly one of " + option("out", Metavar("OUT")) + " (one input) or "
@@ -274,11 +274,11 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
                              + " to convert several")
         if isinstance(out, str) and out.endswith(("/", os.sep)) and shard_bytes is None and to != "pt":
             shard_bytes = parse_size("5GB")  # "out/": a folder of shards (the writer's default size), as no suffix says
-        return ConvertPlan([(sources[0], Path(out))], True, shard_bytes)
+        return ConvertPlan([(sources[0], location(out))], True, shard_bytes)
     from .writer import plan_outputs
 
     assert out_dir is not None
-    return ConvertPlan(plan_outputs(sources, Path(out_dir), to), False, shard_bytes)
+    return ConvertPlan(plan_outputs(sources, location(out_dir), to), False, shard_bytes)
 
 
 def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
@@ -303,6 +303,9 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
 
     own_writer = formats.for_target(options.to) if options.to is not None else None
     if own_writer is not None and own_writer.write is not None:  # DCP: written by torch's own saver
+        if not isinstance(target, Path):
+            raise UsageError(f"a {own_writer.name} folder is written to a local path only — write it locally, then "
+                             "upload the folder", path=target)
         if max_shard_bytes is not None:
             raise UsageError(option("max_shard_size", None) + f" applies to safetensors output, not {own_writer.name}")
         saved = own_writer.write(checkpoint, target, force=options.force, fingerprint=options.fingerprint,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from . import formats, inputs, modules, pickles
+from .byteio import forget_windows, use_storage_options
 from .checkpoint import Checkpoint, find_layout
-from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from .errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError, location
 from .suggest import Metavar
 from .suggest import option as suggest_option
 from .tree import get_at
@@ -15,7 +18,8 @@ from .tree import get_at
 
 def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
          guard_cache: pickles.GuardCache | None = None,
-         weights: str | tuple | list | None = None) -> Checkpoint:
+         weights: str | tuple | list | None = None, storage_options: Mapping[str, Any] | None = None
+         ) -> Checkpoint:
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
@@ -35,6 +39,10 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
             ``state.<param>.<name>``. In a training folder, a file of the folder may be named first
             (``"model_1"``, ``"optimizer.bin"``, ``"model_1.safetensors/..."``); ``"state"`` there
             is its optimizer file's.
+        storage_options: fsspec options for a URL ``path`` (``s3://``, ``gs://``, ``https://``...),
+            as the CLI's ``--storage-option``: an endpoint, a profile, ``anon``. They stay in force for
+            the reads that follow (the tensors of a remote checkpoint are read when used). The other
+            reading functions (inspect, scan, diff, verify, load_into) take them too.
 
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
@@ -48,7 +56,10 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         >>> ckpt.format, ckpt.prefix, len(ckpt.tensors)   # doctest: +SKIP
         ('torch-zip', 'module.', 10)
     """
-    path = Path(path)
+    use_storage_options(storage_options)
+    path = location(path)
+    if not isinstance(path, Path):
+        forget_windows()  # a remote file's bytes are read as they are now, not as an earlier read saw them
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
         checkpoint = _load(path, resolver)
@@ -69,9 +80,11 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
 
 def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = None) -> Checkpoint:
     """Read ``path``; ``folder`` is the input folder it was found in, whose bounds it must keep."""
-    if folder is None and not path.exists():
-        raise InputError("does not exist — check the path", path=path)
-    if folder is None and path.is_dir():
+    remote = inputs.describe_remote(path) if folder is None else None  # one request: is it there, a folder?
+    if folder is None and not (path.exists() if remote is None else remote.exists):
+        raise InputError("does not exist — check the path" if remote is None else
+                         "does not exist (404) — check the URL", path=path)
+    if folder is None and (path.is_dir() if remote is None else remote.is_dir):
         fmt = formats.sniff(None, path)
         if fmt is not None:
             return _checkpoint(path, fmt, fmt.read(path, formats.ReadOptions(None, b"", resolver)), resolver)
@@ -90,7 +103,7 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
     if folder is not None:
         handle = inputs.open_member(folder, path, what=path.name, report=folder)
     else:
-        handle = inputs.open_regular(path)
+        handle = inputs.open_regular(path, size=remote.size if remote is not None else None)
     with handle:
         try:
             head = handle.read(64)

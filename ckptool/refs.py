@@ -43,20 +43,15 @@ class ByteRange:
     crc32: int | None = None
 
     def iter_chunks(self, start: int = 0, size: int | None = None, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
-        """Stream ``size`` bytes at ``start`` in chunks (bounded memory)."""
+        """Stream ``size`` bytes at ``start`` in chunks (bounded memory; a URL's fetched a chunk ahead)."""
+        from .byteio import iter_range
+
         size = self.length - start if size is None else size
         if start < 0 or size < 0 or start + size > self.length:
             raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
-        with open(self.path, "rb", buffering=0) as handle:
-            handle.seek(self.offset + start)
-            remaining = size
-            while remaining:
-                data = handle.read(min(chunk_size, remaining))
-                if not data:
-                    raise InputError.truncated(self.path)
-                remaining -= len(data)
-                yield data
-
+        if size == 0:
+            return
+        yield from iter_range(self.path, self.offset + start, size, chunk_size)
 
     def iter_reused(self, start: int = 0, size: int | None = None,
                     chunk_size: int = CHUNK_SIZE) -> Iterator[bytearray]:
@@ -67,6 +62,10 @@ class ByteRange:
         if start < 0 or size < 0 or start + size > self.length:
             raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
         if size == 0:
+            return
+        if not isinstance(self.path, Path):  # a URL: its chunks, fetched one ahead (each a fresh buffer)
+            for chunk in self.iter_chunks(start, size, chunk_size):
+                yield bytearray(chunk)
             return
         buffer = bytearray(min(chunk_size, size))
         with open(self.path, "rb", buffering=0) as handle:
@@ -85,6 +84,28 @@ class ByteRange:
                 del view
                 remaining -= len(buffer)
                 yield buffer
+
+
+class LazyByteRange(ByteRange):
+    """A :class:`ByteRange` whose offset is worked out when first asked for (a remote zip member's
+    data offset, which needs its local header): ``resolve()`` returns it, or raises why it cannot."""
+
+    def __init__(self, path: Path, offset: int | None, length: int, crc32: int | None = None, *,
+                 resolve: Callable[[], int] | None = None) -> None:
+        self._resolve = resolve
+        self._offset = offset
+        self.path, self.length, self.crc32 = path, length, crc32
+
+    @property  # type: ignore[override]
+    def offset(self) -> int:
+        if self._offset is None:
+            assert self._resolve is not None
+            self._offset = self._resolve()
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self._offset = value
 
 
 class Derived(Protocol):
@@ -313,6 +334,8 @@ class TensorRef:
         base = self.storage.byte_range() if produced is None else ByteRange(Path(), 0, len(produced))
         item = self.dtype.itemsize
         length = self.offset * item + self.span_bytes()
+        if produced is None and not isinstance(base.path, Path):  # a URL: the view's span fetched, then gathered
+            produced, base = b"".join(base.iter_chunks(0, length)), ByteRange(Path(), 0, length)
         if (os.path.getsize(base.path) if produced is None else len(produced)) < base.offset + length:
             raise InputError.truncated(base.path)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))

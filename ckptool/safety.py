@@ -21,10 +21,12 @@ import pickletools
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-from . import dtypes, formats, pickles
-from .errors import CkptError, InputError, UnsupportedFormatError
+from . import dtypes, formats, inputs, pickles
+from .byteio import learnt_size, use_storage_options
+from .errors import CkptError, InputError, UnsupportedFormatError, location
 from .refs import StorageRef
 from .suggest import Wording, option
 
@@ -122,7 +124,7 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
 
 def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Format | None, formats.Pickles]:
     """The format that claims a file and the pickles in it, read as its format lists them."""
-    with open(path, "rb") as handle:
+    with inputs.open_regular(path, size=learnt_size(path)) as handle:
         head = handle.read(64)
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
@@ -132,7 +134,8 @@ def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Form
         return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
 
 
-def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -> ScanReport:
+def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
+         storage_options: Mapping[str, Any] | None = None) -> ScanReport:
     """List a checkpoint's pickle globals and opcodes and judge them, running nothing.
 
     Raises:
@@ -143,11 +146,14 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -
         >>> report.safe, report.unsafe              # doctest: +SKIP
         (True, [])
     """
-    path, allow_globals = Path(path), tuple(allow_globals)
-    if not path.exists():
-        raise InputError("does not exist — check the path", path=path)
-    is_dir = path.is_dir()
-    if not is_dir and not path.is_file():  # opening a FIFO would wait forever for a writer
+    use_storage_options(storage_options)
+    path, allow_globals = location(path), tuple(allow_globals)
+    remote = inputs.describe_remote(path)  # a URL: one request says whether it is there, and what
+    if not (path.exists() if remote is None else remote.exists):
+        raise InputError("does not exist — check the path" if remote is None else
+                         "does not exist (404) — check the URL", path=path)
+    is_dir = path.is_dir() if remote is None else remote.is_dir
+    if not is_dir and remote is None and not path.is_file():  # opening a FIFO would wait forever for a writer
         raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
     fmt = formats.sniff(None, path) if is_dir else None
     if is_dir and fmt is None:  # a folder of safetensors: nothing pickled

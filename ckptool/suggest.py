@@ -31,7 +31,7 @@ PROGRAM = "ckptool"
 
 # keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
 _FLAGS = {"out": "-o", "allow_globals": "--allow-global", "to_device": "--to", "mapping": "--map",
-          "model_spec": "--model", "model_args": "--model-arg"}
+          "model_spec": "--model", "model_args": "--model-arg", "storage_options": "--storage-option"}
 # keyword argument -> the flag that gives it a list, where the switch and the list are two flags
 # (``allow_nonfinite=True`` is --allow-nonfinite, ``allow_nonfinite=['*.mask']`` --allow-nonfinite-key)
 _LIST_FLAGS = {"allow_nonfinite": "--allow-nonfinite-key"}
@@ -189,10 +189,23 @@ CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".
                        ".tar", ".dcp")
 
 
+def _where(path: Any) -> Any:
+    """A local path as a :class:`Path`; a URL (:class:`~ckptool.remote.RemotePath`) as it is."""
+    if isinstance(path, Path):
+        return path
+    if isinstance(path, str) and "://" not in path:
+        return Path(path)
+    from .remote import RemotePath, is_url, location
+
+    if isinstance(path, RemotePath):
+        return path
+    return location(path) if is_url(path) else Path(path)
+
+
 def stem(path: Path | str) -> str:
     """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
     ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
-    name = Path(path).name
+    name = _where(path).name
     lowered = name.lower()
     for suffix in CHECKPOINT_SUFFIXES:
         if lowered.endswith(suffix):
@@ -220,20 +233,20 @@ def strip(path: Path, *, format_: str, prefix: str | None = None, allow_globals:
     """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack);
     ``allow_globals``: the entries ``path`` was read with, carried by the command; ``to_cpu``: the same
     write also moves every saved storage tag to the CPU (one command from a GPU cluster's file to a laptop's)."""
-    out = sibling(Path(path), "cpu" if to_cpu else "stripped", weights_suffix(format_))
-    return command("strip", Path(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
+    out = sibling(_where(path), "cpu" if to_cpu else "stripped", weights_suffix(format_))
+    return command("strip", _where(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
                    allow_globals=list(allow_globals))
 
 
 def remap_to_cpu(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The remap command that moves every saved storage tag of ``path`` to the CPU."""
-    return command("remap", Path(path), out=sibling(Path(path), "cpu", ".pt"), to="cpu",
+    return command("remap", _where(path), out=sibling(_where(path), "cpu", ".pt"), to="cpu",
                    allow_globals=list(allow_globals))
 
 
 def to_safetensors(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes ``path``'s weights as safetensors beside it."""
-    return command("convert", Path(path), out=sibling(Path(path), "", ".safetensors"),
+    return command("convert", _where(path), out=sibling(_where(path), "", ".safetensors"),
                    allow_globals=list(allow_globals))
 
 
@@ -245,5 +258,5 @@ def each(commands: Sequence[str]) -> str:
 def optimizer_to_safetensors(path: Path, *, folder: bool = False, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes the optimizer state in ``path`` (an optimizer file, or a
     training ``folder``) as safetensors beside it, its tensors named ``state.<param>.<name>``."""
-    return command("convert", Path(path), out=sibling(Path(path), "optimizer" if folder else "", ".safetensors"),
+    return command("convert", _where(path), out=sibling(_where(path), "optimizer" if folder else "", ".safetensors"),
                    weights="state", allow_globals=list(allow_globals))

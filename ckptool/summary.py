@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import formats, layouts, modules, optimizers, suggest
+from .byteio import path_size, use_storage_options
 from .formats import training_folder
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
@@ -357,8 +359,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
     file_bytes = 0
     for file in checkpoint.files:
         try:
-            file_bytes += os.path.getsize(file)
-        except OSError:
+            file_bytes += path_size(file, learnt=True)
+        except (OSError, InputError):
             pass
     summary = Summary(
         path=str(checkpoint.path),
@@ -412,7 +414,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
 
 
 def inspect(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (), fingerprint: bool = False,
-            tensors: bool = False, allow_expansion: bool = False, weights: str | None = None) -> Summary:
+            tensors: bool = False, allow_expansion: bool = False, weights: str | None = None,
+            storage_options: Mapping[str, Any] | None = None) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 
     Example:
@@ -420,5 +423,6 @@ def inspect(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()
         >>> s.format, s.layout, s.prefix, s.saved_devices   # doctest: +SKIP
         ('torch-zip', ['model'], 'module.', {'cpu': 10})
     """
+    use_storage_options(storage_options)
     checkpoint = load(path, allow_globals=allow_globals, weights=weights)
     return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import inputs, optimizers
+from .byteio import read_capped
 from .errors import CkptError, InputError, UnsafeCheckpointError
 from .formats import training_folder
 from .formats.training_folder import FolderFile, TrainingFolder
@@ -160,8 +161,8 @@ _DESCRIBE = {
 
 def _read_json(folder: Path, name: str) -> Any:
     with inputs.open_member(folder, folder / name, what=name, report=folder) as handle:
-        raw = handle.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
+        raw = read_capped(handle, MAX_JSON_BYTES)
+    if raw is None:
         raise InputError(f"{name} is over {MAX_JSON_BYTES >> 20} MB — not read", path=folder)
     try:
         return json.loads(raw.decode("utf-8"))

@@ -20,12 +20,13 @@ states the verdict. Settings are deterministic while checking (:mod:`ckptool.det
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import progress
+from .byteio import use_storage_options
 from .checkpoint import Checkpoint
 from .comparison import DiffReport, diff
 from .determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
@@ -158,6 +159,7 @@ def verify(
     allow_nonfinite: bool | Sequence[str] = False,
     weights: str | None = None,
     against_weights: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Prove a checkpoint loads and evaluates identically on CPU and every device.
 
@@ -192,6 +194,7 @@ def verify(
         (True, 0.0)
     """
     # the plan, in the order its arguments are judged: the checkpoint, the model, the devices, the other
+    use_storage_options(storage_options)
     checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=weights)
     spec, shape = plan_model(model_spec, model_args, input_shape)
     device_list = open_devices(devices)

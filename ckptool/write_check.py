@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .atomic import atomic_output, folder_output
-from .byteio import read_into
+from .byteio import RANGE_CRCS, read_into
 from .copying import crc32_combine, pieces_crc
 from . import progress
 from .errors import CkptError, FingerprintMismatchError
@@ -254,6 +254,28 @@ def _span_crc(tensor: TensorRef) -> int:
     return crc
 
 
+def _remote(tensor: TensorRef) -> bool:
+    data = tensor.storage.data
+    return data is not None and not isinstance(data.path, Path)
+
+
+def _later(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` done once, when its result is first asked for (and raised again if it failed)."""
+    done: dict[str, Any] = {}
+
+    def join() -> Any:
+        if not done:
+            try:
+                done["value"] = work()
+            except BaseException as e:
+                done["error"] = e
+        if "error" in done:
+            raise done["error"]
+        return done["value"]
+
+    return join
+
+
 def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
                   known: Callable[[str, int, int], int | None] | None = None,
                   views_raw: bool = False) -> dict[str, TensorCheck]:
@@ -266,6 +288,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     """
     checks: dict[str, TensorCheck] = {}
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
+    remote_crcs = bool(RANGE_CRCS)
     for name, tensor in tensors.items():
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
@@ -285,6 +308,10 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
             span = tensor.contiguous_byte_range()
             if span is not None:
                 crc = known(str(span.path), span.offset, span.length)
+        if crc is None and remote_crcs:  # a remote source's bytes, summed as the write streamed them
+            span = tensor.contiguous_byte_range()
+            if span is not None and not isinstance(span.path, Path):
+                crc = RANGE_CRCS.get((span.path, span.offset, span.length))
         if crc is None:
             crc = 0
             for chunk in tensor.iter_reused():
@@ -407,7 +434,14 @@ class Expectations:
         """
         computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None}
         stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
-        join = run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+        RANGE_CRCS.clear()
+        lazy = any(_remote(tensor) for tensor in stored.values())
+        if lazy:
+            # a remote source is summed after the write, from the CRCs its streaming recorded (not
+            # downloaded twice); what the write did not stream whole is read then
+            join = _later(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+        else:
+            join = run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
 
         def checks() -> dict[str, TensorCheck]:
             result = join()
@@ -421,7 +455,9 @@ class Expectations:
             fingerprint=digest,
             wants_fingerprint=fingerprint,
             recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
-            threads=(join, digest),  # not the computed tensors' checks: after a failed write they would cast again
+            # not the computed tensors' checks: after a failed write they would cast again; nor a
+            # remote source's, which would download it
+            threads=(digest,) if lazy else (join, digest),
         )
 
     def settle(self) -> None:

@@ -24,17 +24,19 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import dtypes, formats, layouts, pickles, progress, suggest
 from .atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from .checkpoint import Checkpoint
-from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError
+from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError, location
 from .digest import PREFIX
 from .formats import safetensors, torch_zip
 from .refs import StorageRef, TensorRef, check_expansion
 from .tree import map_tensors
 # the content check moved to write_check; these names are imported from here too
+if TYPE_CHECKING:
+    from .remote import RemotePath
 from .write_check import (  # noqa: F401
     Expectations,
     OutputSums,
@@ -161,13 +163,18 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
         OutputError: two inputs would be written to one output (refused even with ``--force``:
             the second write would destroy the first, or the first an input the second reads).
     """
-    if not out_dir.is_dir():
+    remote = not isinstance(out_dir, Path)
+    if remote:  # a store has no folders to create: a prefix is one once an object lies under it
+        if out_dir.is_file():
+            raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is an object, not a folder — choose another")
+    elif not out_dir.is_dir():
         raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is not an existing directory — create it first")
     suffix = {"pt": ".pt", "dcp": ".dcp"}.get(to or "", ".safetensors")  # a DCP output is a folder: name.dcp
-    jobs = [(Path(source), out_dir / (suggest.stem(source) + suffix)) for source in sources]
+    jobs = [(source if not isinstance(source, str) else Path(source), out_dir / (suggest.stem(source) + suffix))
+            for source in sources]
     by_output: dict[str, Path] = {}
     for source, target in jobs:
-        key = os.path.normcase(os.path.abspath(target))
+        key = target.url if remote else os.path.normcase(os.path.abspath(target))  # type: ignore[attr-defined]
         if key in by_output:
             other = by_output[key]
             if _same_path(other, source):
@@ -180,6 +187,8 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
 
 
 def _same_path(a: Path, b: Path) -> bool:
+    if not (isinstance(a, Path) and isinstance(b, Path)):
+        return a == b
     if os.path.lexists(a) and os.path.lexists(b):
         return same_file(a, b)
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
@@ -274,7 +283,9 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
 
     Args:
         checkpoint: what :func:`ckptool.load` returned, possibly transformed.
-        out: a ``.pt``-like file, a ``.safetensors`` file, or a directory for sharded safetensors.
+        out: a ``.pt``-like file, a ``.safetensors`` file, or a directory for sharded safetensors;
+            local, or a URL (``s3://``, ``gs://``, any writable fsspec protocol): written and checked
+            in a local staging folder, then uploaded (:mod:`ckptool.upload`).
         to: ``"pt"`` or ``"safetensors"`` to override the suffix.
         force: overwrite an existing output.
         in_place: allow ``out`` to be the input (still via a temp file).
@@ -297,7 +308,12 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     Example:
         >>> ckptool.save(ckptool.load("ddp.pt").strip_prefix(), "model.safetensors")  # doctest: +SKIP
     """
-    out = Path(out)
+    # the one place that decides between disk and a URL: a URL is written here and uploaded (ckptool.upload)
+    destination = location(out)
+    url = destination if not isinstance(destination, Path) else None
+    if url is not None:
+        from . import upload
+    out = cast(Path, destination)  # a RemotePath stands where a Path stands (name, suffix, /, is_dir)
     target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
     if not target.weights_only:
@@ -318,8 +334,14 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     if target.sharded:
         plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
                             checkpoint.path)
-        check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
-                            in_place=in_place)
+        if url is not None:
+            upload.check_output(url, inputs=inputs, force=force, in_place=in_place, writes=plan.writes,
+                                removes=plan.removes)
+        else:
+            check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
+                                in_place=in_place)
+    elif url is not None:
+        upload.check_output(url, inputs=inputs, force=force, in_place=in_place)
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
     if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
@@ -327,6 +349,50 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         return SaveReport(path=out, format=target.name, files=files, tensors=len(tensors),
                           bytes=sum(t.nbytes for t in tensors.values()), dry_run=True,
                           notes=list(plan.notes) if plan is not None else [])
+    if url is not None:
+        report = _save_remote(checkpoint, tensors, url, target, plan, nest=nest, duplicate_tied=duplicate_tied,
+                              fingerprint=fingerprint, views_raw=views_raw)
+    else:
+        report = _save_local(checkpoint, tensors, out, target, plan, nest=nest, duplicate_tied=duplicate_tied,
+                             fingerprint=fingerprint, views_raw=views_raw)
+    report.tensors = len(tensors)
+    report.bytes = sum(t.nbytes for t in tensors.values())
+    rewrite_note = formats.for_name(checkpoint.format).rewrite_note
+    if rewrite_note and not target.weights_only:
+        report.notes.append(rewrite_note)
+    return report
+
+
+def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: RemotePath, target: formats.Format,
+                 plan: _ShardPlan | None, **options: Any) -> SaveReport:
+    """The local checked write into a staging folder, then its upload to ``out`` (:mod:`ckptool.upload`)."""
+    from . import upload
+
+    with upload.staged(out) as local:
+        try:
+            local_plan = replace(plan, removes=[], notes=[]) if plan is not None else None
+            report = _save_local(checkpoint, tensors, local, target, local_plan, **options)
+        except CkptError as e:
+            raise upload.named_for_user(e, local, out) from e
+        if plan is None:
+            files = [(local, out)]
+        else:
+            files = [(local / name, out / name) for name in plan.writes]
+        notes = upload.publish(files, replaces_last=plan is not None and plan.replaces_index,
+                               remove=[out / name for name in plan.removes] if plan is not None else [],
+                               label=out.name)
+    report.path = cast(Path, out)  # the report names the URL (a RemotePath stands where a Path stands)
+    report.files = [cast(Path, out)] if plan is None else [cast(Path, out / file.name) for file in report.files]
+    report.notes = [note.replace(str(local), str(out)) for note in report.notes]
+    if plan is not None:
+        report.notes += plan.notes
+    report.notes += notes
+    return report
+
+
+def _save_local(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, target: formats.Format,
+                plan: _ShardPlan | None, *, nest: str | None, duplicate_tied: bool, fingerprint: bool,
+                views_raw: bool) -> SaveReport:
     expect = Expectations.start(tensors, fingerprint=fingerprint, views_raw=views_raw)
     try:
         if not target.weights_only:
@@ -346,11 +412,6 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
         raise
     finally:
         expect.settle()
-    report.tensors = len(tensors)
-    report.bytes = sum(t.nbytes for t in tensors.values())
-    rewrite_note = formats.for_name(checkpoint.format).rewrite_note
-    if rewrite_note and not target.weights_only:
-        report.notes.append(rewrite_note)
     return report
 
 
@@ -447,6 +508,7 @@ class _ShardPlan:
     names: list[str]
     removes: list[str]
     notes: list[str]
+    replaces_index: bool = False  # a URL's folder holds an index already (removed first when the set goes up)
 
     @property
     def writes(self) -> list[str]:
@@ -473,7 +535,16 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
     names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
     removes: list[str] = []
     notes: list[str] = []
-    if out.is_dir():
+    replaces_index = False
+    if not isinstance(out, Path):  # a URL: the earlier set as its index names it, read from the store
+        from . import upload
+
+        replaces_index, named = upload.earlier_shards(out, safetensors.INDEX_NAME)
+        if named is None:
+            notes.append(f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
+                         "if any, were left in place")
+        removes = [name for name in (named or []) if name not in names]
+    elif out.is_dir():
         old_index = out / safetensors.INDEX_NAME
         if os.path.lexists(old_index):
             # the earlier set's shards, as its own index names them: nothing else is ever removed
@@ -486,7 +557,7 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
         if os.path.lexists(single):
             notes.append(f"{out} also holds model.safetensors, which loaders such as transformers read before the "
                          "index — remove it if it is an older copy")
-    return _ShardPlan(aliases, stored, shards, names, removes, notes)
+    return _ShardPlan(aliases, stored, shards, names, removes, notes, replaces_index)
 
 
 def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: Expectations) -> SaveReport:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from training_runs import TORCHRUN_VARIABLES, train_in_process
 
+pytest_plugins = ["objectstore"]  # object-storage servers: seaweedfs, bucket, s3_faults, http_server
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # `pytest` as well as `python -m pytest` imports ckptool and training

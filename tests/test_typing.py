@@ -31,6 +31,7 @@ import ckptool
 from ckptool import (Checkpoint, CkptError, DiffReport, InputError, InternalError, LoadMismatchError, LoadReport,
                      OutputError, ResourceError, SaveReport, ScanReport, Summary, UnsafeCheckpointError,
                      UnsupportedFormatError, VerifyReport)
+from ckptool.remote import RemotePath
 
 
 def convert(path: Path, out: Path, model: Any) -> list[str]:
@@ -61,7 +62,7 @@ def refused(path: Path) -> int:
         names: list[str] = error.globals
         return len(names)
     except (InputError, UnsupportedFormatError, OutputError, ResourceError, InternalError) as error:
-        where: Path | None = error.path
+        where: Path | RemotePath | None = error.path  # a URL input's errors name the URL
         return 3 if where is None else 4
     except CkptError as error:
         return error.exit_code

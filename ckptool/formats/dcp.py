@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from .. import dtypes, inputs, pickles
 from ..byteio import FileCache
-from ..errors import InputError, UnsupportedFormatError
+from ..errors import InputError, UnsupportedFormatError, location
 from ..refs import StorageRef, TensorRef, contiguous_stride, human_size
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zipio
 from .dcp_metadata import (
@@ -103,7 +103,7 @@ def _archive(files: _Files, storage: Storage, what: str, directory: Path
             f"DCP entry {what} in {storage.file.name} is not a torch.save archive (saved with another "
             "serialization format?); ckptool reads DCP checkpoints written by FileSystemWriter's default format",
             path=directory)
-    where = Path(f"{storage.file}@{storage.offset}")
+    where = location(f"{storage.file}@{storage.offset}")
     members = zipio.read_members(where, window, size=storage.length)
     return window, members, torch_zip.archive_folder(where, members)
 
@@ -119,7 +119,7 @@ def _read_archive(files: _Files, storage: Storage, resolver: pickles.GlobalResol
                   directory: Path) -> Any:
     """Unpickle one embedded ``torch.save`` archive; storages point at their bytes in the data file."""
     window, members, top = _archive(files, storage, what, directory)
-    where = Path(f"{storage.file}@{storage.offset}")
+    where = location(f"{storage.file}@{storage.offset}")
     data = _pickle_bytes(window, members, top, where)
     storages: dict[str, StorageRef] = {}
     persistent_load = torch_zip.storage_loader(directory, members, top, storages, data_file=storage.file,
@@ -320,7 +320,7 @@ def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tup
             storages = [entry.storage] if isinstance(entry, BytesEntry) else [c.storage for c in entry.chunks]
             for storage in storages:
                 window, members, top = _archive(files, storage, repr(entry.fqn[:120]), directory)
-                where = Path(f"{storage.file}@{storage.offset}")
+                where = location(f"{storage.file}@{storage.offset}")
                 blobs.append((f"{storage.file.name}@{storage.offset}/{top}/data.pkl",
                               _pickle_bytes(window, members, top, where)))
     finally:

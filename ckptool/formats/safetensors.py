@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from typing import BinaryIO
 
 from .. import dtypes, inputs, progress
 from ..copying import DataOut
+from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 from ..suggest import option
@@ -119,7 +119,7 @@ def _contents(contents: SafetensorsContents, path: Path) -> Contents:
 
 def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
     """The validated header dict and the absolute offset where the data section starts."""
-    file_size = os.fstat(handle.fileno()).st_size
+    file_size = handle_size(handle)
     handle.seek(0)
     prefix = handle.read(8)
     if len(prefix) != 8:
@@ -147,7 +147,7 @@ _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     """Read one safetensors file's tensors as lazy references."""
     header, data_start = read_header(path, handle)
-    file_size = os.fstat(handle.fileno()).st_size
+    file_size = handle_size(handle)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
@@ -218,10 +218,10 @@ def read_index(index_path: Path) -> SafetensorsContents:
     """Read a sharded checkpoint through its ``*.safetensors.index.json``."""
     try:
         with inputs.open_regular(index_path) as handle:
-            raw = handle.read(MAX_HEADER_BYTES + 1)
+            raw = read_capped(handle, MAX_HEADER_BYTES)
     except OSError as e:
         raise InputError(f"cannot read ({e.strerror}) — check the path and permissions", path=index_path) from e
-    if len(raw) > MAX_HEADER_BYTES:
+    if raw is None:
         raise InputError("index file is larger than any real index — refused", path=index_path)
     try:
         index = json.loads(raw.decode("utf-8"))
@@ -269,9 +269,17 @@ def shards_named_by(index_path: Path) -> list[str] | None:
     index lists, or None when it cannot be read as an index."""
     try:
         with inputs.open_regular(index_path) as handle:
-            raw = handle.read(MAX_HEADER_BYTES + 1)
+            raw = read_capped(handle, MAX_HEADER_BYTES)
+    except (InputError, OSError):
+        return None
+    return shards_named_in(raw) if raw is not None else None
+
+
+def shards_named_in(raw: bytes) -> list[str] | None:
+    """:func:`shards_named_by` for an index's bytes (one read from a URL)."""
+    try:
         index = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_HEADER_BYTES else None
-    except (InputError, OSError, ValueError, RecursionError):
+    except (ValueError, RecursionError):
         return None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):

@@ -7,12 +7,12 @@ Read-only: ckptool writes the zip format (and says so).
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles
+from ..byteio import file_size as handle_size, is_remote
 from ..errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
 from ..refs import ByteRange, StorageRef
 from . import PICKLE_FIRST_BYTES, Contents, Format, PickleBlob, Pickles, ReadOptions, describe, looks_like_text
@@ -137,17 +137,34 @@ class _StorageLoader:
         return view
 
 
+def _remote_counts(handle: BinaryIO, position: int, keys: list[str], storages: dict[str, StorageRef],
+                   file_size: int) -> dict[int, bytes] | None:
+    """For a remote file, each storage's 8-byte element count, fetched at once where the pickle says
+    they lie (parallel ranges, not a request per storage in turn); None for a local file."""
+    if not is_remote(handle):
+        return None
+    places = []
+    for key in keys:
+        storage = storages.get(key)
+        if storage is None or position + 8 > file_size:
+            break
+        places.append(position)
+        position += 8 + storage.nbytes
+    return dict(zip(places, handle.pread_ranges([(place, 8) for place in places])))  # type: ignore[attr-defined]
+
+
 def _place_storages(path: Path, handle: BinaryIO, keys: list[str], loader: _StorageLoader) -> None:
     """Point each storage at its bytes after the pickles (an 8-byte element count, then the data), in
     ``keys`` order, and each view into its storage's; every storage the tree names must get bytes."""
     storages, views = loader.storages, loader.views
-    file_size = os.fstat(handle.fileno()).st_size
+    file_size = handle_size(handle)
     position = handle.tell()
+    counts = _remote_counts(handle, position, keys, storages, file_size)
     for key in keys:
         storage = storages.get(key)
         if storage is None:
             raise InputError(f"legacy storage {pickles.brief(key)} is listed but never used — the file is corrupt", path=path)
-        header = handle.read(8)
+        header = handle.read(8) if counts is None else counts.get(position, b"")
         if len(header) != 8:
             raise InputError.truncated(path, f"legacy storage {pickles.brief(key)} is missing")
         (numel,) = struct.unpack("<q", header)

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from .. import inputs
+from ..byteio import read_capped
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import TensorRef
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions, safetensors, torch_legacy, torch_zip
@@ -70,8 +71,8 @@ def _index(path: Path, options: ReadOptions) -> tuple[dict[str, str], dict[str, 
     handle = options.handle
     assert handle is not None
     handle.seek(0)
-    raw = handle.read(MAX_INDEX_BYTES + 1)
-    if len(raw) > MAX_INDEX_BYTES:
+    raw = read_capped(handle, MAX_INDEX_BYTES)
+    if raw is None:
         raise InputError(f"index is over {MAX_INDEX_BYTES} bytes, larger than any real index — refused", path=path)
     try:
         index = json.loads(raw.decode("utf-8"))

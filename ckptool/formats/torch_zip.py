@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from .. import pickles, progress
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import ByteRange, StorageRef
+from ..refs import ByteRange, LazyByteRange, StorageRef
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torchscript, zipio
 from .pickle_stream import split_pickles
 
@@ -89,6 +89,7 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     """
     source = data_file or path
     prefix = f"{top}/data/"
+    headers = getattr(members, "headers", None)  # a remote archive's members are placed when first read
     type_globals: dict[Any, str] = {}  # by placeholder (held, so by identity): each class's name made once
 
     def persistent_load(pid: Any) -> StorageRef:
@@ -114,14 +115,16 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         if member.size < nbytes:
             raise InputError(f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
                              f"{member.size} — the file is corrupt", path=path)
+        # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
+        crc32 = member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None
         storage = StorageRef(
             key=key,
             dtype=storage_type.dtype,
             numel=numel,
             location=location,
-            # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
-            data=ByteRange(source, base_offset + member.data_offset, nbytes,
-                           member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None),
+            data=ByteRange(source, base_offset + member.data_offset, nbytes, crc32)
+            if member.data_offset != zipio.NOT_READ or headers is None
+            else _data_range(source, base_offset, member, headers, nbytes, crc32),
             type_global=type_globals.get(storage_type) or type_globals.setdefault(
                 storage_type, f"{storage_type.module}.{storage_type.name}"),
         )
@@ -134,6 +137,15 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         return storage
 
     return persistent_load
+
+
+def _data_range(source: Path, base_offset: int, member: zipio.Member, headers: zipio.LocalHeaders | None,
+                nbytes: int, crc32: int | None) -> ByteRange:
+    """Where a storage's bytes lie: at once, or — for a remote member whose local header is not read
+    yet — when first needed (inspect never reads the headers of the storages)."""
+    if member.data_offset != zipio.NOT_READ or headers is None:
+        return ByteRange(source, base_offset + member.data_offset, nbytes, crc32)
+    return LazyByteRange(source, None, nbytes, crc32, resolve=lambda: base_offset + headers.resolve(member))
 
 
 def _swapped(storage: StorageRef) -> Callable[[], bytes] | None:
@@ -210,6 +222,12 @@ def _is_pickle_member(member: zipio.Member, head: bytes) -> bool:
     return not in_storages and len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
+def _may_be_pickle(member: zipio.Member) -> bool:
+    """Whether :func:`_is_pickle_member` could say yes, before its first bytes are read."""
+    name = zipio.fold_name(member.name)
+    return name.endswith(".pkl") or "/data/" not in f"/{name}"
+
+
 def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
     """Every pickle member of a zip, located as torch's reader locates members, whatever its name.
 
@@ -237,7 +255,12 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             label += LOADED_MARK
         if member.encrypted:
             continue  # its plaintext cannot be read; torch cannot read it either
-        handle.seek(member.data_offset)
+        if not _may_be_pickle(member):
+            continue  # a storage's bytes: never read
+        try:
+            handle.seek(zipio.data_offset(handle, member))
+        except InputError:
+            continue  # unplaceable (a remote member read late): the load's one-line refusal speaks for it
         head = handle.read(2) if not member.compressed else b""
         if not _is_pickle_member(member, head):
             continue

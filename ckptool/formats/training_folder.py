@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import inputs
+from ..byteio import is_remote
 from ..errors import InputError
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions
 from . import sniff as sniff_input
@@ -129,6 +130,8 @@ def _stem(name: str) -> str:
 def _entries(directory: Path) -> dict[str, bool]:
     """The folder's names -> whether each is a directory (a link is judged when it is opened)."""
     found: dict[str, bool] = {}
+    if is_remote(directory):  # a folder of a store: one listing says the same
+        return dict(list(directory.listing().items())[:MAX_FOLDER_ENTRIES])  # type: ignore[attr-defined]
     try:
         with os.scandir(directory) as listing:
             for entry in listing:
@@ -190,10 +193,13 @@ def read_member(folder: Path, name: str, options: ReadOptions) -> Contents:
     """One file (or DCP sub-folder) of the folder, read by the format it is; ``Contents.format``
     names that format."""
     path = folder / name
-    try:
-        is_folder = stat.S_ISDIR(os.lstat(path).st_mode)  # a link is no sub-folder: opened as a file of the folder
-    except OSError:
-        is_folder = False
+    if is_remote(path):
+        is_folder = path.is_dir()
+    else:
+        try:
+            is_folder = stat.S_ISDIR(os.lstat(path).st_mode)  # a link is no sub-folder: opened as a file of the folder
+        except OSError:
+            is_folder = False
     if is_folder:  # FSDP's DCP weights
         fmt = sniff_input(None, path)
         if fmt is None:

@@ -11,17 +11,18 @@ mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.copyin
 
 from __future__ import annotations
 
-import os
 import struct
+import weakref
 import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
+from ..byteio import file_size as handle_size, is_remote
 from ..errors import InputError, OutputError
 from ..gcpause import paused
 from ..refs import ByteRange, Derived
@@ -60,6 +61,89 @@ class Listing:
     members: list[Member]
     problems: list[str]
     directory_start: int
+    headers: LocalHeaders | None = None  # a remote archive's: its members are placed when first read
+
+
+NOT_READ = -1  # the data offset of a remote archive's member whose local header is not read yet
+_HEADERS: weakref.WeakKeyDictionary[Any, LocalHeaders] = weakref.WeakKeyDictionary()  # remote handle -> its
+
+
+class LocalHeaders:
+    """A remote archive's local headers, read when a member's data offset is first needed.
+
+    Reading each header while listing would cost a request per member, scattered over the file;
+    ``inspect`` needs only the pickle's, which lies in the window already read. A member listed with
+    :data:`NOT_READ` is placed on first use (:func:`data_offset`) with the checks the listing and
+    :func:`read_members` make of a local file, raised then; a header not in a window yet is fetched
+    together with every other unread one, as parallel ranges.
+    """
+
+    def __init__(self, path: Path, handle: Any, file_size: int) -> None:  # handle: a RemoteFile
+        self.path = path
+        self.handle = handle
+        self.file_size = file_size
+        self.members: list[Member] = []
+        self.offsets: dict[int, int] = {}  # header offset -> data offset, once read and checked
+        self.limits: dict[int, tuple[int, str]] = {}  # header offset -> (where the data must end, the refusal past it)
+
+    def resolve(self, member: Member) -> int:
+        placed = self.offsets.get(member.header_offset)
+        if placed is not None:
+            return placed
+        raw = self.handle.cached(member.header_offset, _LOCAL_HEADER.size)
+        if raw is None:  # fetch every unread header not in a window, at once
+            batch = [m for m in self.members if m.header_offset not in self.offsets]
+            for other, data in zip(batch, self.handle.pread_ranges([(m.header_offset, _LOCAL_HEADER.size)
+                                                                    for m in batch])):
+                if other.header_offset == member.header_offset:
+                    raw = data
+                else:
+                    self._place(other, data, raise_=False)
+        placed = self._place(member, raw or b"", raise_=True)
+        assert placed is not None
+        return placed
+
+    def _place(self, member: Member, raw: bytes, *, raise_: bool) -> int | None:
+        problem, offset = None, None
+        fields = _LOCAL_HEADER.unpack(raw) if len(raw) == _LOCAL_HEADER.size else None
+        if fields is None or fields[0] != _LOCAL_SIG:
+            problem = f"zip member {member.name!r} has no local header — the archive is corrupt"
+        else:
+            offset = member.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+            limit = self.limits.get(member.header_offset)
+            if offset + member.stored_size > self.file_size:
+                problem = f"zip member {member.name!r} ends past the end of the file — the file is truncated"
+            elif limit is not None and offset + member.stored_size > limit[0]:
+                problem = limit[1]
+        if problem is None:
+            self.offsets[member.header_offset] = offset  # type: ignore[assignment]
+            return offset
+        if raise_:
+            raise InputError(problem, path=self.path)
+        return None
+
+    def bound(self, directory_start: int) -> None:
+        """Where each member's bytes must end (the next member's header, or the directory), and the
+        refusal past it: the overlap checks :func:`read_members` makes of a local archive."""
+        order = sorted(self.members, key=lambda m: (m.header_offset, m.header_offset + _LOCAL_HEADER.size + m.stored_size,
+                                                     m.name))
+        for member, following in zip(order, order[1:]):
+            self.limits[member.header_offset] = (following.header_offset, f"zip members {member.name!r} and "
+                                                 f"{following.name!r} overlap — refusing a zip bomb")
+        if order:
+            self.limits[order[-1].header_offset] = (directory_start, f"zip member {order[-1].name!r} overlaps the "
+                                                    "central directory — the archive is corrupt")
+
+
+def data_offset(handle: Any, member: Member) -> int:
+    """Where ``member``'s bytes start in the archive ``handle`` reads: as listed, or — a remote
+    member not placed yet — from its local header, read and checked now."""
+    if member.data_offset != NOT_READ:
+        return member.data_offset
+    headers = _HEADERS.get(handle)
+    if headers is None:
+        raise InputError(f"zip member {member.name!r} was listed without its place — the archive is corrupt")
+    return headers.resolve(member)
 
 
 def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Listing:
@@ -91,16 +175,25 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
         raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
                          path=path) from e
     records, directory_start = directory
-    file_size = size if size is not None else os.fstat(handle.fileno()).st_size
-    headers = _local_headers(handle, [record[2] for record in records], file_size)
+    file_size = size if size is not None else handle_size(handle)
+    lazy = LocalHeaders(path, handle, file_size) if is_remote(handle) and size is None else None
+    # a local archive's headers read now (a window at a time); a remote one's when a member is read
+    headers = _local_headers(handle, [record[2] for record in records], file_size) if lazy is None else None
     found: list[Member] = []
     problems: list[str] = []
     header_size = _LOCAL_HEADER.size
     make = tuple.__new__
-    for (name, raw_name, header_offset, file_size_, compress_size, crc, flags, method), header in zip(records, headers):
+    for i, (name, raw_name, header_offset, file_size_, compress_size, crc, flags, method) in enumerate(records):
         if header_offset < 0 or header_offset + header_size > file_size:
             problems.append(f"zip member {name!r} lies outside the file — the file is truncated or corrupt")
             continue
+        if lazy is not None:
+            member = make(Member, (name, NOT_READ, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
+                                   header_offset, bool(flags & 0x1), method, raw_name))
+            lazy.members.append(member)
+            found.append(member)
+            continue
+        header = headers[i]  # type: ignore[index]
         if header is None:
             problems.append(f"zip member {name!r} has no local header — the archive is corrupt")
             continue
@@ -110,7 +203,9 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
             continue
         found.append(make(Member, (name, data_offset, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
                                    header_offset, bool(flags & 0x1), method, raw_name)))
-    return Listing(found, problems, directory_start)
+    if lazy is not None:
+        _HEADERS[handle] = lazy
+    return Listing(found, problems, directory_start, lazy)
 
 
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # zipfile's structCentralDir
@@ -256,6 +351,7 @@ class Members(dict):
             if folded.setdefault(key, member) is not member:
                 self._shared.add(key)
         self._order: list[int] | None = None
+        self.headers: LocalHeaders | None = None  # a remote archive's (see :func:`data_offset`)
 
     def get(self, name: str, default: Member | None = None) -> Member | None:  # type: ignore[override]
         """The member torch would read for ``name``; ``default`` when none matches."""
@@ -355,7 +451,9 @@ def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
             # readers copy a stored member's file_size bytes: a larger claim would reach into other members
             raise InputError(f"zip member {name!r} is stored but claims {size_} bytes in "
                              f"{stored_size} — the archive is corrupt", path=path)
-        append((header_offset, data_offset + stored_size, name))
+        # a remote member not placed yet: the least its end can be (checked exactly once placed)
+        start = data_offset if data_offset != NOT_READ else header_offset + _LOCAL_HEADER.size
+        append((header_offset, start + stored_size, name))
     # members sharing bytes are how small zips inflate to terabytes; torch never writes them
     spans.sort()
     for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
@@ -364,7 +462,11 @@ def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
     if spans and spans[-1][1] > listing.directory_start:
         raise InputError(f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is corrupt",
                          path=path)
-    return Members(path, entries)
+    members = Members(path, entries)
+    if listing.headers is not None:
+        listing.headers.bound(listing.directory_start)
+        members.headers = listing.headers
+    return members
 
 
 def _short(error: BaseException) -> str:
@@ -376,7 +478,7 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
     """A small member's bytes; compressed members are inflated with a size cap."""
     if member.size > limit:
         raise InputError(f"zip member {member.name!r} is {member.size} bytes, over the {limit}-byte limit — refused", path=path)
-    handle.seek(member.data_offset)
+    handle.seek(data_offset(handle, member))
     if member.compressed:
         # torch writes every record stored; a compressed one is allowed, but not a bomb
         if member.size > max(MAX_COMPRESSION_RATIO * member.stored_size, 1 << 20) \

@@ -17,7 +17,7 @@ from .refs import StorageRef, TensorRef
 from . import layouts
 from .layouts import LayoutTensor
 from .pickles import OpaqueObject
-from .tree import contains, copy_mapping, get_at, iter_tensors, map_tensors, replace_at
+from .tree import contains, copy_mapping, get_at, iter_tensors, map_tensors, replace_at, tensor_values
 
 # Where training code puts the weights, tried in order (first match wins).
 #   state_dict        Lightning, timm, many scripts          model_state_dict  the PyTorch tutorial's resumable dict
@@ -416,7 +416,7 @@ class Checkpoint:
     def storages(self) -> list[StorageRef]:
         """Every distinct storage in the whole container (weights, optimizer state...)."""
         seen: dict[int, StorageRef] = {}
-        for _, tensor in iter_tensors(self.container):
+        for tensor in tensor_values(self.container):
             seen.setdefault(id(tensor.storage), tensor.storage)
         return list(seen.values())
 

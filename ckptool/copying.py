@@ -21,6 +21,8 @@ from .errors import InputError
 from .refs import ByteRange
 
 SMALL_MEMBER = 1 << 20  # copied pieces up to this size are read and written through the buffer
+READ_AHEAD = 256 << 10  # small pieces read in order come from windows of this many bytes
+READ_GAP = 4096  # ... when each starts at most this far after the last (a zip header and padding apart)
 REPORT_EVERY = 8 << 20  # small pieces' regions are reported to ``on_data`` in batches of this many bytes
 COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re-read and writeback follow closely
 _BUFFER = 8 << 20  # the buffer of a copy the kernel cannot make, and of a copy that sums its bytes
@@ -43,6 +45,8 @@ class DataOut:
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
         self._sources: FileCache[Source] = FileCache()
+        self._window: tuple[Path, int, bytes] | None = None  # (source, offset, bytes) read ahead
+        self._last_end: tuple[Path, int] | None = None  # where the last small piece ended
 
     def written(self, offset: int, length: int) -> None:
         """``length`` bytes at ``offset`` were written through the buffer."""
@@ -62,8 +66,32 @@ class DataOut:
         self._pending_bytes = 0
 
     def read_source(self, source: Path, offset: int, size: int) -> bytes:
-        """``size`` bytes of ``source`` at ``offset`` (a small piece: one read)."""
-        return read_exact(self._sources.get(source), offset, size, source)
+        """``size`` bytes of ``source`` at ``offset`` (a small piece: one read).
+
+        Pieces read in the order they lie (a checkpoint's storages, a zip header apart) come from one
+        read of :data:`READ_AHEAD` bytes each run of them, not a read each: once a piece starts
+        within :data:`READ_GAP` bytes after the last one ended, the next window is read ahead (from a
+        local file)."""
+        window = self._window
+        if window is not None and window[0] == source:
+            start = offset - window[1]
+            if 0 <= start and start + size <= len(window[2]):
+                self._last_end = (source, offset + size)
+                return window[2][start:start + size]
+        sequential = self._last_end is not None and self._last_end[0] == source \
+            and 0 <= offset - self._last_end[1] <= READ_GAP
+        self._last_end = (source, offset + size)
+        opened = self._sources.get(source)
+        # a local file only: a remote one records the CRC of each range it reads (RANGE_CRCS), piece by piece
+        if sequential and size < READ_AHEAD and isinstance(opened, int):
+            try:
+                data = read_exact(opened, offset, READ_AHEAD, source)
+            except InputError:  # the file ends within the window: the piece alone
+                pass
+            else:
+                self._window = (source, offset, data)
+                return data[:size]
+        return read_exact(opened, offset, size, source)
 
     def copy(self, source: Path, offset: int, size: int, out_offset: int) -> None:
         """Copy ``size`` bytes of ``source`` at ``offset`` to the output at ``out_offset``, where it stands.

@@ -194,7 +194,7 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def location(self) -> str:

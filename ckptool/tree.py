@@ -85,6 +85,33 @@ def iter_tensors(obj: Any, *, storages: bool = False) -> Iterator[tuple[Path_, T
             stack.extend((path + (key,), value) for key, value in reversed(kids) if not _leaf(value))
 
 
+def tensor_values(obj: Any) -> Iterator[TensorRef]:
+    """The tensors :func:`iter_tensors` yields, in its order, without the key path to each (no tuple
+    per value: what counts storages or devices needs no names)."""
+    seen: set[int] = set()
+    stack: list[Any] = [obj]
+    pop, extend = stack.pop, stack.extend
+    while stack:
+        node = pop()
+        kind = type(node)
+        if kind is TensorRef or isinstance(node, TensorRef):
+            if id(node) not in seen:
+                seen.add(id(node))
+                yield node
+            continue
+        if id(node) in seen:
+            continue
+        if isinstance(node, dict):
+            values = list(dict.values(node))
+        elif isinstance(node, list | tuple):
+            values = node
+        else:
+            values = [value for _, value in _children(node)]
+        if values:
+            seen.add(id(node))
+            extend(value for value in reversed(values) if not _leaf(value))
+
+
 def contains(obj: Any, kind: type) -> bool:
     """Whether an object of ``kind`` is reachable from ``obj`` (each container visited once)."""
     seen: set[int] = set()

@@ -145,11 +145,38 @@ class OutputSums:
 
     def _run(self) -> None:
         view = memoryview(bytearray(CHUNK)) if self._fd >= 0 else None  # one buffer, reused: no allocation per read
-        while (item := self._queue.get()) is not None:
+        pending = self._queue
+        ended = False
+        while not ended and (item := pending.get()) is not None:
+            # what else is queued was reported too (it is in the file): summed with it, small regions
+            # lying close together (a checkpoint's biases and norms) read back in one read
+            batch = [item]
+            while len(batch) < _BATCH:
+                try:
+                    more = pending.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    ended = True
+                    break
+                batch.append(more)
             if self._error is not None or view is None:
                 continue
-            offset, length = item
             try:
+                self._sum(batch, view)
+            except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads itself
+                self._error = e
+
+    def _sum(self, regions: list[tuple[int, int]], view: memoryview) -> None:
+        """Sum each region; consecutive ones that fit in one buffer together are read in one read."""
+        i, count = 0, len(regions)
+        while i < count:
+            offset, length = regions[i]
+            end, j = offset + length, i + 1
+            while j < count and regions[j][0] >= end and regions[j][0] + regions[j][1] - offset <= CHUNK:
+                end = regions[j][0] + regions[j][1]
+                j += 1
+            if j == i + 1:
                 crc, done = 0, 0
                 while done < length:
                     piece = view[:min(CHUNK, length - done)]
@@ -157,8 +184,12 @@ class OutputSums:
                     crc = zlib.crc32(piece, crc)
                     done += len(piece)
                 self.sums[offset] = (length, crc)
-            except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads itself
-                self._error = e
+            else:
+                window = view[:end - offset]
+                read_into(self._fd, window, offset, self.path)
+                for start, size in regions[i:j]:
+                    self.sums[start] = (size, zlib.crc32(window[start - offset:start - offset + size]))
+            i = j
 
     def crc_of(self, offset: int, length: int) -> int | None:
         """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
@@ -209,6 +240,7 @@ def writeback_starter() -> Callable[[int, int, int, int], int] | None:
 
 
 CHUNK = 8 * 1024 * 1024
+_BATCH = 4096  # reported regions summed in one go at most
 FLUSH_EVERY = 128 * 1024 * 1024
 KICK_EVERY = 8 * 1024 * 1024
 

@@ -141,6 +141,9 @@ def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
     return header, 8 + length
 
 
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
 def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     """Read one safetensors file's tensors as lazy references."""
     header, data_start = read_header(path, handle)
@@ -151,26 +154,27 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorRef] = {}
     for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
             raise InputError(f"safetensors entry {name[:80]!r} is malformed — the file is corrupt", path=path)
         dtype = dtypes.BY_NAME.get(entry["dtype"]) if entry["dtype"] in FORMAT_DTYPES else None
         if dtype is None:
             raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(entry['dtype'])[:20]!r}", path=path)
         shape, offsets = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or len(shape) > 64 \
-                or not all(type(d) is int and 0 <= d <= _INT64_MAX for d in shape) or math.prod(shape) > _INT64_MAX:
+                or not all(type(d) is int and 0 <= d <= _INT64_MAX for d in shape) \
+                or (numel := math.prod(shape)) > _INT64_MAX:
             raise InputError(f"tensor {name[:80]!r} has an invalid shape — the file is corrupt", path=path)
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
             raise InputError(f"tensor {name[:80]!r} has invalid data offsets — the file is corrupt", path=path)
         begin, end = offsets
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = numel * dtype.itemsize
         if end - begin != nbytes:
             raise InputError(
                 f"tensor {name[:80]!r} needs {nbytes} bytes but its offsets span {end - begin} — the file is corrupt",
                 path=path,
             )
         spans.append((begin, end, name))
-        storage = StorageRef(key=name, dtype=dtype, numel=math.prod(shape), location="cpu",
+        storage = StorageRef(key=name, dtype=dtype, numel=numel, location="cpu",
                              data=ByteRange(path, data_start + begin, nbytes))
         tensors[name] = TensorRef(storage=storage, dtype=dtype, shape=tuple(shape), stride=contiguous_stride(shape))
     # the data section must be tiled exactly: no gaps, no overlaps, nothing trailing

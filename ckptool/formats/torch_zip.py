@@ -88,6 +88,9 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     read as their bytes swapped, as torch swaps them on load (so a rewrite writes them little-endian).
     """
     source = data_file or path
+    prefix = f"{top}/data/"
+    headers = getattr(members, "headers", None)  # a remote archive's members are placed when first read
+    type_globals: dict[Any, str] = {}  # by placeholder (held, so by identity): each class's name made once
 
     def persistent_load(pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
@@ -101,7 +104,7 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         cached = storages.get(key)
         if cached is not None and (cached.nbytes or cached.dtype is storage_type.dtype):
             return cached
-        member = members.get(f"{top}/data/{key}")
+        member = members.get(prefix + key)
         if member is None:
             raise InputError(f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
                              "truncated or corrupt", path=path)
@@ -112,15 +115,18 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         if member.size < nbytes:
             raise InputError(f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
                              f"{member.size} — the file is corrupt", path=path)
+        # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
+        crc32 = member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None
         storage = StorageRef(
             key=key,
             dtype=storage_type.dtype,
             numel=numel,
             location=location,
-            # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
-            data=_data_range(source, base_offset, member, getattr(members, "headers", None), nbytes,
-                             member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None),
-            type_global=f"{storage_type.module}.{storage_type.name}",
+            data=ByteRange(source, base_offset + member.data_offset, nbytes, crc32)
+            if member.data_offset != zipio.NOT_READ or headers is None
+            else _data_range(source, base_offset, member, headers, nbytes, crc32),
+            type_global=type_globals.get(storage_type) or type_globals.setdefault(
+                storage_type, f"{storage_type.module}.{storage_type.name}"),
         )
         if big_endian:
             storage.producer = _swapped(storage)

@@ -1,6 +1,7 @@
 """A minimal, validating zip layer for torch archives: read the directory, write stored members.
 
-Python's ``zipfile`` parses the central directory; this module adds what a checkpoint reader
+The central directory is read exactly as Python's ``zipfile`` reads it (in one pass over its
+bytes, ``zipfile`` itself for a directory that pass refuses); this module adds what a checkpoint reader
 needs on top — the exact offset of each member's bytes (so storages are copied raw), members
 located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
 case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,
@@ -17,12 +18,13 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..byteio import file_size as handle_size, is_remote
 from ..errors import InputError, OutputError
+from ..gcpause import paused
 from ..refs import ByteRange, Derived
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -37,9 +39,8 @@ _PADDING_ID = 0x4246  # "FB": the extra-field id torch's writer pads with
 _ZIP64_ID = 0x0001
 
 
-@dataclass(frozen=True)
-class Member:
-    """One stored zip member: where its bytes lie in the file."""
+class Member(NamedTuple):
+    """One stored zip member: where its bytes lie in the file (a tuple: an archive lists 100,000 of them)."""
 
     name: str
     data_offset: int
@@ -152,65 +153,175 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
     local header read only for the lengths that place the data (the name it repeats is not
     compared). Nothing here judges names; :func:`read_members` adds the rules for loading, and
     ``scan`` reads every pickle member this returns.
+
+    The directory is parsed in one pass over its bytes (:func:`_directory`), exactly as Python's
+    ``zipfile`` reads it; a directory that pass does not take whole (a record ``zipfile`` would
+    refuse) is read by ``zipfile`` itself, for its exact refusal.
     """
     try:
-        archive = zipfile.ZipFile(handle)
+        directory = _directory(handle)
+    except Exception:  # noqa: BLE001 — whatever the one pass trips on, zipfile's own reading names
+        directory = None
+    try:
+        if directory is None:
+            archive = zipfile.ZipFile(handle)
+            directory = ([(info.filename, info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437",
+                                                                  "surrogateescape"),
+                           info.header_offset, info.file_size, info.compress_size, info.CRC, info.flag_bits,
+                           info.compress_type) for info in archive.infolist()],
+                         archive.start_dir)
+            archive.close()
     except Exception as e:  # zipfile parses hostile bytes: OverflowError, KeyError... all mean "corrupt"
         raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
                          path=path) from e
+    records, directory_start = directory
     file_size = size if size is not None else handle_size(handle)
+    lazy = LocalHeaders(path, handle, file_size) if is_remote(handle) and size is None else None
+    # a local archive's headers read now (a window at a time); a remote one's when a member is read
+    headers = _local_headers(handle, [record[2] for record in records], file_size) if lazy is None else None
     found: list[Member] = []
     problems: list[str] = []
-    lazy = LocalHeaders(path, handle, file_size) if is_remote(handle) and size is None else None
-    for info in archive.infolist():
-        name = info.filename
-        if info.header_offset < 0 or info.header_offset + _LOCAL_HEADER.size > file_size:
+    header_size = _LOCAL_HEADER.size
+    make = tuple.__new__
+    for i, (name, raw_name, header_offset, file_size_, compress_size, crc, flags, method) in enumerate(records):
+        if header_offset < 0 or header_offset + header_size > file_size:
             problems.append(f"zip member {name!r} lies outside the file — the file is truncated or corrupt")
             continue
-        if lazy is not None:  # a remote archive: its local headers are read when a member is
-            lazy.members.append(_member(info, NOT_READ))
-            found.append(lazy.members[-1])
+        if lazy is not None:
+            member = make(Member, (name, NOT_READ, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
+                                   header_offset, bool(flags & 0x1), method, raw_name))
+            lazy.members.append(member)
+            found.append(member)
             continue
-        handle.seek(info.header_offset)
-        fields = _LOCAL_HEADER.unpack(handle.read(_LOCAL_HEADER.size))
-        if fields[0] != _LOCAL_SIG:
+        header = headers[i]  # type: ignore[index]
+        if header is None:
             problems.append(f"zip member {name!r} has no local header — the archive is corrupt")
             continue
-        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        if data_offset + info.compress_size > file_size:
+        data_offset = header_offset + header_size + header
+        if data_offset + compress_size > file_size:
             problems.append(f"zip member {name!r} ends past the end of the file — the file is truncated")
             continue
-        found.append(Member(
-            name=name,
-            data_offset=data_offset,
-            size=info.file_size,
-            crc32=info.CRC,
-            compressed=info.compress_type != zipfile.ZIP_STORED,
-            stored_size=info.compress_size,
-            header_offset=info.header_offset,
-            encrypted=bool(info.flag_bits & 0x1),
-            compression_method=info.compress_type,
-            raw_name=info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "surrogateescape"),
-        ))
-    directory_start = archive.start_dir
-    archive.close()
+        found.append(make(Member, (name, data_offset, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
+                                   header_offset, bool(flags & 0x1), method, raw_name)))
     if lazy is not None:
         _HEADERS[handle] = lazy
     return Listing(found, problems, directory_start, lazy)
 
 
-def _member(info: zipfile.ZipInfo, data_offset: int) -> Member:
-    return Member(name=info.filename, data_offset=data_offset, size=info.file_size, crc32=info.CRC,
-                  compressed=info.compress_type != zipfile.ZIP_STORED, stored_size=info.compress_size,
-                  header_offset=info.header_offset, encrypted=bool(info.flag_bits & 0x1),
-                  compression_method=info.compress_type,
-                  raw_name=info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437",
-                                                     "surrogateescape"))
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # zipfile's structCentralDir
+_CENTRAL_MAGIC = b"PK\x01\x02"
+_LOCAL_WINDOW = 1 << 20  # local headers within this many bytes of each other are read in one read
+
+
+def _directory(handle: BinaryIO) -> tuple[list[tuple], int] | None:
+    """The central directory's records as ``zipfile`` reads them (name, the name's bytes, header
+    offset, file size, stored size, CRC, flags, method), and where the directory starts; None
+    when a record is one ``zipfile`` refuses (it is then asked, for its own message).
+
+    This is ``zipfile.ZipFile._RealGetContents`` without a ``ZipInfo`` per member: the same end
+    record (``zipfile._EndRecData``), the same offset adjustment for bytes before the archive, the
+    same reads (short reads past the directory's end included), zip64 extra fields decoded alike.
+    """
+    endrec = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+    if endrec is None:
+        return None
+    size_cd, offset_cd = endrec[zipfile._ECD_SIZE], endrec[zipfile._ECD_OFFSET]  # type: ignore[attr-defined]
+    concat = endrec[zipfile._ECD_LOCATION] - size_cd - offset_cd  # type: ignore[attr-defined]
+    if endrec[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:  # type: ignore[attr-defined]
+        concat -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator  # type: ignore[attr-defined]
+    start_dir = offset_cd + concat
+    if start_dir < 0:
+        return None
+    handle.seek(start_dir, 0)
+    data = handle.read(size_cd)
+    unpack_from = _CENTRAL.unpack_from
+    record_size = _CENTRAL.size
+    end = len(data)
+    records = []
+    append = records.append
+    total = 0
+    try:
+        while total < size_cd:
+            if total + record_size > end:
+                return None
+            (magic, _, _, extract_version, _, flags, method, _, _, crc, compress_size, file_size, name_length,
+             extra_length, comment_length, _, _, _, header_offset) = unpack_from(data, total)
+            if magic != _CENTRAL_MAGIC or extract_version > zipfile.MAX_EXTRACT_VERSION:  # type: ignore[attr-defined]
+                return None
+            at = total + record_size
+            raw = data[at:at + name_length]
+            name = raw.decode("utf-8") if flags & 0x800 else raw.decode("cp437")
+            if extra_length:
+                extra = data[at + name_length:at + name_length + extra_length]
+                decoded = _decode_extra(extra, file_size, compress_size, header_offset)
+                if decoded is None:
+                    return None
+                file_size, compress_size, header_offset = decoded
+            null = name.find("\0")
+            append((name if null < 0 else name[:null], raw, header_offset + concat, file_size, compress_size, crc,
+                    flags, method))
+            total += record_size + name_length + extra_length + comment_length
+    except UnicodeDecodeError:
+        return None
+    return records, start_dir
+
+
+def _decode_extra(extra: bytes, file_size: int, compress_size: int, header_offset: int) -> tuple[int, int, int] | None:
+    """``zipfile.ZipInfo._decodeExtra``: the zip64 sizes and offset; None where it raises."""
+    unpack = struct.unpack
+    while len(extra) >= 4:
+        kind, length = unpack("<HH", extra[:4])
+        if length + 4 > len(extra):
+            return None
+        if kind == _ZIP64_ID:
+            data = extra[4:length + 4]
+            try:
+                if file_size in (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF):
+                    file_size, = unpack("<Q", data[:8])
+                    data = data[8:]
+                if compress_size == 0xFFFF_FFFF:
+                    compress_size, = unpack("<Q", data[:8])
+                    data = data[8:]
+                if header_offset == 0xFFFF_FFFF:
+                    header_offset, = unpack("<Q", data[:8])
+            except struct.error:
+                return None
+        extra = extra[length + 4:]
+    return file_size, compress_size, header_offset
+
+
+def _local_headers(handle: BinaryIO, offsets: list[int], file_size: int) -> list[int | None]:
+    """For each local header offset, the lengths of its name and extra field (which place the data),
+    or None where no local header signature lies. Headers lying close together (a checkpoint's
+    small members) are read together, a window at a time; each other header alone (30 bytes)."""
+    header_size = _LOCAL_HEADER.size
+    results: list[int | None] = [None] * len(offsets)
+    order = sorted((offset, i) for i, offset in enumerate(offsets) if 0 <= offset and offset + header_size <= file_size)
+    count = len(order)
+    k = 0
+    unpack_from = _LOCAL_HEADER.unpack_from
+    while k < count:
+        start = order[k][0]
+        last = k
+        while last + 1 < count and order[last + 1][0] + header_size - start <= _LOCAL_WINDOW:
+            last += 1
+        handle.seek(start)
+        window = handle.read(order[last][0] + header_size - start)
+        for offset, i in order[k:last + 1]:
+            at = offset - start
+            if at + header_size > len(window):
+                continue
+            fields = unpack_from(window, at)
+            if fields[0] == _LOCAL_SIG:
+                results[i] = fields[9] + fields[10]
+        k = last + 1
+    return results
 
 
 def fold_name(name: str) -> str:
     """A member name as miniz compares it when torch looks a record up: ASCII letters case-insensitively."""
-    return name.translate(_ASCII_LOWER)
+    # str.lower maps only ASCII letters in an ASCII string; other text lowers more than miniz does
+    return name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
 
 
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
@@ -230,19 +341,27 @@ class Members(dict):
         super().__init__((member.name, member) for member in entries)
         self.path = path
         self.entries = entries
-        self._folded: dict[str, list[Member]] = {}
+        # each folded name's first member; the folded names several members share, apart
+        self._folded: dict[str, Member] = {}
+        self._shared: set[str] = set()
+        folded = self._folded
         for member in entries:
-            self._folded.setdefault(fold_name(member.name), []).append(member)
+            name = member.name
+            key = name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
+            if folded.setdefault(key, member) is not member:
+                self._shared.add(key)
         self._order: list[int] | None = None
         self.headers: LocalHeaders | None = None  # a remote archive's (see :func:`data_offset`)
 
     def get(self, name: str, default: Member | None = None) -> Member | None:  # type: ignore[override]
         """The member torch would read for ``name``; ``default`` when none matches."""
-        matches = self._folded.get(fold_name(name))
-        if not matches:
+        key = name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
+        first = self._folded.get(key)
+        if first is None:
             return default
-        if len(matches) == 1:
-            return matches[0]
+        if key not in self._shared:
+            return first
+        matches = [member for member in self.entries if fold_name(member.name) == key]
         names = [member.raw_name for member in self.entries]
         if len(names) > MAX_DUPLICATE_SORT:
             raise InputError(f"zip archive holds {len(matches)} members torch would take for {name!r} among "
@@ -314,22 +433,27 @@ def read_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Me
     ``size`` is the archive's length when ``handle`` is a window onto part of a file (a DCP chunk)
     rather than a whole file; member offsets are then relative to the window.
     """
+    with paused():  # 100,000 members are 100,000 records, none of them garbage
+        return _read_members(path, handle, size)
+
+
+def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
     listing = list_members(path, handle, size=size)
     if listing.problems:
         raise InputError(listing.problems[0], path=path)
     entries = listing.members
     spans: list[tuple[int, int, str]] = []
-    for member in entries:
-        name = member.name
-        if member.encrypted:
+    append = spans.append
+    for name, data_offset, size_, _, compressed, stored_size, header_offset, encrypted, _, _ in entries:
+        if encrypted:
             raise InputError(f"zip member {name!r} is encrypted — not a PyTorch checkpoint", path=path)
-        if not member.compressed and member.stored_size != member.size:
+        if not compressed and stored_size != size_:
             # readers copy a stored member's file_size bytes: a larger claim would reach into other members
-            raise InputError(f"zip member {name!r} is stored but claims {member.size} bytes in "
-                             f"{member.stored_size} — the archive is corrupt", path=path)
+            raise InputError(f"zip member {name!r} is stored but claims {size_} bytes in "
+                             f"{stored_size} — the archive is corrupt", path=path)
         # a remote member not placed yet: the least its end can be (checked exactly once placed)
-        start = member.data_offset if member.data_offset != NOT_READ else member.header_offset + _LOCAL_HEADER.size
-        spans.append((member.header_offset, start + member.stored_size, name))
+        start = data_offset if data_offset != NOT_READ else header_offset + _LOCAL_HEADER.size
+        append((header_offset, start + stored_size, name))
     # members sharing bytes are how small zips inflate to terabytes; torch never writes them
     spans.sort()
     for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):

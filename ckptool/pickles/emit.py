@@ -21,8 +21,9 @@ from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
+from ..gcpause import paused
 from ..refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
-from .placeholders import OpaqueObject, StorageTypeRef, TypeRef
+from .placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
 
 if TYPE_CHECKING:
     from .guard_cache import GuardCache
@@ -99,6 +100,8 @@ class _Emitter:
             self.write(_P.BINFLOAT + struct.pack(">d", obj))
         elif id(obj) in self.memo:
             self._get(self.memo[id(obj)])
+        elif type(obj) is TensorRef:  # the usual value of a state dict: tested before the rarer kinds
+            self._tensor(obj)
         elif type(obj) is str:
             data = obj.encode("utf-8", "surrogatepass")
             self.write(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
@@ -257,6 +260,9 @@ class _Emitter:
         self._put(obj)
 
     def _tensor(self, tensor: TensorRef) -> None:
+        if tensor.subclass is None and tensor.parameter is None and tensor.rebuild == _REBUILD_V2 \
+                and not tensor.extra and self._plain_tensor(tensor):
+            return
         if tensor.subclass is not None:
             # _rebuild_from_type_v2(func, type, args, state): the rebuild's global, then its arguments
             self.global_("torch._tensor._rebuild_from_type_v2")
@@ -282,6 +288,79 @@ class _Emitter:
                 self.save(value)
             self.write(_P.TUPLE + _P.REDUCE)
         self._put(tensor)
+
+    def _plain_tensor(self, tensor: TensorRef) -> bool:
+        """A plain ``_rebuild_tensor_v2`` tensor (the state dict's usual entry) written in one piece:
+        exactly the bytes :meth:`save` writes for it value by value (its arguments' tuple, a fresh
+        hooks ``OrderedDict`` and each tuple memoised alike). False, with nothing written, for any
+        argument that path would write otherwise (shared through the memo, not plain ints)."""
+        memo = self.memo
+        storage, hooks, shape, stride, offset = tensor.storage, tensor.backward_hooks, tensor.shape, tensor.stride, \
+            tensor.offset
+        if hooks is None:
+            hooks = OrderedDict()
+        elif (type(hooks) is not OrderedDict and type(hooks) is not StateDict) or hooks \
+                or getattr(hooks, "__dict__", None) or id(hooks) in memo:
+            return False
+        if type(storage) is not StorageRef or id(storage) in memo or type(offset) is not int \
+                or type(shape) is not tuple or type(stride) is not tuple or len(shape) > 3 or len(stride) > 3 \
+                or (shape and (id(shape) in memo or shape is stride)) or (stride and id(stride) in memo) \
+                or type(tensor.requires_grad) is not bool or type(storage.numel) is not int \
+                or type(storage.location) is not str:
+            return False
+        for value in shape + stride:
+            if type(value) is not int:
+                return False
+        global_memo = self.global_memo
+        rebuild_at = global_memo.get(_REBUILD_V2_KEY)
+        dict_at = global_memo.get(_ORDERED_DICT_KEY)
+        type_global = storage.type_global or f"torch.{storage.dtype.storage_class or 'UntypedStorage'}"
+        module, name = type_global.rsplit(".", 1)
+        type_at = global_memo.get(f"{module}\n{name}")
+        if rebuild_at is None or dict_at is None or type_at is None:
+            return False  # a global's first use: written (and memoised) by the general path
+        parts = [_get_bytes(rebuild_at), b"((X\x07\x00\x00\x00storage", _get_bytes(type_at)]
+        for text in (self._storage_key(storage), storage.location):
+            if type(text) is not str:
+                return False
+            data = text.encode("utf-8", "surrogatepass")
+            parts.append(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
+            if len(data) >= _SHARED_TEXT:  # the general path memoises such a string: not this one's form
+                return False
+        parts.append(_int_bytes(storage.numel))
+        parts.append(b"tQ")
+        parts.append(_int_bytes(offset))
+        keep = self.keep
+        index = len(memo) + len(global_memo)
+        small = _SMALL_INTS
+        for dims in (shape, stride):
+            if not dims:
+                parts.append(_P.EMPTY_TUPLE)
+                continue
+            for value in dims:
+                parts.append(small[value] if 0 <= value < 256 else _int_bytes(value))
+            parts.append(_TUPLES[len(dims)])
+            parts.append(_put_bytes(index))
+            memo[id(dims)] = index
+            keep.append(dims)
+            index += 1
+        parts.append(_P.NEWTRUE if tensor.requires_grad else _P.NEWFALSE)
+        parts.append(_get_bytes(dict_at))
+        parts.append(b")R")
+        parts.append(_put_bytes(index))
+        memo[id(hooks)] = index
+        keep.append(hooks)
+        args = (storage, offset, shape, stride, tensor.requires_grad, hooks)  # kept: its id stays its own
+        parts.append(b"t")
+        parts.append(_put_bytes(index + 1))
+        memo[id(args)] = index + 1
+        keep.append(args)
+        parts.append(b"R")
+        parts.append(_put_bytes(index + 2))
+        memo[id(tensor)] = index + 2
+        keep.append(tensor)
+        self.write(b"".join(parts))
+        return True
 
     @staticmethod
     def _tensor_args(tensor: TensorRef) -> tuple:
@@ -314,6 +393,40 @@ class _Emitter:
             self.write(_P.BUILD)
 
 
+_REBUILD_V2 = "torch._utils._rebuild_tensor_v2"
+_REBUILD_V2_KEY = "torch._utils\n_rebuild_tensor_v2"
+_ORDERED_DICT_KEY = "collections\nOrderedDict"
+_TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
+
+
+_OP_INDEX = struct.Struct("<BI").pack
+_SMALL_INTS = [_P.BININT1 + bytes([value]) for value in range(256)]
+_SHORT_GETS = [_P.BINGET + bytes([index]) for index in range(256)]
+_SHORT_PUTS = [_P.BINPUT + bytes([index]) for index in range(256)]
+
+
+def _get_bytes(index: int) -> bytes:
+    return _SHORT_GETS[index] if index < 256 else _OP_INDEX(0x6A, index)  # BINGET, LONG_BINGET
+
+
+def _put_bytes(index: int) -> bytes:
+    return _SHORT_PUTS[index] if index < 256 else _OP_INDEX(0x72, index)  # BINPUT, LONG_BINPUT
+
+
+def _int_bytes(value: int) -> bytes:
+    """What :meth:`_Emitter._int` writes for ``value``."""
+    if 0 <= value < 256:
+        return _SMALL_INTS[value]
+    if 0 <= value < 65536:
+        return _P.BININT2 + struct.pack("<H", value)
+    if -(2**31) <= value < 2**31:
+        return _P.BININT + struct.pack("<i", value)
+    encoded = pickle.encode_long(value)
+    if len(encoded) > 255:
+        raise InputError("an integer in the checkpoint is too large to write")
+    return _P.LONG1 + bytes([len(encoded)]) + encoded
+
+
 def dump(obj: Any, *, renumber_storages: bool = False,
          guard_cache: GuardCache | None = None) -> tuple[bytes, list[tuple[str, StorageRef]]]:
     """Pickle a container of placeholders as torch would (protocol 2, weights_only-readable).
@@ -326,7 +439,8 @@ def dump(obj: Any, *, renumber_storages: bool = False,
     emitter = _Emitter(renumber_storages)
     emitter.write(_P.PROTO + b"\x02")
     try:
-        emitter.save(obj)
+        with paused():  # the memo keeps every object it numbers alive: nothing here is garbage
+            emitter.save(obj)
     except RecursionError as e:
         raise InputError("checkpoint object is nested too deeply to write") from e
     emitter.write(_P.STOP)

@@ -22,6 +22,7 @@ from .placeholders import OpaqueObject, StateDict, TypeRef, opaque_type
 
 
 _INT64_MAX = (1 << 63) - 1
+_PLAIN_DTYPES = frozenset(dtypes.BY_NAME)  # the dtypes a plain rebuild reads (not quantized ones)
 
 
 def _check_int(value: Any, what: str) -> int:
@@ -110,8 +111,29 @@ def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any
     return tensor
 
 
+_V2 = "torch._utils._rebuild_tensor_v2"
+
+
 def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
                        backward_hooks: Any = None, *extra: Any) -> TensorRef:
+    if not extra and type(storage) is StorageRef and type(size) is tuple and type(stride) is tuple \
+            and type(offset) is int and (requires_grad is False or requires_grad is True):
+        # the usual tensor, checked in one pass: every check of _make_tensor and TensorRef.validate,
+        # the same record; anything they would refuse (or not take plainly) goes their way, for their message
+        dtype = storage.dtype
+        if len(size) == len(stride) <= 64 and 0 <= offset <= _INT64_MAX and dtype.name in _PLAIN_DTYPES:
+            last = offset
+            count = 1
+            for dim, step in zip(size, stride):
+                if type(dim) is not int or type(step) is not int or dim < 0 or step < 0 or dim > _INT64_MAX \
+                        or step > _INT64_MAX:
+                    break
+                count *= dim
+                last += (dim - 1) * step
+            else:
+                itemsize = dtype.itemsize
+                if count <= _INT64_MAX and (count == 0 or (last + 1) * itemsize <= itemsize * storage.numel):
+                    return TensorRef(storage, dtype, size, stride, offset, requires_grad, _V2, (), backward_hooks)
     return _make_tensor("torch._utils._rebuild_tensor_v2", storage, offset, size, stride, requires_grad,
                         backward_hooks, extra=extra)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InputError
+from ..gcpause import paused
 from ..refs import DeviceRef, TensorRef, human_size
 from . import limits
 from .allowlist import GlobalResolver, RefusedGlobal
@@ -67,17 +68,18 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
     # a refused global becomes an inert placeholder and the walk goes on, so that one refusal names
     # every refused global; what the walk then meets (a rebuild given a placeholder, a corrupt
     # tail) ends it with the refusal of the names found so far
-    try:
-        obj = _unpickle(blob, resolver, persistent_load)
-    except (RefusedGlobal, InputError) as e:
-        refusal = resolver.refusal(complete=False)
-        if refusal is not None and not isinstance(e, RefusedGlobal):
-            raise refusal from None
-        raise
-    refusal = resolver.refusal()
-    if refusal is not None:
-        raise refusal
-    check_tree(obj, source_bytes=len(blob))
+    with paused():  # the tree is the result: nothing it builds is garbage
+        try:
+            obj = _unpickle(blob, resolver, persistent_load)
+        except (RefusedGlobal, InputError) as e:
+            refusal = resolver.refusal(complete=False)
+            if refusal is not None and not isinstance(e, RefusedGlobal):
+                raise refusal from None
+            raise
+        refusal = resolver.refusal()
+        if refusal is not None:
+            raise refusal
+        check_tree(obj, source_bytes=len(blob))
     return obj
 
 
@@ -123,6 +125,12 @@ def read_pickle(stream: Any, guard_cache: GuardCache | None = None) -> bytes:
 _ATOMS = frozenset({str, bytes, int, float, bool, type(None)})  # leaves of every tree
 _TEXT = frozenset({str, bytes, bytearray})  # leaves a copy (json, repr, a header) costs their length
 _EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})  # empty ones are leaves too
+
+
+def _plain_tensor(obj: Any) -> bool:
+    """The usual tensor: a leaf of the tree (no metadata, hooks, parameter or attributes to enter)."""
+    return type(obj) is TensorRef and obj.extra == () and not obj.backward_hooks and obj.parameter is None \
+        and obj.subclass is None
 
 
 def _tree_children(obj: Any) -> list[Any]:
@@ -175,7 +183,7 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
             on_path.add(key)
             stack[-1] = (obj, kids)
             stack.extend((kid, None) for kid in kids
-                         if type(kid) not in _ATOMS and (kid or type(kid) not in _EMPTYABLE)
+                         if type(kid) not in _ATOMS and not _plain_tensor(kid) and (kid or type(kid) not in _EMPTYABLE)
                          and id(kid) not in done and id(kid) not in on_path)
             continue
         stack.pop()
@@ -189,7 +197,13 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
                     text += len(kid)
                 continue
             entry = done.get(id(kid))
-            if entry is None:  # an empty container, or a cycle back to an ancestor: a leaf
+            if entry is None:
+                if kind is TensorRef and _plain_tensor(kid):  # what its own visit would record: (1, 1, 0)
+                    size += 1
+                    if height < 2:
+                        height = 2
+                    continue
+                # an empty container, or a cycle back to an ancestor: a leaf
                 size += 1
                 continue
             if entry[0] >= height:

@@ -163,8 +163,9 @@ class CastBytes:
 
     def _steps(self) -> Iterator[tuple[memoryview, bool]]:
         """Each step's cast bytes (valid until the next step) and whether a finite value became Inf there."""
-        steps = _Steps(self.source.dtype.name, self.target.name)
-        item, step = steps.in_item, CAST_CHUNK * steps.in_item
+        count = min(CAST_CHUNK, max(1, self.source.numel))
+        steps = _Steps(self.source.dtype.name, self.target.name, count)  # a small tensor's buffers: its size
+        item, step = steps.in_item, count * steps.in_item
         pending = b""
         for chunk in self.source.iter_reused(chunk_size=step):
             data: Any = chunk

@@ -129,9 +129,18 @@ class DataOut:
                 crc = stream_with_crc(piece.path, piece.offset, piece.length, self.handle, crc)
         return crc
 
-    def stream(self, chunks: Iterable[bytes | bytearray | memoryview], out_offset: int) -> int:
+    def stream(self, chunks: Iterable[bytes | bytearray | memoryview], out_offset: int, size: int | None = None) -> int:
         """Write computed bytes (a cast) where the output stands, reporting them in :data:`COPY_STEP`
-        steps as they land; returns where they end. A chunk may be a reused buffer: it is written at once."""
+        steps as they land; returns where they end. A chunk may be a reused buffer: it is written at once.
+        Bytes known (``size``) to be at most :data:`SMALL_MEMBER` go through the buffer and are reported
+        in a batch, as a small copied piece is (no flush each)."""
+        if size is not None and size <= SMALL_MEMBER:
+            position = out_offset
+            for chunk in chunks:
+                self.handle.write(chunk)
+                position += len(chunk)
+            self.written(out_offset, position - out_offset)
+            return position
         self.report()
         position = reported = out_offset
         for chunk in chunks:

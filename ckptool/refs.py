@@ -67,23 +67,21 @@ class ByteRange:
             for chunk in self.iter_chunks(start, size, chunk_size):
                 yield bytearray(chunk)
             return
+        from .byteio import read_into
+
         buffer = bytearray(min(chunk_size, size))
-        with open(self.path, "rb", buffering=0) as handle:
-            handle.seek(self.offset + start)
-            remaining = size
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # no file object: small ranges are many
+        try:
+            position, remaining = self.offset + start, size
             while remaining:
                 if remaining < len(buffer):
                     buffer = bytearray(remaining)
-                view = memoryview(buffer)
-                filled = 0
-                while filled < len(buffer):
-                    n = handle.readinto(view[filled:])
-                    if not n:
-                        raise InputError.truncated(self.path)
-                    filled += n
-                del view
+                read_into(fd, memoryview(buffer), position, self.path)
+                position += len(buffer)
                 remaining -= len(buffer)
                 yield buffer
+        finally:
+            os.close(fd)
 
 
 class LazyByteRange(ByteRange):

@@ -398,7 +398,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
             elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
                 out.copy_pieces(pieces, out_offset)
             elif tensor.whole_derived() is not None:  # a cast: computed chunk by chunk as it is written
-                out.stream(tensor.iter_reused(), out_offset)
+                out.stream(tensor.iter_reused(), out_offset, tensor.nbytes)
             elif tensor.nbytes:
                 for chunk in tensor.iter_bytes():
                     handle.write(chunk)

@@ -44,8 +44,6 @@ from .tree import map_tensors
 
 NUMPY_CASTS = ("F64", "F32", "F16", "BF16")  # every pair among these is cast in numpy
 CAST_CHUNK = 1 << 18  # elements per step: each step's arrays stay in the CPU's cache
-PIPELINE_FROM = 8 << 20  # a cast tensor this big is cast on a thread, a few steps ahead of its write
-_RING = 4  # steps cast ahead at most
 
 _UNSIGNED = {8: "<u8", 4: "<u4", 2: "<u2"}
 # the bits of each type's +Inf; a magnitude's bits above it are NaN
@@ -180,16 +178,8 @@ class CastBytes:
             raise InputError(f"tensor bytes end inside a {self.source.dtype.torch_name} element — the file is corrupt")
 
     def chunks(self) -> Iterator[memoryview]:
-        """The cast bytes in steps of :data:`CAST_CHUNK` elements; each is valid until the next is asked for.
-
-        A tensor of :data:`PIPELINE_FROM` bytes or more is read and cast on a thread of its own, a
-        few steps ahead of the consumer (numpy, the reads and the CRC release the GIL): the cast
-        runs on one core while the write runs on another.
-        """
+        """The cast bytes in steps of :data:`CAST_CHUNK` elements; each is valid until the next is asked for."""
         if not self.nbytes:
-            return
-        if self.nbytes >= PIPELINE_FROM:
-            yield from self._pipelined()
             return
         crc = 0
         for produced, overflowed in self._steps():
@@ -198,54 +188,6 @@ class CastBytes:
             crc = zlib.crc32(produced, crc)
             yield produced
         self.crc32 = crc
-
-    def _pipelined(self) -> Iterator[memoryview]:
-        """:meth:`chunks` with the steps produced on a thread into a ring of buffers, in order."""
-        import queue
-        import threading
-
-        free: queue.Queue[bytearray | None] = queue.Queue()
-        filled: queue.Queue[tuple[str, Any, int]] = queue.Queue()
-        for _ in range(_RING):
-            free.put(None)
-        stop = threading.Event()
-
-        def produce() -> None:
-            try:
-                crc = 0
-                for produced, overflowed in self._steps():
-                    if overflowed and self.overflow is not None:
-                        raise self.overflow()
-                    buffer = free.get()
-                    if stop.is_set():
-                        return
-                    size = len(produced)
-                    if buffer is None or len(buffer) < size:
-                        buffer = bytearray(size)
-                    buffer[:size] = produced
-                    crc = zlib.crc32(produced, crc)
-                    filled.put(("chunk", buffer, size))
-                filled.put(("done", None, crc))
-            except BaseException as error:  # handed to the consumer, raised there
-                filled.put(("error", error, 0))
-
-        worker = threading.Thread(target=produce, name="ckptool-cast", daemon=True)
-        worker.start()
-        try:
-            while True:
-                kind, item, size = filled.get()
-                if kind == "done":
-                    self.crc32 = size
-                    return
-                if kind == "error":
-                    raise item
-                yield memoryview(item)[:size]
-                free.put(item)  # the consumer asked for the next: this one is free again
-        finally:
-            stop.set()
-            for _ in range(_RING):
-                free.put(None)
-            worker.join()
 
     def read(self) -> bytearray:
         """All the cast bytes at once (to build a tensor from them)."""

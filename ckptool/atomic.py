@@ -26,7 +26,9 @@ _NOT_THE_INPUT = option("in_place") + " given but the output is not the input â€
 
 
 def same_file(a: Path, b: Path) -> bool:
-    """True if ``a`` and ``b`` name the same file (same path, symlink or hard link)."""
+    """True if ``a`` and ``b`` name the same file (same path, symlink or hard link); a URL is only ever itself."""
+    if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
+        return a == b
     try:
         return os.path.samefile(a, b)
     except OSError:
@@ -54,12 +56,17 @@ def folder_holds_refusal(out: Any, writes: list[str], existing: list[str]) -> Ou
                        "nothing else in the folder is touched), or choose another " + option("out", None), path=out)
 
 
+def _local(inputs: tuple[Path, ...]) -> tuple[Path, ...]:
+    return tuple(source for source in inputs if isinstance(source, (str, os.PathLike)))
+
+
 def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = False, in_place: bool = False) -> None:
     """Refuse an output that would clobber a file or overwrite an input unless asked.
 
     Raises:
         OutputError: ``out`` exists without ``force``, or is one of ``inputs`` without ``in_place``.
     """
+    inputs = _local(inputs)  # a URL input is never a local output
     for source in inputs:
         if out.exists() and same_file(out, source):
             if not in_place:
@@ -92,6 +99,7 @@ def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inp
         OutputError: a file it replaces is an input (without ``in_place``), is a directory, or
             exists without ``force``; or ``out`` is not a folder and exists without ``force``.
     """
+    inputs = _local(inputs)
     if not out.is_dir():
         check_output(out, inputs=inputs, force=force, in_place=in_place)
         return

@@ -561,3 +561,23 @@ def test_inspect_of_a_big_safetensors_over_http_reads_its_header_only(http, big_
     io = json.loads(out)["io"]
     assert io["bytes_read"] < 2 << 20 and io["requests"] <= 6
     assert server.bytes_sent == io["bytes_read"] and server.requests <= 6
+
+
+@pytest.mark.parametrize("args", [["convert", "-o", "out.safetensors"], ["convert", "-o", "shards/", "--max-shard-size",
+                                                                          "100KB"],
+                                  ["convert", "--out-dir", "many"], ["strip", "-o", "out.pt"]],
+                         ids=["file", "folder", "out-dir", "strip"])
+def test_a_url_input_replaces_an_existing_local_output_with_force(args: list[str], memory: str,
+                                                                   tmp_path: Path) -> None:
+    """The checks that an output is not the input compare local files only: a URL input beside an
+    existing local output is refused without --force and replaced with it (never an internal error)."""
+    url = put_memory(memory, FIXTURES / "ddp_lenet_wrapped.pt")
+    command, *rest = args
+    rest = [str(tmp_path / a) if a.startswith(("out", "shards", "many")) else a for a in rest]
+    (tmp_path / "many").mkdir()
+    first = cli(command, url, *rest)
+    assert first[0] == 0, first[2]
+    again = cli(command, url, *rest)
+    assert again[0] == 3 and "--force" in again[2] and "internal error" not in again[2], again[2]
+    forced = cli(command, url, *rest, "--force")
+    assert forced[0] == 0, forced[2]

@@ -159,7 +159,7 @@ def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int)
             RANGE_CRCS[(path, offset, size)] = zlib.crc32(data)  # type: ignore[index]
             yield data
             return
-        part = max(chunk_size, _FETCH)  # fetched by the part (a request per few MiB), handed on by the chunk
+        part = _FETCH  # fetched by the part (a request per few MiB; memory: two parts), handed on by the chunk
         for fetched in remote.iter_chunks(offset, size, part):
             crc = zlib.crc32(fetched, crc)
             if len(fetched) <= chunk_size:

@@ -111,7 +111,7 @@ _SHARED: OrderedDict[RemotePath, tuple[RemoteFile, threading.Lock]] = OrderedDic
 _SHARED_LOCK = threading.Lock()
 _SHARED_FILES = 2  # remote files whose windows serve small ranges (a bias, a norm) across tensors
 SMALL_RANGE = 1 << 20
-_FETCH = 8 << 20  # a big remote range is fetched in parts of this size, one part ahead
+_FETCH = 4 << 20  # a big remote range is fetched in parts of this size, one part ahead (memory: ~4 parts)
 
 
 def _shared(path: RemotePath) -> tuple[RemoteFile, threading.Lock]:

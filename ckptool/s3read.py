@@ -22,6 +22,7 @@ import http.client
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -58,6 +59,8 @@ _ENV_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
 
 # what happened, for tests and diagnostics: readers made, times s3fs was left to do the work, requests sent
 COUNTS = {"readers": 0, "fallbacks": 0, "requests": 0}
+_counts_lock = threading.Lock()
+_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _readers: dict[str, Any] = {}
 _readers_lock = threading.Lock()
 
@@ -183,6 +186,10 @@ def reader_for(options: Mapping[str, Any], env: Mapping[str, str] | None = None)
 def _make_reader(options: Mapping[str, Any], env: Mapping[str, str]) -> S3Reader | None:
     if not _understood(options) or any(env.get(name) for name in _UNSUPPORTED_ENV):
         return None
+    config = _config_profile(env)
+    if config is False or (config and any(name in config for name in (
+            "endpoint_url", "services", "s3", "ca_bundle", "use_fips_endpoint", "use_dualstack_endpoint"))):
+        return None  # the profile's own endpoint or S3 settings: botocore's business
     credentials = resolve_credentials(options, env)
     if credentials is None:
         return None
@@ -191,7 +198,6 @@ def _make_reader(options: Mapping[str, Any], env: Mapping[str, str]) -> S3Reader
         or env.get("AWS_ENDPOINT_URL")
     region = client.get("region_name") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
     if not region:
-        config = _config_profile(env)
         region = (config.get("region") if config else None) or "us-east-1"
     if endpoint is not None:
         parsed = urllib.parse.urlsplit(str(endpoint))
@@ -327,7 +333,7 @@ class S3Reader:
             port = parsed.port or (443 if scheme == "https" else 80)
         else:
             scheme, port = "https", 443
-            if "." in bucket:  # a dotted bucket's virtual host does not match the certificate
+            if not _DNS_BUCKET.match(bucket):  # botocore's rule: a name that is no DNS label goes in the path
                 host = f"s3.{region}.amazonaws.com"
                 path = f"/{quote(bucket)}/{encoded}"
             else:
@@ -390,7 +396,8 @@ class S3Reader:
                 if connection.sock is None:
                     connection.connect()
                     connection.sock.settimeout(self.read_timeout)
-                COUNTS["requests"] += 1
+                with _counts_lock:
+                    COUNTS["requests"] += 1
                 connection.request(method, target, headers=sent)
                 response = connection.getresponse()
                 body = response.read()

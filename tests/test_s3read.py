@@ -176,8 +176,22 @@ def test_a_shared_credentials_profile_is_used(seaweedfs: Any, bucket: str, tmp_p
     assert path.size() == len(PAYLOAD)
 
 
+def test_aws_addressing_and_the_profile_region(tmp_path: Path) -> None:
+    (tmp_path / "config").write_text("[profile work]\nregion = eu-west-3\n")
+    env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s", "AWS_PROFILE": "work",
+           "AWS_CONFIG_FILE": str(tmp_path / "config"), "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    reader = s3read.reader_for({}, env)
+    assert reader is not None and reader.endpoint is None and reader.region == "eu-west-3"
+    assert reader._target("my-bucket", "a b/ü+=.pt", "eu-west-3") == (
+        "https", "my-bucket.s3.eu-west-3.amazonaws.com", 443, "my-bucket.s3.eu-west-3.amazonaws.com",
+        "/a%20b/%C3%BC%2B%3D.pt")
+    assert reader._target("my.dotted.bucket", "k", "eu-west-3")[1:] == (
+        "s3.eu-west-3.amazonaws.com", 443, "s3.eu-west-3.amazonaws.com", "/my.dotted.bucket/k")
+    assert s3read.reader_for({"client_kwargs": {"region_name": "ap-south-1"}}, env).region == "ap-south-1"
+
+
 @pytest.mark.parametrize("case", ["no credentials", "a role in the profile", "an unknown option",
-                                  "partial credentials"])
+                                  "partial credentials", "an endpoint in the profile"])
 def test_s3fs_does_the_work_where_the_credentials_are_not_ours(case: str, seaweedfs: Any, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import s3fs
@@ -188,6 +202,10 @@ def test_s3fs_does_the_work_where_the_credentials_are_not_ours(case: str, seawee
         (tmp_path / "credentials").write_text("[default]\naws_access_key_id = a\naws_secret_access_key = b\n")
         monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    elif case == "an endpoint in the profile":
+        (tmp_path / "config").write_text("[default]\nendpoint_url = http://127.0.0.1:1\n")
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+        options = seaweedfs.storage_options
     elif case == "an unknown option":
         options = {**seaweedfs.storage_options, "requester_pays": True}
     elif case == "partial credentials":

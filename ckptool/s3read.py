@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
@@ -110,7 +110,7 @@ def _read_ini(path: str) -> Any:
     return parser
 
 
-def _config_profile(env: Mapping[str, str]) -> Mapping[str, str] | None | bool:
+def _config_profile(env: Mapping[str, str]) -> Mapping[str, str] | None | Literal[False]:
     """The profile's section of the config file: a mapping, None when absent, False when unreadable."""
     parser = _read_ini(env.get("AWS_CONFIG_FILE") or "~/.aws/config")
     if parser is None:
@@ -119,7 +119,8 @@ def _config_profile(env: Mapping[str, str]) -> Mapping[str, str] | None | bool:
     return _profile_section(parser, profile, True)
 
 
-def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str]) -> Credentials | None | bool:
+def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str]
+                        ) -> Credentials | None | Literal[False]:
     """Credentials in botocore's order for what is supported here; ``False`` for anonymous; None when they
     would come from somewhere else (a role, SSO, a process, the instance) or not at all."""
     if options.get("anon"):
@@ -395,7 +396,7 @@ class S3Reader:
             try:
                 if connection.sock is None:
                     connection.connect()
-                    connection.sock.settimeout(self.read_timeout)
+                    connection.sock.settimeout(self.read_timeout)  # type: ignore[attr-defined]
                 with _counts_lock:
                     COUNTS["requests"] += 1
                 connection.request(method, target, headers=sent)

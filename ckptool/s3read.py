@@ -358,6 +358,8 @@ class S3Reader:
                 status, answer, body = self._once(method, bucket, key, query, dict(headers or {}), region)
             except (ConnectionError, http.client.HTTPException, TimeoutError, socket.timeout, OSError) as e:
                 if attempt >= MAX_ATTEMPTS or not _retryable_exception(e):
+                    if isinstance(e, socket.gaierror):  # as botocore says it: the endpoint cannot be reached
+                        raise ConnectionError("cannot resolve the endpoint's host name") from e
                     raise
                 self._sleep(attempt)
                 continue

@@ -162,6 +162,19 @@ def test_slow_down_forever_is_the_throttled_line(s3_faults: Any, bucket: str) ->
     assert s3_faults.count(method="GET") == s3read.MAX_ATTEMPTS
 
 
+def test_a_store_that_is_not_there_is_the_cannot_connect_line(seaweedfs: Any) -> None:
+    import socket
+
+    with socket.socket() as unused:  # a loopback port nothing listens on (bound, never listening)
+        unused.bind(("127.0.0.1", 0))
+        closed = seaweedfs.endpoint.__class__(f"http://127.0.0.1:{unused.getsockname()[1]}", *seaweedfs.credentials)
+        remote.set_storage_options(closed.storage_options)
+        path = RemotePath("s3://some-bucket/model.pt")
+        assert isinstance(path.reading_filesystem()[0], s3read.S3Reader)
+        with pytest.raises(InputError, match="cannot connect to the store"):
+            path.size()
+
+
 def test_a_shared_credentials_profile_is_used(seaweedfs: Any, bucket: str, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     seaweedfs.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)

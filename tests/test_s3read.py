@@ -175,6 +175,18 @@ def test_a_store_that_is_not_there_is_the_cannot_connect_line(seaweedfs: Any) ->
             path.size()
 
 
+def test_anon_sends_unsigned_requests(s3_faults: Any, bucket: str) -> None:
+    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
+    remote.set_storage_options({"anon": True, "endpoint_url": s3_faults.endpoint_url})
+    path = RemotePath(f"{bucket}/plain.bin")
+    reader = path.reading_filesystem()[0]
+    assert isinstance(reader, s3read.S3Reader) and reader.credentials is None
+    with pytest.raises(InputError, match=r"access denied \(403"):  # this store lets no anonymous reader in
+        path.size()
+    head = s3_faults.seen(method="HEAD")[-1].headers
+    assert "authorization" not in head and "x-amz-date" not in head
+
+
 def test_a_shared_credentials_profile_is_used(seaweedfs: Any, bucket: str, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     seaweedfs.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)

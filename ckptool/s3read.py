@@ -205,10 +205,16 @@ def _make_reader(options: Mapping[str, Any], env: Mapping[str, str]) -> S3Reader
         if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.query:
             return None
     config_kwargs = options.get("config_kwargs") or {}
+    retries = config_kwargs.get("retries") or {}
+    if not isinstance(retries, dict) or retries.get("mode", "standard") != "standard" \
+            or set(retries) - {"mode", "max_attempts", "total_max_attempts"}:
+        return None
+    attempts = retries.get("total_max_attempts") or (
+        retries["max_attempts"] + 1 if retries.get("max_attempts") is not None else MAX_ATTEMPTS)
     return S3Reader(credentials or None, str(endpoint).rstrip("/") if endpoint else None, str(region),
                     connect_timeout=float(config_kwargs.get("connect_timeout", CONNECT_TIMEOUT_S)),
                     read_timeout=float(config_kwargs.get("read_timeout", READ_TIMEOUT_S)),
-                    ca_bundle=env.get("AWS_CA_BUNDLE") or None)
+                    ca_bundle=env.get("AWS_CA_BUNDLE") or None, attempts=max(1, int(attempts)))
 
 
 # -- signing ------------------------------------------------------------------------------------------------
@@ -309,7 +315,8 @@ class S3Reader:
 
     def __init__(self, credentials: Credentials | None, endpoint: str | None, region: str, *,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
-                 ca_bundle: str | None = None) -> None:
+                 ca_bundle: str | None = None, attempts: int = MAX_ATTEMPTS) -> None:
+        self.attempts = attempts
         self.ca_bundle = ca_bundle
         self.credentials = credentials
         self.endpoint = endpoint
@@ -357,7 +364,7 @@ class S3Reader:
             try:
                 status, answer, body = self._once(method, bucket, key, query, dict(headers or {}), region)
             except (ConnectionError, http.client.HTTPException, TimeoutError, socket.timeout, OSError) as e:
-                if attempt >= MAX_ATTEMPTS or not _retryable_exception(e):
+                if attempt >= self.attempts or not _retryable_exception(e):
                     if isinstance(e, socket.gaierror):  # as botocore says it: the endpoint cannot be reached
                         raise ConnectionError("cannot resolve the endpoint's host name") from e
                     raise
@@ -373,7 +380,7 @@ class S3Reader:
                 region = self._bucket_regions[bucket] = new_region
                 attempt -= 1
                 continue
-            if (status in RETRY_STATUSES or code in RETRY_CODES) and attempt < MAX_ATTEMPTS:
+            if (status in RETRY_STATUSES or code in RETRY_CODES) and attempt < self.attempts:
                 self._sleep(attempt)
                 continue
             raise S3Error(status, code)

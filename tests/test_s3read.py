@@ -160,6 +160,11 @@ def test_slow_down_forever_is_the_throttled_line(s3_faults: Any, bucket: str) ->
         handle.pread(10, 0)
     assert "throttling requests (503 SlowDown)" in str(refused.value)
     assert s3_faults.count(method="GET") == s3read.MAX_ATTEMPTS
+    s3_faults.reset_counts()
+    remote.set_storage_options(_options(s3_faults, config_kwargs={"retries": {"total_max_attempts": 2}}))
+    with RemoteFile(RemotePath(f"{bucket}/plain.bin"), size=len(PAYLOAD)) as handle, pytest.raises(InputError):
+        handle.pread(10, 0)
+    assert s3_faults.count(method="GET") == 2
 
 
 def test_a_store_that_is_not_there_is_the_cannot_connect_line(seaweedfs: Any) -> None:

@@ -192,6 +192,32 @@ def test_anon_sends_unsigned_requests(s3_faults: Any, bucket: str) -> None:
     assert "authorization" not in head and "x-amz-date" not in head
 
 
+def test_a_slow_store_is_the_timed_out_line(s3_faults: Any, bucket: str) -> None:
+    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
+    remote.set_storage_options(_options(s3_faults, config_kwargs={"read_timeout": 0.3,
+                                                                  "retries": {"total_max_attempts": 2}}))
+    s3_faults.delay(2.0, method="GET")
+    with RemoteFile(RemotePath(f"{bucket}/plain.bin"), size=len(PAYLOAD)) as handle, \
+            pytest.raises(InputError, match="timed out talking to the store"):
+        handle.pread(10, 0)
+
+
+def test_a_bucket_in_another_aws_region_is_asked_again_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = s3read.S3Reader(s3read.Credentials("AKIDEXAMPLE", "s", None), None, "us-east-1")
+    asked: list[str] = []
+
+    def once(method: str, bucket: str, key: str, query: Any, headers: Any, region: str) -> Any:
+        asked.append(region)
+        if region == "us-east-1":
+            return 301, {"x-amz-bucket-region": "eu-central-1"}, b""
+        return 200, {"content-length": "7"}, b""
+
+    monkeypatch.setattr(reader, "_once", once)
+    assert reader.info("far-bucket/model.pt")["size"] == 7
+    assert reader.info("far-bucket/model.pt")["size"] == 7  # the bucket's region is remembered
+    assert asked == ["us-east-1", "eu-central-1", "eu-central-1"]
+
+
 def test_a_shared_credentials_profile_is_used(seaweedfs: Any, bucket: str, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     seaweedfs.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)

@@ -190,9 +190,14 @@ class RemotePath:
         """(the fsspec filesystem, the path it knows this object by)."""
         return filesystem_for(self)
 
+    def reading_filesystem(self) -> tuple[Any, str]:
+        """(what reads this object: :mod:`.s3read`'s light reader where it can stand in for s3fs, else the
+        fsspec filesystem; the path it knows this object by)."""
+        return reading_filesystem_for(self)
+
     def info(self) -> dict[str, Any] | None:
         """The store's description (``type``, ``size``), or None when nothing is there."""
-        fs, path = self.filesystem()
+        fs, path = self.reading_filesystem()
         try:
             with STATS.request():
                 return dict(fs.info(path))
@@ -350,6 +355,33 @@ def filesystem_for(path: RemotePath) -> tuple[Any, str]:
     return fs, fs._strip_protocol(path.url)
 
 
+def reading_filesystem_for(path: RemotePath) -> tuple[Any, str]:
+    """For reads: :mod:`.s3read`'s reader for an ``s3://`` object when the storage options and environment are
+    ones it reproduces botocore for (no fsspec, s3fs or botocore imported), else :func:`filesystem_for`."""
+    if path.protocol in ("s3", "s3a"):
+        bucket_key = path.url.split("://", 1)[1].rstrip("/")
+        if "?" not in bucket_key and "@" not in bucket_key.split("/", 1)[0] and "/" in bucket_key.strip("/") \
+                and _s3fs_installed():
+            from . import s3read
+
+            with _lock:
+                options = dict(_options)
+            reader = s3read.reader_for(options)
+            if reader is not None:
+                return reader, bucket_key
+    return filesystem_for(path)
+
+
+def _s3fs_installed() -> bool:
+    """Whether the remote extra is there (found, not imported): without it a URL is the one line naming it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("s3fs") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _default_options(protocol: str) -> dict[str, Any]:
     """Options ckptool sets unless the user does: S3 retries throttling with backoff (botocore's
     standard mode); the standard ``AWS_ENDPOINT_URL`` names an S3-compatible store."""
@@ -480,7 +512,7 @@ class RemoteFile(io.RawIOBase):
         super().__init__()
         self.path = path
         self.name = str(path)
-        self._fs, self._key = path.filesystem()
+        self._fs, self._key = path.reading_filesystem()
         if size is None:
             info = path.info()
             if info is None:

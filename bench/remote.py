@@ -51,7 +51,7 @@ def _seaweedfs() -> type:
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "ckptool-bench-remote"
 BUCKET = "bench"
-PART_MIB = 16  # ckptool's upload part size (ckptool.upload); the memory goal allows it on top of 64 MiB
+PART_MIB = 8  # ckptool's upload part size (ckptool.upload); the memory goal allows it on top of 64 MiB
 
 GET_SCRIPT = r'''
 import os, sys, s3fs
@@ -139,7 +139,8 @@ def run(args: argparse.Namespace, log) -> dict:
     log_dir = Path(tempfile.mkdtemp(prefix="ckptool-bench-remote-logs-"))
     store = _seaweedfs().start(args.workdir / "seaweedfs")
     try:
-        store.make_bucket(BUCKET)
+        if BUCKET not in {name.rstrip("/") for name in store.filesystem().ls("")}:  # the store's data is kept
+            store.make_bucket(BUCKET)
         env = store.subprocess_env(child_env())
         base = {"python": [python, "-c", "pass"], "import-s3fs": [python, "-c", "import s3fs"]}
         baseline = {name: statistics.median(measure(argv, cwd=REPO, env=env, log_dir=log_dir,

@@ -49,7 +49,7 @@ from .errors import CkptError, InputError, OutputError, UsageError
 from .remote import STATS, RemotePath, remote_error
 from .suggest import option
 
-PART_SIZE = 16 * 1024 * 1024  # bytes per part (S3: at least 5 MiB but the last; at most 10,000 parts)
+PART_SIZE = 8 * 1024 * 1024  # bytes per part (S3: at least 5 MiB but the last; at most 10,000 parts)
 MAX_PARTS = 10_000
 PARTS_IN_FLIGHT = 2  # parts being sent at once (each one is in memory until sent)
 ABORT_ATTEMPTS = 3  # an abort that fails is tried again this many times in all (after the client's retries)

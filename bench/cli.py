@@ -47,6 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_measure_options(p: argparse.ArgumentParser, *, python_for: str) -> None:
+    """The sampling interval and the interpreter: options of ``python -m bench.dcp`` and ``bench.remote``."""
+    p.add_argument("--interval", type=float, default=0.005, help="memory sampling interval in seconds (default 0.005)")
+    p.add_argument("--python", default=sys.executable, help=f"interpreter for {python_for} (default: this one)")
+
+
+def parse_tool_list(text: str, known: list[str], prog: str) -> list[str]:
+    """``--tools``: ``all`` or a comma-separated subset of ``known``; an unknown name ends the run."""
+    tools = known if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in tools if t not in known]
+    if unknown:
+        raise SystemExit(f"{prog}: unknown tool(s) {unknown}; known: {', '.join(known)}")
+    return tools
+
+
 def add_last_options(p: argparse.ArgumentParser) -> None:
     """The options both ``python -m bench`` and ``python -m bench.dcp`` end with."""
     p.add_argument("--clean-inputs", action="store_true", help="delete the generated checkpoints at the end")

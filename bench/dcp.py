@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cache import evict, rewarm, warm
-from .cli import add_last_options
+from .cli import add_last_options, add_measure_options, parse_tool_list
 from .inputs import parse_size, parse_sizes
 from .measure import (
     GIB,
@@ -505,8 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                    help=f"where the checkpoints are generated once and reused (default {DEFAULT_WORKDIR})")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where dcp.json/md go (default bench/results)")
-    p.add_argument("--interval", type=float, default=0.005, help="memory sampling interval in seconds (default 0.005)")
-    p.add_argument("--python", default=sys.executable, help="interpreter for ckptool and torch (default: this one)")
+    add_measure_options(p, python_for="ckptool and torch")
     add_last_options(p)
     return p
 
@@ -514,10 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.sizes = parse_sizes(args.sizes)
-    args.tools = TOOL_NAMES if args.tools == "all" else [t.strip() for t in args.tools.split(",") if t.strip()]
-    unknown = [t for t in args.tools if t not in TOOL_NAMES]
-    if unknown:
-        raise SystemExit(f"bench.dcp: unknown tool(s) {unknown}; known: {', '.join(TOOL_NAMES)}")
+    args.tools = parse_tool_list(args.tools, TOOL_NAMES, "bench.dcp")
     if args.repeat < 1:
         raise SystemExit("bench.dcp: --repeat must be >= 1")
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import add_last_options
+from .cli import add_last_options, add_measure_options, parse_tool_list
 from .inputs import make_input, parse_sizes, size_label
 from .measure import MIB, REPO, child_env, compile_package, git_rev, load_meta, machine_meta, measure, stderr_logger, \
     write_results
@@ -244,8 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                    help=f"where the checkpoints and the store's data live (default {DEFAULT_WORKDIR})")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where remote.json/md go (default bench/results)")
-    p.add_argument("--interval", type=float, default=0.005, help="memory sampling interval in seconds (default 0.005)")
-    p.add_argument("--python", default=sys.executable, help="interpreter for ckptool and s3fs (default: this one)")
+    add_measure_options(p, python_for="ckptool and s3fs")
     add_last_options(p)
     return p
 
@@ -253,10 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.sizes = parse_sizes(args.sizes)
-    args.tools = TOOL_NAMES if args.tools == "all" else [t.strip() for t in args.tools.split(",") if t.strip()]
-    unknown = [t for t in args.tools if t not in TOOL_NAMES]
-    if unknown:
-        raise SystemExit(f"bench.remote: unknown tool(s) {unknown}; known: {', '.join(TOOL_NAMES)}")
+    args.tools = parse_tool_list(args.tools, TOOL_NAMES, "bench.remote")
     result = run(args, stderr_logger("bench.remote", args.quiet))
     if args.clean_inputs:
         shutil.rmtree(args.workdir, ignore_errors=True)

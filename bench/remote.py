@@ -137,10 +137,11 @@ def run(args: argparse.Namespace, log) -> dict:
     bytecode = compile_package(python)
     args.workdir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="ckptool-bench-remote-logs-"))
-    store = _seaweedfs().start(args.workdir / "seaweedfs")
+    # a store of its own for each run, removed after it: weed keeps overwritten objects' bytes until a vacuum
+    data = Path(tempfile.mkdtemp(prefix="seaweedfs-", dir=args.workdir))
+    store = _seaweedfs().start(data)
     try:
-        if BUCKET not in {name.rstrip("/") for name in store.filesystem().ls("")}:  # the store's data is kept
-            store.make_bucket(BUCKET)
+        store.make_bucket(BUCKET)
         env = store.subprocess_env(child_env())
         base = {"python": [python, "-c", "pass"], "import-s3fs": [python, "-c", "import s3fs"]}
         baseline = {name: statistics.median(measure(argv, cwd=REPO, env=env, log_dir=log_dir,
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace, log) -> dict:
             shutil.rmtree(ctx.out, ignore_errors=True)
     finally:
         store.stop()
+        shutil.rmtree(data, ignore_errors=True)
     shutil.rmtree(log_dir, ignore_errors=True)
     meta = {**machine_meta(started, python), "git": git_rev(), "repeat": args.repeat, "bytecode": bytecode,
             "baseline_anon_mib": baseline, "sampling_interval_s": args.interval, "store": "SeaweedFS on loopback",
@@ -242,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is reported (default 3)")
     p.add_argument("--tools", default="all", help=f"comma-separated subset of {', '.join(TOOL_NAMES)} (default all)")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
-                   help=f"where the checkpoints and the store's data live (default {DEFAULT_WORKDIR})")
+                   help=f"where the checkpoints are made once and the store runs (default {DEFAULT_WORKDIR})")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where remote.json/md go (default bench/results)")
     add_measure_options(p, python_for="ckptool and s3fs")
     add_last_options(p)

@@ -54,6 +54,7 @@ import pytest
 REGION = "us-east-1"
 READY_TIMEOUT_S = 60.0
 START_ATTEMPTS = 3
+MIN_FREE_SPACE = "256MiB"  # the free disk space below which weed refuses writes
 GRPC_OFFSET = 10000  # SeaweedFS's convention: a service's gRPC port is its HTTP port + 10000
 _CHUNK = 1 << 20
 
@@ -336,6 +337,9 @@ class SeaweedFS:
             f"-s3.localSocket={d / 's3.sock'}", f"-filer.localSocket={d / 'filer.sock'}",
             "-master.telemetry=false", "-master.resumeState=false", f"-volume.max={VOLUME_MAX}",
             f"-master.volumeSizeLimitMB={VOLUME_SIZE_LIMIT_MB}", "-s3.allowDeleteBucketNotEmpty=true",
+            # weed turns every volume read-only below 1% of the disk free (2.5 GB of a 250 GB disk): a test machine's
+            # shared disk may be fuller than that while holding far more room than the tests write
+            f"-volume.minFreeSpace={MIN_FREE_SPACE}",
         ]
         if self.auth:
             command.append(f"-s3.config={d / 's3.json'}")

@@ -2,7 +2,7 @@
 makes a bucket, and every ckptool line succeeds against it.
 
 Only what a shared machine forces is changed: the server's ports (free ones instead of the printed
-9334/8081/8889/8334) and its data folder (under ``tmp_path``). The block runs under ``bash -e`` in a
+9334/8081/8889/8334), its data folder (under ``tmp_path``) and the free disk space it insists on. The block runs under ``bash -e`` in a
 folder holding ``.venv`` (this interpreter's) and ``fixtures``, as the repository's root does.
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from objectstore import find_weed, free_port_pairs
+from objectstore import MIN_FREE_SPACE, find_weed, free_port_pairs
 
 REPO = Path(__file__).resolve().parent.parent
 PRINTED_PORTS = ("9334", "8081", "8889", "8334")  # master, volume, filer, s3
@@ -45,6 +45,8 @@ def test_the_object_storage_walkthrough_runs_as_printed(fixtures_dir: Path, tmp_
     for printed, free in zip(PRINTED_PORTS, ports):
         script = re.sub(rf"(port=|127\.0\.0\.1:){printed}\b", rf"\g<1>{free}", script)
     script = script.replace("-s3.port=", f"-s3.port.grpc={ports[3] + 10000} -s3.port=", 1)
+    # and the free disk space it wants (1% of the disk by default) — a shared machine's disk may be fuller
+    script = script.replace("-s3 ", f"-volume.minFreeSpace={MIN_FREE_SPACE} -s3 ", 1)
     for name, port in (("master", ports[0]), ("volume", ports[1]), ("filer", ports[2])):
         script = script.replace(f"-{name}.port={port}", f"-{name}.port={port} -{name}.port.grpc={port + 10000}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

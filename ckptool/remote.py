@@ -62,13 +62,6 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
     return RemotePath(text)
 
 
-def redact(text: str) -> str:
-    """``text`` with any URL's user:password and query (a presigned signature) removed."""
-    def one(match: re.Match[str]) -> str:
-        return str(RemotePath(match.group(0)))
-    return re.sub(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"]+", one, text)
-
-
 class RemotePath:
     """A URL standing where a local path stands: ``/``, ``name``, ``suffix``, ``parent``, ``exists()``..."""
 
@@ -157,12 +150,6 @@ class RemotePath:
         tail = os.fspath(other).strip("/")
         return RemotePath(f"{base}{path}/{tail}{query}" if tail else self._url)
 
-    def joinpath(self, *others: str) -> RemotePath:
-        result = self
-        for other in others:
-            result = result / other
-        return result
-
     def with_name(self, name: str) -> RemotePath:
         return self.parent / name
 
@@ -173,12 +160,6 @@ class RemotePath:
         return isinstance(other, RemotePath) and (other == self or other in self.parents)
 
     def resolve(self, strict: bool = False) -> RemotePath:
-        return self
-
-    def absolute(self) -> RemotePath:
-        return self
-
-    def expanduser(self) -> RemotePath:
         return self
 
     # -- what is there ------------------------------------------------------------------------
@@ -312,18 +293,6 @@ def _forget_remote_files() -> None:
     byteio = sys.modules.get(__name__.rsplit(".", 1)[0] + ".byteio")
     if byteio is not None:
         byteio.forget_remote()
-
-
-@contextlib.contextmanager
-def storage_options(options: Mapping[str, Any] | None) -> Iterator[None]:
-    """:func:`set_storage_options` for a ``with`` block (the API's ``storage_options=``), restored after."""
-    with _lock:
-        saved = dict(_options)
-    set_storage_options(options)
-    try:
-        yield
-    finally:
-        set_storage_options(saved)
 
 
 def _fsspec() -> Any:

@@ -70,8 +70,16 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
 
     from .errors import CkptError, InternalError, ResourceError
 
+    import inspect
+
+    signature = inspect.signature(function)
+
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:  # a wrong argument is the caller's mistake, said as Python says it, not a bug
+            raise TypeError(f"ckptool.{function.__name__}() {e}") from None
         try:
             return function(*args, **kwargs)
         except CkptError:

@@ -269,6 +269,14 @@ def test_the_public_api_raises_only_ckpt_errors_even_for_a_bug(function: str, fi
     assert str(raised.value).count("\n") == 0 and "a bug in ckptool" in str(raised.value)
 
 
+@pytest.mark.parametrize("function", ["load", "inspect", "scan", "diff", "load_into", "save", "fingerprint", "verify"])
+def test_a_wrong_argument_is_the_callers_type_error_not_a_bug(function: str) -> None:
+    """A misspelt keyword is a plain TypeError naming the function, as Python says it; not "a bug in ckptool"."""
+    said = r"(got an unexpected keyword argument 'modle'|missing a required argument: '\w+')"
+    with pytest.raises(TypeError, match=rf"^ckptool\.{function}\(\) {said}$"):
+        getattr(ckptool, function)("x.pt", modle="training:lenet")
+
+
 def test_a_library_warning_does_not_reach_stderr(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
     path = tmp_path / "m.pt"
     torch.save({"w": torch.ones(2)}, path)

@@ -139,7 +139,6 @@ def resolve_devices(devices: str | Sequence[str]) -> list[str]:
     Raises:
         UsageError: a device is malformed or not available on this machine.
     """
-    available = list(available_devices())
     if isinstance(devices, str):
         requested = [part.strip() for part in devices.split(",") if part.strip()]
     else:
@@ -147,12 +146,15 @@ def resolve_devices(devices: str | Sequence[str]) -> list[str]:
     if not requested:
         raise UsageError(option("devices", None) + " is empty — pass all, or a list like cpu,cuda:0")
     if requested == ["all"]:
-        return available
-    resolved: list[str] = []
+        return list(available_devices())
+    tags = []
     for device in requested:
         tag = normalize_location(device)
-        if tag in ("cuda", "xpu"):
-            tag += ":0"
+        tags.append(tag + ":0" if tag in ("cuda", "xpu") else tag)
+    # the CPU alone is there without asking: no torch import (and no CUDA start) for a --devices cpu check
+    available = ["cpu"] if set(tags) == {"cpu"} else list(available_devices())
+    resolved: list[str] = []
+    for tag in tags:
         if tag not in available:
             if tag != "cpu" and not torch_installed():
                 import_torch(f"verifying on {tag}")  # says how to install it

@@ -9,7 +9,7 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 step "1. train LeNet with DDP: torchrun, 2 CPU processes (gloo), saved the common way (wrapper keys)"
-"$BIN/torchrun" --standalone --nproc-per-node 2 -m training --mode ddp --model lenet --epochs 2 \
+"$BIN/torchrun" --standalone --nproc-per-node 2 -m training --mode ddp --model lenet --epochs 2 --device cpu \
     --save-style wrapped --out "$OUT/ddp.pt"
 
 step "2. inspect: what the training run left in the checkpoint"

@@ -232,6 +232,45 @@ def test_process_info_reads_torchrun_and_refuses_mismatches() -> None:
         process_info("single", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
 
 
+def test_the_device_follows_the_gpus_torch_sees_and_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device auto|cpu|cuda against 0, 1 and 2 visible GPUs (the discovery seam substituted; no CUDA is touched
+    where the answer is the CPU or a refusal)."""
+    import training.loop as loop
+
+    ddp_rank1_of_2 = process_info("ddp", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert ddp_rank1_of_2.local_world_size == 2
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for gpus in (0, 1, 2):
+        monkeypatch.setattr(loop, "visible_gpus", lambda gpus=gpus: gpus)
+        assert loop.select_device("ddp", ddp_rank1_of_2, "cpu") == torch.device("cpu")
+        assert loop.select_device("single", ProcessInfo(), "cpu") == torch.device("cpu")
+    monkeypatch.setattr(loop, "visible_gpus", lambda: 0)
+    assert loop.select_device("ddp", ddp_rank1_of_2, "auto") == torch.device("cpu")
+    with pytest.raises(UsageError, match=r"^--device cuda: torch sees no GPU here .* use --device cpu"):
+        loop.select_device("single", ProcessInfo(), "cuda")
+    monkeypatch.setattr(loop, "visible_gpus", lambda: 1)
+    for requested in ("auto", "cuda"):
+        with pytest.raises(UsageError, match=r"^torchrun started 2 processes on this node but torch sees 1 GPU: nccl "
+                                             r"needs one per process — use --nproc-per-node 1, or --device cpu"):
+            loop.select_device("ddp", ddp_rank1_of_2, requested)
+    assert loop.select_device("dp", ProcessInfo(), "auto") == torch.device("cuda", 0)
+    monkeypatch.setattr(loop, "visible_gpus", lambda: 2)
+    assert loop.select_device("ddp", ddp_rank1_of_2, "auto") == torch.device("cuda", 1)
+    assert loop.select_device("fsdp", ddp_rank1_of_2, "cuda") == torch.device("cuda", 1)
+    assert chosen == [0, 1, 1]
+
+
+def test_device_cuda_without_a_gpu_is_one_line_before_any_training(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where torch sees no GPU")
+    completed = train_in_process(["--device", "cuda", "--out", str(tmp_path / "m.pt")])
+    assert completed.returncode == 2
+    assert completed.stderr == ("training: error: --device cuda: torch sees no GPU here (torch.cuda.is_available() is "
+                                "False) — use --device cpu (DDP and FSDP then run on gloo)\n")
+    assert not (tmp_path / "m.pt").exists()
+
+
 def test_model_names_checked_without_torch_are_the_models() -> None:
     assert MODEL_NAMES == tuple(MODELS)
 

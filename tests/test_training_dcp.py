@@ -92,7 +92,7 @@ def dcp_runs(tmp_path_factory, subprocess_env, repo_root, python_executable) -> 
     """
     directory = tmp_path_factory.mktemp("dcp_runs")
     paths = {name: directory / name for name in ("ddp.pt", "ddp.dcp", "straight.pt", "wrapped.pt", "fsdp.dcp", "fsdp.pt")}
-    base = ["--model", "mlp", *DDP_TO_ACCURACY]
+    base = ["--model", "mlp", "--device", "cpu", *DDP_TO_ACCURACY]  # gloo, also where torch sees GPUs
     waves = [
         [
             ["--mode", "ddp", "--epochs", "1", "--out", str(paths["ddp.pt"])],

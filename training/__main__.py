@@ -68,6 +68,7 @@ from training import TrainingError
 # reported before ``import torch`` (training.loop, imported in main), which costs seconds per process.
 from training.options import (
     DATASETS,
+    DEVICES,
     MODEL_NAMES,
     MODES,
     SAVE_FORMATS,
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume", type=Path, default=None, help="continue from a full training checkpoint (a torch file or a DCP directory)"
     )
+    parser.add_argument(
+        "--device", choices=DEVICES, default=defaults.device,
+        help="auto: a GPU where torch sees one (DDP/FSDP: one per process, on nccl), else the CPU (gloo)")
     parser.add_argument("--data", choices=DATASETS, default=defaults.data)
     parser.add_argument("--data-dir", type=Path, default=None, help="where MNIST lies (torchvision layout)")
     parser.add_argument("--train-size", type=int, default=None, help="training samples (default 6000 synthetic / all MNIST)")
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir,
         train_size=args.train_size,
         test_size=args.test_size,
+        device=args.device,
     )
     try:
         # run() checks these again; here they come before torch is imported

@@ -99,11 +99,33 @@ def seed_everything(seed: int) -> None:
         set_switch(True, warn_only=True)
 
 
-def select_device(mode: str, info: ProcessInfo) -> torch.device:
-    """cuda:LOCAL_RANK for a DDP/FSDP worker, cuda:0 otherwise when CUDA is available, else the CPU."""
-    if not torch.cuda.is_available():
+def visible_gpus() -> int:
+    """How many CUDA devices torch sees here (0 without CUDA); the seam tests substitute."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def select_device(mode: str, info: ProcessInfo, requested: str = "auto") -> torch.device:
+    """Where this process trains: ``--device`` cpu, cuda, or auto (cuda where torch sees a GPU, else the CPU).
+
+    On CUDA a DDP/FSDP worker takes cuda:LOCAL_RANK (nccl wants one GPU per process), any other run cuda:0.
+
+    Raises:
+        UsageError: cuda asked for where there is none, or more processes on this node than GPUs.
+    """
+    gpus = visible_gpus()
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
         return torch.device("cpu")
-    index = info.local_rank if mode in DISTRIBUTED_MODES else 0
+    if gpus == 0:
+        raise UsageError("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False) — "
+                         "use --device cpu (DDP and FSDP then run on gloo)")
+    distributed = mode in DISTRIBUTED_MODES
+    processes = max(info.local_world_size, info.local_rank + 1)
+    if distributed and processes > gpus:
+        raise UsageError(
+            f"torchrun started {processes} processes on this node but torch sees {gpus} GPU"
+            f"{'s' if gpus != 1 else ''}: nccl needs one per process — use --nproc-per-node {gpus}, "
+            "or --device cpu to train on gloo")
+    index = info.local_rank if distributed else 0
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -499,7 +521,7 @@ def run(
     test_set = load_dataset(config.data, data_dir=config.data_dir, train=False, seed=config.seed, size=config.test_size)
 
     seed_everything(config.seed)
-    device = select_device(config.mode, info)
+    device = select_device(config.mode, info, config.device)
     distributed = config.mode in DISTRIBUTED_MODES
     if distributed:
         # env:// rendezvous from torchrun; gloo runs anywhere, nccl needs a GPU per process

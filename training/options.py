@@ -15,6 +15,8 @@ from pathlib import Path
 from training import DatasetNotFoundError, UsageError
 
 MODES = ("single", "dp", "ddp", "fsdp")
+# auto: a GPU where torch sees one (one per DDP/FSDP process on the node), else the CPU
+DEVICES = ("auto", "cpu", "cuda")
 # Modes that run as torchrun workers in one process group.
 DISTRIBUTED_MODES = ("ddp", "fsdp")
 SAVE_STYLES = ("unwrapped", "wrapped")
@@ -46,6 +48,7 @@ class RunConfig:
     data_dir: Path | None = None
     train_size: int | None = None
     test_size: int | None = None
+    device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class ProcessInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # processes torchrun started on this node
 
     @property
     def is_main(self) -> bool:
@@ -84,6 +88,7 @@ def process_info(mode: str, environ: Mapping[str, str]) -> ProcessInfo:
             rank=int(environ.get("RANK", "0")),
             local_rank=int(environ.get("LOCAL_RANK", "0")),
             world_size=int(environ.get("WORLD_SIZE", "1")),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")),
         )
     except ValueError as e:
         raise UsageError(f"torchrun environment is not numeric ({e}) — launch with torchrun") from e
@@ -138,6 +143,8 @@ def validate(config: RunConfig) -> None:
         raise UsageError(f"unknown save style {config.save_style!r} — choose one of: {', '.join(SAVE_STYLES)}")
     if config.save_format not in SAVE_FORMATS:
         raise UsageError(f"unknown save format {config.save_format!r} — choose one of: {', '.join(SAVE_FORMATS)}")
+    if config.device not in DEVICES:
+        raise UsageError(f"unknown device {config.device!r} — choose one of: {', '.join(DEVICES)}")
     if config.save_format == "dcp" and config.save_style == "wrapped":
         # get_state_dict names parameters as the model does, whatever wraps it: no "module." to keep
         raise UsageError(

@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tensor_compare import compare, same_tensor  # noqa: F401  (beside this script)
-from tensor_compare import torch_view as reference_view
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by path (the tests), not run
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tensor_compare import compare, same_tensor  # noqa: E402, F401  (beside this script)
+from tensor_compare import torch_view as reference_view  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = Path.home() / ".cache" / "ckptool-realworld"

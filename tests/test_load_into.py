@@ -26,7 +26,8 @@ def _saved(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     trained = nn.DataParallel(Net())
     path = tmp_path / "ddp.pt"
     torch.save({"model": trained.state_dict(), "epoch": 1}, path)
-    return path, {k.removeprefix("module."): v for k, v in trained.state_dict().items()}
+    # on a CUDA machine DataParallel moves the module to cuda:0: the file is tagged so, the expectations are on the CPU
+    return path, {k.removeprefix("module."): v.cpu() for k, v in trained.state_dict().items()}
 
 
 def test_the_model_stays_where_it_is(tmp_path: Path) -> None:

@@ -125,9 +125,10 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[s
 def test_manifest_covers_every_fixture_file(fixtures_dir: Path) -> None:
     on_disk = {str(p.relative_to(fixtures_dir)) for p in fixtures_dir.rglob("*") if p.is_file()}
     on_disk -= {"make_fixtures.py", "make_wild.py", "manifest.json", "README.md"}
-    # frameworks/: files training frameworks wrote, described by their own cases.json (tests/test_frameworks*.py)
+    # frameworks/: files training frameworks wrote, described by their own cases.json (tests/test_frameworks*.py);
+    # gpu/: files a real GPU wrote, described by their own recorded.json (tests/test_gpu_recorded.py)
     on_disk = {name for name in on_disk
-               if "__pycache__" not in name and not name.startswith(("standins/", "frameworks/"))}
+               if "__pycache__" not in name and not name.startswith(("standins/", "frameworks/", "gpu/"))}
     listed = set(ENTRIES) | set(WILD)
     for entry in [*ENTRIES.values(), *WILD.values()]:
         listed |= {str(Path(entry["file"]).parent / shard) for shard in entry.get("shards", [])}
@@ -303,7 +304,7 @@ def test_readme_sha256_table_matches_every_file_on_disk(fixtures_dir: Path) -> N
     table = readme[readme.index("## sha256 of every file"):]
     listed = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{64})` \|$", table, flags=re.MULTILINE))
     on_disk = {str(p.relative_to(fixtures_dir)): sha256_of(p) for p in fixtures_dir.rglob("*")
-               if p.is_file() and not {"__pycache__", "standins", "frameworks"} & set(p.relative_to(fixtures_dir).parts)
+               if p.is_file() and not {"__pycache__", "standins", "frameworks", "gpu"} & set(p.relative_to(fixtures_dir).parts)
                and p.name not in ("make_fixtures.py", "make_wild.py", "manifest.json", "README.md")}
     assert listed == on_disk
 

@@ -338,7 +338,11 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     for part in attribute.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
-            raise UsageError(typed("model_spec", spec.text) + f": {module_name} has no {attribute}")
+            hint = ""
+            if "." not in module_name:  # FAMILY:NAME read as module:function because no such family is installed
+                hint = (f" — and no model family {module_name!r} is installed (families come from installed "
+                        f"packages' {ENTRY_POINT_GROUP!r} entry points); name a function as package.module:function")
+            raise UsageError(typed("model_spec", spec.text) + f": {module_name} has no {attribute}{hint}")
     if not callable(factory):
         raise UsageError(typed("model_spec", spec.text) + f": {module_name}.{attribute} is not callable")
     try:

@@ -331,13 +331,17 @@ def test_model_specs_parse() -> None:
     ("training:alexnet", "--model training:alexnet: unknown training model 'alexnet' — choose one of: lenet, mlp, "
                          "resnet18"),
     ("torchvision:resnet19", "--model torchvision:resnet19: torchvision has no model 'resnet19' — did you mean "),
+    # a family that is not installed reads as module:function; json imports, and says what is missing
+    ("json:lenet", "--model json:lenet: json has no lenet — and no model family 'json' is installed (families come "
+                   "from installed packages' 'ckptool.models' entry points); name a function as "
+                   "package.module:function\n"),
     ("torchvision:resnet18?weights=DEFAULT", "--model torchvision:resnet18?weights=DEFAULT: weights= would download "
                                              "weights — the checkpoint provides them; drop weights"),
     ("torchvision:resnet18?num_classes", "--model 'torchvision:resnet18?num_classes': argument 'num_classes' is not "
                                          "NAME=VALUE, e.g. num_classes=10"),
 ])
 def test_bad_model_spec_is_a_usage_error(lenet_pt: Path, spec: str, message: str) -> None:
-    result = invoke("verify", lenet_pt, "--model", spec, "--devices", "cpu")
+    result = invoke("verify", lenet_pt, "--model", spec, "--devices", "cpu", "--input-shape", "1,1,28,28")
     assert result.exit_code == 2
     assert result.stderr.startswith("ckptool: error: " + message)
     assert result.stderr.count("\n") == 1

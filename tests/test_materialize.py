@@ -35,7 +35,7 @@ def assert_loaded(model: nn.Module, expected: dict[str, torch.Tensor], *, prefix
     state = model.state_dict()
     assert set(state) == {prefix + key for key in expected}
     for key, tensor in expected.items():
-        assert torch.equal(state[prefix + key], tensor), key
+        assert torch.equal(state[prefix + key].cpu(), tensor), key  # DataParallel moves a model to cuda:0 where there is one
 
 
 # ---------------------------------------------------------------------------------------------- to_state_dict

@@ -68,8 +68,9 @@ def test_remap_cuda_to_cpu_loads_with_plain_torch_load(fixtures_dir: Path, tmp_p
     from ckptool.devices import location_mapper
 
     source = fixtures_dir / "gpu_cuda1_ddp_lenet.pt"
-    with pytest.raises(RuntimeError, match="CUDA"):
-        torch.load(source, weights_only=True)
+    if torch.cuda.device_count() < 2:  # a machine with a second GPU loads it as saved
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(source, weights_only=True)
     save(ckptool.load(source).remap(location_mapper(to="cpu")), tmp_path / "cpu.pt")
     loaded = torch.load(tmp_path / "cpu.pt", weights_only=True)
     assert all(t.device.type == "cpu" for t in loaded["model"].values())

@@ -9,6 +9,7 @@ real tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +27,11 @@ _INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "<
 
 def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """Strides (in elements) of a C-contiguous tensor of ``shape``."""
+    return _contiguous_stride(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)  # a checkpoint's tensors share few shapes (100,000 tensors: a few dozen)
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):
         stride.append(running)
@@ -186,11 +192,13 @@ class TensorRef:
     conj: bool = False
     neg: bool = False
 
-    @property
+    # computed once: a write asks each tensor's size and layout several times, and a TensorRef's fields are
+    # never reassigned (a changed tensor is a new TensorRef, dataclasses.replace)
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
@@ -200,6 +208,12 @@ class TensorRef:
 
     def is_contiguous(self) -> bool:
         """C-contiguous in its storage (size-1 dimensions may carry any stride)."""
+        return self._contiguous
+
+    @functools.cached_property
+    def _contiguous(self) -> bool:
+        if self.stride == contiguous_stride(self.shape):
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.stride)):
             if size != 1 and stride != expected:

@@ -333,6 +333,8 @@ class TensorRef:
         """Bytes of its storage the view touches, from its first element to its last (0 when empty)."""
         if self.numel == 0:
             return 0
+        if self._contiguous:  # its elements end to end (a size-1 dimension's stride moves nothing)
+            return self.nbytes
         last = sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
         return (last + 1) * self.dtype.itemsize
 

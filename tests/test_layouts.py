@@ -208,3 +208,33 @@ def test_wrapped_layout_tensors_read_as_torch_or_are_refused(tmp_path: Path, wra
         reference, loaded = _torch_load(path)["w"], _torch_load(tmp_path / "out.pt")["w"]
         assert type(loaded) is type(reference) and loaded.__dict__ == reference.__dict__
         assert_same(reference, loaded, "w")
+
+
+def test_a_views_span_and_contiguity_agree_with_torch_on_random_layouts() -> None:
+    """span_bytes (storage bytes from a view's first element to its last), expands() and is_contiguous(), cached
+    per TensorRef with a fast path for contiguous views, against torch's own view of the same shape and strides."""
+    import math
+    import random
+
+    from ckptool.dtypes import BY_TORCH_NAME
+    from ckptool.refs import StorageRef, TensorRef, contiguous_stride
+
+    float32 = BY_TORCH_NAME["float32"]
+    positions = torch.arange(10_000)  # element i of the storage holds i: a view's largest value is its last element
+    rng = random.Random(0)
+    for _ in range(3000):
+        shape = tuple(rng.choice([0, 1, 1, 2, 3, 5]) for _ in range(rng.randint(0, 4)))
+        if rng.random() < 0.5:  # contiguous, some size-1 dimensions with any stride
+            stride = tuple(rng.randint(0, 50) if size == 1 and rng.random() < 0.5 else step
+                           for size, step in zip(shape, contiguous_stride(shape)))
+        else:
+            stride = tuple(rng.randint(0, 20) for _ in shape)
+        ref = TensorRef(StorageRef(key="0", dtype=float32, numel=10_000, location="cpu"), float32, shape, stride)
+        view = positions.as_strided(shape, stride)
+        if math.prod(shape) == 0:
+            assert ref.span_bytes() == 0 and not ref.expands(), (shape, stride)
+            continue
+        span = (int(view.max()) + 1) * 4
+        assert ref.span_bytes() == span, (shape, stride)
+        assert ref.expands() == (math.prod(shape) * 4 > span), (shape, stride)
+        assert ref.is_contiguous() == view.is_contiguous(), (shape, stride)

@@ -53,7 +53,7 @@ def python_executable() -> str:
 # in around them, instead of one worker taking a long file last while the other idles.
 LONGEST_FILES = (
     "test_training_dcp.py", "test_fixtures.py", "test_bench.py", "test_hostile.py", "test_training.py",
-    "test_bounds.py", "test_dcp.py", "test_verify.py", "test_install.py",
+    "test_bounds.py", "test_dcp.py", "test_verify.py", "test_install.py", "test_gpu_recorded.py",
 )
 
 

@@ -132,3 +132,24 @@ def test_a_tagged_save_from_the_cpu_reproduces_the_gpu_file_byte_for_byte(name: 
     with tagger(lambda storage: tags[storage.data_ptr()]):
         torch.save(obj, buffer)
     assert buffer.getvalue() == (GPU_DIR / name).read_bytes()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_command_passes_the_realworld_checks_on_the_gpu_file(name: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make realworld`'s checks (inspect, scan, add-prefix, strip, remap, convert both ways, verify --against,
+    diff, each against torch's reading) on each GPU-saved file, offline."""
+    spec = importlib.util.spec_from_file_location("realworld", REPO / "scripts" / "realworld.py")
+    realworld = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "realworld", realworld)  # its dataclasses look themselves up there
+    spec.loader.exec_module(realworld)  # type: ignore[union-attr]
+    layout = ["state_dict"] if name.endswith(".ckpt") else ["model"]
+    prefix = "module." if "wrapped" in name else "model." if name.endswith(".ckpt") else ""
+    path = GPU_DIR / name
+    real = realworld.RealFile(f"gpu-{name}", "(recorded)", "-", "-", name, RECORDED["files"][name]["sha256"],
+                              path.stat().st_size, "saved on a GPU", layout, prefix)
+    outcomes = realworld.check_file(real, path, tmp_path)
+    assert [o for o in outcomes if not o.passed] == []
+    assert {o.command for o in outcomes} == {"torch-reference", "inspect", "inspect --json", "scan", "add-prefix",
+                                             "strip", "remap --to cpu", "convert .safetensors", "convert .pt",
+                                             "verify --against", "diff"}

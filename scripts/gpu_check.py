@@ -26,8 +26,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--epochs", "1", "--train-size", "512", "--test-size", "128"]
+# the tests that run differently where torch sees a GPU (gpu-marked, CUDA-conditional, DataParallel on cuda:0,
+# verify --devices all, training on cuda)
 TESTS = ["tests/test_gpu.py", "tests/test_gpu_recorded.py", "tests/test_fixtures.py", "tests/test_verify.py",
-         "tests/test_load_into.py", "tests/test_training.py"]
+         "tests/test_load_into.py", "tests/test_training.py", "tests/test_materialize.py", "tests/test_writer.py",
+         "tests/test_salvage.py", "tests/test_torch_import.py"]
 STEPS = ("tests", "record", "parity")
 
 
@@ -124,7 +127,8 @@ def main() -> int:
     print(json.dumps(machine), flush=True)
 
     if "tests" in steps:
-        run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", "--dist", "loadfile",
+        workers = str(max(2, min(len(TESTS), (os.cpu_count() or 2) // 2)))
+        run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers, "--dist", "loadfile",
              *TESTS], log=out / "tests.log")
 
     if "record" in steps:

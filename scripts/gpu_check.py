@@ -6,8 +6,11 @@
    ``recorded.json``: every tensor's place in the object, location tag, dtype, shape and sha256;
 3. verify's CPU/GPU parity for LeNet, the MLP and ResNet-18 trained on the GPU, to ``parity.json``.
 
-Nothing here needs ckptool installed: it runs from the repository (``PYTHONPATH`` is set for the children).
-On a CPU-only machine it still runs, with every GPU step reported as skipped.
+``--steps`` picks some of ``tests,record,parity`` (all by default; the whole run takes ~5 minutes on an H200
+machine, most of it the tests). Nothing here needs ckptool installed: it runs from the repository (``PYTHONPATH``
+is set for the children), e.g. with the machine's own torch. On a CPU-only machine it runs too: the GPU tests
+skip, the recording has no Lightning file and its tags are "cpu" (tests/test_gpu_recorded.py refuses such a
+recording), and parity has the CPU row alone.
 """
 
 from __future__ import annotations

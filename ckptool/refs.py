@@ -192,13 +192,13 @@ class TensorRef:
     conj: bool = False
     neg: bool = False
 
-    # computed once: a write asks each tensor's size and layout several times, and a TensorRef's fields are
-    # never reassigned (a changed tensor is a new TensorRef, dataclasses.replace)
-    @functools.cached_property
+    # computed on each call, not cached on the instance: a cache in each TensorRef's __dict__ (added in varying
+    # order) un-shares the instances' dict keys, +100 MiB for 100,000 tensors
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @functools.cached_property
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
@@ -208,11 +208,7 @@ class TensorRef:
 
     def is_contiguous(self) -> bool:
         """C-contiguous in its storage (size-1 dimensions may carry any stride)."""
-        return self._contiguous
-
-    @functools.cached_property
-    def _contiguous(self) -> bool:
-        if self.stride == contiguous_stride(self.shape):
+        if self.stride == contiguous_stride(self.shape):  # the usual case: one lookup of the shape's strides
             return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.stride)):
@@ -333,7 +329,7 @@ class TensorRef:
         """Bytes of its storage the view touches, from its first element to its last (0 when empty)."""
         if self.numel == 0:
             return 0
-        if self._contiguous:  # its elements end to end (a size-1 dimension's stride moves nothing)
+        if self.is_contiguous():  # its elements end to end (a size-1 dimension's stride moves nothing)
             return self.nbytes
         last = sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
         return (last + 1) * self.dtype.itemsize

@@ -48,6 +48,9 @@ from training.models import INPUT_SHAPE, build_model
 
 LAUNCH = ["-m", "torch.distributed.run"]
 PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
+# gloo sometimes aborts a rank as its process group is torn down under load (SIGABRT, after the run's work and
+# its save are done: seen once in a CI run of the FSDP --resume run): torch's teardown, not the run under test
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def free_port() -> int:
@@ -112,7 +115,13 @@ def dcp_runs(tmp_path_factory, subprocess_env, repo_root, python_executable) -> 
         agents = start_two_agents(python_executable, two_agents, **popen) if number == 0 else None
         for run, args in zip(runs, wave):
             stdout, stderr = run.communicate(timeout=900)
-            assert run.returncode == 0, f"{args}: {stderr[-4000:]}"
+            returncode = run.returncode
+            for _retry in range(2):  # gloo's teardown aborting a rank, as in test_dcp.py: the run again, alone
+                if returncode == 0 or TEARDOWN_ABORT not in stderr:
+                    break
+                again = subprocess.run([*standalone, *args], timeout=900, **popen)
+                stdout, stderr, returncode = again.stdout, again.stderr, again.returncode
+            assert returncode == 0, f"{args}: {stderr[-4000:]}"
             assert stdout.count("final test_accuracy") == 1, "only rank 0 may log"
         if agents is not None:
             outputs = finish_two_agents(agents, lambda: start_two_agents(python_executable, two_agents, **popen))

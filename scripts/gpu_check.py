@@ -37,12 +37,9 @@ TESTS = ["tests/test_gpu.py", "tests/test_gpu_recorded.py", "tests/test_fixtures
 STEPS = ("tests", "record", "parity")
 
 
-def describe(path: Path) -> list[dict[str, Any]]:
-    """Every tensor of ``path`` as torch reads it: place in the object, saved location tag, dtype, shape, sha256.
-
-    Read with ``weights_only=True`` (plus ``pathlib`` paths, which Lightning's hyper-parameters hold); the
-    storages stay on the CPU, their saved tags recorded on the way.
-    """
+def load_keeping_tags(path: Path) -> tuple[Any, dict[int, str]]:
+    """``torch.load(path, weights_only=True)`` (plus ``pathlib`` paths, which Lightning's hyper-parameters hold)
+    with every storage left on the CPU, and each storage's saved location tag by its data pointer."""
     import torch
 
     tags: dict[int, str] = {}
@@ -52,7 +49,15 @@ def describe(path: Path) -> list[dict[str, Any]]:
         return storage
 
     with torch.serialization.safe_globals([pathlib.PosixPath, pathlib.WindowsPath]):
-        obj = torch.load(path, weights_only=True, map_location=keep_on_cpu)
+        return torch.load(path, weights_only=True, map_location=keep_on_cpu), tags
+
+
+def describe(path: Path) -> list[dict[str, Any]]:
+    """Every tensor of ``path`` as torch reads it (:func:`load_keeping_tags`): place in the object, saved location
+    tag, dtype, shape, sha256."""
+    import torch
+
+    obj, tags = load_keeping_tags(path)
     found: list[dict[str, Any]] = []
 
     def walk(node: object, place: list[str]) -> None:

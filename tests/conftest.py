@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,23 @@ if str(REPO_ROOT) not in sys.path:
 def repo_root() -> Path:
     """The repository root (the directory holding ckptool/, training/, fixtures/)."""
     return REPO_ROOT
+
+
+@pytest.fixture
+def load_script(repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], types.ModuleType]:
+    """``load_script("fixtures/make_fixtures.py")``: a script of the repository imported by its path, under its
+    file's stem, and in ``sys.modules`` for this test only (its dataclasses look their module up there)."""
+
+    def load(relative: str) -> types.ModuleType:
+        path = repo_root / relative
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, path.stem, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ import ckptool
 from ckptool.cli import main
 from ckptool.dtypes import BY_TORCH_NAME
 from ckptool.formats.zipio import pieces_crc
+from training_runs import TEARDOWN_ABORT
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -112,10 +113,9 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
                str(out)]
     for _ in range(3):
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        # gloo sometimes aborts a rank at interpreter exit under load ("terminate called without an
-        # active exception", SIGABRT) after all the work is done; that is torch's teardown, not the
-        # checkpoint under test, so the run is repeated from scratch
-        if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
+        # gloo's teardown aborting a rank after all the work is done (training_runs.TEARDOWN_ABORT) is not the
+        # checkpoint under test: the run is repeated from scratch
+        if result.returncode == 0 or TEARDOWN_ABORT not in result.stderr:
             break
         for child in out.iterdir():
             if child.is_dir():

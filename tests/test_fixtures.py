@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import importlib.util
 import json
 import platform
 import re
 import subprocess
-import sys
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -226,11 +224,8 @@ def test_gpu_fixture_tags_are_what_a_gpu_run_writes(fixtures_dir: Path) -> None:
     assert ENTRIES["gpu_cuda1_ddp_lenet.pt"]["fingerprint"] == ENTRIES["ddp_lenet_wrapped.pt"]["fingerprint"]
 
 
-def test_location_tagger_is_registered_only_inside_the_block(repo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("make_fixtures", repo_root / "fixtures" / "make_fixtures.py")
-    make_fixtures = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "make_fixtures", make_fixtures)  # its dataclasses look themselves up there
-    spec.loader.exec_module(make_fixtures)  # type: ignore[union-attr]
+def test_location_tagger_is_registered_only_inside_the_block(tmp_path: Path, load_script) -> None:
+    make_fixtures = load_script("fixtures/make_fixtures.py")
     registry_before = list(torch.serialization._package_registry)
 
     with pytest.raises(KeyError), make_fixtures.saved_locations(lambda storage: "cuda:3"):
@@ -531,14 +526,10 @@ def test_ckptool_reads_the_committed_torchscript_archive(fixtures_dir: Path, rep
     assert report["fingerprint"] == fingerprint(weights)
 
 
-def test_realworld_harness_passes_every_command_on_a_committed_gpu_fixture(repo_root: Path, fixtures_dir: Path,
-                                                                         tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_realworld_harness_passes_every_command_on_a_committed_gpu_fixture(fixtures_dir: Path, tmp_path: Path,
+                                                                         load_script) -> None:
     # `make realworld` needs PyPI; its checks themselves run here, offline, on a file of the same kind
-    spec = importlib.util.spec_from_file_location("realworld", repo_root / "scripts" / "realworld.py")
-    realworld = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "realworld", realworld)  # its dataclasses look themselves up there
-    spec.loader.exec_module(realworld)  # type: ignore[union-attr]
+    realworld = load_script("scripts/realworld.py")
     entry = ENTRIES["gpu_cuda0_lenet.pt"]
     real = realworld.RealFile("gpu-lenet", "(committed)", "-", "-", entry["file"], entry["sha256"],
                               entry["file_bytes"], "training container tagged cuda:0", entry["layout"])

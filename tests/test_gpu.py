@@ -7,7 +7,6 @@ CPU-only tests reproduce GPU-saved files with exact location tags instead). On a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -95,22 +94,14 @@ def test_gpu_tagged_fixtures_load_natively_and_ckptool_agrees(fixtures_dir: Path
         assert torch.equal(torch.frombuffer(data, dtype=expected.dtype).reshape(expected.shape), expected), key
 
 
-def _load_make_fixtures(repo_root: Path, monkeypatch: pytest.MonkeyPatch):
-    spec = importlib.util.spec_from_file_location("make_fixtures", repo_root / "fixtures" / "make_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "make_fixtures", module)  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-def test_a_real_gpu_save_writes_the_bytes_of_the_tagged_cpu_save(fixtures_dir: Path, repo_root: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_real_gpu_save_writes_the_bytes_of_the_tagged_cpu_save(fixtures_dir: Path, tmp_path: Path,
+                                                                 load_script) -> None:
     """What the CPU-only suite stands on: a save with 'cuda:0' location tags is the file a GPU writes, byte for byte.
 
     The same full training checkpoint (weights, Adam moments and step counters, epoch, config) saved twice: once
     from cuda:0 for real, once from the CPU through make_fixtures' tagger.
     """
-    make_fixtures = _load_make_fixtures(repo_root, monkeypatch)
+    make_fixtures = load_script("fixtures/make_fixtures.py")
     on_cpu = torch.load(fixtures_dir / "single_lenet.pt", weights_only=True, map_location="cpu")
     on_gpu = torch.utils._pytree.tree_map(lambda leaf: leaf.to("cuda:0") if isinstance(leaf, torch.Tensor) else leaf,
                                           on_cpu)
@@ -122,7 +113,8 @@ def test_a_real_gpu_save_writes_the_bytes_of_the_tagged_cpu_save(fixtures_dir: P
     assert (tmp_path / "gpu" / "lenet.pt").read_bytes() == (tmp_path / "tagged" / "lenet.pt").read_bytes()
 
 
-def test_adam_keeps_its_step_counters_on_the_cpu_on_a_gpu_as_the_ddp_fixture_says(fixtures_dir: Path) -> None:
+def test_adam_keeps_its_step_counters_on_the_cpu_on_a_gpu_as_the_ddp_fixture_says(fixtures_dir: Path,
+                                                                                   load_script) -> None:
     """gpu_cuda1_ddp_lenet.pt tags Adam's 'step' tensors 'cpu' and everything else 'cuda:1': what torch does."""
     model = build_model("lenet").to("cuda:0")
     optimizer = torch.optim.Adam(model.parameters())
@@ -131,14 +123,8 @@ def test_adam_keeps_its_step_counters_on_the_cpu_on_a_gpu_as_the_ddp_fixture_say
     devices = {name: value.device.type for state in optimizer.state_dict()["state"].values()
                for name, value in state.items()}
     assert devices == {"step": "cpu", "exp_avg": "cuda", "exp_avg_sq": "cuda"}
-    tags: dict[int, str] = {}
-
-    def keep_on_cpu(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
-        tags[storage.data_ptr()] = location
-        return storage
-
-    fixture = torch.load(fixtures_dir / "gpu_cuda1_ddp_lenet.pt", weights_only=True, map_location=keep_on_cpu)
-    fixture_tags = {name: {tags[value.untyped_storage().data_ptr()] for value in
-                           (state[name] for state in fixture["optimizer"]["state"].values())}
-                    for name in devices}
+    fixture_tags: dict[str, set[str]] = {}
+    for entry in load_script("scripts/gpu_check.py").describe(fixtures_dir / "gpu_cuda1_ddp_lenet.pt"):
+        if entry["path"][:2] == ["optimizer", "state"]:
+            fixture_tags.setdefault(entry["path"][-1], set()).add(entry["location"])
     assert fixture_tags == {"step": {"cpu"}, "exp_avg": {"cuda:1"}, "exp_avg_sq": {"cuda:1"}}

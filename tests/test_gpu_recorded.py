@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import importlib.util
 import json
 import io
 import pathlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +28,6 @@ GPU_DIR = REPO / "fixtures" / "gpu"
 RECORDED: dict[str, Any] = json.loads((GPU_DIR / "recorded.json").read_text())
 NAMES = sorted(RECORDED["files"])
 PATH_GLOBALS = [pathlib.PosixPath, pathlib.WindowsPath]  # Lightning's hyper-parameters hold paths
-
-
-def gpu_check() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-def make_fixtures(monkeypatch: pytest.MonkeyPatch) -> Any:
-    spec = importlib.util.spec_from_file_location("make_fixtures", REPO / "fixtures" / "make_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "make_fixtures", module)  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def tensors(name: str) -> list[dict[str, Any]]:
@@ -87,7 +70,8 @@ def test_inspect_counts_the_location_tags_torch_saw(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_plain_torch_load_fails_here_and_remap_to_cpu_fixes_every_tensor(name: str, tmp_path: Path) -> None:
+def test_plain_torch_load_fails_here_and_remap_to_cpu_fixes_every_tensor(name: str, tmp_path: Path,
+                                                                         load_script) -> None:
     source = GPU_DIR / name
     if not torch.cuda.is_available():
         with torch.serialization.safe_globals(PATH_GLOBALS), pytest.raises(
@@ -97,7 +81,7 @@ def test_plain_torch_load_fails_here_and_remap_to_cpu_fixes_every_tensor(name: s
     result = CliRunner().invoke(main, ["remap", str(source), "--to", "cpu", "-o", str(out)])
     assert result.exit_code == 0, result.stderr
     expected = [dict(entry, location="cpu") for entry in tensors(name)]
-    assert gpu_check().describe(out) == expected  # torch's own reading: every tensor, every value, now "cpu"
+    assert load_script("scripts/gpu_check.py").describe(out) == expected  # torch's own reading: every tensor, every value, now "cpu"
     assert source.read_bytes() != out.read_bytes()
 
 
@@ -114,20 +98,14 @@ TRAINING_RUNS = [name for name in NAMES if RECORDED["files"][name]["made_by"].st
 
 
 @pytest.mark.parametrize("name", TRAINING_RUNS)
-def test_a_tagged_save_from_the_cpu_reproduces_the_gpu_file_byte_for_byte(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tagged_save_from_the_cpu_reproduces_the_gpu_file_byte_for_byte(name: str, load_script) -> None:
     """What the CPU-only suite stands on (fixtures/gpu_cuda*.pt are made so): torch.save from the CPU, with
     make_fixtures' tagger naming each storage's location, writes the very file the GPU machine wrote, down to the
     pickle's memo of the tag strings (its torch, 2.11, older than the one here)."""
-    tagger = make_fixtures(monkeypatch).saved_locations
-    tags: dict[int, str] = {}
-
-    def keep_on_cpu(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
-        tags[storage.data_ptr()] = "cpu" if location == "cpu" else "cuda:0"  # constants: the tagger must copy
-        return storage
-
-    with torch.serialization.safe_globals(PATH_GLOBALS):
-        obj = torch.load(GPU_DIR / name, weights_only=True, map_location=keep_on_cpu)
-    assert set(tags.values()) == {"cpu", "cuda:0"}
+    tagger = load_script("fixtures/make_fixtures.py").saved_locations
+    obj, saved = load_script("scripts/gpu_check.py").load_keeping_tags(GPU_DIR / name)
+    tags = {pointer: "cpu" if location == "cpu" else "cuda:0" for pointer, location in saved.items()}  # constants:
+    assert set(tags.values()) == {"cpu", "cuda:0"}  # the tagger must hand over a string of its own per storage
     buffer = io.BytesIO()  # the runs saved through a file object too: the archive's folder is "archive"
     with tagger(lambda storage: tags[storage.data_ptr()]):
         torch.save(obj, buffer)
@@ -135,14 +113,10 @@ def test_a_tagged_save_from_the_cpu_reproduces_the_gpu_file_byte_for_byte(name: 
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_command_passes_the_realworld_checks_on_the_gpu_file(name: str, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_command_passes_the_realworld_checks_on_the_gpu_file(name: str, tmp_path: Path, load_script) -> None:
     """`make realworld`'s checks (inspect, scan, add-prefix, strip, remap, convert both ways, verify --against,
     diff, each against torch's reading) on each GPU-saved file, offline."""
-    spec = importlib.util.spec_from_file_location("realworld", REPO / "scripts" / "realworld.py")
-    realworld = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "realworld", realworld)  # its dataclasses look themselves up there
-    spec.loader.exec_module(realworld)  # type: ignore[union-attr]
+    realworld = load_script("scripts/realworld.py")
     layout = ["state_dict"] if name.endswith(".ckpt") else ["model"]
     prefix = "module." if "wrapped" in name else "model." if name.endswith(".ckpt") else ""
     path = GPU_DIR / name

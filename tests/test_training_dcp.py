@@ -26,6 +26,7 @@ from test_training import (  # the shared helpers and the `train` fixture, besid
     assert_training_container,
     load_checkpoint,
 )
+from training_runs import TEARDOWN_ABORT
 
 from training import TrainingError, UsageError
 from training.checkpoints import optimizer_state_by_index, optimizer_state_by_name
@@ -48,9 +49,6 @@ from training.models import INPUT_SHAPE, build_model
 
 LAUNCH = ["-m", "torch.distributed.run"]
 PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
-# gloo sometimes aborts a rank as its process group is torn down under load (SIGABRT, after the run's work and
-# its save are done: seen once in a CI run of the FSDP --resume run): torch's teardown, not the run under test
-TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def free_port() -> int:
@@ -116,7 +114,7 @@ def dcp_runs(tmp_path_factory, subprocess_env, repo_root, python_executable) -> 
         for run, args in zip(runs, wave):
             stdout, stderr = run.communicate(timeout=900)
             returncode = run.returncode
-            for _retry in range(2):  # gloo's teardown aborting a rank, as in test_dcp.py: the run again, alone
+            for _retry in range(2):  # gloo's teardown aborted a rank (seen in CI on the FSDP --resume run): again, alone
                 if returncode == 0 or TEARDOWN_ABORT not in stderr:
                     break
                 again = subprocess.run([*standalone, *args], timeout=900, **popen)

@@ -17,6 +17,10 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+# gloo sometimes aborts a rank as its process group is torn down under load (SIGABRT, after the run's work and its
+# save are done): torch's teardown, not the run under test; a launch that failed so is run again
+TEARDOWN_ABORT = "terminate called without an active exception"
+
 # torchrun's variables: a test process must not look like a torchrun worker to python -m training
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 

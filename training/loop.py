@@ -112,8 +112,10 @@ def select_device(mode: str, info: ProcessInfo, requested: str = "auto") -> torc
     Raises:
         UsageError: cuda asked for where there is none, or more processes on this node than GPUs.
     """
+    if requested == "cpu":
+        return torch.device("cpu")
     gpus = visible_gpus()
-    if requested == "cpu" or (requested == "auto" and gpus == 0):
+    if gpus == 0 and requested == "auto":
         return torch.device("cpu")
     if gpus == 0:
         raise UsageError("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False) — "

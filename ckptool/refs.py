@@ -39,7 +39,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-@dataclass
+@dataclass(slots=True)
 class ByteRange:
     """``length`` bytes of ``path`` starting at ``offset``; ``crc32`` when the container recorded one."""
 
@@ -123,7 +123,7 @@ class Derived(Protocol):
         ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StorageRef:
     """One saved storage: the unit of sharing (tied tensors point at the same StorageRef).
 
@@ -159,7 +159,7 @@ class StorageRef:
         return self.data
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorRef:
     """A tensor as saved: a strided view of ``storage``. No bytes are read until asked.
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,7 +35,6 @@ from .refs import TensorRef
 ReadBack = Callable[[Path], Mapping[str, TensorRef]]
 
 
-@dataclass(frozen=True)
 class TensorCheck:
     """What must read back for one tensor: dtype, shape and the CRC32 of its C-order bytes.
 
@@ -47,13 +46,31 @@ class TensorCheck:
     For a view that expands its storage (stride 0, overlaps) written to a ``.pt`` — where the
     storage is copied raw, not expanded — the CRC is that of the storage bytes it spans, and
     ``view`` holds its offset and strides, which must read back the same.
+
+    A plain class with slots, not a frozen dataclass (whose fields are set one ``object.__setattr__``
+    at a time): a write of 100,000 tensors makes 200,000 of them. Never changed once made.
     """
 
-    dtype: str
-    shape: tuple[int, ...]
-    crc32: int
-    view: tuple | None = None
-    recorded: bool = field(default=False, compare=False)
+    __slots__ = ("dtype", "shape", "crc32", "view", "recorded")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], crc32: int, view: tuple | None = None,
+                 recorded: bool = False) -> None:
+        self.dtype, self.shape, self.crc32, self.view, self.recorded = dtype, shape, crc32, view, recorded
+
+    def _compared(self) -> tuple:
+        return self.dtype, self.shape, self.crc32, self.view  # ``recorded`` says where the CRC came from: not compared
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not TensorCheck:
+            return NotImplemented
+        return self.dtype == other.dtype and self.shape == other.shape and self.crc32 == other.crc32 \
+            and self.view == other.view
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
+
+    def __repr__(self) -> str:
+        return f"TensorCheck(dtype={self.dtype!r}, shape={self.shape!r}, crc32={self.crc32!r}, view={self.view!r})"
 
 
 class StaleSourceCrc(Exception):

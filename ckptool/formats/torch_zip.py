@@ -92,47 +92,61 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     headers = getattr(members, "headers", None)  # a remote archive's members are placed when first read
     type_globals: dict[Any, str] = {}  # by placeholder (held, so by identity): each class's name made once
 
+    storage_type_ref = pickles.StorageTypeRef
+    get_member = members.get
+    # no two names alike but for case (every archive torch writes): a name's member is the one of that exact name
+    exact = dict.get if isinstance(members, zipio.Members) and not members.folded_alike else None
+    not_read = zipio.NOT_READ
+
     def persistent_load(pid: Any) -> StorageRef:
-        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
             raise InputError(f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint",
                              path=path)
         _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
-                or not isinstance(location, str) or type(numel) is not int or numel < 0:
-            raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt",
-                             path=path)
+        if type(storage_type) is not storage_type_ref or type(key) is not str \
+                or type(location) is not str or type(numel) is not int or numel < 0:
+            if not isinstance(storage_type, storage_type_ref) or not isinstance(key, str) \
+                    or not isinstance(location, str) or type(numel) is not int or numel < 0:
+                raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is "
+                                 "corrupt", path=path)
+        dtype = storage_type.dtype
         cached = storages.get(key)
-        if cached is not None and (cached.nbytes or cached.dtype is storage_type.dtype):
+        if cached is not None and (cached.nbytes or cached.dtype is dtype):
             return cached
-        member = members.get(prefix + key)
+        name = prefix + key
+        member = exact(members, name) if exact is not None else None
         if member is None:
-            raise InputError(f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
-                             "truncated or corrupt", path=path)
+            member = get_member(name)
+            if member is None:
+                raise InputError(f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
+                                 "truncated or corrupt", path=path)
         if member.compressed:
             raise InputError(f"{context}storage {pickles.brief(key)} is compressed; PyTorch writes storages "
                              "uncompressed — re-save with torch.save", path=path)
-        nbytes = numel * storage_type.dtype.itemsize
-        if member.size < nbytes:
+        nbytes = numel * dtype.itemsize
+        size = member.size
+        if size < nbytes:
             raise InputError(f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
-                             f"{member.size} — the file is corrupt", path=path)
+                             f"{size} — the file is corrupt", path=path)
         # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
-        crc32 = member.crc32 if member.size == nbytes and (member.crc32 or not nbytes) else None
+        crc32 = member.crc32
+        if size != nbytes or not (crc32 or not nbytes):
+            crc32 = None
+        data_offset = member.data_offset
+        type_global = type_globals.get(storage_type)
+        if type_global is None:
+            type_global = type_globals[storage_type] = f"{storage_type.module}.{storage_type.name}"
         storage = StorageRef(
-            key=key,
-            dtype=storage_type.dtype,
-            numel=numel,
-            location=location,
-            data=ByteRange(source, base_offset + member.data_offset, nbytes, crc32)
-            if member.data_offset != zipio.NOT_READ or headers is None
+            key, dtype, numel, location,
+            ByteRange(source, base_offset + data_offset, nbytes, crc32) if data_offset != not_read or headers is None
             else _data_range(source, base_offset, member, headers, nbytes, crc32),
-            type_global=type_globals.get(storage_type) or type_globals.setdefault(
-                storage_type, f"{storage_type.module}.{storage_type.name}"),
+            type_global,
         )
         if big_endian:
             storage.producer = _swapped(storage)
         # torch keeps an allocated storage by key for later references (whatever dtype they name);
         # an empty one is not kept (its data pointer is null), so each reference gets its own dtype
-        if storage.nbytes or key not in storages:
+        if nbytes or key not in storages:
             storages[key] = storage
         return storage
 

@@ -351,6 +351,7 @@ class Members(dict):
             if folded.setdefault(key, member) is not member:
                 self._shared.add(key)
         self._order: list[int] | None = None
+        self.folded_alike = bool(self._shared)  # whether any two names are alike but for ASCII case
         self.headers: LocalHeaders | None = None  # a remote archive's (see :func:`data_offset`)
 
     def get(self, name: str, default: Member | None = None) -> Member | None:  # type: ignore[override]

@@ -45,6 +45,8 @@ class _Emitter:
         self.global_memo: dict[str, int] = {}
         self.dotted = False  # a global named as a nested class (module + "Outer.Inner") was written
         self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
+        self._global_keys: dict[str, str] = {}  # a storage class's global -> its key in global_memo
+        self._dims_bytes: dict[tuple[int, ...], bytes] = {}  # a plain tensor's shape or stride -> its ints and TUPLEn
 
     # memo -------------------------------------------------------------------------------------
     def _put(self, obj: Any) -> None:
@@ -315,8 +317,11 @@ class _Emitter:
         rebuild_at = global_memo.get(_REBUILD_V2_KEY)
         dict_at = global_memo.get(_ORDERED_DICT_KEY)
         type_global = storage.type_global or f"torch.{storage.dtype.storage_class or 'UntypedStorage'}"
-        module, name = type_global.rsplit(".", 1)
-        type_at = global_memo.get(f"{module}\n{name}")
+        type_key = self._global_keys.get(type_global)
+        if type_key is None:
+            module, name = type_global.rsplit(".", 1)
+            type_key = self._global_keys[type_global] = f"{module}\n{name}"
+        type_at = global_memo.get(type_key)
         if rebuild_at is None or dict_at is None or type_at is None:
             return False  # a global's first use: written (and memoised) by the general path
         parts = [_get_bytes(rebuild_at), b"((X\x07\x00\x00\x00storage", _get_bytes(type_at)]
@@ -333,13 +338,17 @@ class _Emitter:
         keep = self.keep
         index = len(memo) + len(global_memo)
         small = _SMALL_INTS
+        dims_bytes = self._dims_bytes
         for dims in (shape, stride):
             if not dims:
                 parts.append(_P.EMPTY_TUPLE)
                 continue
-            for value in dims:
-                parts.append(small[value] if 0 <= value < 256 else _int_bytes(value))
-            parts.append(_TUPLES[len(dims)])
+            # every value is an int (checked above), so a tuple equal to a cached one writes the same bytes
+            written = dims_bytes.get(dims)
+            if written is None:
+                written = dims_bytes[dims] = b"".join([small[value] if 0 <= value < 256 else _int_bytes(value)
+                                                       for value in dims]) + _TUPLES[len(dims)]
+            parts.append(written)
             parts.append(_put_bytes(index))
             memo[id(dims)] = index
             keep.append(dims)

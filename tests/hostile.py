@@ -448,6 +448,11 @@ def build_corpus(directory: Path) -> list[Case]:
     add("st_data_short", safetensors_file({"a": f32([4], 0, 16)}, sixteen[:10]), REFUSE, suffix=".safetensors")
     add("st_unknown_dtype", safetensors_file({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
                                              sixteen), REFUSE, suffix=".safetensors")
+    for kind, dtype in (("list", ["F32"]), ("object", {"F32": 1}), ("number", 5)):  # unhashable or no name
+        add(f"st_dtype_{kind}", safetensors_file({"a": {"dtype": dtype, "shape": [4], "data_offsets": [0, 16]}},
+                                                 sixteen), REFUSE, suffix=".safetensors")
+    add("st_offsets_not_ints", safetensors_file({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0.0, 16]}},
+                                                sixteen), REFUSE, suffix=".safetensors")
     add("st_shape_overflow", safetensors_file({"a": f32([2**40, 2**40], 0, 16)}, sixteen), REFUSE,
         suffix=".safetensors")
     add("st_zero_dim_overflow", safetensors_file({"a": f32([0, 2**64], 0, 0)}), REFUSE, suffix=".safetensors")

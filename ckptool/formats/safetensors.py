@@ -15,7 +15,6 @@ The container a training checkpoint kept around its weights (epoch, configs, sch
 from __future__ import annotations
 
 import json
-import math
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -153,20 +152,23 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
         raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
     spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorRef] = {}
+    by_name, entry_keys = dtypes.BY_NAME, _ENTRY_KEYS
     for name, entry in header.items():
-        if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
+        if type(entry) is not dict or entry.keys() != entry_keys:
             raise InputError(f"safetensors entry {name[:80]!r} is malformed — the file is corrupt", path=path)
-        dtype = dtypes.BY_NAME.get(entry["dtype"]) if entry["dtype"] in FORMAT_DTYPES else None
+        dtype_name = entry["dtype"]
+        dtype = by_name.get(dtype_name) if type(dtype_name) is str and dtype_name in FORMAT_DTYPES else None
         if dtype is None:
-            raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(entry['dtype'])[:20]!r}", path=path)
+            raise InputError(f"tensor {name[:80]!r} has unknown dtype {str(dtype_name)[:20]!r}", path=path)
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or len(shape) > 64 \
-                or not all(type(d) is int and 0 <= d <= _INT64_MAX for d in shape) \
-                or (numel := math.prod(shape)) > _INT64_MAX:
+        numel = _valid_count(shape)
+        if numel is None:
             raise InputError(f"tensor {name[:80]!r} has an invalid shape — the file is corrupt", path=path)
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+        if type(offsets) is not list or len(offsets) != 2:
             raise InputError(f"tensor {name[:80]!r} has invalid data offsets — the file is corrupt", path=path)
         begin, end = offsets
+        if type(begin) is not int or type(end) is not int or begin < 0 or end < 0:
+            raise InputError(f"tensor {name[:80]!r} has invalid data offsets — the file is corrupt", path=path)
         nbytes = numel * dtype.itemsize
         if end - begin != nbytes:
             raise InputError(
@@ -174,9 +176,9 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
                 path=path,
             )
         spans.append((begin, end, name))
-        storage = StorageRef(key=name, dtype=dtype, numel=numel, location="cpu",
-                             data=ByteRange(path, data_start + begin, nbytes))
-        tensors[name] = TensorRef(storage=storage, dtype=dtype, shape=tuple(shape), stride=contiguous_stride(shape))
+        shape = tuple(shape)
+        storage = StorageRef(name, dtype, numel, "cpu", ByteRange(path, data_start + begin, nbytes))
+        tensors[name] = TensorRef(storage, dtype, shape, contiguous_stride(shape))
     # the data section must be tiled exactly: no gaps, no overlaps, nothing trailing
     position = 0
     for begin, end, name in sorted(spans):
@@ -191,6 +193,19 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     contents = SafetensorsContents(tensors=dict(sorted(tensors.items())), metadata=dict(metadata), files=[path])
     _retie(contents, path)
     return contents
+
+
+def _valid_count(shape: object) -> int | None:
+    """The element count of a header's shape (a list of at most 64 ints in [0, 2^63), counting
+    under 2^63), else None."""
+    if type(shape) is not list or len(shape) > 64:
+        return None
+    count = 1
+    for size in shape:
+        if type(size) is not int or size < 0 or size > _INT64_MAX:
+            return None
+        count *= size
+    return count if count <= _INT64_MAX else None
 
 
 def _retie(contents: SafetensorsContents, path: Path) -> None:

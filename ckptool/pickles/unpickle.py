@@ -32,15 +32,16 @@ class RestrictedUnpickler(pickle.Unpickler):
                  persistent_load: Callable[[Any], Any] | None) -> None:
         super().__init__(file, encoding="utf-8")
         self._resolver = resolver
-        self._persistent = persistent_load
+        # handed to the C unpickler itself (its persistent_load setter): no Python frame between
+        # it and the format's loader for each of 100,000 storages
+        self.persistent_load = persistent_load if persistent_load is not None else _no_persistent_ids
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D102 — the only door to globals
         return self._resolver.resolve(module, name)
 
-    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
-        if self._persistent is None:
-            raise InputError("pickle references external data (persistent id) outside a checkpoint")
-        return self._persistent(pid)
+
+def _no_persistent_ids(pid: Any) -> Any:
+    raise InputError("pickle references external data (persistent id) outside a checkpoint")
 
 
 def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,

@@ -98,3 +98,14 @@ def test_missing_and_empty_inputs(tmp_path: Path) -> None:
     (tmp_path / "empty.pt").write_bytes(b"")
     with pytest.raises(ckptool.InputError, match="empty"):
         ckptool.load(tmp_path / "empty.pt")
+
+
+def test_persistent_id_outside_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    """A bare pickle with a persistent id (BINPERSID) names data no file holds: refused, as torch's
+    weights_only loader refuses it, with the reason."""
+    path = tmp_path / "persid.pkl"
+    path.write_bytes(b"\x80\x02X\x03\x00\x00\x00abcQ.")
+    with pytest.raises(ckptool.InputError, match="persistent id"):
+        ckptool.load(path)
+    with pytest.raises(Exception):  # torch refuses it too (no persistent_load outside its archives)
+        torch.load(path, weights_only=True)

@@ -112,7 +112,7 @@ class OutputSums:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
-        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int] | list[tuple[int, int]] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
@@ -135,6 +135,24 @@ class OutputSums:
         progress.advance(length)
         if self._kick is not None:
             self._end = max(self._end, offset + length)
+            if self._end - self._kicked >= KICK_EVERY:
+                self._start_writeback()
+            return
+        self._unflushed += length
+        if self._unflushed >= FLUSH_EVERY:
+            self._unflushed = 0
+            self._flush_wanted.set()
+
+    def written_many(self, regions: list[tuple[int, int]]) -> None:
+        """:meth:`written` for many regions at once (a batch of small tensors): one hand-over to the
+        worker, not one per region. ``regions`` is the worker's from now on."""
+        if not regions:
+            return
+        self._queue.put(regions)
+        length = sum([size for _, size in regions])
+        progress.advance(length)
+        if self._kick is not None:
+            self._end = max(self._end, max([offset + size for offset, size in regions]))
             if self._end - self._kicked >= KICK_EVERY:
                 self._start_writeback()
             return
@@ -167,7 +185,7 @@ class OutputSums:
         while not ended and (item := pending.get()) is not None:
             # what else is queued was reported too (it is in the file): summed with it, small regions
             # lying close together (a checkpoint's biases and norms) read back in one read
-            batch = [item]
+            batch = item if type(item) is list else [item]
             while len(batch) < _BATCH:
                 try:
                     more = pending.get_nowait()
@@ -176,7 +194,10 @@ class OutputSums:
                 if more is None:
                     ended = True
                     break
-                batch.append(more)
+                if type(more) is list:
+                    batch.extend(more)
+                else:
+                    batch.append(more)
             if self._error is not None or view is None:
                 continue
             try:

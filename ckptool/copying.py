@@ -83,13 +83,14 @@ class DataOut:
         within :data:`READ_GAP` bytes after the last one ended, the next window is read ahead (from a
         local file)."""
         window = self._window
-        if window is not None and window[0] == source:
+        if window is not None and (window[0] is source or window[0] == source):
             start = offset - window[1]
             if 0 <= start and start + size <= len(window[2]):
                 self._last_end = (source, offset + size)
                 return window[2][start:start + size]
-        sequential = self._last_end is not None and self._last_end[0] == source \
-            and 0 <= offset - self._last_end[1] <= READ_GAP
+        last_end = self._last_end
+        sequential = last_end is not None and (last_end[0] is source or last_end[0] == source) \
+            and 0 <= offset - last_end[1] <= READ_GAP
         self._last_end = (source, offset + size)
         opened = self._sources.get(source)
         # a local file only: a remote one records the CRC of each range it reads (RANGE_CRCS), piece by piece

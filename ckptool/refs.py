@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +27,7 @@ _INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "<
 
 def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """Strides (in elements) of a C-contiguous tensor of ``shape``."""
-    return _contiguous_stride(tuple(shape))
+    return _contiguous_stride(shape if type(shape) is tuple else tuple(shape))
 
 
 @functools.lru_cache(maxsize=4096)  # a checkpoint's tensors share few shapes (100,000 tensors: a few dozen)
@@ -245,11 +245,14 @@ class TensorRef:
     def contiguous_byte_range(self) -> ByteRange | None:
         """The exact bytes of the tensor when it is C-contiguous in its storage (and they are its
         values: no conjugate or negative bit), else None."""
-        if self.conj or self.neg or not self.is_contiguous() or self.storage.producer is not None:
+        storage = self.storage
+        if self.conj or self.neg or storage.producer is not None or not self.is_contiguous():
             return None
-        base = self.storage.byte_range()
-        start = self.offset * self.dtype.itemsize
-        return ByteRange(base.path, base.offset + start, self.nbytes)
+        base = storage.data
+        if base is None:
+            base = storage.byte_range()  # raises why there are no bytes
+        itemsize = self.dtype.itemsize
+        return ByteRange(base.path, base.offset + self.offset * itemsize, math.prod(self.shape) * itemsize)
 
     def iter_bytes(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
         """The tensor's values as bytes in C order, streamed (a non-contiguous tensor is gathered once;
@@ -483,6 +486,19 @@ def expansion(tensors: Mapping[str, Any]) -> Expansion:
             expanding.append((str(name), nbytes, tensor.span_bytes()))
     expanding.sort(key=lambda item: -item[1])
     return Expansion(sum(storages.values()), logical, tuple(expanding))
+
+
+def shared_storages(tensors: Iterable[Any]) -> set[int]:
+    """The ids of the storages more than one of ``tensors`` view (only their views can be tied)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for tensor in tensors:
+        key = id(tensor.storage)
+        if key in seen:
+            shared.add(key)
+        else:
+            seen.add(key)
+    return shared
 
 
 def human_size(count: int) -> str:

@@ -29,7 +29,7 @@ from .copying import crc32_combine, pieces_crc
 from . import progress
 from .errors import CkptError, FingerprintMismatchError
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
-from .refs import TensorRef
+from .refs import TensorRef, shared_storages
 
 # reads an output back: its tensors as the reader finds them
 ReadBack = Callable[[Path], Mapping[str, TensorRef]]
@@ -326,18 +326,21 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     """
     checks: dict[str, TensorCheck] = {}
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
+    shared = shared_storages(tensors.values())  # ... and only views of one storage can be tied
     remote_crcs = bool(RANGE_CRCS)
     for name, tensor in tensors.items():
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
-                    tensor.conj, tensor.neg)
+                    tensor.conj, tensor.neg) if id(tensor.storage) in shared else None
         if views_raw and tensor.storage.producer is None and tensor.storage.pieces is None and tensor.expands():
-            crc = by_storage.get(identity)
+            crc = by_storage.get(identity) if identity is not None else None
             if crc is None:
-                crc = by_storage[identity] = _span_crc(tensor)
+                crc = _span_crc(tensor)
+                if identity is not None:
+                    by_storage[identity] = crc
             checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
             continue
-        crc = by_storage.get(identity)
+        crc = by_storage.get(identity) if identity is not None else None
         recorded = False
         if crc is None:
             crc = _stored_crc(tensor) if trust_stored else None
@@ -354,7 +357,8 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
             crc = 0
             for chunk in tensor.iter_reused():
                 crc = zlib.crc32(chunk, crc)
-        by_storage[identity] = crc
+        if identity is not None:
+            by_storage[identity] = crc
         checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=recorded)
     return checks
 

@@ -26,7 +26,7 @@ from .. import dtypes, inputs, progress
 from ..copying import DataOut
 from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
-from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride
+from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride, shared_storages
 from ..suggest import option
 from . import Contents, Format, Pickles, ReadOptions
 
@@ -363,9 +363,10 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     """
     first: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
+    shared = shared_storages(tensors.values())  # a tensor alone on its storage is nobody's alias
     for name in tensors:
         tensor = tensors[name]
-        if tensor.numel == 0:
+        if id(tensor.storage) not in shared or tensor.numel == 0:
             continue
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
@@ -407,10 +408,9 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
         for name in order:
             tensor = tensors[name]
             span = tensor.contiguous_byte_range()
-            pieces = tensor.whole_pieces()
             if span is not None and span.length:
                 out.copy(span.path, span.offset, span.length, out_offset)
-            elif pieces is not None:  # e.g. a DCP tensor sharded by rows: each shard copied into place
+            elif (pieces := tensor.whole_pieces()) is not None:  # a DCP tensor sharded by rows: shard by shard
                 out.copy_pieces(pieces, out_offset)
             elif tensor.whole_derived() is not None:  # a cast: computed chunk by chunk as it is written
                 out.stream(tensor.iter_reused(), out_offset, tensor.nbytes)

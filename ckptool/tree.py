@@ -87,29 +87,35 @@ def iter_tensors(obj: Any, *, storages: bool = False) -> Iterator[tuple[Path_, T
 
 def tensor_values(obj: Any) -> Iterator[TensorRef]:
     """The tensors :func:`iter_tensors` yields, in its order, without the key path to each (no tuple
-    per value: what counts storages or devices needs no names)."""
+    per value: what counts storages or devices needs no names).
+
+    Depth first through a stack of iterators, one per container entered: a state dict's 100,000
+    tensors are yielded as its values are iterated, not pushed and popped one by one."""
     seen: set[int] = set()
-    stack: list[Any] = [obj]
-    pop, extend = stack.pop, stack.extend
+    stack: list[Iterator[Any]] = [iter((obj,))]
+    atoms, emptyable = _ATOMS, _EMPTYABLE
     while stack:
-        node = pop()
-        kind = type(node)
-        if kind is TensorRef or isinstance(node, TensorRef):
-            if id(node) not in seen:
+        for node in stack[-1]:
+            kind = type(node)
+            if kind is TensorRef or isinstance(node, TensorRef):
+                if id(node) not in seen:
+                    seen.add(id(node))
+                    yield node
+                continue
+            if kind in atoms or (kind in emptyable and not node) or id(node) in seen:
+                continue
+            if isinstance(node, dict):
+                values = list(dict.values(node))
+            elif isinstance(node, list | tuple):
+                values = list(node)
+            else:
+                values = [value for _, value in _children(node)]
+            if values:
                 seen.add(id(node))
-                yield node
-            continue
-        if id(node) in seen:
-            continue
-        if isinstance(node, dict):
-            values = list(dict.values(node))
-        elif isinstance(node, list | tuple):
-            values = node
+                stack.append(iter(values))
+                break  # into the container; this one's iterator goes on where it stopped
         else:
-            values = [value for _, value in _children(node)]
-        if values:
-            seen.add(id(node))
-            extend(value for value in reversed(values) if not _leaf(value))
+            stack.pop()
 
 
 def contains(obj: Any, kind: type) -> bool:

@@ -109,3 +109,23 @@ def test_persistent_id_outside_a_checkpoint_is_refused(tmp_path: Path) -> None:
         ckptool.load(path)
     with pytest.raises(Exception):  # torch refuses it too (no persistent_load outside its archives)
         torch.load(path, weights_only=True)
+
+
+def test_tensor_values_walk_as_iter_tensors(fixtures_dir: Path) -> None:
+    """tree.tensor_values (the fast walk that counts storages and devices) yields exactly the tensors
+    iter_tensors yields, in its order: on every fixture's container and on a tree that shares
+    containers, nests tuples and lists, and holds a cycle."""
+    from ckptool.refs import StorageRef, TensorRef
+    from ckptool.tree import iter_tensors, tensor_values
+
+    containers = [ckptool.load(fixtures_dir / entry["file"]).container for entry in CHECKPOINTS]
+    storage = StorageRef("0", ckptool.dtypes.BY_NAME["F32"], 16, "cpu")
+    t = [TensorRef(storage, storage.dtype, (2,), (1,), offset=2 * i) for i in range(6)]
+    shared = {"x": t[1], "y": [t[2], (t[3], [])]}
+    cycle: list = [t[4]]
+    cycle.append(cycle)
+    containers.append({"a": t[0], "s": shared, "again": shared, "l": [[], {}, "text", 3, t[1], cycle],
+                       "t": (t[5], t[0]), "n": None})
+    assert len(containers) > 10
+    for container in containers:
+        assert [id(v) for v in tensor_values(container)] == [id(v) for _, v in iter_tensors(container)]

@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar, Union
 
+from .crc import crc32
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -156,12 +156,12 @@ def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int)
                 data = remote.pread(size, offset)
             if len(data) < size:
                 raise InputError.truncated(path)
-            RANGE_CRCS[(path, offset, size)] = zlib.crc32(data)  # type: ignore[index]
+            RANGE_CRCS[(path, offset, size)] = crc32(data)  # type: ignore[index]
             yield data
             return
         part = _FETCH  # fetched by the part (a request per few MiB; memory: two parts), handed on by the chunk
         for fetched in remote.iter_chunks(offset, size, part):
-            crc = zlib.crc32(fetched, crc)
+            crc = crc32(fetched, crc)
             if len(fetched) <= chunk_size:
                 yield fetched
                 continue
@@ -257,7 +257,7 @@ def read_exact(fd: Source, offset: int, size: int, path: Path) -> bytes:
         data = fd.pread(size, offset)
         if len(data) < size:
             raise InputError.truncated(path)
-        RANGE_CRCS[(fd.path, offset, size)] = zlib.crc32(data)
+        RANGE_CRCS[(fd.path, offset, size)] = crc32(data)
         return data
     data = os.pread(fd, size, offset)
     while len(data) < size:

@@ -28,7 +28,6 @@ through torch, one tensor at a time, as before.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 
 from . import dtypes
 from .checkpoint import Checkpoint
+from .crc import crc32
 from .errors import InputError, UsageError
 from .quantized import cast_exempt
 from .refs import StorageRef, TensorRef, check_expansion, contiguous_stride
@@ -185,7 +185,7 @@ class CastBytes:
         for produced, overflowed in self._steps():
             if overflowed and self.overflow is not None:
                 raise self.overflow()
-            crc = zlib.crc32(produced, crc)
+            crc = crc32(produced, crc)
             yield produced
         self.crc32 = crc
 

@@ -11,12 +11,12 @@ combined from the pieces' own (:func:`crc32_combine`) when each piece's is known
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
 from .byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
+from .crc import crc32
 from .errors import InputError
 from .refs import ByteRange
 
@@ -241,7 +241,7 @@ def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: in
     """Write ``size`` bytes of ``source`` at ``offset`` where ``out`` stands, continuing ``crc`` over them."""
     if is_remote(source):  # a URL: fetched by ranges, a chunk ahead
         for chunk in iter_range(source, offset, size, _BUFFER):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             out.write(chunk)
         return crc
     buffer = memoryview(bytearray(min(size, _BUFFER) or 1))
@@ -251,7 +251,7 @@ def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: in
         while done < size:
             piece = buffer[:min(len(buffer), size - done)]
             read_into(fd, piece, offset + done, source)
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
             out.write(piece)
             done += len(piece)
     return crc

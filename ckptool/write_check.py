@@ -17,7 +17,6 @@ import os
 import queue
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from .atomic import atomic_output, folder_output
 from .byteio import RANGE_CRCS, read_into
 from .copying import crc32_combine, pieces_crc
 from . import progress
+from .crc import crc32
 from .errors import CkptError, FingerprintMismatchError
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
 from .refs import TensorRef, shared_storages
@@ -219,14 +219,14 @@ class OutputSums:
                 while done < length:
                     piece = view[:min(CHUNK, length - done)]
                     read_into(self._fd, piece, offset + done, self.path)
-                    crc = zlib.crc32(piece, crc)
+                    crc = crc32(piece, crc)
                     done += len(piece)
                 self.sums[offset] = (length, crc)
             else:
                 window = view[:end - offset]
                 read_into(self._fd, window, offset, self.path)
                 for start, size in regions[i:j]:
-                    self.sums[start] = (size, zlib.crc32(window[start - offset:start - offset + size]))
+                    self.sums[start] = (size, crc32(window[start - offset:start - offset + size]))
             i = j
 
     def crc_of(self, offset: int, length: int) -> int | None:
@@ -288,7 +288,7 @@ def _span_crc(tensor: TensorRef) -> int:
     crc = 0
     data = tensor.storage.byte_range()
     for chunk in data.iter_reused(tensor.offset * tensor.dtype.itemsize, tensor.span_bytes()):
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
     return crc
 
 
@@ -356,7 +356,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
         if crc is None:
             crc = 0
             for chunk in tensor.iter_reused():
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
         if identity is not None:
             by_storage[identity] = crc
         checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=recorded)

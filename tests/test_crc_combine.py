@@ -189,3 +189,42 @@ def test_a_piece_without_a_crc_makes_the_member_stream_and_sum(tmp_path: Path, m
     with zipfile.ZipFile(tmp_path / "out.zip") as archive:
         assert archive.testzip() is None
         assert archive.read("archive/data/0") == expected
+
+
+# ------------------------------------------------------------------------------------------------ crc.crc32
+def test_crc32_is_zlibs_on_every_kind_of_buffer() -> None:
+    """ckptool.crc.crc32 (ISA-L's where installed) gives zlib.crc32's value: lengths around SIMD block
+    sizes, running start values, bytes, bytearray, memoryview slices at odd offsets, typed views."""
+    from ckptool import crc
+
+    rng = random.Random(7)
+    data = bytearray(rng.randbytes(1 << 17))
+    view = memoryview(data)
+    lengths = [0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1023, 4096, 65537,
+               len(data) - 5]
+    for length in lengths:
+        for start in (0, 1, 13):
+            piece = view[start:start + length]
+            for value in (0, 1, 0xFFFFFFFF, rng.getrandbits(32)):
+                expected = zlib.crc32(piece, value)
+                assert crc.crc32(piece, value) == expected
+                assert crc.crc32(bytes(piece), value) == expected
+                assert crc.crc32(bytearray(piece), value) == expected
+    assert crc.crc32(view[:4096].cast("I"), 0) == zlib.crc32(view[:4096])  # a typed view sums its bytes
+    assert crc.crc32(b"") == 0 and crc.crc32(b"", 5) == 5
+
+
+def test_crc32_uses_isal_where_installed_and_zlib_when_told() -> None:
+    """Where the isal package imports, its CRC is the one used (a silent fallback would cost a 1 GiB
+    write a second of summing); CKPTOOL_CRC=zlib selects zlib's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("isal", reason="isal has no wheel for this platform: zlib's CRC is used")
+    code = "from ckptool import crc; print(crc.IMPLEMENTATION, crc.crc32.__module__)"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CKPTOOL_CRC"}
+    used = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert used.split()[0] == "isal" and "isal" in used.split()[1]
+    told = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "CKPTOOL_CRC": "zlib"}, check=True).stdout
+    assert told.split() == ["zlib", "zlib"]

@@ -15,6 +15,7 @@ import struct
 import weakref
 import zipfile
 import zlib
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, BinaryIO, NamedTuple
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..byteio import file_size as handle_size, is_remote
+from ..crc import crc32
 from ..errors import InputError, OutputError
 from ..gcpause import paused
 from ..refs import ByteRange, Derived
@@ -534,7 +536,7 @@ class ZipWriter:
     def add_bytes(self, name: str, data: bytes, crc: int | None = None) -> None:
         """Add a member from memory, under ``crc`` when one is recorded for it (else its CRC is computed)."""
         encoded = name.encode("utf-8")
-        crc = zlib.crc32(data) if crc is None else crc
+        crc = crc32(data) if crc is None else crc
         header = self._local_header(encoded, len(data), crc)
         self.entries.append((encoded, self.position, len(data), crc))
         self.handle.write(header)

@@ -13,6 +13,7 @@ folder of shards.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import queue
 import sys
@@ -114,6 +115,8 @@ class OutputSums:
         self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
         self._queue: queue.SimpleQueue[tuple[int, int] | list[tuple[int, int]] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._can_map = True
+        self._mapped: dict[int, mmap.mmap] = {}  # the mapping behind each piece handed out, by the piece
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
@@ -217,17 +220,48 @@ class OutputSums:
             if j == i + 1:
                 crc, done = 0, 0
                 while done < length:
-                    piece = view[:min(CHUNK, length - done)]
-                    read_into(self._fd, piece, offset + done, self.path)
-                    crc = crc32(piece, crc)
-                    done += len(piece)
+                    size = min(CHUNK, length - done)
+                    piece = self._bytes_at(offset + done, size, view)
+                    try:
+                        crc = crc32(piece, crc)
+                    finally:
+                        self._done_with(piece)
+                    done += size
                 self.sums[offset] = (length, crc)
             else:
-                window = view[:end - offset]
-                read_into(self._fd, window, offset, self.path)
-                for start, size in regions[i:j]:
-                    self.sums[start] = (size, crc32(window[start - offset:start - offset + size]))
+                window = self._bytes_at(offset, end - offset, view)
+                try:
+                    for start, size in regions[i:j]:
+                        self.sums[start] = (size, crc32(window[start - offset:start - offset + size]))
+                finally:
+                    self._done_with(window)
             i = j
+
+    def _bytes_at(self, offset: int, length: int, view: memoryview) -> memoryview:
+        """``length`` (at most CHUNK) bytes of the output at ``offset``: from a read-only mapping of the
+        page cache where it is worth one (summed where they lie, not copied first: a 1 GiB write's
+        re-read costs ~0.2 s of CPU less), else read into ``view``. Hand it back to :meth:`_done_with`."""
+        if length >= MAP_FROM and self._can_map:
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            try:
+                mapped = mmap.mmap(self._fd, offset + length - start, prot=mmap.PROT_READ, offset=start)
+            except (OSError, ValueError, OverflowError):  # a file system that cannot map: read from now on
+                self._can_map = False
+            else:
+                whole = memoryview(mapped)
+                piece = whole[offset - start:offset - start + length]
+                whole.release()
+                self._mapped[id(piece)] = mapped
+                return piece
+        piece = view[:length]
+        read_into(self._fd, piece, offset, self.path)
+        return piece
+
+    def _done_with(self, piece: memoryview) -> None:
+        mapped = self._mapped.pop(id(piece), None)
+        if mapped is not None:
+            piece.release()
+            mapped.close()
 
     def crc_of(self, offset: int, length: int) -> int | None:
         """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
@@ -278,6 +312,7 @@ def writeback_starter() -> Callable[[int, int, int, int], int] | None:
 
 
 CHUNK = 8 * 1024 * 1024
+MAP_FROM = 1 << 20  # regions (or windows of small ones) this large are summed from a mapping, not read
 _BATCH = 4096  # reported regions summed in one go at most
 FLUSH_EVERY = 128 * 1024 * 1024
 KICK_EVERY = 8 * 1024 * 1024

@@ -11,6 +11,8 @@ mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.copyin
 
 from __future__ import annotations
 
+import importlib
+import os
 import struct
 import weakref
 import zipfile
@@ -64,6 +66,21 @@ class Listing:
     problems: list[str]
     directory_start: int
     headers: LocalHeaders | None = None  # a remote archive's: its members are placed when first read
+
+
+def _load_native() -> Any:
+    """The per-record loops in C (``_zipfast.c``), where built and not turned off by
+    ``CKPTOOL_PURE_PYTHON_ZIP=1``; the Python loops here are their reference, and the fallback."""
+    if os.environ.get("CKPTOOL_PURE_PYTHON_ZIP", "") not in ("", "0"):
+        return None
+    try:
+        return importlib.import_module(f"{__package__}._zipfast")
+    except ImportError:
+        return None
+
+
+_native: Any = _load_native()
+NATIVE = _native is not None  # whether the directory and local headers are read by the C loops
 
 
 NOT_READ = -1  # the data offset of a remote archive's member whose local header is not read yet
@@ -178,36 +195,68 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
                          path=path) from e
     records, directory_start = directory
     file_size = size if size is not None else handle_size(handle)
-    lazy = LocalHeaders(path, handle, file_size) if is_remote(handle) and size is None else None
-    # a local archive's headers read now (a window at a time); a remote one's when a member is read
-    headers = _local_headers(handle, [record[2] for record in records], file_size) if lazy is None else None
-    found: list[Member] = []
+    if not is_remote(handle) or size is not None:
+        # a local archive's headers read now (a window at a time)
+        found, placing = _members(records, _local_headers(handle, [record[2] for record in records], file_size),
+                                  file_size)
+        return Listing(found, [_PLACING[kind].format(name) for kind, name in placing], directory_start)
+    # a remote one's when a member is read
+    lazy = LocalHeaders(path, handle, file_size)
+    found = []
     problems: list[str] = []
+    header_size = _LOCAL_HEADER.size
+    make = tuple.__new__
+    for name, raw_name, header_offset, file_size_, compress_size, crc, flags, method in records:
+        if header_offset < 0 or header_offset + header_size > file_size:
+            problems.append(_PLACING[0].format(name))
+            continue
+        member = make(Member, (name, NOT_READ, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
+                               header_offset, bool(flags & 0x1), method, raw_name))
+        lazy.members.append(member)
+        found.append(member)
+    _HEADERS[handle] = lazy
+    return Listing(found, problems, directory_start, lazy)
+
+
+# why a listed member is not located: (kind, name) pairs of _members
+_PLACING = ("zip member {!r} lies outside the file — the file is truncated or corrupt",
+            "zip member {!r} has no local header — the archive is corrupt",
+            "zip member {!r} ends past the end of the file — the file is truncated")
+
+
+def _members(records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
+             ) -> tuple[list[Member], list[tuple[int, str]]]:
+    """A local archive's members, each placed by its local header's lengths (``headers``), and the
+    records that could not be: (kind, name), kind an index of :data:`_PLACING`."""
+    if _native is not None:
+        placed = _native.members(records, headers, file_size, Member)
+        if placed is not NotImplemented:
+            return placed  # type: ignore[no-any-return]
+    return _members_py(records, headers, file_size)
+
+
+def _members_py(records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
+                ) -> tuple[list[Member], list[tuple[int, str]]]:
+    """:func:`_members` in Python: the reference of the C loop, and where it is not built."""
+    found: list[Member] = []
+    problems: list[tuple[int, str]] = []
     header_size = _LOCAL_HEADER.size
     make = tuple.__new__
     for i, (name, raw_name, header_offset, file_size_, compress_size, crc, flags, method) in enumerate(records):
         if header_offset < 0 or header_offset + header_size > file_size:
-            problems.append(f"zip member {name!r} lies outside the file — the file is truncated or corrupt")
+            problems.append((0, name))
             continue
-        if lazy is not None:
-            member = make(Member, (name, NOT_READ, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
-                                   header_offset, bool(flags & 0x1), method, raw_name))
-            lazy.members.append(member)
-            found.append(member)
-            continue
-        header = headers[i]  # type: ignore[index]
+        header = headers[i]
         if header is None:
-            problems.append(f"zip member {name!r} has no local header — the archive is corrupt")
+            problems.append((1, name))
             continue
         data_offset = header_offset + header_size + header
         if data_offset + compress_size > file_size:
-            problems.append(f"zip member {name!r} ends past the end of the file — the file is truncated")
+            problems.append((2, name))
             continue
         found.append(make(Member, (name, data_offset, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
                                    header_offset, bool(flags & 0x1), method, raw_name)))
-    if lazy is not None:
-        _HEADERS[handle] = lazy
-    return Listing(found, problems, directory_start, lazy)
+    return found, problems
 
 
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # zipfile's structCentralDir
@@ -235,7 +284,22 @@ def _directory(handle: BinaryIO) -> tuple[list[tuple], int] | None:
     if start_dir < 0:
         return None
     handle.seek(start_dir, 0)
-    data = handle.read(size_cd)
+    records = _records(handle.read(size_cd), size_cd, concat)
+    return None if records is None else (records, start_dir)
+
+
+def _records(data: bytes, size_cd: int, concat: int) -> list[tuple[Any, ...]] | None:
+    """The records of the directory's bytes ``data`` (``size_cd`` of them claimed); None where
+    ``zipfile`` refuses one."""
+    if _native is not None:
+        records = _native.records(data, size_cd, concat, zipfile.MAX_EXTRACT_VERSION)
+        if records is not NotImplemented:
+            return records  # type: ignore[no-any-return]
+    return _records_py(data, size_cd, concat)
+
+
+def _records_py(data: bytes, size_cd: int, concat: int) -> list[tuple[Any, ...]] | None:
+    """:func:`_records` in Python: the reference of the C loop, and where it is not built."""
     unpack_from = _CENTRAL.unpack_from
     record_size = _CENTRAL.size
     end = len(data)
@@ -265,7 +329,7 @@ def _directory(handle: BinaryIO) -> tuple[list[tuple], int] | None:
             total += record_size + name_length + extra_length + comment_length
     except UnicodeDecodeError:
         return None
-    return records, start_dir
+    return records
 
 
 def _decode_extra(extra: bytes, file_size: int, compress_size: int, header_offset: int) -> tuple[int, int, int] | None:
@@ -296,6 +360,15 @@ def _local_headers(handle: BinaryIO, offsets: list[int], file_size: int) -> list
     """For each local header offset, the lengths of its name and extra field (which place the data),
     or None where no local header signature lies. Headers lying close together (a checkpoint's
     small members) are read together, a window at a time; each other header alone (30 bytes)."""
+    if _native is not None:
+        headers = _native.local_headers(handle, offsets, file_size, _LOCAL_WINDOW)
+        if headers is not NotImplemented:
+            return headers  # type: ignore[no-any-return]
+    return _local_headers_py(handle, offsets, file_size)
+
+
+def _local_headers_py(handle: BinaryIO, offsets: list[int], file_size: int) -> list[int | None]:
+    """:func:`_local_headers` in Python: the reference of the C loop, and where it is not built."""
     header_size = _LOCAL_HEADER.size
     results: list[int | None] = [None] * len(offsets)
     order = sorted((offset, i) for i, offset in enumerate(offsets) if 0 <= offset and offset + header_size <= file_size)
@@ -340,18 +413,13 @@ class Members(dict):
     """
 
     def __init__(self, path: Path, entries: list[Member]) -> None:
-        super().__init__((member.name, member) for member in entries)
+        super().__init__()
         self.path = path
         self.entries = entries
         # each folded name's first member; the folded names several members share, apart
         self._folded: dict[str, Member] = {}
         self._shared: set[str] = set()
-        folded = self._folded
-        for member in entries:
-            name = member.name
-            key = name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
-            if folded.setdefault(key, member) is not member:
-                self._shared.add(key)
+        _fold(self, entries, self._folded, self._shared)
         self._order: list[int] | None = None
         self.folded_alike = bool(self._shared)  # whether any two names are alike but for ASCII case
         self.headers: LocalHeaders | None = None  # a remote archive's (see :func:`data_offset`)
@@ -374,6 +442,23 @@ class Members(dict):
             self._order = miniz_order(names)
         index = miniz_locate(names, self._order, name.encode("utf-8"))
         return self.entries[index] if index is not None else default
+
+
+def _fold(by_name: dict[str, Member], entries: list[Member], folded: dict[str, Member], shared: set[str]) -> None:
+    """Fill ``by_name`` (each name's last member), ``folded`` (each folded name's first member) and
+    ``shared`` (the folded names several members share)."""
+    if _native is None or _native.fold(by_name, entries, Member, folded, shared) is NotImplemented:
+        _fold_py(by_name, entries, folded, shared)
+
+
+def _fold_py(by_name: dict[str, Member], entries: list[Member], folded: dict[str, Member], shared: set[str]) -> None:
+    """:func:`_fold` in Python: the reference of the C loop, and where it is not built."""
+    by_name.update((member.name, member) for member in entries)
+    for member in entries:
+        name = member.name
+        key = name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
+        if folded.setdefault(key, member) is not member:
+            shared.add(key)
 
 
 def _lower(name: bytes) -> bytes:
@@ -445,15 +530,42 @@ def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
     if listing.problems:
         raise InputError(listing.problems[0], path=path)
     entries = listing.members
+    refusal = _spans(entries, listing.directory_start)
+    if refusal is not None:
+        raise InputError(_REFUSALS[refusal[0]].format(*refusal[1:]), path=path)
+    members = Members(path, entries)
+    if listing.headers is not None:
+        listing.headers.bound(listing.directory_start)
+        members.headers = listing.headers
+    return members
+
+
+# what _spans finds first: (kind, *values), kind an index here
+_REFUSALS = ("zip member {!r} is encrypted — not a PyTorch checkpoint",
+             "zip member {!r} is stored but claims {} bytes in {} — the archive is corrupt",
+             "zip members {!r} and {!r} overlap — refusing a zip bomb",
+             "zip member {!r} overlaps the central directory — the archive is corrupt")
+
+
+def _spans(entries: list[Member], directory_start: int) -> tuple[Any, ...] | None:
+    """The first reason to refuse the members for loading (see :data:`_REFUSALS`); None: none."""
+    if _native is not None:
+        refusal = _native.spans(entries, Member, directory_start, NOT_READ)
+        if refusal is not NotImplemented:
+            return refusal  # type: ignore[no-any-return]
+    return _spans_py(entries, directory_start)
+
+
+def _spans_py(entries: list[Member], directory_start: int) -> tuple[Any, ...] | None:
+    """:func:`_spans` in Python: the reference of the C loop, and where it is not built."""
     spans: list[tuple[int, int, str]] = []
     append = spans.append
     for name, data_offset, size_, _, compressed, stored_size, header_offset, encrypted, _, _ in entries:
         if encrypted:
-            raise InputError(f"zip member {name!r} is encrypted — not a PyTorch checkpoint", path=path)
+            return 0, name
         if not compressed and stored_size != size_:
             # readers copy a stored member's file_size bytes: a larger claim would reach into other members
-            raise InputError(f"zip member {name!r} is stored but claims {size_} bytes in "
-                             f"{stored_size} — the archive is corrupt", path=path)
+            return 1, name, size_, stored_size
         # a remote member not placed yet: the least its end can be (checked exactly once placed)
         start = data_offset if data_offset != NOT_READ else header_offset + _LOCAL_HEADER.size
         append((header_offset, start + stored_size, name))
@@ -461,15 +573,10 @@ def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
     spans.sort()
     for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
         if start < previous_end:
-            raise InputError(f"zip members {previous!r} and {name!r} overlap — refusing a zip bomb", path=path)
-    if spans and spans[-1][1] > listing.directory_start:
-        raise InputError(f"zip member {spans[-1][2]!r} overlaps the central directory — the archive is corrupt",
-                         path=path)
-    members = Members(path, entries)
-    if listing.headers is not None:
-        listing.headers.bound(listing.directory_start)
-        members.headers = listing.headers
-    return members
+            return 2, previous, name
+    if spans and spans[-1][1] > directory_start:
+        return 3, spans[-1][2]
+    return None
 
 
 def _short(error: BaseException) -> str:

@@ -73,6 +73,7 @@ _PLACEHOLDER_COST = 512  # a TensorRef, StorageRef or OpaqueObject record
 _CANONICAL_INT = re.compile(rb"-?(0|[1-9][0-9]*)")
 _DIGITS = re.compile(rb"[0-9]+")
 _MAX_TEXT_NAME = 256  # longer strings are never a global's module or name
+_MAX_DIGITS = 4300  # int() refuses longer digit strings (Python's default int_max_str_digits): no pickler writes them
 
 
 def _text(raw: bytes) -> Value:
@@ -296,7 +297,7 @@ class _Walk:
                         index = len(memo)
                     else:
                         raw, i = _line(data, i)
-                        if not _DIGITS.fullmatch(raw):
+                        if not _DIGITS.fullmatch(raw) or len(raw) > _MAX_DIGITS:
                             raise refuse(f"has a malformed PUT index {raw[:20]!r}")
                         index = int(raw)
                     if index > ops:
@@ -316,7 +317,7 @@ class _Walk:
                             raise Truncated()
                     else:
                         raw, i = _line(data, i)
-                        index = int(raw) if _DIGITS.fullmatch(raw) else -1
+                        index = int(raw) if len(raw) <= _MAX_DIGITS and _DIGITS.fullmatch(raw) else -1
                     value = memo.get(index)
                     if value is None:
                         raise refuse(f"reads memo index {index}, which was never stored (corrupt)")
@@ -585,7 +586,7 @@ class _Walk:
             raw = raw[:-1]
         if code == 0x49 and raw in (b"00", b"01"):
             value: Any = raw == b"01"
-        elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= 4300:
+        elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= _MAX_DIGITS:
             value = int(raw)
         else:
             raise refuse(f"has an integer {raw[:20]!r} not written the way Python's pickler writes it")

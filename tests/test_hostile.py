@@ -241,6 +241,14 @@ def test_a_memory_flood_is_refused_before_it_is_built(monkeypatch: pytest.Monkey
         pickles.loads(flood, pickles.GlobalResolver())
 
 
+def test_a_text_memo_index_of_more_digits_than_int_reads_is_refused() -> None:
+    # int() raises ValueError past 4300 digits: that error once escaped the guard, where a refusal belongs
+    for data, wording in ((b"Np" + b"1" * 5000 + b"\n0N.", "malformed PUT index"),
+                          (b"Np0\n0g" + b"0" * 5000 + b"\n.", "reads memo index -1")):
+        with pytest.raises(InputError, match=wording):
+            pickles.loads(data, pickles.GlobalResolver())
+
+
 def test_a_refused_build_leaves_the_shared_placeholders_as_they_were(tmp_path: Path) -> None:
     storage = pickles.TORCH_GLOBALS["torch.FloatStorage"]
     rebuild = pickles.TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"]

@@ -39,7 +39,8 @@ def torchless_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, source / name)
-    shutil.copytree(REPO / "ckptool", source / "ckptool", ignore=shutil.ignore_patterns("__pycache__"))
+    # the sources only: the install compiles the native guard itself (or goes on without it)
+    shutil.copytree(REPO / "ckptool", source / "ckptool", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     # the tests' own pip installs into the new venv (--python): no ensurepip, a few seconds saved

@@ -6,11 +6,16 @@ tuples shared through the memo (2**60 steps), keys whose hashes all collide (qua
 PUT at memo index 2**32 (a 64 GiB memo table), or BUILD setting attributes on a placeholder
 after it was validated. The guard mirrors the unpickler's stack and memo with small records of
 what each value is (:class:`Value`), and refuses those pickles; it never builds the values themselves.
+
+Two walks do that, alike to the byte: :class:`_Walk` here, the reference, and its C twin
+(``_guard.c``, an optional extension built with the package), ~40 times faster, used when it was
+built (:data:`NATIVE`) unless ``CKPTOOL_PURE_PYTHON_GUARD=1`` asks for this module's walk.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import re
 import struct
 from collections.abc import Callable
@@ -30,6 +35,15 @@ class Truncated(InputError):
                  path: object = None) -> None:
         super().__init__(message, path=path)  # type: ignore[arg-type]
 
+
+try:
+    from . import _guard as _native
+except ImportError:  # not built (installed where no C compiler was): the Python walk
+    _native = None  # type: ignore[assignment]
+
+# whether guard_stats walks in C (tests/test_guard_native.py holds the two walks to the same results)
+NATIVE = _native is not None and os.environ.get("CKPTOOL_PURE_PYTHON_GUARD", "") in ("", "0")
+_NATIVE_LIMIT = 1 << 62  # the C walk's range for each limit (a test may set any): past it, the Python walk
 
 OPAQUE = object()  # the guard does not know the value (salted hash, or not hashable)
 
@@ -73,6 +87,7 @@ _PLACEHOLDER_COST = 512  # a TensorRef, StorageRef or OpaqueObject record
 _CANONICAL_INT = re.compile(rb"-?(0|[1-9][0-9]*)")
 _DIGITS = re.compile(rb"[0-9]+")
 _MAX_TEXT_NAME = 256  # longer strings are never a global's module or name
+_MAX_DIGITS = 4300  # int() refuses longer digit strings (Python's default int_max_str_digits): no pickler writes them
 
 
 def _text(raw: bytes) -> Value:
@@ -103,18 +118,39 @@ def guard_stats(data: bytes, cache: GuardCache | None = None) -> PickleStats:
         stats = cache.walked(data)
         if stats is not None:
             return stats
-    counts = [0] * 256
-    names: list[str] = []
     collecting = gc.isenabled()
     gc.disable()  # the walk's records hold no references to each other: no cycle for a collection to find
     try:
-        stats = PickleStats(_Walk(data, counts, names).run(), counts, names)
+        stats = _native_walk(data) if NATIVE and type(data) is bytes and _native_limits() else _python_walk(data)
     finally:
         if collecting:
             gc.enable()
     if cache is not None:
         cache.add_walked(data if stats.size == len(data) else data[:stats.size], stats)
     return stats
+
+
+def _python_walk(data: bytes) -> PickleStats:
+    counts = [0] * 256
+    names: list[str] = []
+    return PickleStats(_Walk(data, counts, names).run(), counts, names)
+
+
+def _native_limits() -> bool:
+    return all(type(limit) is int and 0 <= limit <= _NATIVE_LIMIT for limit in (
+        limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS))
+
+
+def _native_walk(data: bytes) -> PickleStats:
+    """The C walk: the Python walk's results, its Truncated and its refusals' messages."""
+    assert _native is not None
+    result = _native.walk(data, limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES,
+                          limits.MAX_HASH_COLLISIONS, TORCH_GLOBALS)
+    if result is None:
+        raise Truncated()
+    if type(result) is str:
+        raise refuse(result)
+    return PickleStats(*result)
 
 
 def _new_tuple(items: list[Value]) -> Value:
@@ -296,7 +332,7 @@ class _Walk:
                         index = len(memo)
                     else:
                         raw, i = _line(data, i)
-                        if not _DIGITS.fullmatch(raw):
+                        if not _DIGITS.fullmatch(raw) or len(raw) > _MAX_DIGITS:
                             raise refuse(f"has a malformed PUT index {raw[:20]!r}")
                         index = int(raw)
                     if index > ops:
@@ -316,7 +352,7 @@ class _Walk:
                             raise Truncated()
                     else:
                         raw, i = _line(data, i)
-                        index = int(raw) if _DIGITS.fullmatch(raw) else -1
+                        index = int(raw) if len(raw) <= _MAX_DIGITS and _DIGITS.fullmatch(raw) else -1
                     value = memo.get(index)
                     if value is None:
                         raise refuse(f"reads memo index {index}, which was never stored (corrupt)")
@@ -585,7 +621,7 @@ class _Walk:
             raw = raw[:-1]
         if code == 0x49 and raw in (b"00", b"01"):
             value: Any = raw == b"01"
-        elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= 4300:
+        elif _CANONICAL_INT.fullmatch(raw) and len(raw) <= _MAX_DIGITS:
             value = int(raw)
         else:
             raise refuse(f"has an integer {raw[:20]!r} not written the way Python's pickler writes it")

@@ -9,9 +9,9 @@ TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench fixtures realworld frameworks clean
 
-# the editable install also compiles the opcode guard's C walk in place (an optional extension: without a
-# compiler the guard walks in Python), so a change to its source installs again
-$(VENV)/.installed: pyproject.toml training/pyproject.toml ckptool/pickles/_guard.c
+# the editable install also compiles the C twins of the opcode guard and the zip directory loops in place
+# (optional extensions: without a compiler Python runs them), so a change to their sources installs again
+$(VENV)/.installed: pyproject.toml training/pyproject.toml ckptool/pickles/_guard.c ckptool/formats/_zipfast.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[torch,test,remote]' -e ./training  # training/: the runs, a distribution of their own

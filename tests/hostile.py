@@ -367,6 +367,8 @@ def build_corpus(directory: Path) -> list[Case]:
     add("list_expansion_bomb", zip_dict(weight, (text("history"), list_bomb)), REFUSE)
     add("tuple_hash_bomb", zip_dict(weight, (doubled(tup(integer(1)), 60, b"t"), integer(0))), REFUSE)
     add("deep_tuple_key", zip_dict(weight, (b")" + b"\x85" * 100_000, integer(0))), REFUSE)
+    deep_key = b"K\x01" + b"\x85" * 990  # two equal keys: comparing them recursed past Python's limit
+    add("deep_equal_tuple_keys", zip_with(whole(dct(weight) + b"(" + deep_key + b"N" + deep_key + b"Nu")), REFUSE)
     add("deep_nesting", zip_dict(weight, (text("deep"), b"]" * 100_000 + b"a" * 99_999)), REFUSE)
     modulus = (1 << 61) - 1  # hash(n) == hash(n + k * modulus): every key lands in one slot
     flood = b"".join(integer(5 + k * modulus) + b"N" for k in range(20_000))

@@ -249,6 +249,23 @@ def test_a_text_memo_index_of_more_digits_than_int_reads_is_refused() -> None:
             pickles.loads(data, pickles.GlobalResolver())
 
 
+def test_equal_keys_nested_too_deeply_to_compare_are_refused() -> None:
+    # two equal tuples ~990 deep as keys of one dict: the guard's own bucket compares them (so does a dict),
+    # which recursed past Python's limit from a deep enough stack and escaped as RecursionError (exit 70)
+    deep = b"K\x01" + b"\x85" * 990
+    data = hostile.whole(b"}(" + deep + b"N" + deep + b"Nu")
+
+    def nested(depth: int) -> None:
+        if depth:
+            return nested(depth - 1)
+        try:
+            pickles.loads(data, pickles.GlobalResolver())
+        except InputError as e:  # refused by the guard, or by the tree check (nesting) where it compared fine
+            assert "nested too deeply to compare" in str(e) or "levels deep" in str(e), e
+
+    nested(100)
+
+
 def test_a_refused_build_leaves_the_shared_placeholders_as_they_were(tmp_path: Path) -> None:
     storage = pickles.TORCH_GLOBALS["torch.FloatStorage"]
     rebuild = pickles.TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"]

@@ -122,6 +122,8 @@ def guard_stats(data: bytes, cache: GuardCache | None = None) -> PickleStats:
     gc.disable()  # the walk's records hold no references to each other: no cycle for a collection to find
     try:
         stats = _native_walk(data) if NATIVE and type(data) is bytes and _native_limits() else _python_walk(data)
+    except RecursionError:  # two equal keys ~1000 tuples deep: comparing them, as a dict would, recursed too far
+        raise refuse("has dict keys or set elements nested too deeply to compare (a hashing bomb)") from None
     finally:
         if collecting:
             gc.enable()

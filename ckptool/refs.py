@@ -339,6 +339,8 @@ class TensorRef:
 
     def expands(self) -> bool:
         """True when the view promises more bytes than the storage span it reads (stride 0, overlaps)."""
+        if self.stride == contiguous_stride(self.shape):  # the usual tensor: its elements end to end
+            return False
         return self.nbytes > self.span_bytes()
 
     def _gather(self, chunk_size: int, produced: bytes | bytearray | None = None) -> Iterator[bytes]:

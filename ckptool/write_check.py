@@ -135,16 +135,7 @@ class OutputSums:
 
     def written(self, offset: int, length: int) -> None:
         self._queue.put((offset, length))
-        progress.advance(length)
-        if self._kick is not None:
-            self._end = max(self._end, offset + length)
-            if self._end - self._kicked >= KICK_EVERY:
-                self._start_writeback()
-            return
-        self._unflushed += length
-        if self._unflushed >= FLUSH_EVERY:
-            self._unflushed = 0
-            self._flush_wanted.set()
+        self._landed(offset + length, length)
 
     def written_many(self, regions: list[tuple[int, int]]) -> None:
         """:meth:`written` for many regions at once (a batch of small tensors): one hand-over to the
@@ -152,10 +143,13 @@ class OutputSums:
         if not regions:
             return
         self._queue.put(regions)
-        length = sum([size for _, size in regions])
+        self._landed(max([offset + size for offset, size in regions]), sum([size for _, size in regions]))
+
+    def _landed(self, end: int, length: int) -> None:
+        """``length`` more bytes are in the file, up to ``end`` at most: start their writeback."""
         progress.advance(length)
         if self._kick is not None:
-            self._end = max(self._end, max([offset + size for offset, size in regions]))
+            self._end = max(self._end, end)
             if self._end - self._kicked >= KICK_EVERY:
                 self._start_writeback()
             return

@@ -99,16 +99,14 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     not_read = zipio.NOT_READ
 
     def persistent_load(pid: Any) -> StorageRef:
-        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise InputError(f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint",
                              path=path)
         _, storage_type, key, location, numel = pid
-        if type(storage_type) is not storage_type_ref or type(key) is not str \
-                or type(location) is not str or type(numel) is not int or numel < 0:
-            if not isinstance(storage_type, storage_type_ref) or not isinstance(key, str) \
-                    or not isinstance(location, str) or type(numel) is not int or numel < 0:
-                raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is "
-                                 "corrupt", path=path)
+        if not isinstance(storage_type, storage_type_ref) or not isinstance(key, str) \
+                or not isinstance(location, str) or type(numel) is not int or numel < 0:
+            raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt",
+                             path=path)
         dtype = storage_type.dtype
         cached = storages.get(key)
         if cached is not None and (cached.nbytes or cached.dtype is dtype):

@@ -566,6 +566,19 @@ def test_the_hashing_budget_is_reached_alike() -> None:
     assert result[0] == "InputError" and "hashes more nested keys than its size allows" in result[1], result
 
 
+def test_sparse_memo_indices_are_estimated_alike() -> None:
+    # each store past the highest so far counts the indices it skips (the unpickler's table grows to them):
+    # pinned at the exact estimate by same_at_limits, in every PUT form, after stores above and below
+    filler = b"N0" * 300
+    for put in (lambda n: b"r" + _le(n, 4), lambda n: b"q" + _le(n, 1) if n < 256 else b"r" + _le(n, 4),
+                lambda n: b"p%d\n" % n):
+        for indices in ((250,), (3, 250), (250, 3, 251), (0, 1, 2, 200), (599,), (200, 200, 100, 500)):
+            data = hostile.PROTO2 + filler + b"N" + b"".join(put(n) for n in indices) + b"0" + b"N\x94" * 3 + b"0N."
+            assert same_at_limits(data)[0] == "passed", indices
+    assert estimate(hostile.PROTO2 + filler + b"Nr" + _le(500, 4) + b"0N.") - \
+        estimate(hostile.PROTO2 + filler + b"Nr" + _le(0, 4) + b"0N.") == 16 * 500
+
+
 def test_the_memo_index_and_text_forms_are_judged_alike() -> None:
     cases = {
         b"Nr" + _le(0xFFFFFFF0, 4) + b".": "stores memo index 4294967280",

@@ -9,10 +9,13 @@ traceback reaches a terminal.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -239,6 +242,31 @@ def test_a_memory_flood_is_refused_before_it_is_built(monkeypatch: pytest.Monkey
     flood = hostile.PROTO2 + b"\x8f\x940" * 200_000 + b"N."  # EMPTY_SET, MEMOIZE, POP: 200k live sets
     with pytest.raises(InputError, match="memory bomb"):
         pickles.loads(flood, pickles.GlobalResolver())
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python-walk", "c-walk"])
+def test_a_sparse_memo_index_counts_the_table_the_unpickler_grows(monkeypatch: pytest.MonkeyPatch,
+                                                                   native: bool) -> None:
+    # CPython's unpickler keeps its memo in a table of pointers as long as twice the highest index stored:
+    # one PUT at an index near the opcodes' count grows 16 bytes for each index, stored or not
+    from ckptool.pickles import opcode_guard
+    if native and opcode_guard._native is None:
+        pytest.skip("the C walk is not built")
+    monkeypatch.setattr(opcode_guard, "NATIVE", native)
+    filler = b"N0" * 600_000  # NONE POP: 1.2 million opcodes, 8 bytes of objects each
+    bomb = hostile.PROTO2 + filler + b"Nr" + struct.pack("<I", 1_200_000) + b"0N."
+    tracemalloc.start()
+    try:
+        pickle.loads(bomb)  # plain data: what the unpickler really holds for it
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak >= 18 << 20
+    monkeypatch.setattr(pickles.limits, "MAX_UNPICKLED_BYTES", 16 << 20)
+    with pytest.raises(InputError, match="memory bomb"):
+        pickles.loads(bomb, pickles.GlobalResolver())
+    dense = hostile.PROTO2 + filler + b"Nr" + struct.pack("<I", 0) + b"0N."  # the same opcodes, index 0
+    assert pickles.loads(dense, pickles.GlobalResolver()) is None
 
 
 def test_a_text_memo_index_of_more_digits_than_int_reads_is_refused() -> None:

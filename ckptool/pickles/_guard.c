@@ -215,6 +215,7 @@ typedef struct {
     IntTuple *int_tuples; /* [INT_TUPLE_SLOTS] */
     size_t int_tuple_count;
     int64_t ops, memory, hashing;
+    uint64_t memo_top;  /* one past the highest memo index stored: the length of CPython's memo table */
     int64_t max_memory, max_pickle, max_nodes, max_collisions;
     PyObject *torch_globals;
     PyObject *names;
@@ -1134,6 +1135,10 @@ static int run(Walk *w) {
                 return G_ERROR;
             }
             w->memory += 16;
+            if (index >= w->memo_top) {  /* the unpickler's memo table reaches this index: 16 bytes for each skipped */
+                w->memory += 16 * (int64_t)(index - w->memo_top);
+                w->memo_top = index + 1;
+            }
             break;
         }
         case 0x68: case 0x6A: case 0x67: {  /* BINGET LONG_BINGET GET */

@@ -275,7 +275,7 @@ class _Walk:
     """
 
     __slots__ = ("data", "end", "counts", "names", "stack", "marks", "memo", "at", "fence", "ops", "hashing",
-                 "memory", "tuples", "shapes", "entries")
+                 "memory", "tuples", "shapes", "entries", "memo_top")
 
     def __init__(self, data: bytes, counts: list[int], names: list[str]) -> None:
         self.data, self.end, self.counts, self.names = data, len(data), counts, names
@@ -283,6 +283,9 @@ class _Walk:
         self.marks: list[int] = []
         self.memo: dict[int, Value] = {}
         self.at = self.fence = self.ops = self.hashing = self.memory = 0
+        # one past the highest memo index stored: CPython's unpickler holds its memo in a table of
+        # pointers that long (grown to twice the index asked for), whichever indices are stored
+        self.memo_top = 0
         self.tuples: dict[bytes, tuple[Value, int, list[int], int] | None] = {}  # an entry's int tuples by their bytes
         self.shapes: dict[bytes, int] = {}  # how many times each was walked in an entry
         self.entries = 0  # the entries walked in one step (their opcodes counted at the end)
@@ -314,7 +317,7 @@ class _Walk:
         byte_ints = _BYTE_INTS
         entry_match = _ENTRY.match
         max_memory, max_pickle = limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES
-        i = fence = ops = memory = 0
+        i = fence = ops = memory = top = 0
         try:
             while True:
                 code = data[i]  # IndexError past the end: truncated
@@ -343,6 +346,9 @@ class _Walk:
                         raise refuse("stores a value below its stack (corrupt)")
                     memo[index] = stack[-1]
                     memory += 16
+                    if index >= top:  # the unpickler's memo table reaches this index: 16 bytes for each skipped
+                        memory += 16 * (index - top)
+                        top = index + 1
                 elif code == 0x68 or code == 0x6A or code == 0x67:  # BINGET LONG_BINGET GET
                     if code == 0x68:
                         index = data[i]
@@ -384,8 +390,10 @@ class _Walk:
                     if code == 0x58:  # a state-dict key: the tensor entry after it, in one step if it has torch's form
                         match = entry_match(data, i)
                         if match is not None:
+                            self.memo_top = top
                             done = self.entry(match, ops, key)
                             if done is not None:
+                                top = self.memo_top
                                 push(key)
                                 push(done[0])
                                 ops += done[1]
@@ -439,7 +447,7 @@ class _Walk:
                     raise refuse(f"would build over {max_memory} bytes of objects (a memory bomb)")
         except (IndexError, struct.error):
             raise Truncated() from None
-        self.at, self.ops, self.memory = i, ops, memory
+        self.at, self.ops, self.memory, self.memo_top = i, ops, memory, top
         self.count_entries()
         return i
 
@@ -474,7 +482,7 @@ class _Walk:
         hooks = get(int.from_bytes(hooks_get, "little") >> 8)
         if fn is None or storage is None or class_ is None or location is None or hooks is None:
             return None
-        # the stores: fresh indices, increasing (so none is a value the entry reads), none past the opcodes so far
+        # the stores: increasing indices past every one stored before, none past the opcodes so far
         key_at = int.from_bytes(key_put, "little") >> 8
         skey_at = int.from_bytes(skey_put, "little") >> 8
         storage_at = int.from_bytes(storage_put, "little") >> 8
@@ -492,9 +500,9 @@ class _Walk:
             if stride_at <= last:
                 return None
             last = stride_at
-        if not (key_at < skey_at < storage_at and last < hooks_at < args_at < result_at <= ops) or key_at in memo or \
-                skey_at in memo or storage_at in memo or size_at in memo or stride_at in memo or hooks_at in memo \
-                or args_at in memo or result_at in memo:
+        top = self.memo_top
+        # (so each is fresh, and none is a value the entry reads)
+        if not top <= key_at < skey_at < storage_at or not last < hooks_at < args_at < result_at <= ops:
             return None
         max_nodes = limits.MAX_KEY_NODES
         nodes = 3 + storage.nodes + class_.nodes + location.nodes
@@ -532,7 +540,8 @@ class _Walk:
         shapes[stride] = shapes.get(stride, 0) + 1
         # opcodes: the 23 every entry has after its key, its stores of tuples, and its tuples' own
         walked = 17 + stores + size_tuple[1] + stride_tuple[1]
-        memory = (16 * stores + 1856 + len(skey) + (40 if len(numel) > 2 else 0) + (40 if len(offset) > 2 else 0)
+        self.memo_top = result_at + 1
+        memory = (16 * (result_at + 1 - top) + 1856 + len(skey) + (40 if len(numel) > 2 else 0) + (40 if len(offset) > 2 else 0)
                   + size_tuple[3] + stride_tuple[3])
         return result, walked, memory
 

@@ -579,6 +579,27 @@ def test_sparse_memo_indices_are_estimated_alike() -> None:
         estimate(hostile.PROTO2 + filler + b"Nr" + _le(0, 4) + b"0N.") == 16 * 500
 
 
+def test_a_global_named_by_text_strings_is_the_one_the_unpickler_looks_up() -> None:
+    # UNICODE decodes raw-unicode-escape and STRING its escapes: the names they spell are not always their bytes
+    # (b"caf\xc3\xa9" is 'cafÃ©' to the unpickler); the walks name a global only when they know its name exactly
+    class Looked(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> object:
+            self.looked = f"{module}.{name}"
+            return dict
+
+    for module in (b"os", b"caf\xc3\xa9", b"\\u006fs", b"\xe9t\xe9", b"a.b"):
+        for text in (lambda raw: b"V" + raw + b"\n", lambda raw: b"S'" + raw + b"'\n"):
+            data = b"\x80\x04" + text(module) + text(b"system") + b"\x93."
+            unpickler = Looked(io.BytesIO(data), encoding="latin-1")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # STRING's escape decoder on "\\u"
+                unpickler.load()
+            result = same(data)
+            assert result[0] == "passed" and result[3] in ((unpickler.looked,), ("<unresolved STACK_GLOBAL>",)), \
+                (data, unpickler.looked, result)
+            assert (result[3] == (unpickler.looked,)) == (module.isascii() and b"\\" not in module)
+
+
 def test_the_memo_index_and_text_forms_are_judged_alike() -> None:
     cases = {
         b"Nr" + _le(0xFFFFFFF0, 4) + b".": "stores memo index 4294967280",

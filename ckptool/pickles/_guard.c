@@ -890,12 +890,16 @@ static int op_rare(Walk *w, unsigned code) {
     }
     case 0x53: case 0x56: {  /* STRING UNICODE (text) */
         TRY(line(w, &raw, &len));
-        int backslash = memchr(raw, '\\', (size_t)len) != NULL;
+        /* the text the unpickler makes is these bytes only when they are ASCII with no escape (UNICODE
+           decodes raw-unicode-escape, byte by byte: UTF-8 bytes are not the name they spell) */
+        int plain = 1;
+        for (Py_ssize_t k = 0; k < len; k++)
+            if (raw[k] == '\\' || raw[k] >= 0x80) { plain = 0; break; }
         if (code == 0x53) {
             int quoted = len >= 2 && raw[0] == raw[len - 1] && (raw[0] == '\'' || raw[0] == '"');
-            PUSH(quoted && !backslash ? text_rec(w, raw + 1, len - 2) : &R_STR);
+            PUSH(quoted && plain ? text_rec(w, raw + 1, len - 2) : &R_STR);
         } else {
-            PUSH(!backslash ? text_rec(w, raw, len) : &R_STR);
+            PUSH(plain ? text_rec(w, raw, len) : &R_STR);
         }
         w->memory += 56 + len;
         return G_OK;

@@ -650,11 +650,14 @@ class _Walk:
 
     def text_str(self, code: int) -> None:  # STRING UNICODE (text)
         raw = self.line()
+        # the text the unpickler makes is these bytes only when they are ASCII with no escape (UNICODE
+        # decodes raw-unicode-escape, byte by byte: UTF-8 bytes are not the name they spell)
+        plain = raw.isascii() and b"\\" not in raw
         if code == 0x53:
             quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[:1] in (b"'", b'"')
-            self.stack.append(_text(raw[1:-1]) if quoted and b"\\" not in raw else _STR)
+            self.stack.append(_text(raw[1:-1]) if quoted and plain else _STR)
         else:
-            self.stack.append(_text(raw) if b"\\" not in raw else _STR)
+            self.stack.append(_text(raw) if plain else _STR)
         self.memory += 56 + len(raw)
 
     def global_(self, code: int) -> None:  # GLOBAL INST

@@ -148,6 +148,13 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
             storages[key] = storage
         return storage
 
+    # its usual case (a storage in this archive, read where it lies) is also done by the C run of the
+    # unpickler, over these same records (ckptool/pickles/_fastload.c); not for a big-endian archive's
+    # storages (swapped on read) or members named alike but for case (found by their folded names)
+    if exact is not None and not big_endian:
+        persistent_load.fast_storages = (  # type: ignore[attr-defined]
+            storages, type_globals, members, prefix, source, base_offset, not_read, headers is None, ByteRange,
+            storage_type_ref, zipio.Member)
     return persistent_load
 
 

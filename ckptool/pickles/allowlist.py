@@ -254,6 +254,18 @@ class GlobalResolver:
         self.refused: list[str] = []
         self._lookups: list[type] = []  # one getattr placeholder per GLOBAL naming it (see _attribute_lookup)
 
+    def records(self) -> tuple[dict[str, int], int, int]:
+        """What resolving has recorded so far, for :meth:`restore`."""
+        return dict(self.seen), len(self.refused), len(self._lookups)
+
+    def restore(self, records: tuple[dict[str, int], int, int]) -> None:
+        """Forget what was resolved since :meth:`records` (a run given up, to be run again)."""
+        seen, refused, lookups = records
+        self.seen.clear()
+        self.seen.update(seen)
+        del self.refused[refused:]
+        del self._lookups[lookups:]
+
     def is_allowed(self, full_name: str) -> bool:
         full_name = python3_name(full_name)
         return full_name in TORCH_GLOBALS or full_name in self.extra or self._matches(full_name)

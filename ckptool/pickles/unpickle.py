@@ -10,6 +10,7 @@ tree when copied).
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +21,21 @@ from ..refs import DeviceRef, TensorRef, human_size
 from . import limits
 from .allowlist import GlobalResolver, RefusedGlobal
 from .guard_cache import GuardCache
-from .opcode_guard import Truncated, guard
+from .opcode_guard import Truncated, guard, guard_stats
 from .limits import refuse
 from .placeholders import OpaqueObject
+
+
+# the C run of the unpickler over torch's usual opcodes (ckptool/pickles/_fastload.c), where it was built:
+# CKPTOOL_PURE_PYTHON_UNPICKLE=1 runs CPython's unpickler with the Python callbacks everywhere
+try:
+    from . import _fastload
+except ImportError:  # not compiled (no C compiler at install): CPython's unpickler
+    _fastload = None  # type: ignore[assignment]
+FAST = _fastload is not None and os.environ.get("CKPTOOL_PURE_PYTHON_UNPICKLE", "") in ("", "0")
+# the opcodes the C run does not take (by the guard's counts): CPython's unpickler runs at once
+_FAST_TAKEN = frozenset(b"\x80}])(X\x8cqr\x94hjKMJ\x8aG\x88\x89Nt\x85\x86\x87c\x93RQsuaeb.")
+_FAST_NOT_TAKEN = tuple(code for code in range(256) if code not in _FAST_TAKEN)
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -60,18 +73,23 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
         if len(blob) > limits.MAX_PICKLE_BYTES:
             raise InputError(f"pickle is {len(blob)} bytes, over the {limits.MAX_PICKLE_BYTES}-byte limit — refused")
         # a write's check re-reads the pickle it just emitted: those bytes need no guard
-        size = len(blob) if cache is not None and cache.is_emitted(blob) else guard(blob, cache)
+        counts = None
+        if cache is not None and cache.is_emitted(blob):
+            size = len(blob)
+        else:
+            stats = guard_stats(blob, cache)
+            size, counts = stats.size, stats.counts
         if size != len(blob):
             raise InputError(f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
                              "torch never writes that; refused")
     else:
-        blob = read_pickle(data, cache)
+        blob, counts = read_pickle(data, cache), None
     # a refused global becomes an inert placeholder and the walk goes on, so that one refusal names
     # every refused global; what the walk then meets (a rebuild given a placeholder, a corrupt
     # tail) ends it with the refusal of the names found so far
     with paused():  # the tree is the result: nothing it builds is garbage
         try:
-            obj = _unpickle(blob, resolver, persistent_load)
+            obj = _unpickle(blob, resolver, persistent_load, counts)
         except (RefusedGlobal, InputError) as e:
             refusal = resolver.refusal(complete=False)
             if refusal is not None and not isinstance(e, RefusedGlobal):
@@ -84,9 +102,20 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
     return obj
 
 
-def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None) -> Any:
-    """Run the restricted unpickler over one guarded pickle; any failure is an InputError."""
+def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None,
+              counts: list[int] | None = None) -> Any:
+    """Run the restricted unpickler over one guarded pickle; any failure is an InputError.
+
+    Where the C run (:data:`FAST`) takes the pickle, it gives what CPython's unpickler would; where it
+    declines (an opcode it does not take, an error CPython's unpickler would raise itself), what its
+    callbacks recorded is undone and CPython's unpickler runs. ``counts``: the guard's opcode counts,
+    where it walked the pickle (one the run does not take all of goes to CPython's unpickler at once).
+    """
     try:
+        if FAST and type(blob) is bytes and (counts is None or not any(counts[code] for code in _FAST_NOT_TAKEN)):
+            result = _fast_load(blob, resolver, persistent_load)
+            if result is not NotImplemented:
+                return result
         return RestrictedUnpickler(io.BytesIO(blob), resolver, persistent_load).load()
     except (RefusedGlobal, InputError):
         raise
@@ -96,6 +125,27 @@ def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[
         raise InputError("pickle would need more memory than is available to read") from e
     except Exception as e:  # any malformed-pickle error from the C unpickler
         raise InputError(f"pickle is corrupt or truncated ({type(e).__name__}: {_short(e)})") from e
+
+
+def _fast_load(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None) -> Any:
+    """The C run: its result, or NotImplemented with the resolver's and the archive's records as before."""
+    from . import allowlist, rebuilds
+    from .placeholders import StateDict
+    from ..refs import StorageRef
+
+    storages = getattr(persistent_load, "fast_storages", None)
+    rebuild = (allowlist.TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"], TensorRef, rebuilds._V2,
+               rebuilds._PLAIN_DTYPES, StorageRef, allowlist.TORCH_GLOBALS["collections.OrderedDict"], StateDict)
+    if not hasattr(resolver, "records"):  # a resolver that cannot undo what it records: CPython's unpickler
+        return NotImplemented
+    before = resolver.records()
+    result = _fastload.load(blob, resolver.resolve, persistent_load if persistent_load is not None
+                            else _no_persistent_ids, rebuild, storages)
+    if result is NotImplemented:
+        resolver.restore(before)
+        if storages is not None:
+            storages[0].clear()
+    return result
 
 
 def _short(error: BaseException) -> str:

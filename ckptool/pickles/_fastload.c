@@ -1,0 +1,698 @@
+/* The restricted unpickler's run over the opcodes torch's pickles are made of, in C, with the per-tensor
+   callbacks of a state dict done here too.
+
+   ckptool/pickles/unpickle.py runs a guarded pickle through CPython's C unpickler, which calls back into
+   Python three times for each tensor: the archive's persistent_load (the storage record), the rebuild
+   (torch._utils._rebuild_tensor_v2) and OrderedDict() (its hooks). For 100,000 tensors those calls cost
+   more than the unpickling itself. ``load`` here runs the same pickle with the same semantics as
+   CPython's unpickler (Modules/_pickle.c), opcode for opcode, over the ~30 opcodes state dicts and
+   training containers use; for those three calls it does in C exactly what the Python callbacks do in
+   their usual case, and calls them for anything else.
+
+   It returns NotImplemented (and the caller runs CPython's unpickler instead) at the first opcode it
+   does not take, and wherever CPython's unpickler would raise an error of its own (a stack underflow,
+   a memo read of an index never stored): the caller undoes what the callbacks recorded. An exception a
+   callback raises (the resolver's, the archive's) propagates as it would from CPython's unpickler.
+
+   The input was walked by the opcode guard first (ckptool/pickles/opcode_guard.py): its memo indices are
+   bounded by its length, its stack is consistent. Every read is still checked against the buffer's
+   length; nothing recurses; every exit releases what the run holds. The only Python code called is the
+   resolver (for each GLOBAL), the callbacks named above, the callables the resolver returned (REDUCE),
+   ``__setstate__`` of what BUILD sets state on, and the dataclasses' constructors: what CPython's
+   unpickler would call. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DECLINE 1  /* not taken here: the caller runs CPython's unpickler */
+
+typedef struct {
+    PyObject **items;
+    Py_ssize_t len, cap;
+} Stack;
+
+typedef struct {
+    const unsigned char *data;
+    Py_ssize_t end, at;
+    Stack stack;
+    Py_ssize_t *marks;
+    Py_ssize_t nmarks, mcap, fence;
+    PyObject **memo;
+    Py_ssize_t memo_cap, memo_len;
+    PyObject *find_class, *persistent_load;
+    /* the rebuild's fast path (None where the caller gave none) */
+    PyObject *rebuild_v2, *tensor_type, *v2_name, *plain_dtypes, *storage_ref_type, *ordered_dict, *state_dict;
+    /* the archive's storages (NULL: every record goes to persistent_load) */
+    PyObject *storages, *type_globals, *members, *prefix, *source, *base_offset, *not_read, *byte_range_type,
+        *storage_type_ref, *member_type;
+    int headers_none;
+} Run;
+
+static PyObject *S_STORAGE, *S_DTYPE, *S_NUMEL, *S_ITEMSIZE, *S_NAME, *S_MODULE, *S_DICT, *S_SETSTATE;
+
+/* ------------------------------------------------------------------------------------ the stack */
+
+static int push(Run *r, PyObject *obj) {  /* steals obj; NULL: the error is set */
+    if (obj == NULL) return -1;
+    if (r->stack.len == r->stack.cap) {
+        Py_ssize_t cap = r->stack.cap ? r->stack.cap * 2 : 64;
+        PyObject **items = PyMem_Realloc(r->stack.items, (size_t)cap * sizeof(PyObject *));
+        if (items == NULL) {
+            Py_DECREF(obj);
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->stack.items = items;
+        r->stack.cap = cap;
+    }
+    r->stack.items[r->stack.len++] = obj;
+    return 0;
+}
+
+static PyObject *pop(Run *r) {  /* a new reference; NULL (no error set): below the fence */
+    if (r->stack.len <= r->fence) return NULL;
+    return r->stack.items[--r->stack.len];
+}
+
+static void clear_to(Run *r, Py_ssize_t to) {
+    while (r->stack.len > to) {
+        r->stack.len--;
+        Py_DECREF(r->stack.items[r->stack.len]);
+    }
+}
+
+static PyObject *tuple_from(Run *r, Py_ssize_t start) {  /* the items from ``start`` up, as a tuple, popped */
+    Py_ssize_t n = r->stack.len - start;
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) PyTuple_SET_ITEM(t, k, r->stack.items[start + k]);  /* steals */
+    r->stack.len = start;
+    return t;
+}
+
+/* pop the last MARK: its stack position, or -1 (none: CPython's "could not find MARK") */
+static Py_ssize_t marker(Run *r) {
+    if (r->nmarks < 1) return -1;
+    Py_ssize_t mark = r->marks[--r->nmarks];
+    r->fence = r->nmarks ? r->marks[r->nmarks - 1] : 0;
+    return mark;
+}
+
+/* ------------------------------------------------------------------------------------- the memo */
+
+static int memo_put(Run *r, Py_ssize_t index, PyObject *value) {
+    if (index < 0) return DECLINE;
+    if (index >= r->memo_cap) {
+        Py_ssize_t cap = r->memo_cap ? r->memo_cap : 64;
+        while (cap <= index) cap *= 2;
+        PyObject **memo = PyMem_Realloc(r->memo, (size_t)cap * sizeof(PyObject *));
+        if (memo == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(memo + r->memo_cap, 0, (size_t)(cap - r->memo_cap) * sizeof(PyObject *));
+        r->memo = memo;
+        r->memo_cap = cap;
+    }
+    PyObject *old = r->memo[index];
+    Py_INCREF(value);
+    r->memo[index] = value;
+    if (old == NULL) r->memo_len++;
+    else Py_DECREF(old);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------- reading */
+
+#define NEED(n) do { if (r->end - r->at < (Py_ssize_t)(n)) return DECLINE; } while (0)
+
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* one text line (the newline not included); DECLINE if none, or shorter than CPython's readline takes */
+static int line(Run *r, const unsigned char **start, Py_ssize_t *len) {
+    const unsigned char *p = r->data + r->at;
+    const unsigned char *nl = memchr(p, '\n', (size_t)(r->end - r->at));
+    if (nl == NULL || nl == p) return DECLINE;  /* CPython: a line under 2 bytes is a bad readline */
+    *start = p;
+    *len = nl - p;
+    r->at += *len + 1;
+    return 0;
+}
+
+/* --------------------------------------------------------------------------------- fast paths */
+
+/* an int that fits 64 bits, or 0 with *ok = 0 (anything else: not the fast path) */
+static int64_t small_int(PyObject *v, int *ok) {
+    if (!PyLong_CheckExact(v)) {
+        *ok = 0;
+        return 0;
+    }
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        *ok = 0;
+        return 0;
+    }
+    return (int64_t)x;
+}
+
+/* rebuilds._rebuild_tensor_v2's usual case, checked as it checks it: the TensorRef, or NULL with no error
+   set (not the usual case: the Python function decides), or NULL with an error */
+static PyObject *plain_tensor(Run *r, PyObject *args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n < 4 || n > 6) return NULL;
+    PyObject *storage = PyTuple_GET_ITEM(args, 0), *offset = PyTuple_GET_ITEM(args, 1);
+    PyObject *size = PyTuple_GET_ITEM(args, 2), *stride = PyTuple_GET_ITEM(args, 3);
+    PyObject *requires_grad = n > 4 ? PyTuple_GET_ITEM(args, 4) : Py_False;
+    PyObject *hooks = n > 5 ? PyTuple_GET_ITEM(args, 5) : Py_None;
+    if ((PyObject *)Py_TYPE(storage) != r->storage_ref_type || !PyTuple_CheckExact(size) ||
+        !PyTuple_CheckExact(stride) || !PyLong_CheckExact(offset) || (requires_grad != Py_False && requires_grad != Py_True))
+        return NULL;
+    Py_ssize_t dims = PyTuple_GET_SIZE(size);
+    if (dims != PyTuple_GET_SIZE(stride) || dims > 64) return NULL;
+    int ok = 1;
+    int64_t at = small_int(offset, &ok);
+    if (!ok || at < 0) return NULL;
+    PyObject *dtype = PyObject_GetAttr(storage, S_DTYPE);
+    if (dtype == NULL) return NULL;
+    PyObject *name = PyObject_GetAttr(dtype, S_NAME);
+    if (name == NULL) goto fail;
+    int plain = PySet_Contains(r->plain_dtypes, name);
+    Py_DECREF(name);
+    if (plain < 0) goto fail;
+    if (!plain) goto not_plain;
+    int64_t last = at, count = 1;
+    for (Py_ssize_t k = 0; k < dims; k++) {
+        int64_t dim = small_int(PyTuple_GET_ITEM(size, k), &ok), step = small_int(PyTuple_GET_ITEM(stride, k), &ok);
+        if (!ok || dim < 0 || step < 0) goto not_plain;
+        int64_t span;
+        if (__builtin_mul_overflow(count, dim, &count) || __builtin_mul_overflow(dim - 1, step, &span) ||
+            __builtin_add_overflow(last, span, &last))
+            goto not_plain;
+    }
+    PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
+    if (itemsize_obj == NULL) goto fail;
+    int64_t itemsize = small_int(itemsize_obj, &ok);
+    Py_DECREF(itemsize_obj);
+    PyObject *numel_obj = PyObject_GetAttr(storage, S_NUMEL);
+    if (numel_obj == NULL) goto fail;
+    int64_t numel = small_int(numel_obj, &ok);
+    Py_DECREF(numel_obj);
+    int64_t need, have;
+    if (!ok || itemsize <= 0 || numel < 0) goto not_plain;
+    if (count != 0) {
+        if (__builtin_add_overflow(last, 1, &need) || __builtin_mul_overflow(need, itemsize, &need) ||
+            __builtin_mul_overflow(itemsize, numel, &have) || need > have)
+            goto not_plain;
+    }
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL) goto fail;
+    PyObject *call[9] = {storage, dtype, size, stride, offset, requires_grad, r->v2_name, empty, hooks};
+    PyObject *tensor = PyObject_Vectorcall(r->tensor_type, call, 9, NULL);
+    Py_DECREF(empty);
+    Py_DECREF(dtype);
+    return tensor;
+not_plain:
+    Py_DECREF(dtype);
+    PyErr_Clear();
+    return NULL;
+fail:
+    Py_DECREF(dtype);
+    return NULL;
+}
+
+/* the archive's persistent_load in its usual case (torch_zip.storage_loader: a record of a storage in
+   the archive, read where it lies): the StorageRef, or NULL with no error set (persistent_load decides) */
+static PyObject *plain_storage(Run *r, PyObject *pid) {
+    if (r->storages == NULL || !PyTuple_CheckExact(pid) || PyTuple_GET_SIZE(pid) != 5) return NULL;
+    PyObject *tag = PyTuple_GET_ITEM(pid, 0), *type = PyTuple_GET_ITEM(pid, 1), *key = PyTuple_GET_ITEM(pid, 2);
+    PyObject *location = PyTuple_GET_ITEM(pid, 3), *numel_obj = PyTuple_GET_ITEM(pid, 4);
+    if (!PyUnicode_CheckExact(tag) || PyUnicode_Compare(tag, S_STORAGE) != 0 ||
+        (PyObject *)Py_TYPE(type) != r->storage_type_ref || !PyUnicode_CheckExact(key) ||
+        !PyUnicode_CheckExact(location))
+        return NULL;
+    int ok = 1;
+    int64_t numel = small_int(numel_obj, &ok);
+    if (!ok || numel < 0) return NULL;
+    PyObject *cached = PyDict_GetItemWithError(r->storages, key);  /* borrowed */
+    if (cached != NULL || PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;  /* shared storages and their dtypes: persistent_load */
+    }
+    PyObject *dtype = PyObject_GetAttr(type, S_DTYPE);
+    if (dtype == NULL) return NULL;
+    PyObject *name = NULL, *member = NULL, *storage = NULL, *range = NULL, *type_global = NULL;
+    PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
+    if (itemsize_obj == NULL) goto out;
+    int64_t itemsize = small_int(itemsize_obj, &ok), nbytes;
+    Py_DECREF(itemsize_obj);
+    if (!ok || itemsize <= 0 || __builtin_mul_overflow(numel, itemsize, &nbytes)) goto out;
+    name = PyUnicode_Concat(r->prefix, key);
+    if (name == NULL) goto out;
+    member = PyDict_GetItemWithError(r->members, name);  /* borrowed: dict.get, as the exact lookup */
+    if (member == NULL || (PyObject *)Py_TYPE(member) != r->member_type || PyTuple_GET_SIZE(member) < 5) goto out;
+    PyObject *data_offset_obj = PyTuple_GET_ITEM(member, 1), *size_obj = PyTuple_GET_ITEM(member, 2);
+    PyObject *crc_obj = PyTuple_GET_ITEM(member, 3), *compressed = PyTuple_GET_ITEM(member, 4);
+    if (compressed != Py_False) goto out;
+    int64_t size = small_int(size_obj, &ok), data_offset = small_int(data_offset_obj, &ok);
+    int64_t crc = small_int(crc_obj, &ok), base = small_int(r->base_offset, &ok), not_read = small_int(r->not_read, &ok);
+    if (!ok || size < nbytes || (data_offset == not_read && !r->headers_none)) goto out;
+    int64_t at;
+    if (__builtin_add_overflow(base, data_offset, &at)) goto out;
+    type_global = PyDict_GetItemWithError(r->type_globals, type);  /* borrowed */
+    if (type_global == NULL) {
+        if (PyErr_Occurred()) goto out;
+        PyObject *module = PyObject_GetAttr(type, S_MODULE), *tname = module ? PyObject_GetAttr(type, S_NAME) : NULL;
+        PyObject *joined = tname ? PyUnicode_FromFormat("%S.%S", module, tname) : NULL;
+        Py_XDECREF(module);
+        Py_XDECREF(tname);
+        if (joined == NULL || PyDict_SetItem(r->type_globals, type, joined) < 0) {
+            Py_XDECREF(joined);
+            type_global = NULL;
+            goto out;
+        }
+        Py_DECREF(joined);
+        type_global = PyDict_GetItemWithError(r->type_globals, type);
+        if (type_global == NULL) goto out;
+    }
+    {
+        PyObject *at_obj = PyLong_FromLongLong(at), *nbytes_obj = PyLong_FromLongLong(nbytes);
+        PyObject *crc_value = (size != nbytes || !(crc || !nbytes)) ? Py_NewRef(Py_None) : Py_NewRef(crc_obj);
+        if (at_obj != NULL && nbytes_obj != NULL) {
+            PyObject *call[4] = {r->source, at_obj, nbytes_obj, crc_value};
+            range = PyObject_Vectorcall(r->byte_range_type, call, 4, NULL);
+        }
+        Py_XDECREF(at_obj);
+        Py_XDECREF(nbytes_obj);
+        Py_DECREF(crc_value);
+        if (range == NULL) goto out;
+    }
+    {
+        PyObject *call[6] = {key, dtype, numel_obj, location, range, type_global};
+        storage = PyObject_Vectorcall(r->storage_ref_type, call, 6, NULL);
+    }
+    if (storage != NULL && PyDict_SetItem(r->storages, key, storage) < 0) Py_CLEAR(storage);
+out:
+    Py_DECREF(dtype);
+    Py_XDECREF(name);
+    Py_XDECREF(range);
+    return storage;
+}
+
+/* --------------------------------------------------------------------------------- the opcodes */
+
+static int setitems(Run *r, Py_ssize_t x) {  /* CPython's do_setitems */
+    Py_ssize_t len = r->stack.len;
+    if (x > len || x <= r->fence) return DECLINE;
+    if (len == x) return 0;
+    if ((len - x) % 2 != 0) return DECLINE;
+    PyObject *dict = r->stack.items[x - 1];
+    for (Py_ssize_t i = x + 1; i < len; i += 2)
+        if (PyObject_SetItem(dict, r->stack.items[i - 1], r->stack.items[i]) < 0) return -1;
+    clear_to(r, x);
+    return 0;
+}
+
+static int appends(Run *r, Py_ssize_t x) {  /* CPython's do_append, for a list (anything else: declined) */
+    Py_ssize_t len = r->stack.len;
+    if (x > len || x <= r->fence) return DECLINE;
+    if (len == x) return 0;
+    PyObject *list = r->stack.items[x - 1];
+    if (!PyList_CheckExact(list)) return DECLINE;
+    for (Py_ssize_t i = x; i < len; i++)
+        if (PyList_Append(list, r->stack.items[i]) < 0) return -1;
+    clear_to(r, x);
+    return 0;
+}
+
+static int build(Run *r) {  /* CPython's load_build, but a (state, slotstate) pair is declined */
+    if (r->stack.len - 2 < r->fence) return DECLINE;
+    PyObject *state = r->stack.items[r->stack.len - 1], *inst = r->stack.items[r->stack.len - 2];
+    PyObject *setstate = PyObject_GetAttr(inst, S_SETSTATE);
+    if (setstate != NULL) {
+        PyObject *result = PyObject_CallOneArg(setstate, state);
+        Py_DECREF(setstate);
+        if (result == NULL) return -1;
+        Py_DECREF(result);
+        clear_to(r, r->stack.len - 1);
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
+    if (state == Py_None) {
+        clear_to(r, r->stack.len - 1);
+        return 0;
+    }
+    if (!PyDict_Check(state)) return DECLINE;
+    PyObject *dict = PyObject_GetAttr(inst, S_DICT);
+    if (dict == NULL) return -1;
+    Py_ssize_t i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(state, &i, &key, &value)) {
+        Py_INCREF(key);
+        if (PyUnicode_CheckExact(key)) PyUnicode_InternInPlace(&key);
+        int failed = PyObject_SetItem(dict, key, value) < 0;
+        Py_DECREF(key);
+        if (failed) {
+            Py_DECREF(dict);
+            return -1;
+        }
+    }
+    Py_DECREF(dict);
+    clear_to(r, r->stack.len - 1);
+    return 0;
+}
+
+static int global(Run *r, PyObject *module, PyObject *name) {  /* steals both */
+    PyObject *found = NULL;
+    if (module != NULL && name != NULL) {
+        PyObject *call[2] = {module, name};
+        found = PyObject_Vectorcall(r->find_class, call, 2, NULL);
+    }
+    Py_XDECREF(module);
+    Py_XDECREF(name);
+    return push(r, found);
+}
+
+static int reduce(Run *r) {
+    PyObject *args = pop(r);
+    if (args == NULL) return DECLINE;
+    PyObject *callable = pop(r);
+    if (callable == NULL) {
+        Py_DECREF(args);
+        return DECLINE;
+    }
+    if (!PyTuple_Check(args)) {  /* CPython raises TypeError: its message is the caller's to give */
+        Py_DECREF(args);
+        Py_DECREF(callable);
+        return DECLINE;
+    }
+    PyObject *result = NULL;
+    if (callable == r->rebuild_v2 && PyTuple_CheckExact(args)) {
+        result = plain_tensor(r, args);
+        if (result == NULL && PyErr_Occurred()) goto done;
+    } else if (callable == r->ordered_dict && PyTuple_GET_SIZE(args) == 0) {
+        result = PyObject_CallNoArgs(r->state_dict);  /* what _ordered_dict() returns */
+        goto done;
+    }
+    if (result == NULL) result = PyObject_Call(callable, args, NULL);
+done:
+    Py_DECREF(args);
+    Py_DECREF(callable);
+    return push(r, result);
+}
+
+static int persid(Run *r) {
+    PyObject *pid = pop(r);
+    if (pid == NULL) return DECLINE;
+    PyObject *obj = plain_storage(r, pid);
+    if (obj == NULL && !PyErr_Occurred()) obj = PyObject_CallOneArg(r->persistent_load, pid);
+    Py_DECREF(pid);
+    return push(r, obj);
+}
+
+static PyObject *from_le(const unsigned char *p, Py_ssize_t n) {  /* LONG1's two's complement, n <= 8 */
+    if (n == 0) return PyLong_FromLong(0);
+    uint64_t u = 0;
+    for (Py_ssize_t k = n - 1; k >= 0; k--) u = (u << 8) | p[k];
+    if (n < 8 && (p[n - 1] & 0x80)) u |= ~(uint64_t)0 << (8 * n);
+    return PyLong_FromLongLong((long long)(int64_t)u);
+}
+
+/* one opcode: 0, DECLINE, -1 (an error set), or 2 at STOP */
+static int step(Run *r, PyObject **result) {
+    if (r->at >= r->end) return DECLINE;
+    unsigned char code = r->data[r->at++];
+    const unsigned char *p;
+    Py_ssize_t len;
+    switch (code) {
+    case 0x80:  /* PROTO */
+        NEED(1);
+        if (r->data[r->at++] > 5) return DECLINE;
+        return 0;
+    case 0x7D:  /* EMPTY_DICT */
+        return push(r, PyDict_New());
+    case 0x5D:  /* EMPTY_LIST */
+        return push(r, PyList_New(0));
+    case 0x29:  /* EMPTY_TUPLE */
+        return push(r, PyTuple_New(0));
+    case 0x28:  /* MARK */
+        if (r->nmarks == r->mcap) {
+            Py_ssize_t cap = r->mcap ? r->mcap * 2 : 16;
+            Py_ssize_t *marks = PyMem_Realloc(r->marks, (size_t)cap * sizeof(Py_ssize_t));
+            if (marks == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            r->marks = marks;
+            r->mcap = cap;
+        }
+        r->marks[r->nmarks++] = r->fence = r->stack.len;
+        return 0;
+    case 0x58: case 0x8C: {  /* BINUNICODE SHORT_BINUNICODE */
+        uint64_t size;
+        if (code == 0x58) {
+            NEED(4);
+            size = le32(r->data + r->at);
+            r->at += 4;
+        } else {
+            NEED(1);
+            size = r->data[r->at++];
+        }
+        if ((uint64_t)(r->end - r->at) < size) return DECLINE;
+        PyObject *text = PyUnicode_DecodeUTF8((const char *)r->data + r->at, (Py_ssize_t)size, "surrogatepass");
+        r->at += (Py_ssize_t)size;
+        if (text == NULL) {  /* CPython raises UnicodeDecodeError: the caller's message */
+            PyErr_Clear();
+            return DECLINE;
+        }
+        return push(r, text);
+    }
+    case 0x71: case 0x72: case 0x94: {  /* BINPUT LONG_BINPUT MEMOIZE */
+        Py_ssize_t index;
+        if (code == 0x71) {
+            NEED(1);
+            index = r->data[r->at++];
+        } else if (code == 0x72) {
+            NEED(4);
+            index = (Py_ssize_t)le32(r->data + r->at);
+            r->at += 4;
+        } else {
+            index = r->memo_len;
+        }
+        if (r->stack.len <= r->fence) return DECLINE;
+        return memo_put(r, index, r->stack.items[r->stack.len - 1]);
+    }
+    case 0x68: case 0x6A: {  /* BINGET LONG_BINGET */
+        Py_ssize_t index;
+        if (code == 0x68) {
+            NEED(1);
+            index = r->data[r->at++];
+        } else {
+            NEED(4);
+            index = (Py_ssize_t)le32(r->data + r->at);
+            r->at += 4;
+        }
+        if (index >= r->memo_cap || r->memo[index] == NULL) return DECLINE;
+        return push(r, Py_NewRef(r->memo[index]));
+    }
+    case 0x4B:  /* BININT1 */
+        NEED(1);
+        return push(r, PyLong_FromLong(r->data[r->at++]));
+    case 0x4D:  /* BININT2 */
+        NEED(2);
+        p = r->data + r->at;
+        r->at += 2;
+        return push(r, PyLong_FromLong((long)p[0] | ((long)p[1] << 8)));
+    case 0x4A:  /* BININT */
+        NEED(4);
+        p = r->data + r->at;
+        r->at += 4;
+        return push(r, PyLong_FromLong((long)(int32_t)le32(p)));
+    case 0x8A:  /* LONG1 */
+        NEED(1);
+        len = r->data[r->at++];
+        if (len > 8) return DECLINE;
+        NEED(len);
+        p = r->data + r->at;
+        r->at += len;
+        return push(r, from_le(p, len));
+    case 0x47: {  /* BINFLOAT */
+        NEED(8);
+        double value = PyFloat_Unpack8((const char *)r->data + r->at, 0);
+        r->at += 8;
+        if (value == -1.0 && PyErr_Occurred()) return -1;
+        return push(r, PyFloat_FromDouble(value));
+    }
+    case 0x88:  /* NEWTRUE */
+        return push(r, Py_NewRef(Py_True));
+    case 0x89:  /* NEWFALSE */
+        return push(r, Py_NewRef(Py_False));
+    case 0x4E:  /* NONE */
+        return push(r, Py_NewRef(Py_None));
+    case 0x74: {  /* TUPLE */
+        Py_ssize_t mark = marker(r);
+        if (mark < 0 || mark > r->stack.len) return DECLINE;
+        if (mark < r->fence) return DECLINE;
+        return push(r, tuple_from(r, mark));
+    }
+    case 0x85: case 0x86: case 0x87: {  /* TUPLE1 TUPLE2 TUPLE3 */
+        Py_ssize_t start = r->stack.len - (code - 0x84);
+        if (start < r->fence) return DECLINE;
+        return push(r, tuple_from(r, start));
+    }
+    case 0x63: {  /* GLOBAL */
+        const unsigned char *m, *n;
+        Py_ssize_t mlen, nlen;
+        if (line(r, &m, &mlen) || line(r, &n, &nlen)) return DECLINE;
+        PyObject *module = PyUnicode_DecodeUTF8((const char *)m, mlen, "strict");
+        PyObject *name = module ? PyUnicode_DecodeUTF8((const char *)n, nlen, "strict") : NULL;
+        if (module == NULL || name == NULL) {
+            Py_XDECREF(module);
+            PyErr_Clear();
+            return DECLINE;
+        }
+        return global(r, module, name);
+    }
+    case 0x93: {  /* STACK_GLOBAL */
+        PyObject *name = pop(r);
+        if (name == NULL) return DECLINE;
+        PyObject *module = pop(r);
+        if (module == NULL || !PyUnicode_CheckExact(name) || !PyUnicode_CheckExact(module)) {
+            Py_DECREF(name);
+            Py_XDECREF(module);
+            return DECLINE;
+        }
+        return global(r, module, name);
+    }
+    case 0x52:  /* REDUCE */
+        return reduce(r);
+    case 0x51:  /* BINPERSID */
+        return persid(r);
+    case 0x73:  /* SETITEM */
+        return setitems(r, r->stack.len - 2);
+    case 0x75: {  /* SETITEMS */
+        Py_ssize_t mark = marker(r);
+        return mark < 0 ? DECLINE : setitems(r, mark);
+    }
+    case 0x61:  /* APPEND */
+        return appends(r, r->stack.len - 1);
+    case 0x65: {  /* APPENDS */
+        Py_ssize_t mark = marker(r);
+        return mark < 0 ? DECLINE : appends(r, mark);
+    }
+    case 0x62:  /* BUILD */
+        return build(r);
+    case 0x2E: {  /* STOP */
+        PyObject *value = pop(r);
+        if (value == NULL) return DECLINE;
+        *result = value;
+        return 2;
+    }
+    default:
+        return DECLINE;
+    }
+}
+
+static PyObject *item(PyObject *tuple, Py_ssize_t k) { return PyTuple_GET_ITEM(tuple, k); }
+
+PyDoc_STRVAR(load_doc,
+"load(data, find_class, persistent_load, rebuild, storages) -> object or NotImplemented\n\n"
+"Unpickle ``data`` as CPython's unpickler would with these callbacks; NotImplemented where it would\n"
+"take an opcode this run does not, or raise an error of its own. ``rebuild``: (rebuild_v2, TensorRef,\n"
+"its rebuild name, the plain dtypes' names, StorageRef, _ordered_dict, StateDict). ``storages``: None, or\n"
+"(storages, type_globals, members, prefix, source, base_offset, NOT_READ, headers is None, ByteRange,\n"
+"StorageTypeRef, Member): the archive's persistent_load state, shared with it.");
+
+static PyObject *load(PyObject *self, PyObject *args) {
+    PyObject *data, *find_class, *persistent_load, *rebuild, *storages;
+    if (!PyArg_ParseTuple(args, "O!OOO!O:load", &PyBytes_Type, &data, &find_class, &persistent_load, &PyTuple_Type,
+                          &rebuild, &storages))
+        return NULL;
+    if (PyTuple_GET_SIZE(rebuild) != 7 || (storages != Py_None && (!PyTuple_Check(storages) ||
+                                                                   PyTuple_GET_SIZE(storages) != 11))) {
+        PyErr_SetString(PyExc_ValueError, "load: malformed rebuild or storages tuple");
+        return NULL;
+    }
+    Run r;
+    memset(&r, 0, sizeof r);
+    r.data = (const unsigned char *)PyBytes_AS_STRING(data);
+    r.end = PyBytes_GET_SIZE(data);
+    r.find_class = find_class;
+    r.persistent_load = persistent_load;
+    r.rebuild_v2 = item(rebuild, 0);
+    r.tensor_type = item(rebuild, 1);
+    r.v2_name = item(rebuild, 2);
+    r.plain_dtypes = item(rebuild, 3);
+    r.storage_ref_type = item(rebuild, 4);
+    r.ordered_dict = item(rebuild, 5);
+    r.state_dict = item(rebuild, 6);
+    if (!PyAnySet_Check(r.plain_dtypes)) {
+        PyErr_SetString(PyExc_TypeError, "load: the plain dtypes must be a set");
+        return NULL;
+    }
+    if (storages != Py_None) {
+        r.storages = item(storages, 0);
+        r.type_globals = item(storages, 1);
+        r.members = item(storages, 2);
+        r.prefix = item(storages, 3);
+        r.source = item(storages, 4);
+        r.base_offset = item(storages, 5);
+        r.not_read = item(storages, 6);
+        r.headers_none = PyObject_IsTrue(item(storages, 7));
+        r.byte_range_type = item(storages, 8);
+        r.storage_type_ref = item(storages, 9);
+        r.member_type = item(storages, 10);
+        if (!PyDict_Check(r.storages) || !PyDict_Check(r.type_globals) || !PyDict_Check(r.members) ||
+            !PyUnicode_Check(r.prefix) || r.headers_none < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "load: malformed storages tuple");
+            return NULL;
+        }
+    }
+    PyObject *result = NULL;
+    int status;
+    while ((status = step(&r, &result)) == 0) {
+    }
+    clear_to(&r, 0);
+    PyMem_Free(r.stack.items);
+    PyMem_Free(r.marks);
+    for (Py_ssize_t k = 0; k < r.memo_cap; k++) Py_XDECREF(r.memo[k]);
+    PyMem_Free(r.memo);
+    if (status == 2) return result;
+    if (status == DECLINE) Py_RETURN_NOTIMPLEMENTED;
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "load: failed without an error");
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"load", load, METH_VARARGS, load_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef fastload_module = {
+    PyModuleDef_HEAD_INIT, "_fastload",
+    "The restricted unpickler's run over torch's usual opcodes, with its per-tensor callbacks, in C "
+    "(ckptool.pickles.unpickle).", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastload(void) {
+    if (S_STORAGE == NULL) {
+        S_STORAGE = PyUnicode_InternFromString("storage");
+        S_DTYPE = PyUnicode_InternFromString("dtype");
+        S_NUMEL = PyUnicode_InternFromString("numel");
+        S_ITEMSIZE = PyUnicode_InternFromString("itemsize");
+        S_NAME = PyUnicode_InternFromString("name");
+        S_MODULE = PyUnicode_InternFromString("module");
+        S_DICT = PyUnicode_InternFromString("__dict__");
+        S_SETSTATE = PyUnicode_InternFromString("__setstate__");
+        if (S_STORAGE == NULL || S_DTYPE == NULL || S_NUMEL == NULL || S_ITEMSIZE == NULL || S_NAME == NULL ||
+            S_MODULE == NULL || S_DICT == NULL || S_SETSTATE == NULL)
+            return NULL;
+    }
+    return PyModule_Create(&fastload_module);
+}

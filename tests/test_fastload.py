@@ -259,3 +259,22 @@ def test_a_big_endian_archive_keeps_the_python_loader(tmp_path: Path, monkeypatc
     assert paths
     for path in paths:
         assert both(path, monkeypatch)[0] == "read"
+
+
+def test_the_constructors_the_run_uses_build_what_the_classes_build(tmp_path: Path) -> None:
+    from ckptool import dtypes
+    from ckptool.refs import ByteRange, StorageRef, TensorRef
+
+    f32 = dtypes.BY_NAME["F32"]
+    byte_range = ByteRange(tmp_path, 64, 16, 7)
+    storage = StorageRef("0", f32, 4, "cuda:1", byte_range, "torch.FloatStorage")
+    cases = [(ByteRange, (tmp_path, 64, 16)), (ByteRange, (tmp_path, 64, 16, None)), (ByteRange, (tmp_path, 0, 0, 5)),
+             (StorageRef, ("0", f32, 4, "cpu")), (StorageRef, ("k", f32, 4, "cpu", byte_range, "torch.FloatStorage")),
+             (TensorRef, (storage, f32, (2, 2), (2, 1))),
+             (TensorRef, (storage, f32, (4,), (1,), 0, True, "torch._utils._rebuild_tensor_v2", (), None))]
+    for cls, args in cases:
+        made = unpickle._fastload.make(cls, *args)
+        assert type(made) is cls and canon(made) == canon(cls(*args)), (cls, args)
+    for cls, args in ((ByteRange, (tmp_path,)), (TensorRef, (storage,) * 14)):  # too few, too many: the class says
+        with pytest.raises(TypeError):
+            unpickle._fastload.make(cls, *args)

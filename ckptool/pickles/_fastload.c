@@ -23,6 +23,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -143,6 +144,108 @@ static int line(Run *r, const unsigned char **start, Py_ssize_t *len) {
     return 0;
 }
 
+/* ---------------------------------------------------------------------------- the constructors */
+
+/* A slotted dataclass built as its generated __init__ builds it: each field's slot set, in order, to the
+   argument given or the field's default. register() takes a class only when every field is a plain
+   object slot with at most a plain default and the class has no __post_init__ (ckptool.pickles.unpickle
+   checks that, and the tests compare what both build); any other class is called. */
+#define MAX_FIELDS 16
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t count, required;
+    Py_ssize_t offsets[MAX_FIELDS];
+    PyObject *defaults[MAX_FIELDS];  /* owned; NULL for a field without one */
+} Maker;
+
+static Maker MAKERS[4];
+static int MAKER_COUNT;
+
+static PyObject *make(PyObject *type, PyObject *const *args, Py_ssize_t n) {
+    for (int k = 0; k < MAKER_COUNT; k++) {
+        Maker *m = &MAKERS[k];
+        if ((PyObject *)m->type != type) continue;
+        if (n < m->required || n > m->count) break;
+        PyObject *obj = m->type->tp_alloc(m->type, 0);
+        if (obj == NULL) return NULL;
+        for (Py_ssize_t i = 0; i < m->count; i++) {
+            PyObject *value = i < n ? args[i] : m->defaults[i];
+            *(PyObject **)((char *)obj + m->offsets[i]) = Py_NewRef(value);
+        }
+        return obj;
+    }
+    return PyObject_Vectorcall(type, args, (size_t)n, NULL);
+}
+
+PyDoc_STRVAR(register_doc,
+"register(cls, names, defaults)\n\n"
+"Build ``cls`` (a slotted dataclass) by setting its slots ``names`` in order; ``defaults`` holds each\n"
+"field's default, the required ones first and given as the class itself.");
+
+static PyObject *register_maker(PyObject *self, PyObject *args) {
+    PyTypeObject *type;
+    PyObject *names, *defaults;
+    if (!PyArg_ParseTuple(args, "O!O!O!:register", &PyType_Type, &type, &PyTuple_Type, &names, &PyTuple_Type, &defaults))
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(names);
+    if (count > MAX_FIELDS || PyTuple_GET_SIZE(defaults) != count) {
+        PyErr_SetString(PyExc_ValueError, "register: too many fields, or defaults of another length");
+        return NULL;
+    }
+    Maker *m = NULL;
+    for (int k = 0; k < MAKER_COUNT; k++)
+        if (MAKERS[k].type == type) m = &MAKERS[k];
+    if (m == NULL) {
+        if (MAKER_COUNT == (int)(sizeof MAKERS / sizeof MAKERS[0])) {
+            PyErr_SetString(PyExc_ValueError, "register: no room for another class");
+            return NULL;
+        }
+        m = &MAKERS[MAKER_COUNT];
+    } else {
+        for (Py_ssize_t i = 0; i < m->count; i++) Py_CLEAR(m->defaults[i]);
+    }
+    Maker made;
+    memset(&made, 0, sizeof made);
+    made.type = type;
+    made.count = count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *descr = PyDict_GetItemWithError(type->tp_dict, PyTuple_GET_ITEM(names, i));
+        if (descr == NULL || Py_TYPE(descr) != &PyMemberDescr_Type ||
+            ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX ||
+            (((PyMemberDescrObject *)descr)->d_member->flags & READONLY)) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "register: %R is not a writable object slot",
+                                                PyTuple_GET_ITEM(names, i));
+            return NULL;
+        }
+        made.offsets[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        PyObject *value = PyTuple_GET_ITEM(defaults, i);
+        if (value == (PyObject *)type) {
+            if (made.required != i) {
+                PyErr_SetString(PyExc_ValueError, "register: a required field after a default");
+                return NULL;
+            }
+            made.required = i + 1;
+        } else {
+            made.defaults[i] = Py_NewRef(value);
+        }
+    }
+    Py_INCREF(type);
+    if (m == &MAKERS[MAKER_COUNT]) MAKER_COUNT++;
+    else Py_DECREF(m->type);
+    *m = made;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(make_doc, "make(cls, *args): ``cls(*args)``, by the registered slots where ``cls`` is registered.");
+
+static PyObject *make_py(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n < 1 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "make: a class first");
+        return NULL;
+    }
+    return make(args[0], args + 1, n - 1);
+}
+
 /* --------------------------------------------------------------------------------- fast paths */
 
 /* an int that fits 64 bits, or 0 with *ok = 0 (anything else: not the fast path) */
@@ -213,7 +316,7 @@ static PyObject *plain_tensor(Run *r, PyObject *args) {
     PyObject *empty = PyTuple_New(0);
     if (empty == NULL) goto fail;
     PyObject *call[9] = {storage, dtype, size, stride, offset, requires_grad, r->v2_name, empty, hooks};
-    PyObject *tensor = PyObject_Vectorcall(r->tensor_type, call, 9, NULL);
+    PyObject *tensor = make(r->tensor_type, call, 9);
     Py_DECREF(empty);
     Py_DECREF(dtype);
     return tensor;
@@ -285,7 +388,7 @@ static PyObject *plain_storage(Run *r, PyObject *pid) {
         PyObject *crc_value = (size != nbytes || !(crc || !nbytes)) ? Py_NewRef(Py_None) : Py_NewRef(crc_obj);
         if (at_obj != NULL && nbytes_obj != NULL) {
             PyObject *call[4] = {r->source, at_obj, nbytes_obj, crc_value};
-            range = PyObject_Vectorcall(r->byte_range_type, call, 4, NULL);
+            range = make(r->byte_range_type, call, 4);
         }
         Py_XDECREF(at_obj);
         Py_XDECREF(nbytes_obj);
@@ -294,7 +397,7 @@ static PyObject *plain_storage(Run *r, PyObject *pid) {
     }
     {
         PyObject *call[6] = {key, dtype, numel_obj, location, range, type_global};
-        storage = PyObject_Vectorcall(r->storage_ref_type, call, 6, NULL);
+        storage = make(r->storage_ref_type, call, 6);
     }
     if (storage != NULL && PyDict_SetItem(r->storages, key, storage) < 0) Py_CLEAR(storage);
 out:
@@ -671,6 +774,8 @@ static PyObject *load(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, load_doc},
+    {"register", register_maker, METH_VARARGS, register_doc},
+    {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,6 +7,10 @@ every field of every tensor, storage and byte range, the globals the resolver sa
 the error, its type and message. The inputs: every fixture, every file of torch's own serialization
 scenarios, the hostile and picklescan corpora, single-byte mutations of a torch state dict's pickle, and
 pickles built to make the run give up half way (what its callbacks recorded must be undone).
+
+Its emitter of a dict's entries (``emit_items``) is held to the Python emitter the same way: the same
+pickle bytes and the same storages, in the same order, for every checkpoint those inputs read and for
+a dict of every kind of entry it writes itself or hands back to ``save``.
 """
 
 from __future__ import annotations
@@ -278,3 +282,105 @@ def test_the_constructors_the_run_uses_build_what_the_classes_build(tmp_path: Pa
     for cls, args in ((ByteRange, (tmp_path,)), (TensorRef, (storage,) * 14)):  # too few, too many: the class says
         with pytest.raises(TypeError):
             unpickle._fastload.make(cls, *args)
+
+
+# ------------------------------------------------------------------------------------ the emitter
+
+
+def emitted(container: Any, emit_in_c: bool, monkeypatch: pytest.MonkeyPatch, renumber: bool) -> tuple:
+    """What ``dump`` writes for ``container``: the pickle, and the storages' keys and identities."""
+    with monkeypatch.context() as patch:
+        if not emit_in_c:
+            patch.setattr(pickles.emit, "_emit_items", None)
+        try:
+            blob, storages = pickles.dump(container, renumber_storages=renumber)
+        except CkptError as e:
+            return (type(e).__name__, str(e))
+    return blob, [(key, id(storage)) for key, storage in storages]
+
+
+@pytest.mark.skipif(pickles.emit._emit_items is None, reason="the C emitter is not built")
+def test_the_c_emitter_writes_what_the_python_emitter_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = list(files_under(ROOT / "fixtures"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family in (serialization_cases.dtypes, serialization_cases.views, serialization_cases.parameters,
+                       serialization_cases.conjneg, serialization_cases.containers, serialization_cases.storages):
+            directory = tmp_path / family.__name__
+            directory.mkdir()
+            paths += [path for path in family(directory) if path is not None]
+    paths.append(_state_dict_archive(tmp_path))
+    written = 0
+    for path in paths:
+        try:
+            checkpoint = ckptool.load(path)
+        except CkptError:
+            continue
+        for renumber in (False, True):
+            fast = emitted(checkpoint.container, True, monkeypatch, renumber)
+            assert fast == emitted(checkpoint.container, False, monkeypatch, renumber), path
+        written += 1
+    assert written >= 20
+
+
+@pytest.mark.skipif(pickles.emit._emit_items is None, reason="the C emitter is not built")
+def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # entries the C path writes and entries it hands to save(): the same bytes either way, in one dict
+    from collections import OrderedDict
+
+    from ckptool import dtypes
+    from ckptool.refs import ByteRange, StorageRef, TensorRef
+
+    f32 = dtypes.BY_NAME["F32"]
+    storage = StorageRef("s", f32, 1 << 40, "cuda:1", ByteRange(tmp_path, 0, 4 << 40), "torch.FloatStorage")
+    untyped = StorageRef("u", dtypes.BY_NAME["U8"], 8, "cpu", ByteRange(tmp_path, 0, 8), "")
+    long_key = StorageRef("k" * 80, f32, 4, "cpu", ByteRange(tmp_path, 0, 16), "torch.FloatStorage")
+    def t(*dims: int) -> tuple[int, ...]:  # a tuple of its own (a shared one is memoised: save() writes it)
+        return tuple(list(dims))
+
+    def tensor(source: StorageRef, shape: tuple, stride: tuple, *rest: Any) -> TensorRef:
+        return TensorRef(source, source.dtype, shape, stride, *rest)
+
+    shape = t(2, 2)
+    plain = tensor(storage, shape, t(2, 1))
+    v2 = "torch._utils._rebuild_tensor_v2"
+    entries = {
+        "first": tensor(storage, t(4), t(1)),  # the globals' first use: save() memoises them
+        "plain": plain, "same": plain, "shares shape": tensor(storage, shape, t(2, 1), 4),
+        "grad": tensor(storage, t(3), t(1), 0, True),
+        "hooks none": tensor(storage, t(3), t(1), 0, True, v2, (), None),
+        "hooks odict": tensor(storage, t(3), t(1), 0, False, v2, (), OrderedDict()),
+        "hooks set": tensor(storage, t(3), t(1), 0, False, v2, (), OrderedDict(a=1)),
+        "shared stride": tensor(storage, t(5), (1,)), "shared stride again": tensor(storage, t(6), (1,)),
+        "offsets": tensor(storage, t(1), t(1), 300), "offset 2": tensor(storage, t(1), t(1), 70000),
+        "big offset": tensor(storage, t(1), t(1), (1 << 40) - 1),
+        "negative": tensor(storage, t(1), t(1), -(1 << 35)), "negative small": tensor(storage, t(1), t(1), -1),
+        "negative edge": tensor(storage, t(1), t(1), -(1 << 31) - 1), "edge": tensor(storage, t(1), t(1), 1 << 31),
+        "i64": tensor(storage, t(1), t(1), (1 << 63) - 1), "i64 low": tensor(storage, t(1), t(1), -(1 << 63)),
+        "huge": tensor(storage, t(1), t(1), 1 << 70), "big dims": tensor(storage, t(70000, 300), t(300, 1)),
+        "four dims": tensor(storage, t(1, 1, 1, 1), t(1, 1, 1, 1)),
+        "no dims": tensor(storage, (), ()),
+        "same tuple": tensor(storage, t(1), t(9)),
+        "untyped": tensor(untyped, t(8), t(1)),
+        "long storage key": tensor(long_key, t(4), t(1)),
+        "v3": tensor(storage, t(4), t(1), 0, False, "torch._utils._rebuild_tensor_v3"),
+        "extra": tensor(storage, t(4), t(1), 0, False, v2, ({"m": 1},)),
+        "k" * 70: 3, 5: "int key", "none": None, "list": [1.5, plain], "key again": "first",
+        "ü\ud800": tensor(storage, t(2), t(1)),
+    }
+    entries["same tuple"].stride = entries["same tuple"].shape  # one tuple as shape and stride
+    for container in (entries, OrderedDict(entries), {"model": entries, "epoch": 2}):
+        for renumber in (False, True):
+            fast = emitted(container, True, monkeypatch, renumber)
+            assert fast == emitted(container, False, monkeypatch, renumber)
+            assert isinstance(fast[0], bytes)
+    # and it was the C path that wrote them: the Python one is asked for only what it hands over
+    asked: list[str] = []
+    original = pickles.emit._Emitter._plain_tensor
+
+    def counting(self: Any, value: TensorRef) -> bool:
+        asked.append(next(k for k, v in entries.items() if v is value))
+        return original(self, value)
+    monkeypatch.setattr(pickles.emit._Emitter, "_plain_tensor", counting)
+    pickles.dump(entries)
+    assert "grad" not in asked and "plain" not in asked and "offsets" not in asked and "first" in asked, asked

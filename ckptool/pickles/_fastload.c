@@ -51,7 +51,7 @@ typedef struct {
     int headers_none;
 } Run;
 
-static PyObject *S_STORAGE, *S_DTYPE, *S_NUMEL, *S_ITEMSIZE, *S_NAME, *S_MODULE, *S_DICT, *S_SETSTATE;
+static PyObject *S_STORAGE, *S_DTYPE, *S_NUMEL, *S_ITEMSIZE, *S_NAME, *S_MODULE, *S_DICT, *S_SETSTATE, *S_WRITE, *S_SAVE;
 
 /* ------------------------------------------------------------------------------------ the stack */
 
@@ -704,6 +704,501 @@ static int step(Run *r, PyObject **result) {
 
 static PyObject *item(PyObject *tuple, Py_ssize_t k) { return PyTuple_GET_ITEM(tuple, k); }
 
+/* ================================================================================= the emitter */
+
+/* ckptool/pickles/emit.py's _Emitter writing a batch of a dict's items: each str key and each plain
+   tensor as its save() and _plain_tensor() write them, byte for byte, with the same memo entries; any
+   other key or value through emitter.save(). */
+
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+} Buffer;
+
+static int put_bytes(Buffer *b, const void *p, Py_ssize_t n) {
+    if (b->len + n > b->cap) {
+        Py_ssize_t cap = b->cap ? b->cap : 1 << 16;
+        while (cap < b->len + n) cap *= 2;
+        char *data = PyMem_Realloc(b->data, (size_t)cap);
+        if (data == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->data = data;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, p, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+static int put_op_index(Buffer *b, unsigned char short_op, unsigned char long_op, Py_ssize_t index) {
+    unsigned char raw[5];
+    if (index < 256) {
+        raw[0] = short_op;
+        raw[1] = (unsigned char)index;
+        return put_bytes(b, raw, 2);
+    }
+    raw[0] = long_op;
+    raw[1] = (unsigned char)index;
+    raw[2] = (unsigned char)(index >> 8);
+    raw[3] = (unsigned char)(index >> 16);
+    raw[4] = (unsigned char)(index >> 24);
+    return put_bytes(b, raw, 5);
+}
+
+#define PUT_INDEX(b, i) put_op_index((b), 0x71, 0x72, (i))  /* BINPUT LONG_BINPUT */
+#define GET_INDEX(b, i) put_op_index((b), 0x68, 0x6A, (i))  /* BINGET LONG_BINGET */
+
+/* emit.py's _int_bytes for an int of 64 bits; 1 (nothing written) for a larger one */
+static int put_int(Buffer *b, PyObject *value) {
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow) return 1;
+    if (x == -1 && PyErr_Occurred()) return -1;
+    unsigned char raw[10];
+    if (x >= 0 && x < 256) {
+        raw[0] = 0x4B;  /* BININT1 */
+        raw[1] = (unsigned char)x;
+        return put_bytes(b, raw, 2);
+    }
+    if (x >= 0 && x < 65536) {
+        raw[0] = 0x4D;  /* BININT2 */
+        raw[1] = (unsigned char)x;
+        raw[2] = (unsigned char)(x >> 8);
+        return put_bytes(b, raw, 3);
+    }
+    if (x >= -2147483648LL && x < 2147483648LL) {
+        uint32_t u = (uint32_t)(int32_t)x;
+        raw[0] = 0x4A;  /* BININT */
+        for (int k = 0; k < 4; k++) raw[1 + k] = (unsigned char)(u >> (8 * k));
+        return put_bytes(b, raw, 5);
+    }
+    /* LONG1 with pickle.encode_long's bytes: (bit_length >> 3) + 1 of two's complement, one fewer for a
+       negative number whose last byte is only sign */
+    uint64_t u = (uint64_t)x;
+    int bits = 0;
+    for (uint64_t m = x < 0 ? (uint64_t)(-(x + 1)) + 1 : u; m; m >>= 1) bits++;
+    int n = (bits >> 3) + 1;
+    if (n > 8) n = 8;
+    unsigned char enc[8];
+    for (int k = 0; k < n; k++) enc[k] = (unsigned char)(u >> (8 * k));
+    if (x < 0 && n > 1 && enc[n - 1] == 0xFF && (enc[n - 2] & 0x80)) n--;
+    raw[0] = 0x8A;  /* LONG1 */
+    raw[1] = (unsigned char)n;
+    memcpy(raw + 2, enc, (size_t)n);
+    return put_bytes(b, raw, 2 + n);
+}
+
+static int put_text(Buffer *b, PyObject *text, Py_ssize_t *length) {  /* BINUNICODE, encoded "surrogatepass" */
+    Py_ssize_t n;
+    PyObject *data = NULL;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(text, &n);  /* the usual text: no surrogate */
+    if (utf8 == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) return -1;
+        PyErr_Clear();
+        data = PyUnicode_AsEncodedString(text, "utf-8", "surrogatepass");
+        if (data == NULL) return -1;
+        utf8 = PyBytes_AS_STRING(data);
+        n = PyBytes_GET_SIZE(data);
+    }
+    unsigned char head[5] = {0x58, (unsigned char)n, (unsigned char)(n >> 8), (unsigned char)(n >> 16),
+                             (unsigned char)(n >> 24)};
+    int status = (uint64_t)n > 0xFFFFFFFFu ? 1 : put_bytes(b, head, 5) || put_bytes(b, utf8, n);
+    Py_XDECREF(data);
+    *length = n;
+    return status;
+}
+
+typedef struct {
+    PyObject *emitter, *memo, *global_memo, *keep, *storages, *dims_bytes, *global_keys;
+    int renumber;
+    /* constants: (TensorRef, StorageRef, OrderedDict, StateDict, rebuild v2 name, its memo key, OrderedDict's) */
+    PyObject *tensor_type, *storage_type, *odict_type, *state_dict_type, *v2_name, *v2_key, *odict_key;
+    Buffer out;
+} Emit;
+
+static int flush(Emit *e) {
+    if (e->out.len == 0) return 0;
+    PyObject *chunk = PyBytes_FromStringAndSize(e->out.data, e->out.len);
+    if (chunk == NULL) return -1;
+    PyObject *result = PyObject_CallMethodOneArg(e->emitter, S_WRITE, chunk);
+    Py_DECREF(chunk);
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+    e->out.len = 0;
+    return 0;
+}
+
+static int python_save(Emit *e, PyObject *obj) {
+    if (flush(e) < 0) return -1;
+    PyObject *result = PyObject_CallMethodOneArg(e->emitter, S_SAVE, obj);
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* memo[id(obj)] = index; keep.append(obj) */
+static int memoise(Emit *e, PyObject *obj, Py_ssize_t index) {
+    PyObject *key = PyLong_FromVoidPtr(obj), *value = PyLong_FromSsize_t(index);
+    int status = (key == NULL || value == NULL) ? -1 : PyDict_SetItem(e->memo, key, value);
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    if (status < 0) return -1;
+    return PyList_Append(e->keep, obj);
+}
+
+/* memo.get(id(obj)): the index, -1 if none, -2 on error */
+static Py_ssize_t memo_index(Emit *e, PyObject *obj) {
+    PyObject *key = PyLong_FromVoidPtr(obj);
+    if (key == NULL) return -2;
+    PyObject *found = PyDict_GetItemWithError(e->memo, key);
+    Py_DECREF(key);
+    if (found == NULL) return PyErr_Occurred() ? -2 : -1;
+    return PyLong_AsSsize_t(found);
+}
+
+static Py_ssize_t global_index(Emit *e, PyObject *key) {  /* global_memo.get(key): -1 none, -2 error */
+    PyObject *found = PyDict_GetItemWithError(e->global_memo, key);
+    if (found == NULL) return PyErr_Occurred() ? -2 : -1;
+    return PyLong_AsSsize_t(found);
+}
+
+static Py_ssize_t next_index(Emit *e) { return PyDict_GET_SIZE(e->memo) + PyDict_GET_SIZE(e->global_memo); }
+
+/* a str key as save() writes it: 0, or -1 */
+static int emit_key(Emit *e, PyObject *key) {
+    Py_ssize_t at = memo_index(e, key);
+    if (at == -2) return -1;
+    if (at >= 0) return GET_INDEX(&e->out, at);
+    Py_ssize_t length;
+    int status = put_text(&e->out, key, &length);
+    if (status) return status < 0 ? -1 : python_save(e, key);
+    if (length >= 64) {  /* _SHARED_TEXT: memoised */
+        Py_ssize_t index = next_index(e);
+        if (memoise(e, key, index) < 0) return -1;
+        return PUT_INDEX(&e->out, index);
+    }
+    return 0;
+}
+
+/* getattr(obj, name) by a name interned once (names are string literals: known by their address) */
+static struct { const char *name; PyObject *interned; } ATTR_NAMES[32];
+
+static PyObject *attr(PyObject *obj, const char *name) {
+    size_t k = 0;
+    for (; k < sizeof ATTR_NAMES / sizeof ATTR_NAMES[0] && ATTR_NAMES[k].name != NULL; k++)
+        if (ATTR_NAMES[k].name == name) return PyObject_GetAttr(obj, ATTR_NAMES[k].interned);
+    if (k == sizeof ATTR_NAMES / sizeof ATTR_NAMES[0]) return PyObject_GetAttrString(obj, name);
+    PyObject *interned = PyUnicode_InternFromString(name);
+    if (interned == NULL) return NULL;
+    ATTR_NAMES[k].interned = interned;
+    ATTR_NAMES[k].name = name;
+    return PyObject_GetAttr(obj, interned);
+}
+
+/* _Emitter._storage_key */
+static PyObject *storage_key(Emit *e, PyObject *storage) {
+    PyObject *id = PyLong_FromVoidPtr(storage);
+    if (id == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(e->storages, id);
+    if (entry != NULL) {
+        Py_DECREF(id);
+        return Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(id);
+        return NULL;
+    }
+    PyObject *key = e->renumber ? PyUnicode_FromFormat("%zd", PyDict_GET_SIZE(e->storages)) : attr(storage, "key");
+    PyObject *pair = key ? PyTuple_Pack(2, key, storage) : NULL;
+    int status = pair ? PyDict_SetItem(e->storages, id, pair) : -1;
+    Py_DECREF(id);
+    Py_XDECREF(pair);
+    if (status < 0) {
+        Py_XDECREF(key);
+        return NULL;
+    }
+    return key;
+}
+
+/* _Emitter._plain_tensor: 0 written, 1 not this form (nothing written, as its False), -1 error */
+static int emit_plain_tensor(Emit *e, PyObject *tensor) {
+    int status = 1;
+    PyObject *storage = attr(tensor, "storage"), *hooks = attr(tensor, "backward_hooks");
+    PyObject *shape = attr(tensor, "shape"), *stride = attr(tensor, "stride"), *offset = attr(tensor, "offset");
+    PyObject *requires_grad = attr(tensor, "requires_grad");
+    PyObject *numel = NULL, *location = NULL, *type_global = NULL, *type_key = NULL, *skey = NULL, *args = NULL;
+    PyObject *fresh_hooks = NULL;
+    Buffer *b = &e->out;
+    Py_ssize_t mark = b->len;
+    if (!storage || !hooks || !shape || !stride || !offset || !requires_grad) goto error;
+    if (hooks == Py_None) {
+        fresh_hooks = PyObject_CallNoArgs(e->odict_type);
+        if (fresh_hooks == NULL) goto error;
+        Py_SETREF(hooks, Py_NewRef(fresh_hooks));
+    } else {
+        if ((PyObject *)Py_TYPE(hooks) != e->odict_type && (PyObject *)Py_TYPE(hooks) != e->state_dict_type) goto done;
+        Py_ssize_t size = PyObject_Length(hooks);
+        if (size != 0) goto check_error;
+        PyObject *state = PyObject_GetAttrString(hooks, "__dict__");  /* getattr(hooks, "__dict__", None) */
+        if (state == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
+            PyErr_Clear();
+        } else {
+            int truth = PyObject_IsTrue(state);
+            Py_DECREF(state);
+            if (truth < 0) goto error;
+            if (truth) goto done;
+        }
+        Py_ssize_t at = memo_index(e, hooks);
+        if (at != -1) goto check_error;
+    }
+    if ((PyObject *)Py_TYPE(storage) != e->storage_type || !PyLong_CheckExact(offset) || !PyTuple_CheckExact(shape) ||
+        !PyTuple_CheckExact(stride) || PyTuple_GET_SIZE(shape) > 3 || PyTuple_GET_SIZE(stride) > 3 ||
+        (requires_grad != Py_True && requires_grad != Py_False))
+        goto done;
+    {
+        Py_ssize_t at = memo_index(e, storage);
+        if (at != -1) goto check_error;
+        if (PyTuple_GET_SIZE(shape)) {
+            if (shape == stride) goto done;
+            if ((at = memo_index(e, shape)) != -1) goto check_error;
+        }
+        if (PyTuple_GET_SIZE(stride) && (at = memo_index(e, stride)) != -1) goto check_error;
+    }
+    numel = attr(storage, "numel");
+    location = attr(storage, "location");
+    if (numel == NULL || location == NULL) goto error;
+    if (!PyLong_CheckExact(numel) || !PyUnicode_CheckExact(location)) goto done;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(shape, k))) goto done;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(stride); k++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(stride, k))) goto done;
+    Py_ssize_t rebuild_at = global_index(e, e->v2_key), dict_at = global_index(e, e->odict_key);
+    if (rebuild_at == -2 || dict_at == -2) goto error;
+    type_global = attr(storage, "type_global");
+    if (type_global == NULL) goto error;
+    int truth = PyObject_IsTrue(type_global);
+    if (truth < 0) goto error;
+    if (!truth) {  /* f"torch.{storage.dtype.storage_class or 'UntypedStorage'}" */
+        PyObject *dtype = attr(storage, "dtype"), *klass = dtype ? attr(dtype, "storage_class") : NULL;
+        Py_XDECREF(dtype);
+        if (klass == NULL) goto error;
+        int has = PyObject_IsTrue(klass);
+        Py_SETREF(type_global, has > 0 ? PyUnicode_FromFormat("torch.%S", klass)
+                                       : has == 0 ? PyUnicode_FromString("torch.UntypedStorage") : NULL);
+        Py_DECREF(klass);
+        if (type_global == NULL) goto error;
+    }
+    if (!PyUnicode_Check(type_global)) goto done;
+    type_key = PyDict_GetItemWithError(e->global_keys, type_global);
+    if (type_key != NULL) {
+        Py_INCREF(type_key);
+    } else {
+        if (PyErr_Occurred()) goto error;
+        Py_ssize_t dot = PyUnicode_FindChar(type_global, '.', 0, PyUnicode_GET_LENGTH(type_global), -1);
+        if (dot == -2) goto error;
+        if (dot < 0) goto done;  /* rsplit(".", 1) would fail: the Python path says why */
+        PyObject *module = PyUnicode_Substring(type_global, 0, dot);
+        PyObject *name = module ? PyUnicode_Substring(type_global, dot + 1, PyUnicode_GET_LENGTH(type_global)) : NULL;
+        type_key = name ? PyUnicode_FromFormat("%U\n%U", module, name) : NULL;
+        Py_XDECREF(module);
+        Py_XDECREF(name);
+        if (type_key == NULL || PyDict_SetItem(e->global_keys, type_global, type_key) < 0) goto error;
+    }
+    Py_ssize_t type_at = global_index(e, type_key);
+    if (type_at == -2) goto error;
+    if (rebuild_at < 0 || dict_at < 0 || type_at < 0) goto done;  /* a global's first use */
+    if (GET_INDEX(b, rebuild_at) || put_bytes(b, "((X\x07\x00\x00\x00storage", 14) || GET_INDEX(b, type_at))
+        goto error;
+    skey = storage_key(e, storage);
+    if (skey == NULL) goto error;
+    PyObject *texts[2] = {skey, location};
+    for (int k = 0; k < 2; k++) {
+        if (!PyUnicode_CheckExact(texts[k])) goto undo;
+        Py_ssize_t length;
+        int written = put_text(b, texts[k], &length);
+        if (written < 0) goto error;
+        if (written > 0 || length >= 64) goto undo;  /* the general path memoises such a string */
+    }
+    {
+        int written = put_int(b, numel);
+        if (written) goto written_error;
+        if (put_bytes(b, "tQ", 2)) goto error;
+        if ((written = put_int(b, offset))) goto written_error;
+    }
+    Py_ssize_t index = next_index(e);
+    PyObject *dims_list[2] = {shape, stride};
+    for (int k = 0; k < 2; k++) {
+        PyObject *dims = dims_list[k];
+        if (PyTuple_GET_SIZE(dims) == 0) {
+            if (put_bytes(b, ")", 1)) goto error;
+            continue;
+        }
+        PyObject *cached = PyDict_GetItemWithError(e->dims_bytes, dims);
+        if (cached == NULL) {
+            if (PyErr_Occurred()) goto error;
+            Buffer t = {NULL, 0, 0};
+            int failed = 0;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(dims) && !failed; j++) failed = put_int(&t, PyTuple_GET_ITEM(dims, j));
+            unsigned char tuple_op = (unsigned char)(0x84 + PyTuple_GET_SIZE(dims));  /* TUPLE1..3 */
+            if (!failed) failed = put_bytes(&t, &tuple_op, 1);
+            PyObject *made = failed ? NULL : PyBytes_FromStringAndSize(t.data, t.len);
+            PyMem_Free(t.data);
+            if (failed > 0) goto undo;
+            if (made == NULL || PyDict_SetItem(e->dims_bytes, dims, made) < 0) {
+                Py_XDECREF(made);
+                goto error;
+            }
+            Py_DECREF(made);
+            cached = PyDict_GetItemWithError(e->dims_bytes, dims);
+            if (cached == NULL) goto error;
+        }
+        if (put_bytes(b, PyBytes_AS_STRING(cached), PyBytes_GET_SIZE(cached)) || PUT_INDEX(b, index) ||
+            memoise(e, dims, index) < 0)
+            goto error;
+        index++;
+    }
+    if (put_bytes(b, requires_grad == Py_True ? "\x88" : "\x89", 1) || GET_INDEX(b, dict_at) || put_bytes(b, ")R", 2) ||
+        PUT_INDEX(b, index) || memoise(e, hooks, index) < 0)
+        goto error;
+    args = PyTuple_Pack(6, storage, offset, shape, stride, requires_grad, hooks);  /* kept: its id its own */
+    if (args == NULL || put_bytes(b, "t", 1) || PUT_INDEX(b, index + 1) || memoise(e, args, index + 1) < 0 ||
+        put_bytes(b, "R", 1) || PUT_INDEX(b, index + 2) || memoise(e, tensor, index + 2) < 0)
+        goto error;
+    status = 0;
+    goto done;
+written_error:
+    if (PyErr_Occurred()) goto error;
+undo:  /* nothing of it written (the storage's key stays numbered, as the Python path numbers it too) */
+    b->len = mark;
+    status = 1;
+    goto done;
+check_error:
+    if (PyErr_Occurred()) goto error;
+    goto done;
+error:
+    b->len = mark;
+    status = -1;
+done:
+    Py_XDECREF(storage);
+    Py_XDECREF(hooks);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(offset);
+    Py_XDECREF(requires_grad);
+    Py_XDECREF(numel);
+    Py_XDECREF(location);
+    Py_XDECREF(type_global);
+    Py_XDECREF(type_key);
+    Py_XDECREF(skey);
+    Py_XDECREF(args);
+    Py_XDECREF(fresh_hooks);
+    return status;
+}
+
+/* a value as save() writes it, for a plain tensor here */
+static int emit_value(Emit *e, PyObject *value) {
+    if ((PyObject *)Py_TYPE(value) != e->tensor_type) return python_save(e, value);
+    Py_ssize_t at = memo_index(e, value);
+    if (at == -2) return -1;
+    if (at >= 0) return GET_INDEX(&e->out, at);
+    PyObject *subclass = attr(value, "subclass"), *parameter = attr(value, "parameter");
+    PyObject *rebuild = attr(value, "rebuild"), *extra = attr(value, "extra");
+    int plain = -1;
+    if (subclass && parameter && rebuild && extra) {
+        int same = PyUnicode_Check(rebuild) ? PyUnicode_Compare(rebuild, e->v2_name) : -1;
+        int has_extra = PyObject_IsTrue(extra);
+        plain = (PyErr_Occurred() || has_extra < 0) ? -1
+              : subclass == Py_None && parameter == Py_None && same == 0 && !has_extra;
+    }
+    Py_XDECREF(subclass);
+    Py_XDECREF(parameter);
+    Py_XDECREF(rebuild);
+    Py_XDECREF(extra);
+    if (plain < 0) {
+        if (!PyErr_Occurred()) return python_save(e, value);
+        return -1;
+    }
+    if (plain) {
+        int status = emit_plain_tensor(e, value);
+        if (status <= 0) return status;
+    }
+    return python_save(e, value);
+}
+
+PyDoc_STRVAR(emit_items_doc,
+"emit_items(emitter, items, constants)\n\n"
+"Write ``items`` (a list of (key, value) pairs) as ``emitter.save(key); emitter.save(value)`` would, each\n"
+"str key and plain tensor here. ``constants``: (TensorRef, StorageRef, OrderedDict, StateDict, the v2\n"
+"rebuild's name, its global_memo key, OrderedDict's).");
+
+static PyObject *emit_items(PyObject *self, PyObject *args) {
+    PyObject *emitter, *items, *constants;
+    if (!PyArg_ParseTuple(args, "OO!O!:emit_items", &emitter, &PyList_Type, &items, &PyTuple_Type, &constants))
+        return NULL;
+    if (PyTuple_GET_SIZE(constants) != 7) {
+        PyErr_SetString(PyExc_ValueError, "emit_items: constants is 7 items");
+        return NULL;
+    }
+    Emit e;
+    memset(&e, 0, sizeof e);
+    e.emitter = emitter;
+    e.tensor_type = item(constants, 0);
+    e.storage_type = item(constants, 1);
+    e.odict_type = item(constants, 2);
+    e.state_dict_type = item(constants, 3);
+    e.v2_name = item(constants, 4);
+    e.v2_key = item(constants, 5);
+    e.odict_key = item(constants, 6);
+    PyObject *renumber = NULL;
+    e.memo = attr(emitter, "memo");
+    e.global_memo = attr(emitter, "global_memo");
+    e.keep = attr(emitter, "keep");
+    e.storages = attr(emitter, "storages");
+    e.dims_bytes = attr(emitter, "_dims_bytes");
+    e.global_keys = attr(emitter, "_global_keys");
+    renumber = attr(emitter, "renumber");
+    PyObject *result = NULL;
+    if (!e.memo || !e.global_memo || !e.keep || !e.storages || !e.dims_bytes || !e.global_keys || !renumber)
+        goto out;
+    if (!PyDict_CheckExact(e.memo) || !PyDict_CheckExact(e.global_memo) || !PyList_CheckExact(e.keep) ||
+        !PyDict_CheckExact(e.storages) || !PyDict_CheckExact(e.dims_bytes) || !PyDict_CheckExact(e.global_keys)) {
+        PyErr_SetString(PyExc_TypeError, "emit_items: the emitter's tables are not dicts and a list");
+        goto out;
+    }
+    if ((e.renumber = PyObject_IsTrue(renumber)) < 0) goto out;
+    Py_ssize_t count = PyList_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        Py_INCREF(pair);
+        int status;
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "emit_items: an item is not a pair");
+            status = -1;
+        } else {
+            PyObject *key = PyTuple_GET_ITEM(pair, 0), *value = PyTuple_GET_ITEM(pair, 1);
+            status = PyUnicode_CheckExact(key) ? emit_key(&e, key) : python_save(&e, key);
+            if (status == 0) status = emit_value(&e, value);
+        }
+        Py_DECREF(pair);
+        if (status < 0) goto out;
+    }
+    if (flush(&e) < 0) goto out;
+    result = Py_NewRef(Py_None);
+out:
+    PyMem_Free(e.out.data);
+    Py_XDECREF(e.memo);
+    Py_XDECREF(e.global_memo);
+    Py_XDECREF(e.keep);
+    Py_XDECREF(e.storages);
+    Py_XDECREF(e.dims_bytes);
+    Py_XDECREF(e.global_keys);
+    Py_XDECREF(renumber);
+    return result;
+}
+
 PyDoc_STRVAR(load_doc,
 "load(data, find_class, persistent_load, rebuild, storages) -> object or NotImplemented\n\n"
 "Unpickle ``data`` as CPython's unpickler would with these callbacks; NotImplemented where it would\n"
@@ -775,6 +1270,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, load_doc},
     {"register", register_maker, METH_VARARGS, register_doc},
+    {"emit_items", emit_items, METH_VARARGS, emit_items_doc},
     {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -795,8 +1291,10 @@ PyMODINIT_FUNC PyInit__fastload(void) {
         S_MODULE = PyUnicode_InternFromString("module");
         S_DICT = PyUnicode_InternFromString("__dict__");
         S_SETSTATE = PyUnicode_InternFromString("__setstate__");
+        S_WRITE = PyUnicode_InternFromString("write");
+        S_SAVE = PyUnicode_InternFromString("save");
         if (S_STORAGE == NULL || S_DTYPE == NULL || S_NUMEL == NULL || S_ITEMSIZE == NULL || S_NAME == NULL ||
-            S_MODULE == NULL || S_DICT == NULL || S_SETSTATE == NULL)
+            S_MODULE == NULL || S_DICT == NULL || S_SETSTATE == NULL || S_WRITE == NULL || S_SAVE == NULL)
             return NULL;
     }
     return PyModule_Create(&fastload_module);

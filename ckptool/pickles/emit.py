@@ -15,6 +15,7 @@ read did not resolve.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 from collections import Counter, OrderedDict
@@ -143,14 +144,14 @@ class _Emitter:
         elif type(obj) is dict:
             self.write(_P.EMPTY_DICT)
             self._put(obj)
-            self._setitems(list(dict.items(obj)))
+            self._setitems(list(dict.items(obj)), pairs=True)
         elif isinstance(obj, Counter):
             self._reduce_call("collections.Counter", (dict(obj),), obj)
         elif isinstance(obj, OrderedDict):
             self.global_("collections.OrderedDict")
             self.write(_P.EMPTY_TUPLE + _P.REDUCE)
             self._put(obj)
-            self._setitems(list(dict.items(obj)))
+            self._setitems(list(dict.items(obj)), pairs=True)
             state = getattr(obj, "__dict__", None)
             if state:
                 self.save(dict(state))
@@ -241,7 +242,10 @@ class _Emitter:
                 self.save(item)
             self.write(_P.APPENDS)
 
-    def _setitems(self, items: list) -> None:
+    def _setitems(self, items: list, pairs: bool = False) -> None:
+        """SETITEM(S) in batches of 1000, as pickle writes them. ``pairs``: ``items`` is a list of
+        (key, value) tuples (a dict's), which the C emitter writes where it was built."""
+        emit_items = _emit_items if pairs else None
         for start in range(0, len(items), 1000):
             batch = items[start : start + 1000]
             if len(batch) == 1:
@@ -250,9 +254,12 @@ class _Emitter:
                 self.write(_P.SETITEM)
                 continue
             self.write(_P.MARK)
-            for key, value in batch:
-                self.save(key)
-                self.save(value)
+            if emit_items is not None:
+                emit_items(self, batch, _EMIT_CONSTANTS)
+            else:
+                for key, value in batch:
+                    self.save(key)
+                    self.save(value)
             self.write(_P.SETITEMS)
 
     def _reduce_call(self, full_name: str, args: tuple, obj: Any) -> None:
@@ -407,6 +414,16 @@ _REBUILD_V2_KEY = "torch._utils\n_rebuild_tensor_v2"
 _ORDERED_DICT_KEY = "collections\nOrderedDict"
 _TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
 
+
+# the C emitter of a dict's str keys and plain tensors (ckptool/pickles/_fastload.c), where it was built:
+# byte for byte what save() writes (tests/test_fastload.py); CKPTOOL_PURE_PYTHON_EMIT=1 writes in Python
+try:
+    from ._fastload import emit_items as _emit_items
+except ImportError:  # not compiled (no C compiler at install)
+    _emit_items = None
+if os.environ.get("CKPTOOL_PURE_PYTHON_EMIT", "") not in ("", "0"):
+    _emit_items = None
+_EMIT_CONSTANTS = (TensorRef, StorageRef, OrderedDict, StateDict, _REBUILD_V2, _REBUILD_V2_KEY, _ORDERED_DICT_KEY)
 
 _OP_INDEX = struct.Struct("<BI").pack
 _SMALL_INTS = [_P.BININT1 + bytes([value]) for value in range(256)]

@@ -26,6 +26,7 @@ from .. import dtypes, inputs, progress
 from ..copying import DataOut
 from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
+from ..pickles.unpickle import new
 from ..refs import ByteRange, StorageRef, TensorRef, contiguous_stride, shared_storages
 from ..suggest import option
 from . import Contents, Format, Pickles, ReadOptions
@@ -177,8 +178,8 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
             )
         spans.append((begin, end, name))
         shape = tuple(shape)
-        storage = StorageRef(name, dtype, numel, "cpu", ByteRange(path, data_start + begin, nbytes))
-        tensors[name] = TensorRef(storage, dtype, shape, contiguous_stride(shape))
+        storage = new(StorageRef, name, dtype, numel, "cpu", new(ByteRange, path, data_start + begin, nbytes))
+        tensors[name] = new(TensorRef, storage, dtype, shape, contiguous_stride(shape))
     # the data section must be tiled exactly: no gaps, no overlaps, nothing trailing
     position = 0
     for begin, end, name in sorted(spans):

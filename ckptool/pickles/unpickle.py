@@ -54,6 +54,15 @@ def _register_constructors() -> None:
 
 if FAST:
     _register_constructors()
+
+
+def _call(cls: Any, *args: Any) -> Any:
+    return cls(*args)
+
+
+# ``new(cls, *args)`` is ``cls(*args)``; for TensorRef, StorageRef and ByteRange, built as the C run builds
+# them (their slots set: a format's reader that makes 100,000 of each saves 0.2 s)
+new = _fastload.make if FAST else _call
 # the opcodes the C run does not take (by the guard's counts): CPython's unpickler runs at once
 _FAST_TAKEN = frozenset(b"\x80}])(X\x8cqr\x94hjKMJ\x8aG\x88\x89Nt\x85\x86\x87c\x93RQsuaeb.")
 _FAST_NOT_TAKEN = tuple(code for code in range(256) if code not in _FAST_TAKEN)

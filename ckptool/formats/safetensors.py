@@ -15,6 +15,7 @@ The container a training checkpoint kept around its weights (epoch, configs, sch
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -389,15 +390,25 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
                   on_data: Callable[[int, int], None] | None = None) -> None:
     """Write one safetensors file holding each of ``tensors`` as stored (no aliasing: ties are
     planned by the caller) and ``metadata`` as given; one shard of a sharded checkpoint."""
-    # larger element types first keeps every tensor aligned to its element size (as safetensors does)
-    order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
+    # larger element types first keeps every tensor aligned to its element size (as safetensors does):
+    # by name within each element size (the names sorted once, then taken size by size)
+    by_itemsize: dict[int, list[str]] = {}
+    for name in sorted(tensors):
+        itemsize = tensors[name].dtype.itemsize
+        group = by_itemsize.get(itemsize)
+        if group is None:
+            group = by_itemsize[itemsize] = []
+        group.append(name)
+    order = [name for itemsize in sorted(by_itemsize, reverse=True) for name in by_itemsize[itemsize]]
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     position = 0
+    prod = math.prod
     for name in order:
         tensor = tensors[name]
-        header[name] = {"dtype": tensor.dtype.name, "shape": list(tensor.shape),
-                        "data_offsets": [position, position + tensor.nbytes]}
-        position += tensor.nbytes
+        shape = tensor.shape
+        end = position + prod(shape) * tensor.dtype.itemsize
+        header[name] = {"dtype": tensor.dtype.name, "shape": list(shape), "data_offsets": [position, end]}
+        position = end
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
@@ -414,18 +425,19 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
         # the file position stays at ``out_offset`` from one tensor to the next
         for name in order:
             tensor = tensors[name]
+            nbytes = tensor.nbytes
             span = tensor.contiguous_byte_range()
             if span is not None and span.length:
                 out.copy(span.path, span.offset, span.length, out_offset)
             elif (pieces := tensor.whole_pieces()) is not None:  # a DCP tensor sharded by rows: shard by shard
                 out.copy_pieces(pieces, out_offset)
             elif tensor.whole_derived() is not None:  # a cast: computed chunk by chunk as it is written
-                out.stream(tensor.iter_reused(), out_offset, tensor.nbytes)
-            elif tensor.nbytes:
+                out.stream(tensor.iter_reused(), out_offset, nbytes)
+            elif nbytes:
                 for chunk in tensor.iter_bytes():
                     handle.write(chunk)
-                out.written(out_offset, tensor.nbytes)
-            out_offset += tensor.nbytes
+                out.written(out_offset, nbytes)
+            out_offset += nbytes
         out.report()
     finally:
         out.release()

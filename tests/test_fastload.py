@@ -384,3 +384,45 @@ def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypat
     monkeypatch.setattr(pickles.emit._Emitter, "_plain_tensor", counting)
     pickles.dump(entries)
     assert "grad" not in asked and "plain" not in asked and "offsets" not in asked and "first" in asked, asked
+
+
+# ------------------------------------------------------------------------------- streams of a grammar
+
+GRAMMAR_OUTCOMES: dict[str, int] = {}
+
+
+def _grammar_outcome(data: bytes, fast: bool, allow: tuple[str, ...]) -> tuple:
+    previous = unpickle.FAST
+    unpickle.FAST = fast
+    resolver = pickles.GlobalResolver(allow)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result: tuple = ("read", canon(pickles.loads(data, resolver)))
+    except Exception as e:  # noqa: BLE001 — the two runs must fail alike, whatever the error
+        result = (type(e).__name__, str(e))
+    finally:
+        unpickle.FAST = previous
+    return result, dict(resolver.seen), list(resolver.refused)
+
+
+def test_opcode_streams_from_the_guards_grammar_read_alike() -> None:
+    # every opcode the guard reads, valid and malformed (tests/test_guard_native.py's grammar): what the guard
+    # passes, both runs read or refuse alike, with or without every global allowed
+    hypothesis = pytest.importorskip("hypothesis")
+    import test_guard_native as grammar
+
+    @hypothesis.settings(max_examples=3 * grammar.EXAMPLES, deadline=None, derandomize=grammar.EXAMPLES <= 300,
+                         database=None, suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(grammar.opcode_stream(), hypothesis.strategies.booleans())
+    def streams(data: bytes, allow_all: bool) -> None:
+        allow = ("*",) if allow_all else ()
+        with grammar.headroom():
+            fast = _grammar_outcome(data, True, allow)
+            slow = _grammar_outcome(data, False, allow)
+        assert fast == slow, data
+        GRAMMAR_OUTCOMES[fast[0][0]] = GRAMMAR_OUTCOMES.get(fast[0][0], 0) + 1
+
+    GRAMMAR_OUTCOMES.clear()
+    streams()
+    assert GRAMMAR_OUTCOMES.get("read", 0) >= 20 and len(GRAMMAR_OUTCOMES) >= 2, GRAMMAR_OUTCOMES

@@ -17,13 +17,13 @@ from typing import Any
 
 from ..errors import InputError
 from ..gcpause import paused
-from ..refs import DeviceRef, TensorRef, human_size
-from . import limits
-from .allowlist import GlobalResolver, RefusedGlobal
+from ..refs import DeviceRef, StorageRef, TensorRef, human_size
+from . import limits, rebuilds
+from .allowlist import TORCH_GLOBALS, GlobalResolver, RefusedGlobal
 from .guard_cache import GuardCache
 from .opcode_guard import Truncated, guard, guard_stats
 from .limits import refuse
-from .placeholders import OpaqueObject
+from .placeholders import OpaqueObject, StateDict
 
 
 # the C run of the unpickler over torch's usual opcodes (ckptool/pickles/_fastload.c), where it was built:
@@ -41,7 +41,7 @@ def _register_constructors() -> None:
     (a ``__post_init__``, a default factory) is called instead."""
     import dataclasses
 
-    from ..refs import ByteRange, StorageRef
+    from ..refs import ByteRange
 
     for cls in (TensorRef, StorageRef, ByteRange):
         fields = dataclasses.fields(cls)
@@ -159,22 +159,21 @@ def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[
 
 def _fast_load(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None) -> Any:
     """The C run: its result, or NotImplemented with the resolver's and the archive's records as before."""
-    from . import allowlist, rebuilds
-    from .placeholders import StateDict
-    from ..refs import StorageRef
-
-    storages = getattr(persistent_load, "fast_storages", None)
-    rebuild = (allowlist.TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"], TensorRef, rebuilds._V2,
-               rebuilds._PLAIN_DTYPES, StorageRef, allowlist.TORCH_GLOBALS["collections.OrderedDict"], StateDict)
     if not hasattr(resolver, "records"):  # a resolver that cannot undo what it records: CPython's unpickler
         return NotImplemented
+    storages = getattr(persistent_load, "fast_storages", None)
+    # looked up at each read, as the resolver looks them up: the very functions a GLOBAL resolves to
+    rebuild = (TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"], TensorRef, rebuilds._V2, rebuilds._PLAIN_DTYPES,
+               StorageRef, TORCH_GLOBALS["collections.OrderedDict"], StateDict)
     before = resolver.records()
+    kept = dict(storages[0]) if storages is not None else None  # the archive's storages read so far
     result = _fastload.load(blob, resolver.resolve, persistent_load if persistent_load is not None
                             else _no_persistent_ids, rebuild, storages)
     if result is NotImplemented:
         resolver.restore(before)
         if storages is not None:
             storages[0].clear()
+            storages[0].update(kept)
     return result
 
 

@@ -103,8 +103,8 @@ def test_a_real_gpu_save_writes_the_bytes_of_the_tagged_cpu_save(fixtures_dir: P
     """
     make_fixtures = load_script("fixtures/make_fixtures.py")
     on_cpu = torch.load(fixtures_dir / "single_lenet.pt", weights_only=True, map_location="cpu")
-    on_gpu = torch.utils._pytree.tree_map(lambda leaf: leaf.to("cuda:0") if isinstance(leaf, torch.Tensor) else leaf,
-                                          on_cpu)
+    # every storage on cuda:0, the object otherwise as loaded (a state dict's _metadata kept, which a tree_map drops)
+    on_gpu = torch.load(fixtures_dir / "single_lenet.pt", weights_only=True, map_location="cuda:0")
     (tmp_path / "gpu").mkdir()
     (tmp_path / "tagged").mkdir()
     torch.save(on_gpu, tmp_path / "gpu" / "lenet.pt")  # the same file name: torch names the archive's folder after it

@@ -358,6 +358,10 @@ def quantized_tensors(draw: Any) -> Any:
     sub_byte = dtype in (torch.quint4x2, torch.quint2x4)
     if scheme == "channel" and sub_byte:
         scheme = "float"  # torch quantizes packed types per channel with float parameters only
+    if scheme == "float" and dtype == torch.qint32:
+        # float parameters are torch's embedding-table scheme (quint8, quint4x2, quint2x4); qint32 with them died of
+        # SIGILL inside torch 2.11's quantize_per_channel on an AVX-512/AMX CPU (seen on a GPU machine)
+        scheme = "channel"
     scale = st.floats(1e-6, 1e3, allow_nan=False)
     if scheme == "tensor":
         tensor = torch.quantize_per_tensor(values, draw(scale), draw(st.integers(0, 3)), dtype)

@@ -211,8 +211,14 @@ def as_zip64(data: bytes, *, fields: tuple[bool, bool, bool] = (True, True, True
         at += 46 + name_length + extra_length + comment_length
     tail = bytearray(data[start + len(directory):])
     struct.pack_into("<L", tail, tail.rfind(b"PK\x05\x06") + 12, len(out))
-    if tail.startswith(b"PK\x06\x06"):  # torch's archives end in zip64 records: the directory's size is there
-        struct.pack_into("<Q", tail, 40, len(out))
+    if tail.startswith(b"PK\x06\x06"):  # torch's archives end in zip64 records: the directory's size is there,
+        struct.pack_into("<Q", tail, 40, len(out))  # and the locator's offset of the record moves with it
+        locator = tail.rfind(b"PK\x06\x07")
+        record_offset, = struct.unpack_from("<Q", tail, locator + 8)
+        struct.pack_into("<Q", tail, locator + 8, record_offset + len(out) - len(directory))
+        # consistent as zipfile checks it since 3.12.3 (directory offset + size == the record's offset)
+        assert struct.unpack_from("<Q", tail, 48)[0] + len(out) == start + len(out), "zip64 record"
+        assert struct.unpack_from("<Q", tail, locator + 8)[0] == start + len(out), "zip64 locator"
     return data[:start] + bytes(out) + bytes(tail)
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from operator import methodcaller
+from functools import partial
 from typing import Any
 
 from .errors import KeyCollisionError, NothingToDoError, UsageError
@@ -32,25 +33,29 @@ def detect_prefix(keys: Iterable[str], *, lightning: bool = False) -> str:
         >>> detect_prefix(["module._orig_mod.fc.weight", "module._orig_mod.fc.bias"])
         'module._orig_mod.'
     """
-    remaining = [key for key in keys if isinstance(key, str)]
-    if not remaining:
+    names = list(filter(_IS_STR, keys))
+    if not names:
         return ""
+    # every name starts with a string exactly where the names' longest common start does, and that is the
+    # common start of the least and the greatest name: two C passes, however many keys (100,000 in a MoE)
+    common = os.path.commonprefix([min(names), max(names)])
     stack = ""
     while True:
         for prefix in WRAPPER_PREFIXES:
-            # every key starts with it and is longer (tested in C: a state dict can hold 100,000 keys)
-            if not all(map(methodcaller("startswith", prefix), remaining)) or prefix in remaining:
+            whole = stack + prefix
+            if not common.startswith(whole) or whole in names:  # in every key, and every key is longer
                 continue
-            stripped = [key[len(prefix) :] for key in remaining]
             if prefix == LIGHTNING_PREFIX and not lightning and not any(
-                all(map(methodcaller("startswith", p), stripped)) for p in (DDP_PREFIX, COMPILE_PREFIX)
+                common.startswith(whole + p) for p in (DDP_PREFIX, COMPILE_PREFIX)
             ):
                 continue
-            stack += prefix
-            remaining = stripped
+            stack = whole
             break
         else:
             return stack
+
+
+_IS_STR = partial(type.__instancecheck__, str)  # isinstance(key, str), called from C by filter
 
 
 def _rename_metadata(state_dict: Mapping[str, Any], rename) -> dict | None:

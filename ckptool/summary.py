@@ -210,6 +210,8 @@ def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
     """Groups (≥2) of weight names that share one storage."""
     groups: dict[int, list[str]] = {}
     shared = shared_storages(tensors.values())
+    if not shared:
+        return []
     for name, tensor in tensors.items():
         if id(tensor.storage) in shared:
             groups.setdefault(id(tensor.storage), []).append(name)
@@ -321,9 +323,10 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
     return found
 
 
-def weight_candidates(checkpoint: Checkpoint) -> list[dict[str, Any]]:
+def weight_candidates(checkpoint: Checkpoint, chosen_tensors: int | None = None) -> list[dict[str, Any]]:
     """Every set of weights in the container, the chosen one marked (a state dict's tensors counted,
-    a pickled module's read as its state dict; one that cannot be read has ``tensors`` None and a ``problem``)."""
+    a pickled module's read as its state dict; one that cannot be read has ``tensors`` None and a ``problem``).
+    ``chosen_tensors``: the chosen set's count, where the caller has listed its tensors."""
     if formats.for_name(checkpoint.format).weights_only:
         return []
     found: list[dict[str, Any]] = []
@@ -333,8 +336,11 @@ def weight_candidates(checkpoint: Checkpoint) -> list[dict[str, Any]]:
                                  "module_class": weight_set.module_class, "tensors": None,
                                  "chosen": weight_set.layout == checkpoint.layout}
         try:
-            chosen = checkpoint if entry["chosen"] else checkpoint.select_weights(weight_set.layout)
-            entry["tensors"] = len(chosen.tensors)
+            if entry["chosen"] and chosen_tensors is not None:
+                entry["tensors"] = chosen_tensors
+            else:
+                chosen = checkpoint if entry["chosen"] else checkpoint.select_weights(weight_set.layout)
+                entry["tensors"] = len(chosen.tensors)
         except InputError as e:
             entry["problem"] = e.message
         found.append(entry)
@@ -374,7 +380,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         path=str(checkpoint.path),
         format=checkpoint.format,
         layout=list(checkpoint.layout) if checkpoint.layout is not None else None,
-        prefix=checkpoint.prefix,
+        prefix=checkpoint.prefix_among(tensors),
         tensors=len(tensors),
         parameters=parameters,
         bytes=nbytes,
@@ -396,7 +402,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         summary.training_folder = describe_folder(checkpoint.folder, checkpoint.allow_globals)
         summary.candidates = folder_candidates(checkpoint, summary)
     else:
-        summary.candidates = weight_candidates(checkpoint)
+        summary.candidates = weight_candidates(checkpoint, len(tensors))
     with_bits = [name for name, t in tensors.items() if t.conj or t.neg]
     if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
         summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"

@@ -129,3 +129,30 @@ def test_tensor_values_walk_as_iter_tensors(fixtures_dir: Path) -> None:
     assert len(containers) > 10
     for container in containers:
         assert [id(v) for v in tensor_values(container)] == [id(v) for _, v in iter_tensors(container)]
+
+
+GC_PROBE = """
+import contextlib, gc, io, sys
+import ckptool
+from ckptool.cli import main
+if sys.argv[2] == "cli":
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(["inspect", sys.argv[1]], standalone_mode=False)
+else:
+    ckptool.inspect(sys.argv[1])
+print(gc.get_freeze_count())
+"""
+
+
+def test_only_a_command_hands_what_a_read_built_to_the_collectors_permanent_generation(fixtures_dir: Path) -> None:
+    """A library caller's objects stay collectable (frozen cycles would never be freed); a command, which keeps
+    its checkpoint to the end, freezes them as the collector resumes so it never scans them again."""
+    import subprocess
+
+    def frozen(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", GC_PROBE, str(fixtures_dir / "single_lenet.pt"), mode],
+                             capture_output=True, text=True, check=True)
+        return int(run.stdout)
+
+    assert frozen("library") == 0
+    assert frozen("cli") > 1000  # the modules imported and the records read, at least

@@ -11,6 +11,7 @@ import io
 import secrets
 from collections import Counter
 from collections.abc import Callable
+from itertools import repeat
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +32,11 @@ def sniff(head: bytes | None, path: Path) -> bool:
 
 def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
     """The archive's single top-level folder (torch names it after the file; any name is valid)."""
+    first = next(iter(members), "")
+    if "/" in first:  # the usual archive: every name under the first one's folder (one C-speed pass)
+        lead = first.split("/", 1)[0] + "/"
+        if all(map(str.startswith, members, repeat(lead))):
+            return lead[:-1]
     tops = {name.split("/", 1)[0] for name in members}
     if len(tops) != 1 or not all("/" in name for name in members):
         raise UnsupportedFormatError(

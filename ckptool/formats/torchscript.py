@@ -54,8 +54,7 @@ _LIST = re.compile(r"^  (__parameters__|__buffers__) = (\[.*\])\s*$")
 
 def is_archive(members: zipio.Members, top: str) -> bool:
     """Whether a torch zip is a TorchScript archive: it holds code or the code's constants."""
-    return members.get(f"{top}/constants.pkl") is not None or \
-        any(name.lower().startswith(f"{top}/code/".lower()) for name in members)
+    return members.get(f"{top}/constants.pkl") is not None or members.any_under(f"{top}/code/")
 
 
 def never(head: bytes | None, path: Path) -> bool:

@@ -19,6 +19,7 @@ import zipfile
 import zlib
 
 from collections.abc import Callable
+from itertools import repeat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -442,6 +443,11 @@ class Members(dict):
             self._order = miniz_order(names)
         index = miniz_locate(names, self._order, name.encode("utf-8"))
         return self.entries[index] if index is not None else default
+
+
+    def any_under(self, folder: str) -> bool:
+        """Whether a member's name starts with ``folder``, ASCII letters compared as miniz compares them."""
+        return any(map(str.startswith, self._folded, repeat(fold_name(folder))))
 
 
 def _fold(by_name: dict[str, Member], entries: list[Member], folded: dict[str, Member], shared: set[str]) -> None:

@@ -207,12 +207,6 @@ _TEXT = frozenset({str, bytes, bytearray})  # leaves a copy (json, repr, a heade
 _EMPTYABLE = frozenset({list, dict, tuple, set, frozenset})  # empty ones are leaves too
 
 
-def _plain_tensor(obj: Any) -> bool:
-    """The usual tensor: a leaf of the tree (no metadata, hooks, parameter or attributes to enter)."""
-    return type(obj) is TensorRef and obj.extra == () and not obj.backward_hooks and obj.parameter is None \
-        and obj.subclass is None
-
-
 def _tree_children(obj: Any) -> list[Any]:
     if type(obj) is TensorRef:
         if obj.extra == () and not obj.backward_hooks and obj.parameter is None and obj.subclass is None:
@@ -262,9 +256,18 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
             edges += len(kids)
             on_path.add(key)
             stack[-1] = (obj, kids)
-            stack.extend((kid, None) for kid in kids
-                         if type(kid) not in _ATOMS and not _plain_tensor(kid) and (kid or type(kid) not in _EMPTYABLE)
-                         and id(kid) not in done and id(kid) not in on_path)
+            for kid in kids:  # a loop, not a generator of calls: a state dict has 100,000 kids
+                kind = type(kid)
+                if kind in _ATOMS:
+                    continue
+                if kind is TensorRef:  # the usual tensor is a leaf: no metadata, hooks, parameter or subclass to enter
+                    if kid.extra == () and not kid.backward_hooks and kid.parameter is None and kid.subclass is None:
+                        continue
+                elif not kid and kind in _EMPTYABLE:
+                    continue
+                kid_key = id(kid)
+                if kid_key not in done and kid_key not in on_path:
+                    stack.append((kid, None))
             continue
         stack.pop()
         on_path.discard(key)
@@ -278,7 +281,9 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
                 continue
             entry = done.get(id(kid))
             if entry is None:
-                if kind is TensorRef and _plain_tensor(kid):  # what its own visit would record: (1, 1, 0)
+                # a TensorRef not visited is a plain one (what its own visit would record: (1, 1, 0)), unless it is
+                # an ancestor on the path (every other kid was visited before its parent is done)
+                if kind is TensorRef and id(kid) not in on_path:
                     size += 1
                     if height < 2:
                         height = 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptool.errors import KeyCollisionError, NothingToDoError
 from ckptool.keys import add_prefix, detect_prefix, strip_prefix
@@ -48,3 +50,34 @@ def test_strip_errors() -> None:
 def test_add_then_strip_round_trips() -> None:
     state_dict = {"fc.weight": 1, "fc.bias": 2}
     assert strip_prefix(add_prefix(state_dict, "module."), "module.") == state_dict
+
+
+def _detect_prefix_by_stripping(keys: list, lightning: bool) -> str:
+    """detect_prefix as its rules read: strip each wrapper prefix every key carries, one at a time."""
+    remaining = [key for key in keys if isinstance(key, str)]
+    stack = ""
+    while remaining:
+        for prefix in ("module.", "_orig_mod.", "model."):
+            if not all(key.startswith(prefix) for key in remaining) or prefix in remaining:
+                continue
+            stripped = [key[len(prefix):] for key in remaining]
+            if prefix == "model." and not lightning and not any(
+                    all(key.startswith(p) for key in stripped) for p in ("module.", "_orig_mod.")):
+                continue
+            stack += prefix
+            remaining = stripped
+            break
+        else:
+            break
+    return stack
+
+
+PIECES = ["module.", "_orig_mod.", "model.", "module", "model", "mod", ".", "m", "", "fc.weight", "é."]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.one_of(st.lists(st.sampled_from(PIECES), max_size=5).map("".join), st.integers(0, 3)),
+                max_size=6), st.booleans())
+def test_detect_prefix_is_the_stripping_rule(keys: list, lightning: bool) -> None:
+    """The common start of the least and greatest key stands for every key: the same answer as stripping."""
+    assert detect_prefix(keys, lightning=lightning) == _detect_prefix_by_stripping(keys, lightning)

@@ -15,6 +15,7 @@ Quantized tensors (``_rebuild_qtensor``) are layout tensors too: :mod:`ckptool.q
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
@@ -231,6 +232,9 @@ TORCH_GLOBALS.update(GLOBALS)  # torch's weights_only unpickler allows all three
 def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:
     """The sparse and nested tensors among a mapping's values."""
     items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
+    values = dict.values(state_dict) if isinstance(state_dict, dict) else state_dict.values()
+    if not any(map(isinstance, values, repeat(LayoutTensor))):  # the usual state dict: tested in C
+        return {}
     return {key: value for key, value in items if isinstance(value, LayoutTensor)}
 
 

@@ -15,7 +15,8 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, contains, gt, mul, or_
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -459,6 +460,11 @@ class Expansion:
 
 def expansion(tensors: Mapping[str, Any]) -> Expansion:
     """Measure the views of ``tensors`` (no bytes read); tied tensors (one view under two names) count once."""
+    values = list(tensors.values())
+    if all(map(_IS_TENSOR_REF, values)):
+        views_of = list(map(_STORAGE, values))
+        if len(set(views_of)) == len(views_of):  # a storage per tensor (identity hashes): nothing is tied
+            return _expansion_untied(list(tensors), values, views_of)
     storages: dict[int, int] = {}
     first_view: dict[int, TensorRef] = {}  # a storage's first view, until a second one shows up
     views: set[tuple] = set()
@@ -494,7 +500,21 @@ def expansion(tensors: Mapping[str, Any]) -> Expansion:
     return Expansion(sum(storages.values()), logical, tuple(expanding))
 
 
-_STORAGE = attrgetter("storage")
+def _expansion_untied(names: list[Any], views: list[TensorRef], storages: list[StorageRef]) -> Expansion:
+    """:func:`expansion` where each view has a storage of its own, in C-speed passes (100,000 tensors)."""
+    stored = list(map(mul, map(_NUMEL, storages), map(_ITEMSIZE, storages)))  # StorageRef.nbytes
+    logical = list(map(mul, map(math.prod, map(_SHAPE, views)), map(_ITEMSIZE, views)))  # TensorRef.nbytes
+    # only a view promising more bytes than its storage holds, or with a stride of 0, can overlap itself
+    suspects = map(or_, map(gt, logical, stored), map(contains, map(_STRIDE, views), repeat(0)))
+    expanding = [(str(names[i]), logical[i], views[i].span_bytes()) for i in compress(range(len(views)), suspects)
+                 if views[i].expands()]
+    expanding.sort(key=lambda item: -item[1])
+    return Expansion(sum(stored), sum(logical), tuple(expanding))
+
+
+_STORAGE, _SHAPE, _STRIDE, _NUMEL = attrgetter("storage"), attrgetter("shape"), attrgetter("stride"), attrgetter("numel")
+_ITEMSIZE = attrgetter("dtype.itemsize")
+_IS_TENSOR_REF = functools.partial(type.__instancecheck__, TensorRef)  # isinstance(value, TensorRef), from C
 
 
 def shared_storages(tensors: Iterable[Any]) -> set[int]:

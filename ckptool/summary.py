@@ -6,6 +6,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter, mul
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,10 @@ def describe_optimizer_state(value: dict) -> str:
             f"{len(tensors)} tensors{kinds}, {_human_bytes(sum(t.nbytes for t in tensors))}")
 
 
+_SHAPE, _ITEMSIZE, _DTYPE_NAME = attrgetter("shape"), attrgetter("dtype.itemsize"), attrgetter("dtype.name")
+_CONJ, _NEG = attrgetter("conj"), attrgetter("neg")
+
+
 def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
     """Groups (≥2) of weight names that share one storage."""
     groups: dict[int, list[str]] = {}
@@ -362,14 +367,12 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
               allow_expansion: bool = False) -> Summary:
     """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
-    dtype_counts: Counter[str] = Counter()
-    parameters = nbytes = 0
-    for t in tensors.values():  # one pass for the counts (100,000 tensors: three generators cost 0.1 s)
-        count = math.prod(t.shape)
-        dtype = t.dtype
-        dtype_counts[dtype.name] += 1
-        parameters += count
-        nbytes += count * dtype.itemsize
+    # the counts in C-speed passes (100,000 tensors: a loop cost 30 ms, generators 0.1 s)
+    values = list(tensors.values())
+    numels = list(map(math.prod, map(_SHAPE, values)))
+    parameters = sum(numels)
+    nbytes = sum(map(mul, numels, map(_ITEMSIZE, values)))
+    dtype_counts: Counter[str] = Counter(map(_DTYPE_NAME, values))
     file_bytes = 0
     for file in checkpoint.files:
         try:
@@ -403,7 +406,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         summary.candidates = folder_candidates(checkpoint, summary)
     else:
         summary.candidates = weight_candidates(checkpoint, len(tensors))
-    with_bits = [name for name, t in tensors.items() if t.conj or t.neg]
+    with_bits = [name for name, t in tensors.items() if t.conj or t.neg] \
+        if any(map(_CONJ, values)) or any(map(_NEG, values)) else []
     if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
         summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
                              f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "

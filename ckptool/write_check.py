@@ -13,6 +13,7 @@ folder of shards.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import queue
@@ -20,6 +21,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -30,7 +33,7 @@ from . import progress
 from .crc import crc32
 from .errors import CkptError, FingerprintMismatchError
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
-from .refs import TensorRef, shared_storages
+from .refs import TensorRef, contiguous_stride, shared_storages
 
 # reads an output back: its tensors as the reader finds them
 ReadBack = Callable[[Path], Mapping[str, TensorRef]]
@@ -321,9 +324,7 @@ def _span_crc(tensor: TensorRef) -> int:
     return crc
 
 
-def _remote(tensor: TensorRef) -> bool:
-    data = tensor.storage.data
-    return data is not None and not isinstance(data.path, Path)
+_STORAGE, _DATA, _PATH, _DERIVED = attrgetter("storage"), attrgetter("data"), attrgetter("path"), attrgetter("derived")
 
 
 def _later(work: Callable[[], Any]) -> Callable[[], Any]:
@@ -357,7 +358,26 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
     shared = shared_storages(tensors.values())  # ... and only views of one storage can be tied
     remote_crcs = bool(RANGE_CRCS)
+    plain = not shared and not views_raw  # then each tensor is tried first as the usual one (below)
+    prod = math.prod
     for name, tensor in tensors.items():
+        if plain:
+            # the usual tensor, inline (100,000 of them): C-contiguous in a storage of bytes in a file, its CRC the
+            # one its zip member records (the whole storage), or the one the re-read summed; else the full path
+            storage, shape, dtype = tensor.storage, tensor.shape, tensor.dtype
+            data = storage.data
+            if data is not None and not tensor.conj and not tensor.neg and storage.producer is None \
+                    and storage.pieces is None and tensor.stride == contiguous_stride(shape):
+                nbytes = prod(shape) * dtype.itemsize
+                crc = data.crc32 if trust_stored and tensor.offset == 0 and nbytes == data.length else None
+                if crc is not None:
+                    checks[name] = TensorCheck(dtype.name, tuple(shape), crc, recorded=True)
+                    continue
+                if known is not None:
+                    crc = known(str(data.path), data.offset + tensor.offset * dtype.itemsize, nbytes)
+                    if crc is not None:
+                        checks[name] = TensorCheck(dtype.name, tuple(shape), crc)
+                        continue
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
                     tensor.conj, tensor.neg) if id(tensor.storage) in shared else None
@@ -503,10 +523,14 @@ class Expectations:
         Computed bytes (a cast) are not computed twice: the write's own pass sums them
         (``Derived.crc32``), and their checks are taken from it once the write is done.
         """
-        computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None}
+        storages = list(map(_STORAGE, tensors.values()))
+        # computed bytes (a cast) lie in storages with a ``derived``; sources in ByteRanges' paths (tested in C)
+        computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None} \
+            if any(map(_DERIVED, storages)) else {}
         stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
         RANGE_CRCS.clear()
-        lazy = any(_remote(tensor) for tensor in stored.values())
+        sources = set(map(_PATH, filter(None, map(_DATA, storages if not computed else map(_STORAGE, stored.values())))))
+        lazy = not all(map(isinstance, sources, repeat(Path)))
         if lazy:
             # a remote source is summed after the write, from the CRCs its streaming recorded (not
             # downloaded twice); what the write did not stream whole is read then

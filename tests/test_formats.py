@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -160,3 +161,41 @@ def test_a_format_is_one_module_and_one_registry_line(tmp_path: Path, monkeypatc
         sys.modules.pop("toyformat", None)
     with pytest.raises(ckptool.UnsupportedFormatError, match="is a text file, not a PyTorch checkpoint"):
         ckptool.load(source)
+
+
+class _HeaderEntry:
+    """What the safetensors header reads of a tensor: its shape and dtype."""
+
+    def __init__(self, shape: tuple, dtype: object) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def test_the_safetensors_header_is_the_bytes_json_writes_for_it() -> None:
+    """The header is written entry by entry: byte for byte what json.dumps writes for its dicts, on names that
+    need escaping (quotes, backslashes, controls, non-ASCII, lone surrogates), shapes with 0, bools and
+    large sizes, and metadata."""
+    import math
+    import random
+
+    from ckptool import dtypes
+    from ckptool.formats import safetensors
+
+    rng = random.Random(20261127)
+    alphabet = ["a", "é", '"', "\\", "\n", "\x00", "\u2028", "😀", "/", " ", "\x7f", "\ud800"]
+    kinds = [dtypes.BY_NAME[name] for name in ("F32", "BF16", "I64", "BOOL", "U8")]
+    for _ in range(2000):
+        tensors = {}
+        for index in range(rng.randint(0, 5)):
+            name = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) + str(index)
+            shape = tuple(rng.choice([0, 1, 2, 7, True, False, 10**12]) for _ in range(rng.randint(0, 3)))
+            tensors[name] = _HeaderEntry(shape, rng.choice(kinds))
+        metadata = {"kéy": 'v"al', "n": "1"} if rng.random() < 0.5 else {}
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        position = 0
+        for name, entry in tensors.items():
+            end = position + math.prod(entry.shape) * entry.dtype.itemsize
+            header[name] = {"dtype": entry.dtype.name, "shape": list(entry.shape), "data_offsets": [position, end]}
+            position = end
+        encoded, data_end = safetensors._encode_header(tensors, list(tensors), metadata)  # type: ignore[arg-type]
+        assert encoded == json.dumps(header, separators=(",", ":")).encode("utf-8")
+        assert data_end == position

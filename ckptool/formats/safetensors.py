@@ -15,6 +15,7 @@ The container a training checkpoint kept around its weights (epoch, configs, sch
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import math
 import re
 import struct
@@ -372,6 +373,8 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     first: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
     shared = shared_storages(tensors.values())  # a tensor alone on its storage is nobody's alias
+    if not shared:
+        return aliases
     for name in tensors:
         tensor = tensors[name]
         if id(tensor.storage) not in shared or tensor.numel == 0:
@@ -384,6 +387,36 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
         else:
             first[identity] = name
     return aliases
+
+
+def _encode_header(tensors: Mapping[str, TensorRef], order: list[str], metadata: Mapping[str, str]) -> tuple[bytes, int]:
+    """The header's JSON for ``tensors`` laid out end to end in ``order`` (the bytes of ``json.dumps`` of it, compact),
+    and where their data ends.
+
+    Written entry by entry (100,000 entries: 0.11 s, against 0.24 s to build the dicts and encode them): names
+    escaped by json's own ASCII encoder, each dtype's and shape's text made once by ``json.dumps``.
+    """
+    escape = encode_basestring_ascii
+    parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))] if metadata else []
+    append = parts.append
+    dtype_texts: dict[str, str] = {}
+    shape_texts: dict[str, str] = {}  # by repr: 2 and True are equal keys, but json writes them apart
+    position = 0
+    prod = math.prod
+    for name in order:
+        tensor = tensors[name]
+        shape, dtype = tensor.shape, tensor.dtype
+        dtype_text = dtype_texts.get(dtype.name)
+        if dtype_text is None:
+            dtype_text = dtype_texts[dtype.name] = json.dumps(dtype.name)
+        key = repr(shape)
+        shape_text = shape_texts.get(key)
+        if shape_text is None:
+            shape_text = shape_texts[key] = json.dumps(list(shape), separators=(",", ":"))
+        end = position + prod(shape) * dtype.itemsize
+        append(f'{escape(name)}:{{"dtype":{dtype_text},"shape":{shape_text},"data_offsets":[{position},{end}]}}')
+        position = end
+    return ("{" + ",".join(parts) + "}").encode("utf-8"), position
 
 
 def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
@@ -400,16 +433,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
             group = by_itemsize[itemsize] = []
         group.append(name)
     order = [name for itemsize in sorted(by_itemsize, reverse=True) for name in by_itemsize[itemsize]]
-    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-    position = 0
-    prod = math.prod
-    for name in order:
-        tensor = tensors[name]
-        shape = tensor.shape
-        end = position + prod(shape) * tensor.dtype.itemsize
-        header[name] = {"dtype": tensor.dtype.name, "shape": list(shape), "data_offsets": [position, end]}
-        position = end
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded, position = _encode_header(tensors, order, metadata)
     encoded += b" " * (-len(encoded) % 8)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
         entries = len(metadata.get("ckptool.entries", ""))
@@ -421,10 +445,21 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     progress.expect(position)
     out_offset = 8 + len(encoded)
     out = DataOut(handle, on_data)
+    prod = math.prod
     try:
         # the file position stays at ``out_offset`` from one tensor to the next
         for name in order:
             tensor = tensors[name]
+            storage, shape, dtype = tensor.storage, tensor.shape, tensor.dtype
+            data = storage.data
+            if data is not None and not tensor.conj and not tensor.neg and storage.producer is None \
+                    and storage.pieces is None and storage.derived is None and tensor.stride == contiguous_stride(shape):
+                # the usual tensor, inline (100,000 of them): its bytes where its storage lies, copied as they are
+                nbytes = prod(shape) * dtype.itemsize
+                if nbytes:
+                    out.copy(data.path, data.offset + tensor.offset * dtype.itemsize, nbytes, out_offset)
+                out_offset += nbytes
+                continue
             nbytes = tensor.nbytes
             span = tensor.contiguous_byte_range()
             if span is not None and span.length:
@@ -449,7 +484,7 @@ def write_file(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
                *, duplicate_tied: bool = False, on_data: Callable[[int, int], None] | None = None) -> dict[str, str]:
     """Write one safetensors file; returns the aliases recorded (empty with ``duplicate_tied``)."""
     aliases = {} if duplicate_tied else plan_aliases(tensors)
-    stored = {name: tensor for name, tensor in tensors.items() if name not in aliases}
+    stored = {name: tensor for name, tensor in tensors.items() if name not in aliases} if aliases else tensors
     metadata = dict(metadata)
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)

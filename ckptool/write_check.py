@@ -358,7 +358,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
     shared = shared_storages(tensors.values())  # ... and only views of one storage can be tied
     remote_crcs = bool(RANGE_CRCS)
-    plain = not shared and not views_raw  # then each tensor is tried first as the usual one (below)
+    plain = not shared  # then each tensor is tried first as the usual one (below; it never expands: views_raw alike)
     prod = math.prod
     for name, tensor in tensors.items():
         if plain:

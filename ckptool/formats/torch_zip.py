@@ -209,7 +209,15 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         writer.add_bytes(f"{archive_name}/.format_version", b"1")
         writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
         writer.add_bytes(f"{archive_name}/byteorder", b"little")
+        copies: list[tuple[str, Any, int, int, int]] = []  # the usual storages: bytes of a member, its CRC recorded
         for key, storage in storages:
+            data = storage.data
+            if data is not None and data.crc32 is not None and trust_recorded_crcs and storage.pieces is None \
+                    and storage.derived is None and storage.producer is None:
+                copies.append((f"{archive_name}/data/{key}", data.path, data.offset, storage.nbytes, data.crc32))
+                continue
+            writer.add_copies(copies)
+            copies.clear()
             if storage.pieces is not None:
                 pieces = storage.pieces if trust_recorded_crcs else \
                     tuple(replace(piece, crc32=None) for piece in storage.pieces)
@@ -224,6 +232,7 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
             source = storage.byte_range()
             writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes,
                             source.crc32 if trust_recorded_crcs else None)
+        writer.add_copies(copies)
         writer.add_bytes(f"{archive_name}/version", b"3\n")
         writer.add_bytes(f"{archive_name}/.data/serialization_id", str(secrets.randbelow(10**40)).zfill(40).encode())
         writer.close()

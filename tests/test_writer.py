@@ -340,3 +340,31 @@ def test_dtype_cast_includes_empty_tensors(tmp_path: Path, suffix: str) -> None:
     loaded = load_file(out) if suffix == ".safetensors" else torch.load(out, weights_only=True)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in loaded.items()} == {
         "empty": (torch.bfloat16, (0, 3)), "w": (torch.bfloat16, (2,)), "steps": (torch.int64, (0,))}
+
+
+def test_the_write_check_reads_back_its_own_pickle_without_walking_or_checking_it_again(fixtures_dir: Path,
+                                                                                      tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pickle a write emitted is read back by its check, bytes known: no opcode walk, no tree check (the tree is
+    the one the write was given). Any other read of the same file walks and checks it."""
+    from ckptool.pickles import unpickle
+
+    calls = {"walk": 0, "tree": 0}
+    real_walk, real_tree = unpickle.guard_stats, unpickle.check_tree
+
+    def walk(*args, **kwargs):
+        calls["walk"] += 1
+        return real_walk(*args, **kwargs)
+
+    def tree(*args, **kwargs):
+        calls["tree"] += 1
+        return real_tree(*args, **kwargs)
+
+    monkeypatch.setattr(unpickle, "guard_stats", walk)
+    monkeypatch.setattr(unpickle, "check_tree", tree)
+    source = ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt").strip_prefix()
+    assert calls == {"walk": 1, "tree": 1}
+    report = save(source, tmp_path / "out.pt")
+    assert report.checked == len(source.tensors) and calls == {"walk": 1, "tree": 1}
+    ckptool.load(tmp_path / "out.pt")
+    assert calls == {"walk": 2, "tree": 2}

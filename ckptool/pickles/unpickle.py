@@ -95,16 +95,18 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
     pickle, which is left just after that pickle's STOP. Before the C unpickler runs, :func:`guard`
     walks the opcodes once (unless ``resolver.guard_cache`` holds them already) and refuses what
     would make it hang or exhaust memory; after, the object tree's nesting and sharing are checked
-    (:func:`check_tree`).
+    (:func:`check_tree`). A pickle this operation emitted (the write check's re-read) needs neither.
     """
     cache = resolver.guard_cache
     if isinstance(data, bytes | bytearray | memoryview):
         blob = bytes(data)
         if len(blob) > limits.MAX_PICKLE_BYTES:
             raise InputError(f"pickle is {len(blob)} bytes, over the {limits.MAX_PICKLE_BYTES}-byte limit — refused")
-        # a write's check re-reads the pickle it just emitted: those bytes need no guard
+        # a write's check re-reads the pickle it just emitted: those bytes need no guard, nor their tree a check (it is
+        # the tree the write was given, whose every node the emitter wrote once, memo references as references)
         counts = None
-        if cache is not None and cache.is_emitted(blob):
+        emitted = cache is not None and cache.is_emitted(blob)
+        if emitted:
             size = len(blob)
         else:
             stats = guard_stats(blob, cache)
@@ -113,7 +115,7 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
             raise InputError(f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
                              "torch never writes that; refused")
     else:
-        blob, counts = read_pickle(data, cache), None
+        blob, counts, emitted = read_pickle(data, cache), None, False
     # a refused global becomes an inert placeholder and the walk goes on, so that one refusal names
     # every refused global; what the walk then meets (a rebuild given a placeholder, a corrupt
     # tail) ends it with the refusal of the names found so far
@@ -128,7 +130,8 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
         refusal = resolver.refusal()
         if refusal is not None:
             raise refusal
-        check_tree(obj, source_bytes=len(blob))
+        if not emitted:
+            check_tree(obj, source_bytes=len(blob))
     return obj
 
 

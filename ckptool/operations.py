@@ -284,9 +284,13 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
 def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
                  ) -> WriteReport:
     """Convert ``source`` to ``target``: strip the wrapper prefix and cast if asked, write, check."""
+    from . import formats
     from .reader import load
-    from .writer import save
+    from .writer import save, target_format
 
+    own_writer = formats.for_target(options.to) if options.to is not None else None
+    if (own_writer is None or own_writer.write is None) and isinstance(target, Path):
+        target_format(target, options.to, max_shard_bytes)  # a name no format claims: refused before the input is read
     checkpoint = load(source, allow_globals=options.allow_globals, weights=options.weights)
     notes: list[str] = []
     if options.strip and checkpoint.prefix:
@@ -299,9 +303,6 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
                                   allow_expansion=options.allow_expansion)
         notes.append(f"cast floating weights to {options.dtype}")
-    from . import formats
-
-    own_writer = formats.for_target(options.to) if options.to is not None else None
     if own_writer is not None and own_writer.write is not None:  # DCP: written by torch's own saver
         if not isinstance(target, Path):
             raise UsageError(f"a {own_writer.name} folder is written to a local path only — write it locally, then "

@@ -298,3 +298,15 @@ def test_an_optimizer_file_says_it_is_optimizer_state(tmp_path: Path) -> None:
     code, out, err = run("inspect", container)
     assert code == 0, err
     assert re.search(r"entry +optimizer: optimizer state: 4 params over 2 parameter groups, 12 tensors", out), out
+
+
+def test_convert_refuses_an_output_name_no_format_claims_before_reading_the_input(tmp_path: Path) -> None:
+    """The output's format is settled from its name first: an unreadable input is not even opened (a remote or
+    26 GB one is not read) when the output name is the problem."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(bytes(range(256)) * 4)
+    code, _, err = run("convert", str(junk), "-o", str(tmp_path / "out.xyz"))
+    assert code == 2 and "cannot tell the format from 'out.xyz'" in err, err
+    code, _, err = run("convert", str(junk), "-o", str(tmp_path / "out.safetensors"))
+    assert code == 3 and "junk.pt" in err, err  # a name it can write: now the input is read, and refused
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["junk.pt"]

@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
+from itertools import repeat
 from typing import Any
 
 from .errors import KeyCollisionError, NothingToDoError, UsageError
@@ -84,7 +85,21 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
     """
     if not prefix:
         raise UsageError(_empty_prefix("strip"))
-    if not any(isinstance(key, str) and key.startswith(prefix) for key in state_dict):
+    head = prefix[:-1] if prefix.endswith(".") else prefix
+
+    def rename(meta_key: str) -> str:
+        if meta_key == head:
+            return ""
+        return meta_key[len(prefix) :] if meta_key.startswith(prefix) else meta_key
+
+    keys = list(state_dict)
+    if keys and all(map(_IS_STR, keys)) and all(map(str.startswith, keys, repeat(prefix))):
+        # the usual wrapped state dict (tested in C): every key carries the prefix, so none collide once stripped
+        cut = len(prefix)
+        # keys and values in the mapping's own order (an OrderedDict moved to its end iterates apart from its dict)
+        return _with_keys(state_dict, list(zip([key[cut:] for key in keys], state_dict.values())),
+                          _rename_metadata(state_dict, rename))
+    if not any(isinstance(key, str) and key.startswith(prefix) for key in keys):
         raise NothingToDoError(f'no key starts with "{prefix}" — nothing to strip')
     items: list[tuple[Any, Any]] = []
     seen: dict[Any, Any] = {}
@@ -97,13 +112,6 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
             )
         seen[new_key] = key
         items.append((new_key, value))
-    head = prefix[:-1] if prefix.endswith(".") else prefix
-
-    def rename(meta_key: str) -> str:
-        if meta_key == head:
-            return ""
-        return meta_key[len(prefix) :] if meta_key.startswith(prefix) else meta_key
-
     return _with_keys(state_dict, items, _rename_metadata(state_dict, rename))
 
 

@@ -81,3 +81,35 @@ PIECES = ["module.", "_orig_mod.", "model.", "module", "model", "mod", ".", "m",
 def test_detect_prefix_is_the_stripping_rule(keys: list, lightning: bool) -> None:
     """The common start of the least and greatest key stands for every key: the same answer as stripping."""
     assert detect_prefix(keys, lightning=lightning) == _detect_prefix_by_stripping(keys, lightning)
+
+
+def _strip_one_by_one(state_dict: dict, prefix: str) -> list:
+    return [(key[len(prefix):] if isinstance(key, str) and key.startswith(prefix) else key, value)
+            for key, value in state_dict.items()]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(st.one_of(st.lists(st.sampled_from(PIECES), max_size=4).map("".join), st.integers(0, 3)),
+                max_size=6, unique=True), st.sampled_from(["module.", "model.", "_orig_mod.", "m"]), st.booleans())
+def test_strip_prefix_renames_each_key_in_the_mappings_own_order(keys: list, prefix: str, reorder: bool) -> None:
+    """Every key carrying the prefix (the one-pass path) or some (the loop): the same pairs, in the mapping's own
+    order, also for an OrderedDict reordered after it was built."""
+    state_dict = OrderedDict((key, index) for index, key in enumerate(keys))
+    if reorder and keys:
+        state_dict.move_to_end(keys[0])
+    expected = _strip_one_by_one(state_dict, prefix)
+    try:
+        stripped = strip_prefix(state_dict, prefix)
+    except NothingToDoError:
+        assert not any(isinstance(key, str) and key.startswith(prefix) for key in keys)
+        return
+    except KeyCollisionError:
+        assert len({key for key, _ in expected}) < len(expected)
+        return
+    assert list(stripped.items()) == expected
+
+
+def test_strip_prefix_of_every_key_in_one_pass_keeps_the_order_an_ordered_dict_was_moved_to() -> None:
+    state_dict = OrderedDict([("module.a", 1), ("module.b", 2), ("module.c", 3)])
+    state_dict.move_to_end("module.a")
+    assert list(strip_prefix(state_dict, "module.").items()) == [("b", 2), ("c", 3), ("a", 1)]

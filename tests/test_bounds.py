@@ -324,3 +324,41 @@ def test_expansion_of_untied_views_is_measured_as_the_loop_measures_it(fixtures_
         assert fast == _expansion_by_the_loop(tensors, monkeypatch)
         expanding += bool(fast.expanding)
     assert 300 < expanding < 2700  # both kinds drawn often
+
+
+def test_check_tree_counts_a_plain_tensor_as_a_leaf_and_enters_any_other(fixtures_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nesting at the limit passes and one level more is refused: a plain tensor is a leaf (height 1), a tensor with
+    hooks is entered (its hooks one level more), and a cycle back through such a tensor ends as a leaf."""
+    import copy
+    from collections import OrderedDict
+
+    import ckptool
+    from ckptool.errors import InputError
+    from ckptool.pickles import limits, unpickle
+
+    monkeypatch.setattr(limits, "MAX_NESTING", 6)
+    plain = next(iter(ckptool.load(fixtures_dir / "single_lenet.pt").tensors.values()))
+    hooked = copy.copy(plain)
+    hooked.backward_hooks = OrderedDict(hook="a hook")
+
+    def nest(leaf: object, levels: int) -> object:
+        for _ in range(levels):
+            leaf = [leaf, "text", 1]
+        return leaf
+
+    def refused(tree: object) -> bool:
+        try:
+            unpickle.check_tree(tree)
+        except InputError:
+            return True
+        return False
+
+    assert not refused(nest(plain, 5)) and refused(nest(plain, 6))  # lists 5 + the tensor 1
+    assert not refused(nest(hooked, 4)) and refused(nest(hooked, 5))  # lists 4 + the tensor + its hooks
+    assert not refused({f"w{index}": plain for index in range(1000)})  # a state dict: one level over its tensors
+    loop: list = []
+    cyclic = copy.copy(plain)
+    cyclic.backward_hooks = OrderedDict(back=loop)
+    loop.append(cyclic)
+    assert not refused(nest(loop, 2))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from importlib import resources
 from pathlib import PurePath
 from typing import Any
 
@@ -114,6 +113,8 @@ def dumps(data: dict[str, Any]) -> str:
 
 def schema(kind: str) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of the ``kind`` document, as shipped in the package."""
+    from importlib import resources  # here, not at import: it pulls in tempfile, shutil, bz2, lzma (~10 ms a command)
+
     text = resources.files("ckptool").joinpath("schemas", f"{kind}.schema.json").read_text(encoding="utf-8")
     loaded: dict[str, Any] = json.loads(text)
     return loaded

@@ -12,11 +12,9 @@ from typing import Any
 
 from . import formats, layouts, modules, optimizers, suggest
 from .byteio import path_size, use_storage_options
-from .formats import training_folder
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .jsonout import key_text
-from .digest import fingerprint
 from .pickles import OpaqueObject
 from .reader import load
 from .refs import DeviceRef, SizeRef, TensorRef, check_expansion, expansion, shared_storages
@@ -284,7 +282,9 @@ def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
                               "and run them): the weights read without them; to see what it holds, if you trust it",
                               suggest.command("inspect", folder, allow_globals=allowed)))
     if checkpoint.layout is None:
-        optimizer = [file for file in state.files if file.role == training_folder.OPTIMIZER] if state is not None else []
+        from .formats.training_folder import OPTIMIZER  # a folder's roles: imported where a folder is read
+
+        optimizer = [file for file in state.files if file.role == OPTIMIZER] if state is not None else []
         if optimizer:
             hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
                               "index); the optimizer's tensors as safetensors:",
@@ -316,7 +316,9 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
         found.append(entry)
     state = summary.training_folder
     described = {file.file: file for file in state.files} if state is not None else {}
-    for number, file in enumerate(folder.of_role(training_folder.OPTIMIZER)):
+    from .formats.training_folder import OPTIMIZER
+
+    for number, file in enumerate(folder.of_role(OPTIMIZER)):
         said = described.get(file.name)
         entry = {"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
                  "kind": "optimizer state", "module_class": None,
@@ -424,6 +426,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
                              f"(largest {name!r}: {_human_bytes(span)} viewed as {_human_bytes(view_bytes)})")
     if with_fingerprint:
         check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="hash")
+        from .digest import fingerprint  # here: hashlib is 5-13 ms of a command that does not hash
+
         summary.fingerprint = fingerprint(tensors, allow_expansion=True)
     if with_tensors:
         summary.tensor_list = [TensorInfo(name, t.dtype.name, list(t.shape), t.nbytes, t.location)

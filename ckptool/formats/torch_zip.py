@@ -8,7 +8,6 @@ key or location rewrite never deserializes a tensor.
 from __future__ import annotations
 
 import io
-import secrets
 from collections import Counter
 from collections.abc import Callable
 from itertools import repeat
@@ -234,6 +233,8 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
                             source.crc32 if trust_recorded_crcs else None)
         writer.add_copies(copies)
         writer.add_bytes(f"{archive_name}/version", b"3\n")
+        import secrets  # here: it imports hashlib and random, 5 ms of every read that writes nothing
+
         writer.add_bytes(f"{archive_name}/.data/serialization_id", str(secrets.randbelow(10**40)).zfill(40).encode())
         writer.close()
     finally:

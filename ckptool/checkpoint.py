@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from . import modules, optimizers
 from .errors import InputError, NothingToDoError, UsageError
 from .suggest import Metavar
 from .suggest import option as suggest_option
-from .refs import StorageRef, TensorRef
+from .refs import _IS_TENSOR_REF, _STORAGE, StorageRef, TensorRef
 from . import layouts
 from .layouts import LayoutTensor
 from .pickles import OpaqueObject
@@ -27,8 +26,7 @@ from .tree import contains, copy_mapping, get_at, iter_tensors, map_tensors, rep
 #   net / network     older research code                     ema/model_ema     EMA copies (after the live weights)
 WEIGHTS_KEYS = ("state_dict", "model_state_dict", "model", "module", "model_state", "net", "network",
                 "weights", "params", "model_ema", "ema", "state_dict_ema")
-_STORAGE, _LOCATION = attrgetter("storage"), attrgetter("location")
-_IS_TENSOR_REF = partial(type.__instancecheck__, TensorRef)  # isinstance(value, TensorRef), from C
+_LOCATION = attrgetter("location")
 LIGHTNING_MARKERS = ("pytorch-lightning_version", "hyper_parameters", "lightning_version")
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,14 +180,13 @@ def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport, command: str = 
             "goes along" + (f", nor the container's other entries ({shown})" if left else "")]
 
 
-_IS_STR = partial(type.__instancecheck__, str)  # isinstance(key, str), called from C by filter
-
-
 def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
     """How many keys of ``state_dict`` a rewrite renames: those starting with ``prefix`` (every key
     when None). Keys that are not strings carry no prefix."""
     if prefix is None:
         return len(state_dict)
+    from .keys import _IS_STR
+
     return sum(map(str.startswith, filter(_IS_STR, state_dict), repeat(prefix)))  # in C: 100,000 keys
 
 

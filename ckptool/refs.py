@@ -245,6 +245,17 @@ class TensorRef:
                 path=path,
             )
 
+    def plain_data(self) -> ByteRange | None:
+        """The storage's bytes where they lie, when this is the usual tensor: its exact C-contiguous strides, no
+        conjugate or negative bit, bytes neither computed nor in pieces; else None (the general paths decide).
+        Inline attribute tests only: writers and checks ask it of each of 100,000 tensors."""
+        storage = self.storage
+        data = storage.data
+        if data is None or self.conj or self.neg or storage.producer is not None or storage.pieces is not None \
+                or self.stride != contiguous_stride(self.shape):
+            return None
+        return data
+
     def contiguous_byte_range(self) -> ByteRange | None:
         """The exact bytes of the tensor when it is C-contiguous in its storage (and they are its
         values: no conjugate or negative bit), else None."""

@@ -17,7 +17,7 @@ from .errors import InputError
 from .jsonout import key_text
 from .pickles import OpaqueObject
 from .reader import load
-from .refs import DeviceRef, SizeRef, TensorRef, check_expansion, expansion, shared_storages
+from .refs import _ITEMSIZE, _SHAPE, DeviceRef, SizeRef, TensorRef, check_expansion, expansion, shared_storages
 from .tree import iter_tensors
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
@@ -205,7 +205,7 @@ def describe_optimizer_state(value: dict) -> str:
             f"{len(tensors)} tensors{kinds}, {_human_bytes(sum(t.nbytes for t in tensors))}")
 
 
-_SHAPE, _ITEMSIZE, _DTYPE_NAME = attrgetter("shape"), attrgetter("dtype.itemsize"), attrgetter("dtype.name")
+_DTYPE_NAME = attrgetter("dtype.name")
 _CONJ, _NEG = attrgetter("conj"), attrgetter("neg")
 
 

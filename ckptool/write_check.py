@@ -13,7 +13,6 @@ folder of shards.
 from __future__ import annotations
 
 import contextlib
-import math
 import mmap
 import os
 import queue
@@ -33,7 +32,7 @@ from . import progress
 from .crc import crc32
 from .errors import CkptError, FingerprintMismatchError
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
-from .refs import TensorRef, contiguous_stride, shared_storages
+from .refs import _STORAGE, ByteRange, TensorRef, shared_storages
 
 # reads an output back: its tensors as the reader finds them
 ReadBack = Callable[[Path], Mapping[str, TensorRef]]
@@ -84,11 +83,9 @@ class StaleSourceCrc(Exception):
 def _stored_crc(tensor: TensorRef) -> int | None:
     """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage
     (or, for a storage lying in pieces — DCP row shards — combined from the pieces' recorded CRCs)."""
-    storage, data = tensor.storage, tensor.storage.data
-    if data is not None and not tensor.conj and not tensor.neg and storage.pieces is None and storage.producer is None \
-            and tensor.offset == 0 and tensor.stride == contiguous_stride(tensor.shape):
-        # the usual tensor, inline (100,000 of them): the whole storage, C-contiguous, where a member lies
-        return data.crc32 if math.prod(tensor.shape) * tensor.dtype.itemsize == data.length else None
+    data = tensor.plain_data()
+    if data is not None:  # the usual tensor (100,000 of them)
+        return _whole_crc(tensor, data)
     if tensor.conj or tensor.neg:
         return None  # the archive's CRC is of the stored bytes, not of the values
     pieces = tensor.whole_pieces()
@@ -101,6 +98,12 @@ def _stored_crc(tensor: TensorRef) -> int | None:
     if tensor.offset != 0 or tensor.nbytes != data.length:
         return None
     return data.crc32
+
+
+def _whole_crc(tensor: TensorRef, data: ByteRange) -> int | None:
+    """The CRC recorded for ``data``, the usual tensor's storage bytes (:meth:`TensorRef.plain_data`), when the
+    tensor is all of them."""
+    return data.crc32 if tensor.offset == 0 and tensor.nbytes == data.length else None
 
 
 class OutputSums:
@@ -329,7 +332,7 @@ def _span_crc(tensor: TensorRef) -> int:
     return crc
 
 
-_STORAGE, _DATA, _PATH, _DERIVED = attrgetter("storage"), attrgetter("data"), attrgetter("path"), attrgetter("derived")
+_DATA, _PATH, _DERIVED = attrgetter("data"), attrgetter("path"), attrgetter("derived")
 
 
 def _later(work: Callable[[], Any]) -> Callable[[], Any]:
@@ -364,25 +367,20 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
     shared = shared_storages(tensors.values())  # ... and only views of one storage can be tied
     remote_crcs = bool(RANGE_CRCS)
     plain = not shared  # then each tensor is tried first as the usual one (below; it never expands: views_raw alike)
-    prod = math.prod
     for name, tensor in tensors.items():
-        if plain:
-            # the usual tensor, inline (100,000 of them): C-contiguous in a storage of bytes in a file, its CRC the
-            # one its zip member records (the whole storage), or the one the re-read summed; else the full path
-            storage, shape, dtype = tensor.storage, tensor.shape, tensor.dtype
-            data = storage.data
-            if data is not None and not tensor.conj and not tensor.neg and storage.producer is None \
-                    and storage.pieces is None and tensor.stride == contiguous_stride(shape):
-                nbytes = prod(shape) * dtype.itemsize
-                crc = data.crc32 if trust_stored and tensor.offset == 0 and nbytes == data.length else None
+        # the usual tensor (100,000 of them): its CRC the one its zip member records (the whole storage), or the one
+        # the re-read summed; else the full path below
+        data = tensor.plain_data() if plain else None
+        if data is not None:
+            crc = _whole_crc(tensor, data) if trust_stored else None
+            if crc is not None:
+                checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=True)
+                continue
+            if known is not None:
+                crc = known(str(data.path), data.offset + tensor.offset * tensor.dtype.itemsize, tensor.nbytes)
                 if crc is not None:
-                    checks[name] = TensorCheck(dtype.name, tuple(shape), crc, recorded=True)
+                    checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc)
                     continue
-                if known is not None:
-                    crc = known(str(data.path), data.offset + tensor.offset * dtype.itemsize, nbytes)
-                    if crc is not None:
-                        checks[name] = TensorCheck(dtype.name, tuple(shape), crc)
-                        continue
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
                     tensor.conj, tensor.neg) if id(tensor.storage) in shared else None
@@ -528,13 +526,12 @@ class Expectations:
         Computed bytes (a cast) are not computed twice: the write's own pass sums them
         (``Derived.crc32``), and their checks are taken from it once the write is done.
         """
-        storages = list(map(_STORAGE, tensors.values()))
         # computed bytes (a cast) lie in storages with a ``derived``; sources in ByteRanges' paths (tested in C)
         computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None} \
-            if any(map(_DERIVED, storages)) else {}
+            if any(map(_DERIVED, map(_STORAGE, tensors.values()))) else {}
         stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
         RANGE_CRCS.clear()
-        sources = set(map(_PATH, filter(None, map(_DATA, storages if not computed else map(_STORAGE, stored.values())))))
+        sources = set(map(_PATH, filter(None, map(_DATA, map(_STORAGE, stored.values())))))
         lazy = not all(map(isinstance, sources, repeat(Path)))
         if lazy:
             # a remote source is summed after the write, from the CRCs its streaming recorded (not

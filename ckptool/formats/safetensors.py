@@ -445,22 +445,17 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     progress.expect(position)
     out_offset = 8 + len(encoded)
     out = DataOut(handle, on_data)
-    prod = math.prod
     try:
         # the file position stays at ``out_offset`` from one tensor to the next
         for name in order:
             tensor = tensors[name]
-            storage, shape, dtype = tensor.storage, tensor.shape, tensor.dtype
-            data = storage.data
-            if data is not None and not tensor.conj and not tensor.neg and storage.producer is None \
-                    and storage.pieces is None and storage.derived is None and tensor.stride == contiguous_stride(shape):
-                # the usual tensor, inline (100,000 of them): its bytes where its storage lies, copied as they are
-                nbytes = prod(shape) * dtype.itemsize
+            nbytes = tensor.nbytes
+            data = tensor.plain_data()
+            if data is not None:  # the usual tensor (100,000 of them): its bytes where its storage lies, as they are
                 if nbytes:
-                    out.copy(data.path, data.offset + tensor.offset * dtype.itemsize, nbytes, out_offset)
+                    out.copy(data.path, data.offset + tensor.offset * tensor.dtype.itemsize, nbytes, out_offset)
                 out_offset += nbytes
                 continue
-            nbytes = tensor.nbytes
             span = tensor.contiguous_byte_range()
             if span is not None and span.length:
                 out.copy(span.path, span.offset, span.length, out_offset)

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
-from .. import copying
 from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..byteio import file_size as handle_size, is_remote
 from ..crc import crc32
@@ -447,7 +446,6 @@ class Members(dict):
         index = miniz_locate(names, self._order, name.encode("utf-8"))
         return self.entries[index] if index is not None else default
 
-
     def any_under(self, folder: str) -> bool:
         """Whether a member's name starts with ``folder``, ASCII letters compared as miniz compares them."""
         return any(map(str.startswith, self._folded, repeat(fold_name(folder))))
@@ -643,8 +641,7 @@ class ZipWriter:
         extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
         start = self.position + _LOCAL_HEADER.size + len(name) + len(extra)
         if start % ALIGNMENT:
-            padding = (-(start + 4)) % ALIGNMENT
-            extra += struct.pack("<HH", _PADDING_ID, padding) + b"Z" * padding
+            extra += _PADDING[(-(start + 4)) % ALIGNMENT]
         stored = 0xFFFFFFFF if zip64 else size
         version = 45 if zip64 else 20
         return _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)) + name + extra
@@ -669,40 +666,20 @@ class ZipWriter:
         if crc is None:
             self.add_pieces(name, (ByteRange(source, offset, size),))
             return
-        encoded = name.encode("utf-8")
-        header_offset = self.position
-        header = self._local_header(encoded, size, crc)
-        self.handle.write(header)
-        data_start = self.position + len(header)
-        self.out.copy(source, offset, size, data_start)
-        self.entries.append((encoded, header_offset, size, crc))
-        self.position = data_start + size
+        self.add_copies([(name, source, offset, size, crc)])
 
     def add_copies(self, copies: list[tuple[str, Path, int, int, int]]) -> None:
-        """:meth:`add_copy` for each ``(name, source, offset, size, crc)`` (a recorded ``crc`` each), in one loop:
-        a checkpoint's 100,000 storages without two method calls and a header built apart for each."""
-        handle, out, entries, pack = self.handle, self.out, self.entries, _LOCAL_HEADER.pack
-        position = self.position
+        """:meth:`add_copy` for each ``(name, source, offset, size, crc)``, a recorded ``crc`` each, in one loop (a
+        checkpoint's 100,000 storages)."""
+        handle, out, entries = self.handle, self.out, self.entries
         for name, source, offset, size, crc in copies:
             encoded = name.encode("utf-8")
-            if size >= 0xFFFFFFFF:  # a zip64 header: the general path
-                self.position = position
-                self.add_copy(name, source, offset, size, crc)
-                position = self.position
-                continue
-            start = position + _LOCAL_HEADER.size + len(encoded)
-            extra = _PADDING[(-(start + 4)) % ALIGNMENT] if start % ALIGNMENT else b""
-            header = pack(_LOCAL_SIG, 20, 0x0800, 0, 0, 0x21, crc, size, size, len(encoded), len(extra)) + encoded + extra
-            data_start = position + len(header)
-            if size <= copying.SMALL_MEMBER:  # header and bytes in one write (DataOut.copy's small case)
-                handle.write(header + out.read_source(source, offset, size))
-                out.written(data_start, size)
-            else:
-                handle.write(header)
-                out.copy(source, offset, size, data_start)
-            entries.append((encoded, position, size, crc))
-            position = data_start + size
-        self.position = position
+            header = self._local_header(encoded, size, crc)
+            handle.write(header)
+            data_start = self.position + len(header)
+            out.copy(source, offset, size, data_start)
+            entries.append((encoded, self.position, size, crc))
+            self.position = data_start + size
 
     def add_pieces(self, name: str, pieces: tuple[ByteRange, ...]) -> None:
         """Add a member whose bytes are several byte ranges end to end.

@@ -525,7 +525,44 @@ def _expansion_untied(names: list[Any], views: list[TensorRef], storages: list[S
 
 _STORAGE, _SHAPE, _STRIDE, _NUMEL = attrgetter("storage"), attrgetter("shape"), attrgetter("stride"), attrgetter("numel")
 _ITEMSIZE = attrgetter("dtype.itemsize")
+_DATA, _OFFSET, _LENGTH, _CONJ, _NEG = attrgetter("data"), attrgetter("offset"), attrgetter("length"), attrgetter("conj"), \
+    attrgetter("neg")
+_PRODUCER, _PIECES = attrgetter("producer"), attrgetter("pieces")
 _IS_TENSOR_REF = functools.partial(type.__instancecheck__, TensorRef)  # isinstance(value, TensorRef), from C
+
+
+def total_nbytes(views: Iterable[TensorRef]) -> int:
+    """The bytes of all ``views`` (their :attr:`TensorRef.nbytes` summed, in C-speed passes)."""
+    views = list(views)
+    return sum(map(mul, map(math.prod, map(_SHAPE, views)), map(_ITEMSIZE, views)))
+
+
+def whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | None:
+    """When every one of ``views`` is the usual tensor (:meth:`TensorRef.plain_data`) and all of its storage's
+    bytes: each one's ``plain_data()`` and byte count, in order. Else None (the per-tensor paths decide).
+
+    One pass in C where the extension was built (ckptool/pickles/_fastload.c), else C-speed passes over the columns
+    (100,000 tensors), no call per tensor."""
+    from .pickles.unpickle import FAST, _fastload
+
+    if FAST:
+        return _fastload.whole_plain(views)
+    return _whole_plain(views)
+
+
+def _whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | None:
+    storages = list(map(_STORAGE, views))
+    datas = list(map(_DATA, storages))
+    shapes = list(map(_SHAPE, views))
+    if not all(datas) or any(map(_OFFSET, views)) or any(map(_CONJ, views)) or any(map(_NEG, views)) \
+            or any(map(_PRODUCER, storages)) or any(map(_PIECES, storages)) or set(map(type, shapes)) - {tuple}:
+        return None
+    if list(map(_STRIDE, views)) != list(map(_contiguous_stride, shapes)):
+        return None
+    nbytes = list(map(mul, map(math.prod, shapes), map(_ITEMSIZE, views)))  # TensorRef.nbytes
+    if nbytes != list(map(_LENGTH, datas)):
+        return None
+    return datas, nbytes
 
 
 def shared_storages(tensors: Iterable[Any]) -> set[int]:

@@ -32,48 +32,37 @@ from . import progress
 from .crc import crc32
 from .errors import CkptError, FingerprintMismatchError
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
-from .refs import _STORAGE, ByteRange, TensorRef, shared_storages
+from .refs import _DATA, _OFFSET, _SHAPE, _STORAGE, ByteRange, TensorRef, shared_storages, whole_plain
 
 # reads an output back: its tensors as the reader finds them
 ReadBack = Callable[[Path], Mapping[str, TensorRef]]
 
 
-class TensorCheck:
-    """What must read back for one tensor: dtype, shape and the CRC32 of its C-order bytes.
+# What one tensor must read back as: (dtype name, shape, CRC32 of its C-order bytes, view). For a view that
+# expands its storage (stride 0, overlaps) written to a ``.pt`` — where the storage is copied raw, not
+# expanded — the CRC is that of the storage bytes it spans, and the view is its (offset, strides), which
+# must read back the same; else the view is None. A tuple: 100,000 of them are made and compared in C.
+TensorCheck = tuple
 
-    ``recorded``: the CRC is the one the source archive recorded, not one summed from its bytes.
-    torch never checks those (a file saved with CRCs off records 0; one written through ``skip_data``
-    or patched later records stale ones), so a mismatch on a recorded CRC is settled by summing the
-    source's bytes.
 
-    For a view that expands its storage (stride 0, overlaps) written to a ``.pt`` — where the
-    storage is copied raw, not expanded — the CRC is that of the storage bytes it spans, and
-    ``view`` holds its offset and strides, which must read back the same.
+@dataclass
+class Checks:
+    """Every tensor's :data:`TensorCheck`, by name.
 
-    A plain class with slots, not a frozen dataclass (whose fields are set one ``object.__setattr__``
-    at a time): a write of 100,000 tensors makes 200,000 of them. Never changed once made.
+    ``recorded``: the names whose CRC is the one the source archive recorded, not one summed from its
+    bytes. torch never checks those (a file saved with CRCs off records 0; one written through
+    ``skip_data`` or patched later records stale ones), so a mismatch on a recorded CRC is settled by
+    summing the source's bytes.
     """
 
-    __slots__ = ("dtype", "shape", "crc32", "view", "recorded")
+    values: dict[str, TensorCheck]
+    recorded: set[str]
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], crc32: int, view: tuple | None = None,
-                 recorded: bool = False) -> None:
-        self.dtype, self.shape, self.crc32, self.view, self.recorded = dtype, shape, crc32, view, recorded
 
-    def _compared(self) -> tuple:
-        return self.dtype, self.shape, self.crc32, self.view  # ``recorded`` says where the CRC came from: not compared
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not TensorCheck:
-            return NotImplemented
-        return self.dtype == other.dtype and self.shape == other.shape and self.crc32 == other.crc32 \
-            and self.view == other.view
-
-    def __hash__(self) -> int:
-        return hash(self._compared())
-
-    def __repr__(self) -> str:
-        return f"TensorCheck(dtype={self.dtype!r}, shape={self.shape!r}, crc32={self.crc32!r}, view={self.view!r})"
+def describe(check: TensorCheck) -> str:
+    """A check for a message: ``float32 (4, 4) crc32 1a2b3c4d``."""
+    dtype, shape, crc, view = check
+    return f"{dtype} {tuple(shape)} crc32 {crc:08x}" + (f" view {view}" if view is not None else "")
 
 
 class StaleSourceCrc(Exception):
@@ -332,7 +321,8 @@ def _span_crc(tensor: TensorRef) -> int:
     return crc
 
 
-_DATA, _PATH, _DERIVED = attrgetter("data"), attrgetter("path"), attrgetter("derived")
+_PATH, _DERIVED, _CRC32, _DTYPE_NAME = attrgetter("path"), attrgetter("derived"), attrgetter("crc32"), \
+    attrgetter("dtype.name")
 
 
 def _later(work: Callable[[], Any]) -> Callable[[], Any]:
@@ -352,34 +342,77 @@ def _later(work: Callable[[], Any]) -> Callable[[], Any]:
     return join
 
 
-def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
-                  known: Callable[[str, int, int], int | None] | None = None,
-                  views_raw: bool = False) -> dict[str, TensorCheck]:
+class Summed:
+    """The CRCs of byte ranges of the output that its re-read already summed (:class:`OutputSums`, by file)."""
+
+    def __init__(self, sums: Iterable[OutputSums]) -> None:
+        self.by_path = {str(output_sums.path): output_sums for output_sums in sums}
+
+    def __call__(self, path: str, offset: int, length: int) -> int | None:
+        """The CRC32 of ``length`` bytes of ``path`` at ``offset``, or None if they were not summed so."""
+        output_sums = self.by_path.get(path)
+        return output_sums.crc_of(offset, length) if output_sums is not None else None
+
+    def whole(self, datas: list[ByteRange], nbytes: list[int]) -> list[int | None]:
+        """``self(str(data.path), data.offset, n)`` for each data and byte count, without a call each where a
+        region was summed as it is (the usual tensor, written in one piece)."""
+        paths = list(map(_PATH, datas))
+        ids = list(map(id, paths))
+        files = {key: self.by_path.get(str(path)) for key, path in dict(zip(ids, paths)).items()}
+        offsets = list(map(_OFFSET, datas))
+        if len(files) == 1:
+            (output_sums,) = files.values()
+            if output_sums is None:
+                return [None] * len(datas)
+            regions = list(map(output_sums.sums.get, offsets))
+            return [region[1] if region is not None and region[0] == length else output_sums.crc_of(offset, length)
+                    for region, offset, length in zip(regions, offsets, nbytes)]
+        return [files[key].crc_of(offset, length) if files[key] is not None else None  # type: ignore[union-attr]
+                for key, offset, length in zip(ids, offsets, nbytes)]
+
+
+_UNKNOWN: Any = object()
+
+
+def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known: Summed | None = None,
+                  views_raw: bool = False, whole: tuple[list[ByteRange], list[int]] | None = _UNKNOWN) -> Checks:
     """The content of every tensor.
 
-    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known(path, offset, length)``
-    gives CRCs of byte ranges already summed (by :class:`OutputSums`), or None. ``views_raw`` (a
-    ``.pt`` output, whose storages are copied as they are) checks an expanding view by the bytes
-    it spans and its strides, so a stride-0 view is never expanded to be summed.
+    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known`` gives CRCs of byte
+    ranges already summed (by :class:`OutputSums`). ``views_raw`` (a ``.pt`` output, whose storages
+    are copied as they are) checks an expanding view by the bytes it spans and its strides, so a
+    stride-0 view is never expanded to be summed. ``whole``: :func:`whole_plain` of the tensors, if the caller has it.
     """
+    names = list(tensors)
+    views = list(tensors.values())
+    if whole is _UNKNOWN:
+        whole = whole_plain(views)
+    if whole is not None:  # the usual file: every tensor is all of its storage, each CRC known as a whole
+        datas, nbytes = whole
+        crcs = list(map(_CRC32, datas)) if trust_stored else known.whole(datas, nbytes) if known is not None else None
+        if crcs is not None and None not in crcs:
+            values = dict(zip(names, zip(map(_DTYPE_NAME, views), map(_SHAPE, views), crcs, repeat(None))))
+            return Checks(values, set(names) if trust_stored else set())
     checks: dict[str, TensorCheck] = {}
+    recorded_names: set[str] = set()
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
-    shared = shared_storages(tensors.values())  # ... and only views of one storage can be tied
+    shared = shared_storages(views)  # ... and only views of one storage can be tied
     remote_crcs = bool(RANGE_CRCS)
     plain = not shared  # then each tensor is tried first as the usual one (below; it never expands: views_raw alike)
     for name, tensor in tensors.items():
-        # the usual tensor (100,000 of them): its CRC the one its zip member records (the whole storage), or the one
-        # the re-read summed; else the full path below
+        # the usual tensor: its CRC the one its zip member records (the whole storage), or the one the re-read
+        # summed; else the full path below
         data = tensor.plain_data() if plain else None
         if data is not None:
             crc = _whole_crc(tensor, data) if trust_stored else None
             if crc is not None:
-                checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=True)
+                checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
+                recorded_names.add(name)
                 continue
             if known is not None:
                 crc = known(str(data.path), data.offset + tensor.offset * tensor.dtype.itemsize, tensor.nbytes)
                 if crc is not None:
-                    checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc)
+                    checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
                     continue
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
@@ -390,13 +423,13 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
                 crc = _span_crc(tensor)
                 if identity is not None:
                     by_storage[identity] = crc
-            checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
+            checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
             continue
         crc = by_storage.get(identity) if identity is not None else None
-        recorded = False
         if crc is None:
             crc = _stored_crc(tensor) if trust_stored else None
-            recorded = crc is not None
+            if crc is not None:
+                recorded_names.add(name)
         if crc is None and known:
             span = tensor.contiguous_byte_range()
             if span is not None:
@@ -411,9 +444,8 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool,
                 crc = crc32(chunk, crc)
         if identity is not None:
             by_storage[identity] = crc
-        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc, recorded=recorded)
-    return checks
-
+        checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
+    return Checks(checks, recorded_names)
 
 
 def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]:
@@ -423,8 +455,8 @@ def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]
     for name, tensor in tensors.items():
         derived = tensor.whole_derived()
         crc = derived.crc32 if derived is not None else None
-        checks[name] = TensorCheck(tensor.dtype.name, tuple(tensor.shape), crc) if crc is not None else \
-            tensor_checks({name: tensor}, trust_stored=False)[name]
+        checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None) if crc is not None else \
+            tensor_checks({name: tensor}, trust_stored=False).values[name]
     return checks
 
 
@@ -464,46 +496,55 @@ def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync
     recheck = expect.recheck
     sync_join = run_in_thread(sync)
     try:
-        by_path: dict[str, OutputSums] = {}
-        for output_sums in sums:
+        summed = Summed(sums)
+        for output_sums in summed.by_path.values():
             output_sums.finish()
-            by_path[str(output_sums.path)] = output_sums
-
-        def known(path: str, offset: int, length: int) -> int | None:
-            output_sums = by_path.get(path)
-            return output_sums.crc_of(offset, length) if output_sums is not None else None
-
         written_tensors = read_back(written)
-        actual = tensor_checks(written_tensors, trust_stored=False, known=known, views_raw=views_raw)
+        whole = whole_plain(list(written_tensors.values()))
+        actual = tensor_checks(written_tensors, trust_stored=False, known=summed, views_raw=views_raw,
+                               whole=whole).values
     finally:
         sync_join()
     expected = expect.checks()
-    if actual.keys() != expected.keys():
-        missing = sorted(expected.keys() - actual.keys())
-        extra = sorted(actual.keys() - expected.keys())
+    if actual.keys() != expected.values.keys():
+        missing = sorted(expected.values.keys() - actual.keys())
+        extra = sorted(actual.keys() - expected.values.keys())
         raise FingerprintMismatchError(
             f"the output reads back with other tensor names (missing {missing[:3]}, extra {extra[:3]}) — "
             "it was deleted; nothing changed"
         )
     stale = []
-    for name, check in expected.items():
-        if actual[name] != check:
-            if check.recorded and recheck is not None and recheck(name) == actual[name]:
-                stale.append(name)  # the source's recorded CRC was stale; its bytes are what was written
-                continue
-            raise FingerprintMismatchError(
-                f"tensor {name!r} reads back different from what was written ({actual[name]} != {check}) — "
-                "the output was deleted; check the disk and try again"
-            )
-    for name, tensor in written_tensors.items():  # the CRC the output's zip records must be that of its bytes
-        recorded = _stored_crc(tensor)
-        if recorded is not None and recorded != actual[name].crc32:
+    if actual != expected.values:  # (one comparison in C: the usual write stops here)
+        for name, check in expected.values.items():
+            if actual[name] != check:
+                if name in expected.recorded and recheck is not None and recheck(name) == actual[name]:
+                    stale.append(name)  # the source's recorded CRC was stale; its bytes are what was written
+                    continue
+                raise FingerprintMismatchError(
+                    f"tensor {name!r} reads back different from what was written ({describe(actual[name])}, not "
+                    f"{describe(check)}) — the output was deleted; check the disk and try again"
+                )
+    for name, recorded in _recorded_crcs(written_tensors, whole).items():
+        # the CRC the output's zip records must be that of its bytes
+        if recorded != actual[name][2]:
             if stale:
                 raise StaleSourceCrc(stale)
             raise FingerprintMismatchError(
                 f"tensor {name!r}: the CRC recorded in the output's zip ({recorded:08x}) is not that of the bytes "
-                f"written ({actual[name].crc32:08x}) — the output was deleted; nothing changed")
+                f"written ({actual[name][2]:08x}) — the output was deleted; nothing changed")
     return len(actual)
+
+
+def _recorded_crcs(tensors: Mapping[str, TensorRef], whole: tuple[list[ByteRange], list[int]] | None) -> dict[str, int]:
+    """The CRC a zip archive records for each tensor that is all of its storage (:func:`_stored_crc`), by name
+    (``whole``: :func:`whole_plain` of the tensors)."""
+    if whole is not None:  # the usual file, in C-speed passes
+        crcs = list(map(_CRC32, whole[0]))
+        if crcs.count(None) == len(crcs):  # a safetensors file records none
+            return {}
+        return {name: crc for name, crc in zip(tensors, crcs) if crc is not None}
+    recorded = {name: _stored_crc(tensor) for name, tensor in tensors.items()}
+    return {name: crc for name, crc in recorded.items() if crc is not None}
 
 
 @dataclass
@@ -513,7 +554,7 @@ class Expectations:
     ``checks`` and ``fingerprint`` wait for their threads and return (or raise) what they computed.
     """
 
-    checks: Callable[[], dict[str, TensorCheck]]
+    checks: Callable[[], Checks]
     fingerprint: Callable[[], str | None]
     wants_fingerprint: bool
     recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
@@ -540,10 +581,10 @@ class Expectations:
         else:
             join = run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
 
-        def checks() -> dict[str, TensorCheck]:
+        def checks() -> Checks:
             result = join()
             if computed:
-                result = {**result, **_computed_checks(computed)}
+                result = Checks({**result.values, **_computed_checks(computed)}, result.recorded)
             return result
 
         digest = run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None)
@@ -551,7 +592,7 @@ class Expectations:
             checks=checks,
             fingerprint=digest,
             wants_fingerprint=fingerprint,
-            recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw)[name],
+            recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw).values[name],
             # not the computed tensors' checks: after a failed write they would cast again; nor a
             # remote source's, which would download it
             threads=(digest,) if lazy else (join, digest),

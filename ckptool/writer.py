@@ -32,7 +32,8 @@ from .checkpoint import Checkpoint
 from .errors import CkptError, FingerprintMismatchError, OutputError, UsageError, location
 from .digest import PREFIX
 from .formats import safetensors, torch_zip
-from .refs import StorageRef, TensorRef, check_expansion
+from .gcpause import paused
+from .refs import StorageRef, TensorRef, check_expansion, total_nbytes
 from .tree import map_tensors
 # the content check moved to write_check; these names are imported from here too
 if TYPE_CHECKING:
@@ -347,16 +348,18 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
         files = [out / name for name in plan.writes] if plan is not None else [out]
         return SaveReport(path=out, format=target.name, files=files, tensors=len(tensors),
-                          bytes=sum(t.nbytes for t in tensors.values()), dry_run=True,
+                          bytes=total_nbytes(tensors.values()), dry_run=True,
                           notes=list(plan.notes) if plan is not None else [])
     if url is not None:
         report = _save_remote(checkpoint, tensors, url, target, plan, nest=nest, duplicate_tied=duplicate_tied,
                               fingerprint=fingerprint, views_raw=views_raw)
     else:
-        report = _save_local(checkpoint, tensors, out, target, plan, nest=nest, duplicate_tied=duplicate_tied,
-                             fingerprint=fingerprint, views_raw=views_raw)
+        # the write's records (100,000 headers, checks, sums) are no garbage while it runs: no collection rescans them
+        with paused():
+            report = _save_local(checkpoint, tensors, out, target, plan, nest=nest, duplicate_tied=duplicate_tied,
+                                 fingerprint=fingerprint, views_raw=views_raw)
     report.tensors = len(tensors)
-    report.bytes = sum(t.nbytes for t in tensors.values())
+    report.bytes = total_nbytes(tensors.values())
     rewrite_note = formats.for_name(checkpoint.format).rewrite_note
     if rewrite_note and not target.weights_only:
         report.notes.append(rewrite_note)

@@ -1267,11 +1267,260 @@ static PyObject *load(PyObject *self, PyObject *args) {
     return NULL;
 }
 
+/* ============================================================================== column passes */
+
+/* an object's truth, or -1 with an error set */
+static int truth_of(PyObject *obj, const char *name) {
+    PyObject *value = attr(obj, name);
+    if (value == NULL) return -1;
+    int is = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return is;
+}
+
+/* an exact int in [0, 2^63): its value, or -1 (no error set) for anything else */
+static int64_t count_of(PyObject *v) {
+    if (!PyLong_CheckExact(v)) return -1;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || x < 0) {
+        if (x == -1 && PyErr_Occurred()) PyErr_Clear();
+        return -1;
+    }
+    return (int64_t)x;
+}
+
+/* one view of refs.whole_plain: 1 (``*data`` a new reference, ``*nbytes`` set), 0 (not the usual whole tensor:
+   the caller declines), -1 (an error set) */
+static int whole_one(PyObject *view, PyObject **data, int64_t *nbytes) {
+    *data = NULL;
+    int status = 0;
+    PyObject *storage = attr(view, "storage"), *shape = NULL, *stride = NULL, *dtype = NULL, *length = NULL;
+    if (storage == NULL) return -1;
+    int t;
+    if ((t = truth_of(view, "offset")) != 0 || (t = truth_of(view, "conj")) != 0 || (t = truth_of(view, "neg")) != 0 ||
+        (t = truth_of(storage, "producer")) != 0 || (t = truth_of(storage, "pieces")) != 0) {
+        status = t < 0 ? -1 : 0;
+        goto out;
+    }
+    *data = attr(storage, "data");
+    shape = attr(view, "shape");
+    stride = attr(view, "stride");
+    dtype = attr(view, "dtype");
+    if (*data == NULL || shape == NULL || stride == NULL || dtype == NULL) goto error;
+    if ((t = PyObject_IsTrue(*data)) <= 0 || !PyTuple_CheckExact(shape) || !PyTuple_CheckExact(stride) ||
+        PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(stride)) {
+        status = t < 0 ? -1 : 0;
+        goto out;
+    }
+    /* its strides exactly those of a C-contiguous tensor of its shape; its elements counted */
+    int64_t running = 1, count = 1;
+    for (Py_ssize_t k = PyTuple_GET_SIZE(shape) - 1; k >= 0; k--) {
+        int64_t size = count_of(PyTuple_GET_ITEM(shape, k)), step = count_of(PyTuple_GET_ITEM(stride, k));
+        if (size < 0 || step != running || __builtin_mul_overflow(running, size, &running)) goto out;
+    }
+    count = running;
+    PyObject *itemsize_obj = attr(dtype, "itemsize");
+    if (itemsize_obj == NULL) goto error;
+    int64_t itemsize = count_of(itemsize_obj);
+    Py_DECREF(itemsize_obj);
+    length = attr(*data, "length");
+    if (length == NULL) goto error;
+    if (itemsize < 0 || __builtin_mul_overflow(count, itemsize, nbytes) || count_of(length) != *nbytes) goto out;
+    status = 1;
+    goto done;
+error:
+    status = -1;
+out:
+    Py_CLEAR(*data);
+done:
+    Py_DECREF(storage);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    Py_XDECREF(length);
+    return status;
+}
+
+PyDoc_STRVAR(whole_plain_doc,
+"whole_plain(views) -> (datas, nbytes) or None\n\n"
+"ckptool.refs.whole_plain in one pass: for a list of TensorRefs each of which is the usual tensor and all of\n"
+"its storage's bytes (no offset, conjugate or negative bit, producer or pieces; its exact C-contiguous int\n"
+"strides; its bytes its data's length), each one's storage.data and byte count; else None.");
+
+static PyObject *whole_plain(PyObject *self, PyObject *views) {
+    if (!PyList_CheckExact(views)) {
+        PyErr_SetString(PyExc_TypeError, "whole_plain: a list of views");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(views);
+    PyObject *datas = PyList_New(count), *sizes = PyList_New(count);
+    if (datas == NULL || sizes == NULL) goto error;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *data;
+        int64_t nbytes = 0;
+        int status = whole_one(PyList_GET_ITEM(views, i), &data, &nbytes);
+        if (status < 0) goto error;
+        if (status == 0) {
+            Py_DECREF(datas);
+            Py_DECREF(sizes);
+            Py_RETURN_NONE;
+        }
+        PyObject *size = PyLong_FromLongLong(nbytes);
+        if (size == NULL) {
+            Py_DECREF(data);
+            goto error;
+        }
+        PyList_SET_ITEM(datas, i, data);
+        PyList_SET_ITEM(sizes, i, size);
+    }
+    return Py_BuildValue("(NN)", datas, sizes);
+error:
+    Py_XDECREF(datas);
+    Py_XDECREF(sizes);
+    return NULL;
+}
+
+typedef struct {
+    int64_t begin, end;
+} Span;
+
+static int span_order(const void *a, const void *b) {
+    const Span *x = a, *y = b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+PyDoc_STRVAR(header_tensors_doc,
+"header_tensors(header, path, data_start, file_size, constants) -> dict or None\n\n"
+"ckptool.formats.safetensors._each_tensor for a header every entry of which it accepts: the same TensorRefs\n"
+"by name, in the header's order; None for any other header (the Python loop then says why).\n"
+"``constants``: (ByteRange, StorageRef, TensorRef, the allowed dtypes by name, contiguous_stride, \"cpu\").");
+
+static PyObject *header_tensors(PyObject *self, PyObject *args) {
+    PyObject *header, *path, *constants;
+    long long data_start, file_size;
+    if (!PyArg_ParseTuple(args, "O!OLLO!:header_tensors", &PyDict_Type, &header, &path, &data_start, &file_size,
+                          &PyTuple_Type, &constants))
+        return NULL;
+    if (PyTuple_GET_SIZE(constants) != 6 || !PyDict_Check(item(constants, 3))) {
+        PyErr_SetString(PyExc_ValueError, "header_tensors: malformed constants");
+        return NULL;
+    }
+    PyObject *range_type = item(constants, 0), *storage_type = item(constants, 1), *tensor_type = item(constants, 2);
+    PyObject *kinds = item(constants, 3), *contiguous = item(constants, 4), *location = item(constants, 5);
+    static PyObject *K_DTYPE, *K_SHAPE, *K_OFFSETS;
+    if (K_DTYPE == NULL) {
+        K_DTYPE = PyUnicode_InternFromString("dtype");
+        K_SHAPE = PyUnicode_InternFromString("shape");
+        K_OFFSETS = PyUnicode_InternFromString("data_offsets");
+        if (K_DTYPE == NULL || K_SHAPE == NULL || K_OFFSETS == NULL) return NULL;
+    }
+    Py_ssize_t count = PyDict_GET_SIZE(header);
+    if (count == 0) Py_RETURN_NONE;
+    Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)count);
+    PyObject *tensors = PyDict_New();
+    if (spans == NULL || tensors == NULL) {
+        PyMem_Free(spans);
+        Py_XDECREF(tensors);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t pos = 0, n = 0;
+    PyObject *name, *entry;
+    int failed = 0;  /* 1: declined, -1: an error */
+    while (!failed && PyDict_Next(header, &pos, &name, &entry)) {
+        if (!PyUnicode_CheckExact(name) || !PyDict_CheckExact(entry) || PyDict_GET_SIZE(entry) != 3) {
+            failed = 1;
+            break;
+        }
+        PyObject *dtype_name = PyDict_GetItemWithError(entry, K_DTYPE), *shape = PyDict_GetItemWithError(entry, K_SHAPE);
+        PyObject *offsets = PyDict_GetItemWithError(entry, K_OFFSETS);  /* borrowed */
+        if (dtype_name == NULL || shape == NULL || offsets == NULL) {
+            failed = PyErr_Occurred() ? -1 : 1;
+            break;
+        }
+        PyObject *dtype = PyUnicode_CheckExact(dtype_name) ? PyDict_GetItemWithError(kinds, dtype_name) : NULL;
+        if (dtype == NULL || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) > 64 || !PyList_CheckExact(offsets) ||
+            PyList_GET_SIZE(offsets) != 2) {
+            failed = PyErr_Occurred() ? -1 : 1;
+            break;
+        }
+        int64_t numel = 1, itemsize, nbytes;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(shape); k++) {
+            int64_t size = count_of(PyList_GET_ITEM(shape, k));
+            if (size < 0 || __builtin_mul_overflow(numel, size, &numel)) {
+                failed = 1;
+                break;
+            }
+        }
+        if (failed) break;
+        PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
+        if (itemsize_obj == NULL) {
+            failed = -1;
+            break;
+        }
+        itemsize = count_of(itemsize_obj);
+        Py_DECREF(itemsize_obj);
+        int64_t begin = count_of(PyList_GET_ITEM(offsets, 0)), end = count_of(PyList_GET_ITEM(offsets, 1)), start;
+        if (itemsize <= 0 || begin < 0 || end < 0 || __builtin_mul_overflow(numel, itemsize, &nbytes) ||
+            end - begin != nbytes || __builtin_add_overflow(begin, (int64_t)data_start, &start)) {
+            failed = 1;
+            break;
+        }
+        spans[n].begin = begin;
+        spans[n].end = end;
+        n++;
+        PyObject *start_obj = PyLong_FromLongLong(start), *nbytes_obj = PyLong_FromLongLong(nbytes);
+        PyObject *numel_obj = PyLong_FromLongLong(numel), *shape_tuple = PyList_AsTuple(shape);
+        PyObject *stride = shape_tuple ? PyObject_CallOneArg(contiguous, shape_tuple) : NULL;
+        PyObject *range = NULL, *storage = NULL, *tensor = NULL;
+        if (start_obj && nbytes_obj && numel_obj && stride) {
+            PyObject *range_args[3] = {path, start_obj, nbytes_obj};
+            range = make(range_type, range_args, 3);
+        }
+        if (range) {
+            PyObject *storage_args[5] = {name, dtype, numel_obj, location, range};
+            storage = make(storage_type, storage_args, 5);
+        }
+        if (storage) {
+            PyObject *tensor_args[4] = {storage, dtype, shape_tuple, stride};
+            tensor = make(tensor_type, tensor_args, 4);
+        }
+        if (tensor == NULL || PyDict_SetItem(tensors, name, tensor) < 0) failed = -1;
+        Py_XDECREF(start_obj);
+        Py_XDECREF(nbytes_obj);
+        Py_XDECREF(numel_obj);
+        Py_XDECREF(shape_tuple);
+        Py_XDECREF(stride);
+        Py_XDECREF(range);
+        Py_XDECREF(storage);
+        Py_XDECREF(tensor);
+    }
+    if (!failed) {  /* the data section tiled exactly: no gaps, no overlaps, nothing trailing */
+        qsort(spans, (size_t)n, sizeof(Span), span_order);
+        int64_t position = 0;
+        for (Py_ssize_t k = 0; k < n && !failed; k++) {
+            if (spans[k].begin != position) failed = 1;
+            position = spans[k].end;
+        }
+        if (!failed && (int64_t)data_start + position != (int64_t)file_size) failed = 1;
+    }
+    PyMem_Free(spans);
+    if (failed) {
+        Py_DECREF(tensors);
+        if (failed < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    return tensors;
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, load_doc},
     {"register", register_maker, METH_VARARGS, register_doc},
     {"emit_items", emit_items, METH_VARARGS, emit_items_doc},
     {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
+    {"whole_plain", whole_plain, METH_O, whole_plain_doc},
+    {"header_tensors", header_tensors, METH_VARARGS, header_tensors_doc},
     {NULL, NULL, 0, NULL},
 };
 

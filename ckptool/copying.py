@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from itertools import accumulate
+from operator import add
 from pathlib import Path
 from typing import BinaryIO
 
@@ -118,6 +120,72 @@ class DataOut:
         self.report()
         copy_reporting(source, offset, size, self.handle, out_offset, self.on_data)
         self.handle.seek(out_offset + size)
+
+    def copy_all(self, paths: list[Path], offsets: list[int], sizes: list[int], out_offset: int,
+                 headers: list[bytes] | None = None) -> int:
+        """:meth:`copy` of ``sizes[i]`` bytes of ``paths[i]`` at ``offsets[i]`` for each i, end to end from
+        ``out_offset`` where the output stands, each after ``headers[i]`` if given; returns where they end.
+
+        Runs of small pieces from one local file (a checkpoint's 100,000 biases and norms) are copied
+        together: read in windows taken in the order they lie in the file, each window once, and written
+        in one write per :data:`REPORT_EVERY` bytes — no call, read or write per piece.
+        """
+        position, i, count = out_offset, 0, len(paths)
+        while i < count:
+            path, j, run_bytes = paths[i], i, 0
+            while j < count and paths[j] is path and sizes[j] <= SMALL_MEMBER and run_bytes < REPORT_EVERY:
+                run_bytes += sizes[j]
+                j += 1
+            if j - i < 2 or is_remote(path):  # a large piece, a lone one, or a remote file's (each range summed)
+                j = i + 1
+                if headers is not None:
+                    self.handle.write(headers[i])
+                    position += len(headers[i])
+                if sizes[i]:  # an empty piece is no region
+                    self.copy(path, offsets[i], sizes[i], position)
+                position += sizes[i]
+            else:
+                position = self._copy_run(path, offsets[i:j], sizes[i:j], position,
+                                          headers[i:j] if headers is not None else None)
+            i = j
+        return position
+
+    def _copy_run(self, path: Path, offsets: list[int], sizes: list[int], out_offset: int,
+                  headers: list[bytes] | None) -> int:
+        fd = self._sources.get(path)
+        count = len(offsets)
+        parts: list[bytes | memoryview] = [b""] * count
+        order = sorted(range(count), key=offsets.__getitem__)
+        k = 0
+        while k < count:  # a window: pieces in file order, each within READ_GAP of the last, READ_AHEAD at most
+            start = offsets[order[k]]
+            end, m = start + sizes[order[k]], k + 1
+            while m < count:
+                at = offsets[order[m]]
+                if at - end > READ_GAP or at + sizes[order[m]] - start > READ_AHEAD:
+                    break
+                end = max(end, at + sizes[order[m]])
+                m += 1
+            window = memoryview(read_exact(fd, start, end - start, path))
+            for index in order[k:m]:
+                at = offsets[index] - start
+                parts[index] = window[at:at + sizes[index]]
+            k = m
+        if headers is None:
+            starts = list(accumulate(sizes, initial=out_offset))
+            self.handle.write(b"".join(parts))
+        else:
+            lengths = list(map(add, map(len, headers), sizes))
+            starts = list(map(add, accumulate(lengths, initial=out_offset), map(len, headers)))
+            self.handle.write(b"".join([piece for pair in zip(headers, parts) for piece in pair]))
+        self._last_end = None
+        if self.on_data is not None:
+            regions = [region for region in zip(starts, sizes) if region[1]]  # an empty piece is no region
+            self._pending.extend(regions)
+            self._pending_bytes += sum(sizes)
+            if self._pending_bytes >= REPORT_EVERY:
+                self.report()
+        return (starts[count - 1] + sizes[count - 1]) if count else out_offset
 
     def copy_pieces(self, pieces: Iterable[ByteRange], out_offset: int) -> int:
         """Copy the pieces end to end to ``out_offset`` by the kernel; returns where they end (the output stands there)."""

@@ -171,7 +171,7 @@ class _HeaderEntry:
 
 
 def test_the_safetensors_header_is_the_bytes_json_writes_for_it() -> None:
-    """The header is written entry by entry: byte for byte what json.dumps writes for its dicts, on names that
+    """The header is written from columns: byte for byte what json.dumps writes for its dicts, on names that
     need escaping (quotes, backslashes, controls, non-ASCII, lone surrogates), shapes with 0, bools and
     large sizes, and metadata."""
     import math
@@ -196,6 +196,95 @@ def test_the_safetensors_header_is_the_bytes_json_writes_for_it() -> None:
             end = position + math.prod(entry.shape) * entry.dtype.itemsize
             header[name] = {"dtype": entry.dtype.name, "shape": list(entry.shape), "data_offsets": [position, end]}
             position = end
-        encoded, data_end = safetensors._encode_header(tensors, list(tensors), metadata)  # type: ignore[arg-type]
+        nbytes = [math.prod(entry.shape) * entry.dtype.itemsize for entry in tensors.values()]
+        encoded = safetensors._encode_header(list(tensors), [entry.dtype.name for entry in tensors.values()],
+                                             [entry.shape for entry in tensors.values()], nbytes, metadata)
         assert encoded == json.dumps(header, separators=(",", ":")).encode("utf-8")
-        assert data_end == position
+        assert sum(nbytes) == position
+
+
+def test_the_safetensors_header_read_from_columns_is_the_one_read_entry_by_entry() -> None:
+    """The columnar read of a header (_usual_tensors) against the entry-by-entry one: on drawn headers, valid and
+    broken in every field the entry check tests, it gives the same tensors (names, order, dtypes, shapes,
+    strides, bytes) or declines, and it declines every header the entry check refuses."""
+    import math
+    import random
+
+    from ckptool import dtypes
+    from ckptool.errors import InputError
+    from ckptool.formats import safetensors
+    from ckptool.pickles.unpickle import FAST
+
+    if not FAST:
+        pytest.skip("the C extension (ckptool/pickles/_fastload.c) was not built here")
+    rng = random.Random(20261127)
+    path = Path("x.safetensors")
+    names = [name for name in sorted(safetensors.FORMAT_DTYPES) if name in dtypes.BY_NAME]
+    accepted = declined = 0
+    for _ in range(3000):
+        header: dict = {}
+        position = 0
+        for index in range(rng.randint(0, 6)):
+            dtype = rng.choice(names)
+            shape = [rng.choice([0, 1, 2, 3]) for _ in range(rng.randint(0, 3))]
+            nbytes = math.prod(shape) * dtypes.BY_NAME[dtype].itemsize
+            header[f"t{rng.randint(0, 9)}{index}"] = {"dtype": dtype, "shape": shape,
+                                                       "data_offsets": [position, position + nbytes]}
+            position += nbytes
+        if header and rng.random() < 0.6:  # break one thing
+            entry = rng.choice(list(header.values()))
+            how = rng.randrange(14)
+            if how == 0:
+                entry["dtype"] = rng.choice(["F99", 3, None, ["F32"]])
+            elif how == 1:
+                entry["shape"] = rng.choice([[-1], [True], [1.0], "2", [2**63], [2**62, 4], [1] * 65, None])
+            elif how == 2:
+                entry["data_offsets"] = rng.choice([[0], [0, 1, 2], None, [-1, 3], [0.0, 4], [False, 0]])
+            elif how == 3:
+                entry["data_offsets"] = [entry["data_offsets"][0] + 1, entry["data_offsets"][1] + 1]
+            elif how == 4:
+                entry["extra"] = 1
+            elif how == 5:
+                del entry["dtype"]
+            elif how == 6:
+                header[rng.choice(list(header))] = rng.choice([[], "x", 1, None])
+            elif how == 7:
+                position += rng.choice([-1, 1, 8])  # a file shorter or longer than the data
+            elif how == 8:
+                entry["data_offsets"] = [entry["data_offsets"][0], entry["data_offsets"][1] + 1]
+            elif how == 9:  # two tensors swapped in place: still tiled
+                values = list(header.values())
+                if len(values) > 1:
+                    values[0]["data_offsets"], values[-1]["data_offsets"] = values[-1]["data_offsets"], values[0]["data_offsets"]
+            elif how == 10:
+                entry["shape"] = entry["shape"] + [0]
+                entry["data_offsets"] = [entry["data_offsets"][0]] * 2
+            elif how == 11:
+                entry["dtype"] = "BOOL" if entry["dtype"] != "BOOL" else "F64"
+            elif how == 12:
+                entry["shape"] = tuple(entry["shape"])
+            else:
+                entry["data_offsets"] = [entry["data_offsets"][0], True]
+        file_size = 100 + position
+        try:
+            expected = safetensors._each_tensor(header, path, 100, file_size)
+        except InputError:
+            expected = None
+        got = safetensors._usual_tensors(header, path, 100, file_size)
+        if expected is None:
+            assert got is None, header
+            declined += 1
+            continue
+        if got is None:
+            assert not header  # the usual header is never declined
+            continue
+        accepted += 1
+        assert list(got) == list(expected)
+        for name, tensor in got.items():
+            other = expected[name]
+            assert (tensor.dtype, tensor.shape, tensor.stride, tensor.offset, tensor.storage.key, tensor.storage.dtype,
+                    tensor.storage.numel, tensor.storage.location, tensor.storage.data) == \
+                   (other.dtype, other.shape, other.stride, other.offset, other.storage.key, other.storage.dtype,
+                    other.storage.numel, other.storage.location, other.storage.data)
+            assert type(tensor.shape) is tuple and type(tensor.storage.numel) is int
+    assert accepted > 500 and declined > 500

@@ -201,15 +201,15 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
             byte = os_.pread(out.fileno(), 1, out_offset)
             os_.pwrite(out.fileno(), bytes([byte[0] ^ 0xFF]), out_offset)
 
-    real_read = copying.DataOut.read_source
+    real_read = copying.read_exact
 
-    def corrupting_read(self, source, offset, size):  # small tensors are read and written through the buffer
-        data = real_read(self, source, offset, size)
+    def corrupting_read(fd, offset, size, path):  # small tensors are read (alone or in windows) and written through the buffer
+        data = real_read(fd, offset, size, path)
         calls["n"] += 1
         return bytes([data[0] ^ 0xFF]) + data[1:] if calls["n"] == 2 and size else data
 
     monkeypatch.setattr(copying, "copy_range", corrupting_copy)
-    monkeypatch.setattr(copying.DataOut, "read_source", corrupting_read)
+    monkeypatch.setattr(copying, "read_exact", corrupting_read)
     with pytest.raises(FingerprintMismatchError, match="reads back different"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / f"out{suffix}")
     assert calls["n"] >= 2
@@ -368,3 +368,52 @@ def test_the_write_check_reads_back_its_own_pickle_without_walking_or_checking_i
     assert report.checked == len(source.tensors) and calls == {"walk": 1, "tree": 1}
     ckptool.load(tmp_path / "out.pt")
     assert calls == {"walk": 2, "tree": 2}
+
+
+@pytest.mark.parametrize("with_headers", [False, True])
+def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: Path, with_headers: bool) -> None:
+    """DataOut.copy_all (runs of small pieces read in windows in file order, written together) against the
+    bytes of each piece read alone: drawn pieces in any order, overlapping, empty, past a window, larger
+    than a small piece, from two files; every non-empty piece reported as one region where it landed."""
+    import random
+
+    from ckptool import copying
+
+    rng = random.Random(20261127)
+    sources = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    contents = [rng.randbytes(3 << 20), rng.randbytes(1 << 16)]
+    for path, data in zip(sources, contents):
+        path.write_bytes(data)
+    for round_ in range(40):
+        count = rng.randint(0, 300)
+        picks = []
+        for _ in range(count):
+            which = 0 if rng.random() < 0.9 else 1
+            size = rng.choice([0, 1, 7, 64, 4096, 300_000, copying.SMALL_MEMBER + 5]) if rng.random() < 0.3 \
+                else rng.randint(0, 600)
+            size = min(size, len(contents[which]))
+            offset = rng.randint(0, len(contents[which]) - size)
+            picks.append((which, offset, size))
+        headers = [rng.randbytes(rng.randint(0, 40)) for _ in picks] if with_headers else None
+        out_path = tmp_path / f"out{round_}.bin"
+        reported: list[tuple[int, int]] = []
+        with open(out_path, "w+b") as handle:
+            handle.write(b"H" * 13)
+            out = copying.DataOut(handle, lambda offset, length: reported.append((offset, length)))
+            end = out.copy_all([sources[w] for w, _, _ in picks], [o for _, o, _ in picks], [s for _, _, s in picks],
+                               13, headers)
+            out.report()
+            out.release()
+            handle.flush()
+        expected, regions, position = bytearray(b"H" * 13), [], 13
+        for index, (which, offset, size) in enumerate(picks):
+            if headers is not None:
+                expected += headers[index]
+                position += len(headers[index])
+            expected += contents[which][offset:offset + size]
+            if size:
+                regions.append((position, size))
+            position += size
+        assert end == position == len(expected)
+        assert out_path.read_bytes() == bytes(expected)
+        assert sorted(reported) == regions  # (no piece here is past COPY_STEP, reported in steps)

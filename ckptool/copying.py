@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from itertools import accumulate
+from itertools import accumulate, chain
 from operator import add
 from pathlib import Path
 from typing import BinaryIO
@@ -177,7 +177,7 @@ class DataOut:
         else:
             lengths = list(map(add, map(len, headers), sizes))
             starts = list(map(add, accumulate(lengths, initial=out_offset), map(len, headers)))
-            self.handle.write(b"".join([piece for pair in zip(headers, parts) for piece in pair]))
+            self.handle.write(b"".join(chain.from_iterable(zip(headers, parts))))
         self._last_end = None
         if self.on_data is not None:
             regions = [region for region in zip(starts, sizes) if region[1]]  # an empty piece is no region

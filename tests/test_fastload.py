@@ -343,6 +343,7 @@ def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypat
 
     shape = t(2, 2)
     plain = tensor(storage, shape, t(2, 1))
+    shared_hooks: OrderedDict = OrderedDict()
     v2 = "torch._utils._rebuild_tensor_v2"
     entries = {
         "first": tensor(storage, t(4), t(1)),  # the globals' first use: save() memoises them
@@ -351,6 +352,9 @@ def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypat
         "hooks none": tensor(storage, t(3), t(1), 0, True, v2, (), None),
         "hooks odict": tensor(storage, t(3), t(1), 0, False, v2, (), OrderedDict()),
         "hooks set": tensor(storage, t(3), t(1), 0, False, v2, (), OrderedDict(a=1)),
+        # one hooks dict of two tensors: memoised by the first (nothing else refers to a tensor's own: not memoised)
+        "hooks shared": tensor(storage, t(3), t(1), 0, False, v2, (), shared_hooks),
+        "hooks shared again": tensor(storage, t(3), t(1), 0, False, v2, (), shared_hooks),
         "shared stride": tensor(storage, t(5), (1,)), "shared stride again": tensor(storage, t(6), (1,)),
         "offsets": tensor(storage, t(1), t(1), 300), "offset 2": tensor(storage, t(1), t(1), 70000),
         "big offset": tensor(storage, t(1), t(1), (1 << 40) - 1),

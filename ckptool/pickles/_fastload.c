@@ -813,6 +813,8 @@ static int put_text(Buffer *b, PyObject *text, Py_ssize_t *length) {  /* BINUNIC
 typedef struct {
     PyObject *emitter, *memo, *global_memo, *keep, *storages, *dims_bytes, *global_keys;
     int renumber;
+    Py_ssize_t next;  /* emitter.next_index: the index the next PUT takes */
+    Py_ssize_t rebuild_at, dict_at;  /* the v2 rebuild's and OrderedDict's global_memo indices, once known */
     /* constants: (TensorRef, StorageRef, OrderedDict, StateDict, rebuild v2 name, its memo key, OrderedDict's) */
     PyObject *tensor_type, *storage_type, *odict_type, *state_dict_type, *v2_name, *v2_key, *odict_key;
     Buffer out;
@@ -830,12 +832,29 @@ static int flush(Emit *e) {
     return 0;
 }
 
+static PyObject *S_NEXT_INDEX;
+
+static int store_next(Emit *e) {  /* emitter.next_index = e->next */
+    PyObject *value = PyLong_FromSsize_t(e->next);
+    int status = value == NULL ? -1 : PyObject_SetAttr(e->emitter, S_NEXT_INDEX, value);
+    Py_XDECREF(value);
+    return status;
+}
+
+static int load_next(Emit *e) {  /* e->next = emitter.next_index */
+    PyObject *value = PyObject_GetAttr(e->emitter, S_NEXT_INDEX);
+    if (value == NULL) return -1;
+    e->next = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return e->next < 0 && PyErr_Occurred() ? -1 : 0;
+}
+
 static int python_save(Emit *e, PyObject *obj) {
-    if (flush(e) < 0) return -1;
+    if (flush(e) < 0 || store_next(e) < 0) return -1;
     PyObject *result = PyObject_CallMethodOneArg(e->emitter, S_SAVE, obj);
     if (result == NULL) return -1;
     Py_DECREF(result);
-    return 0;
+    return load_next(e);
 }
 
 /* memo[id(obj)] = index; keep.append(obj) */
@@ -864,7 +883,10 @@ static Py_ssize_t global_index(Emit *e, PyObject *key) {  /* global_memo.get(key
     return PyLong_AsSsize_t(found);
 }
 
-static Py_ssize_t next_index(Emit *e) { return PyDict_GET_SIZE(e->memo) + PyDict_GET_SIZE(e->global_memo); }
+/* Whether ``obj``, got from an attribute of the object being written (``held`` references: that attribute's,
+   and each one this emitter holds), is referred to by nothing else: then nothing written later can meet it
+   again, and it needs no memo entry (nor a look-up: a memoised object is also held by ``keep``). */
+static int alone(PyObject *obj, Py_ssize_t held) { return Py_REFCNT(obj) == held; }
 
 /* a str key as save() writes it: 0, or -1 */
 static int emit_key(Emit *e, PyObject *key) {
@@ -875,7 +897,7 @@ static int emit_key(Emit *e, PyObject *key) {
     int status = put_text(&e->out, key, &length);
     if (status) return status < 0 ? -1 : python_save(e, key);
     if (length >= 64) {  /* _SHARED_TEXT: memoised */
-        Py_ssize_t index = next_index(e);
+        Py_ssize_t index = e->next++;
         if (memoise(e, key, index) < 0) return -1;
         return PUT_INDEX(&e->out, index);
     }
@@ -928,30 +950,33 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
     PyObject *storage = attr(tensor, "storage"), *hooks = attr(tensor, "backward_hooks");
     PyObject *shape = attr(tensor, "shape"), *stride = attr(tensor, "stride"), *offset = attr(tensor, "offset");
     PyObject *requires_grad = attr(tensor, "requires_grad");
-    PyObject *numel = NULL, *location = NULL, *type_global = NULL, *type_key = NULL, *skey = NULL, *args = NULL;
-    PyObject *fresh_hooks = NULL;
+    PyObject *numel = NULL, *location = NULL, *type_global = NULL, *type_key = NULL, *skey = NULL;
     Buffer *b = &e->out;
     Py_ssize_t mark = b->len;
     if (!storage || !hooks || !shape || !stride || !offset || !requires_grad) goto error;
-    if (hooks == Py_None) {
-        fresh_hooks = PyObject_CallNoArgs(e->odict_type);
-        if (fresh_hooks == NULL) goto error;
-        Py_SETREF(hooks, Py_NewRef(fresh_hooks));
-    } else {
+    /* a fresh hooks OrderedDict (the tensor has none) is written, never made: nothing can meet it again */
+    int hooks_memoised = 0;
+    if (hooks != Py_None) {
         if ((PyObject *)Py_TYPE(hooks) != e->odict_type && (PyObject *)Py_TYPE(hooks) != e->state_dict_type) goto done;
         Py_ssize_t size = PyObject_Length(hooks);
         if (size != 0) goto check_error;
-        PyObject *state = PyObject_GetAttrString(hooks, "__dict__");  /* getattr(hooks, "__dict__", None) */
-        if (state == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
-            PyErr_Clear();
+        if ((PyObject *)Py_TYPE(hooks) == e->odict_type) {  /* its __dict__, if it has one, without making one */
+            PyObject **state = _PyObject_GetDictPtr(hooks);
+            if (state != NULL && *state != NULL && PyDict_GET_SIZE(*state)) goto done;
         } else {
-            int truth = PyObject_IsTrue(state);
-            Py_DECREF(state);
-            if (truth < 0) goto error;
-            if (truth) goto done;
+            PyObject *state = PyObject_GetAttr(hooks, S_DICT);  /* getattr(hooks, "__dict__", None) */
+            if (state == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
+                PyErr_Clear();
+            } else {
+                int truth = PyObject_IsTrue(state);
+                Py_DECREF(state);
+                if (truth < 0) goto error;
+                if (truth) goto done;
+            }
         }
-        Py_ssize_t at = memo_index(e, hooks);
+        hooks_memoised = !alone(hooks, 2);  /* held by the tensor and here */
+        Py_ssize_t at = hooks_memoised ? memo_index(e, hooks) : -1;
         if (at != -1) goto check_error;
     }
     if ((PyObject *)Py_TYPE(storage) != e->storage_type || !PyLong_CheckExact(offset) || !PyTuple_CheckExact(shape) ||
@@ -963,9 +988,9 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
         if (at != -1) goto check_error;
         if (PyTuple_GET_SIZE(shape)) {
             if (shape == stride) goto done;
-            if ((at = memo_index(e, shape)) != -1) goto check_error;
+            if (!alone(shape, 2) && (at = memo_index(e, shape)) != -1) goto check_error;
         }
-        if (PyTuple_GET_SIZE(stride) && (at = memo_index(e, stride)) != -1) goto check_error;
+        if (PyTuple_GET_SIZE(stride) && !alone(stride, 2) && (at = memo_index(e, stride)) != -1) goto check_error;
     }
     numel = attr(storage, "numel");
     location = attr(storage, "location");
@@ -975,7 +1000,9 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
         if (!PyLong_CheckExact(PyTuple_GET_ITEM(shape, k))) goto done;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(stride); k++)
         if (!PyLong_CheckExact(PyTuple_GET_ITEM(stride, k))) goto done;
-    Py_ssize_t rebuild_at = global_index(e, e->v2_key), dict_at = global_index(e, e->odict_key);
+    if (e->rebuild_at < 0) e->rebuild_at = global_index(e, e->v2_key);  /* once memoised, an index stays */
+    if (e->dict_at < 0) e->dict_at = global_index(e, e->odict_key);
+    Py_ssize_t rebuild_at = e->rebuild_at, dict_at = e->dict_at;
     if (rebuild_at == -2 || dict_at == -2) goto error;
     type_global = attr(storage, "type_global");
     if (type_global == NULL) goto error;
@@ -1028,7 +1055,7 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
         if (put_bytes(b, "tQ", 2)) goto error;
         if ((written = put_int(b, offset))) goto written_error;
     }
-    Py_ssize_t index = next_index(e);
+    Py_ssize_t index = e->next;
     PyObject *dims_list[2] = {shape, stride};
     for (int k = 0; k < 2; k++) {
         PyObject *dims = dims_list[k];
@@ -1056,17 +1083,19 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
             if (cached == NULL) goto error;
         }
         if (put_bytes(b, PyBytes_AS_STRING(cached), PyBytes_GET_SIZE(cached)) || PUT_INDEX(b, index) ||
-            memoise(e, dims, index) < 0)
+            (!alone(dims, 2) && memoise(e, dims, index) < 0))
             goto error;
         index++;
     }
+    /* the hooks, then the arguments' tuple (made by the unpickler of what is written, never here: nothing
+       can meet it again), then the tensor */
     if (put_bytes(b, requires_grad == Py_True ? "\x88" : "\x89", 1) || GET_INDEX(b, dict_at) || put_bytes(b, ")R", 2) ||
-        PUT_INDEX(b, index) || memoise(e, hooks, index) < 0)
+        PUT_INDEX(b, index) || (hooks_memoised && memoise(e, hooks, index) < 0))
         goto error;
-    args = PyTuple_Pack(6, storage, offset, shape, stride, requires_grad, hooks);  /* kept: its id its own */
-    if (args == NULL || put_bytes(b, "t", 1) || PUT_INDEX(b, index + 1) || memoise(e, args, index + 1) < 0 ||
-        put_bytes(b, "R", 1) || PUT_INDEX(b, index + 2) || memoise(e, tensor, index + 2) < 0)
+    if (put_bytes(b, "t", 1) || PUT_INDEX(b, index + 1) || put_bytes(b, "R", 1) || PUT_INDEX(b, index + 2) ||
+        memoise(e, tensor, index + 2) < 0)
         goto error;
+    e->next = index + 3;
     status = 0;
     goto done;
 written_error:
@@ -1093,8 +1122,6 @@ done:
     Py_XDECREF(type_global);
     Py_XDECREF(type_key);
     Py_XDECREF(skey);
-    Py_XDECREF(args);
-    Py_XDECREF(fresh_hooks);
     return status;
 }
 
@@ -1168,7 +1195,8 @@ static PyObject *emit_items(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "emit_items: the emitter's tables are not dicts and a list");
         goto out;
     }
-    if ((e.renumber = PyObject_IsTrue(renumber)) < 0) goto out;
+    if ((e.renumber = PyObject_IsTrue(renumber)) < 0 || load_next(&e) < 0) goto out;
+    e.rebuild_at = e.dict_at = -1;
     Py_ssize_t count = PyList_GET_SIZE(items);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *pair = PyList_GET_ITEM(items, i);
@@ -1185,7 +1213,7 @@ static PyObject *emit_items(PyObject *self, PyObject *args) {
         Py_DECREF(pair);
         if (status < 0) goto out;
     }
-    if (flush(&e) < 0) goto out;
+    if (flush(&e) < 0 || store_next(&e) < 0) goto out;
     result = Py_NewRef(Py_None);
 out:
     PyMem_Free(e.out.data);
@@ -1542,8 +1570,9 @@ PyMODINIT_FUNC PyInit__fastload(void) {
         S_SETSTATE = PyUnicode_InternFromString("__setstate__");
         S_WRITE = PyUnicode_InternFromString("write");
         S_SAVE = PyUnicode_InternFromString("save");
+        S_NEXT_INDEX = PyUnicode_InternFromString("next_index");
         if (S_STORAGE == NULL || S_DTYPE == NULL || S_NUMEL == NULL || S_ITEMSIZE == NULL || S_NAME == NULL ||
-            S_MODULE == NULL || S_DICT == NULL || S_SETSTATE == NULL || S_WRITE == NULL || S_SAVE == NULL)
+            S_MODULE == NULL || S_DICT == NULL || S_SETSTATE == NULL || S_WRITE == NULL || S_SAVE == NULL || S_NEXT_INDEX == NULL)
             return NULL;
     }
     return PyModule_Create(&fastload_module);

@@ -44,6 +44,9 @@ class _Emitter:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # keep memoized objects alive so ids stay unique
         self.global_memo: dict[str, int] = {}
+        # the memo index the next PUT takes: one more for each PUT written. Not the memo's size: the C emitter
+        # writes a PUT and memoises nothing for an object nothing else refers to (it cannot be met again)
+        self.next_index = 0
         self.dotted = False  # a global named as a nested class (module + "Outer.Inner") was written
         self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
         self._global_keys: dict[str, str] = {}  # a storage class's global -> its key in global_memo
@@ -51,7 +54,8 @@ class _Emitter:
 
     # memo -------------------------------------------------------------------------------------
     def _put(self, obj: Any) -> None:
-        index = len(self.memo) + len(self.global_memo)
+        index = self.next_index
+        self.next_index = index + 1
         self.memo[id(obj)] = index
         self.keep.append(obj)
         self._write_put(index)
@@ -78,7 +82,8 @@ class _Emitter:
             return
         self.dotted = self.dotted or "." in name
         self.write(_P.GLOBAL + module.encode() + b"\n" + name.encode() + b"\n")
-        index = len(self.memo) + len(self.global_memo)
+        index = self.next_index
+        self.next_index = index + 1
         self.global_memo[key] = index
         self._write_put(index)
 
@@ -343,7 +348,7 @@ class _Emitter:
         parts.append(b"tQ")
         parts.append(_int_bytes(offset))
         keep = self.keep
-        index = len(memo) + len(global_memo)
+        index = self.next_index
         small = _SMALL_INTS
         dims_bytes = self._dims_bytes
         for dims in (shape, stride):
@@ -375,6 +380,7 @@ class _Emitter:
         parts.append(_put_bytes(index + 2))
         memo[id(tensor)] = index + 2
         keep.append(tensor)
+        self.next_index = index + 3
         self.write(b"".join(parts))
         return True
 

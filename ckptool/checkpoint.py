@@ -377,8 +377,10 @@ class Checkpoint:
         state_dict = self.state_dict
         items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()  # a caller's Mapping
         values = dict.values(state_dict) if isinstance(state_dict, dict) else state_dict.values()
-        # the usual state dict holds tensors only: copied whole (tested in C, 100,000 values in 5 ms)
-        found = dict(items) if all(map(_IS_TENSOR_REF, values)) else {k: v for k, v in items if isinstance(v, TensorRef)}
+        if all(map(_IS_TENSOR_REF, values)):  # the usual state dict holds tensors only (tested in C: 100,000 in 5 ms)
+            found = dict.copy(state_dict) if type(state_dict) is dict else dict(items)  # a dict's table copied whole
+        else:
+            found = {k: v for k, v in items if isinstance(v, TensorRef)}
         if len(found) < len(state_dict):
             layouts.add_components(found, state_dict, self.path)
         return found

@@ -475,6 +475,9 @@ def expansion(tensors: Mapping[str, Any]) -> Expansion:
     if all(map(_IS_TENSOR_REF, values)):
         views_of = list(map(_STORAGE, values))
         if len(set(views_of)) == len(views_of):  # a storage per tensor (identity hashes): nothing is tied
+            whole = whole_plain(values)
+            if whole is not None:  # each all of its storage, end to end: none expands (one pass in C)
+                return Expansion(sum(map(mul, map(_NUMEL, views_of), map(_ITEMSIZE, views_of))), sum(whole[1]), ())
             return _expansion_untied(list(tensors), values, views_of)
     storages: dict[int, int] = {}
     first_view: dict[int, TensorRef] = {}  # a storage's first view, until a second one shows up

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .pickles import OpaqueObject
-from .refs import StorageRef, TensorRef
+from .refs import _IS_TENSOR_REF, StorageRef, TensorRef
 
 Path_ = tuple[Any, ...]
 # values no walk needs to enter: atoms, and empty containers (a pickle of 10 million empty lists
@@ -91,21 +91,30 @@ def tensor_values(obj: Any) -> Iterator[TensorRef]:
 
     Depth first through a stack of iterators, one per container entered: a state dict's 100,000
     tensors are yielded as its values are iterated, not pushed and popped one by one."""
-    seen: set[int] = set()
+    seen: set[int] = set()  # containers entered
+    yielded: set[int] = set()  # tensors
     stack: list[Iterator[Any]] = [iter((obj,))]
     atoms, emptyable = _ATOMS, _EMPTYABLE
     while stack:
         for node in stack[-1]:
             kind = type(node)
             if kind is TensorRef or isinstance(node, TensorRef):
-                if id(node) not in seen:
-                    seen.add(id(node))
+                if id(node) not in yielded:
+                    yielded.add(id(node))
                     yield node
                 continue
             if kind in atoms or (kind in emptyable and not node) or id(node) in seen:
                 continue
             if isinstance(node, dict):
                 values = list(dict.values(node))
+                if values and all(map(_IS_TENSOR_REF, values)):  # a state dict: its tensors at once (tested in C)
+                    seen.add(id(node))
+                    fresh = list(dict.fromkeys(values))  # each tensor once (TensorRef hashes by identity)
+                    if yielded:
+                        fresh = [value for value in fresh if id(value) not in yielded]
+                    yielded.update(map(id, fresh))
+                    yield from fresh
+                    continue
             elif isinstance(node, list | tuple):
                 values = list(node)
             else:

@@ -11,6 +11,7 @@ fails on NaN/Inf weights unless told they are meant.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import subprocess
@@ -308,9 +309,10 @@ def test_expansion_of_untied_views_is_measured_as_the_loop_measures_it(fixtures_
     assert measured >= 10
     base = list(ckptool.load(fixtures_dir / "single_lenet.pt").tensors.values())
     rng = random.Random(20261127)
-    expanding = 0
+    expanding = whole = 0
     for _ in range(3000):
         tensors = {}
+        all_whole = rng.random() < 0.25  # every view all of its storage's bytes (refs.whole_plain's path)
         for index in range(rng.randint(1, 6)):
             view = copy.copy(rng.choice(base))
             view.storage = copy.copy(view.storage)
@@ -319,11 +321,15 @@ def test_expansion_of_untied_views_is_measured_as_the_loop_measures_it(fixtures_
             view.shape = tuple(rng.randint(0, 4) for _ in range(dims))
             view.stride = tuple(rng.choice([0, 1, 2, 5]) for _ in range(dims))
             view.offset = rng.randint(0, 3)
+            if all_whole:
+                view.stride, view.offset = refs.contiguous_stride(view.shape), 0
+                view.storage.data = refs.ByteRange(path, 0, math.prod(view.shape) * view.dtype.itemsize)
             tensors[f"t{index}"] = view
         fast = refs.expansion(tensors)
         assert fast == _expansion_by_the_loop(tensors, monkeypatch)
         expanding += bool(fast.expanding)
-    assert 300 < expanding < 2700  # both kinds drawn often
+        whole += refs.whole_plain(list(tensors.values())) is not None
+    assert 300 < expanding < 2700 and whole > 500  # every kind drawn often
 
 
 def test_check_tree_counts_a_plain_tensor_as_a_leaf_and_enters_any_other(fixtures_dir: Path,

@@ -126,6 +126,10 @@ def test_tensor_values_walk_as_iter_tensors(fixtures_dir: Path) -> None:
     cycle.append(cycle)
     containers.append({"a": t[0], "s": shared, "again": shared, "l": [[], {}, "text", 3, t[1], cycle],
                        "t": (t[5], t[0]), "n": None})
+    # dicts of tensors only (taken at once), one tied within, one seen before, one holding the same dict twice
+    tensors_only = {"p": t[0], "q": t[1], "r": t[1], "s": t[2]}
+    containers.append({"a": t[2], "sd": tensors_only, "more": [tensors_only, {"z": t[3], "w": t[2]}], "b": t[4]})
+    containers.append(tensors_only)
     assert len(containers) > 10
     for container in containers:
         assert [id(v) for v in tensor_values(container)] == [id(v) for _, v in iter_tensors(container)]

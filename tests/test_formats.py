@@ -288,3 +288,111 @@ def test_the_safetensors_header_read_from_columns_is_the_one_read_entry_by_entry
                     other.storage.numel, other.storage.location, other.storage.data)
             assert type(tensor.shape) is tuple and type(tensor.storage.numel) is int
     assert accepted > 500 and declined > 500
+
+
+def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks_give() -> None:
+    """_fastload.parse_header (the header's bytes straight into tensors) against json.loads and the entry-by-entry
+    checks, on drawn headers written every way JSON allows (spacing, key order, escapes, non-ASCII names,
+    metadata) and then bent byte by byte and token by token (numbers as floats, signs and leading zeros,
+    duplicate keys, invalid UTF-8, a gap, trailing bytes): it gives the same tensors and metadata or declines,
+    and declines every header the Python path refuses."""
+    import math
+    import random
+
+    from ckptool import dtypes
+    from ckptool.errors import InputError
+    from ckptool.formats import safetensors
+    from ckptool.pickles.unpickle import FAST, _fastload
+
+    if not FAST:
+        pytest.skip("the C extension (ckptool/pickles/_fastload.c) was not built here")
+    rng = random.Random(20261127)
+    path = Path("x.safetensors")
+    names = sorted(safetensors._DTYPES)
+    alphabet = ["a", "b", ".", "0", "é", '"', "\\", "\n", "😀", "\ud800", "/", " ", "\x7f", "\u2028"]
+
+    def reference(raw: bytes, file_size: int) -> tuple | None:
+        try:
+            header = safetensors._parsed(path, raw)
+            metadata = header.pop("__metadata__", None) or {}
+            if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in metadata.items()):
+                return None
+            return safetensors._each_tensor(header, path, 100, file_size), metadata
+        except InputError:
+            return None
+
+    accepted = refused = 0
+    for _ in range(4000):
+        header: dict = {}
+        position = 0
+        for index in range(rng.randint(1, 5)):
+            dtype = rng.choice(names)
+            shape = [rng.choice([0, 1, 2, 3, 10]) for _ in range(rng.randint(0, 3))]
+            nbytes = math.prod(shape) * dtypes.BY_NAME[dtype].itemsize
+            name = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) if rng.random() < 0.3 else f"m.{index}"
+            fields = [("dtype", dtype), ("shape", shape), ("data_offsets", [position, position + nbytes])]
+            if rng.random() < 0.2:
+                rng.shuffle(fields)
+            header[name + str(index)] = dict(fields)
+            position += nbytes
+        if rng.random() < 0.5:
+            metadata = {"format": "pt", rng.choice(alphabet) + "k": "".join(rng.choice(alphabet) for _ in range(5))}
+            items = list(header.items())
+            items.insert(rng.randint(0, len(items)), ("__metadata__", metadata))
+            header = dict(items)
+        separators = rng.choice([(",", ":"), (", ", ": "), (",", ": ")])
+        text = json.dumps(header, separators=separators, ensure_ascii=rng.random() < 0.5,
+                          indent=rng.choice([None, None, 2]))
+        raw = text.encode("utf-8", "surrogatepass") + b" " * rng.randint(0, 7)
+        file_size = 100 + position
+        bend = rng.randrange(16)
+        if bend == 0:
+            raw = raw.replace(b"]", b".0]", 1)
+        elif bend == 1:
+            raw = raw.replace(b"[0,", b"[-0,", 1)
+        elif bend == 2:
+            raw = raw.replace(b"[0,", b"[00,", 1)
+        elif bend == 3:
+            at = rng.randrange(len(raw))
+            raw = raw[:at] + bytes([rng.randrange(256)]) + raw[at + 1:]
+        elif bend == 4:
+            at = rng.randrange(len(raw))
+            raw = raw[:at] + raw[at + 1:]
+        elif bend == 5:
+            raw = raw.rstrip() + rng.choice([b"x", b"}", b",", b"\x00"])
+        elif bend == 6:
+            file_size += rng.choice([-1, 1])
+        elif bend == 7:  # a key twice (json keeps the last)
+            raw = raw.replace(b'"dtype"', b'"dtype": "F32", "dtype"', 1)
+        elif bend == 8:
+            raw = raw.replace(b'"m.', b'"\xff\xfe.', 1)
+        elif bend == 9:
+            raw = raw.replace(b'"shape"', b'"shape": [1], "extra"', 1)
+        elif bend == 10:
+            raw = raw.replace(b"e+", b"E", 1).replace(b"0]", b"1e0]", 1)
+        elif bend == 11:
+            raw = raw.replace(b'"__metadata__"', b'"__metadata__": {}, "__metadata__"', 1)
+        elif bend == 12:
+            raw = raw.replace(b'"format"', b'"format": 1, "f"', 1)
+        got = _fastload.parse_header(raw, path, 100, file_size, (*safetensors._HEADER_CONSTANTS, json.loads))
+        expected = reference(raw, file_size)
+        if expected is None:
+            assert got is None, raw
+            refused += 1
+            continue
+        if got is None:  # declined: only a key twice (json's last one wins; the Python path reads it), or -0
+            assert bend in (1, 7, 11, 12), raw  # (-0 is an int to json)
+            continue
+        accepted += 1
+        tensors, metadata = got
+        assert metadata == expected[1] and list(metadata) == list(expected[1])
+        assert list(tensors) == list(expected[0])
+        for name, tensor in tensors.items():
+            other = expected[0][name]
+            assert (tensor.dtype, tensor.shape, tensor.stride, tensor.offset, tensor.storage.key, tensor.storage.dtype,
+                    tensor.storage.numel, tensor.storage.location, tensor.storage.data) == \
+                   (other.dtype, other.shape, other.stride, other.offset, other.storage.key, other.storage.dtype,
+                    other.storage.numel, other.storage.location, other.storage.data)
+            assert type(tensor.shape) is tuple and all(type(size) is int for size in tensor.shape)
+    assert accepted > 1000 and refused > 1000, (accepted, refused)

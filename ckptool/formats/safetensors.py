@@ -15,6 +15,7 @@ The container a training checkpoint kept around its weights (epoch, configs, sch
 from __future__ import annotations
 
 import json
+import os
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import math
 import re
@@ -126,6 +127,12 @@ def _contents(contents: SafetensorsContents, path: Path) -> Contents:
 
 def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
     """The validated header dict and the absolute offset where the data section starts."""
+    raw, data_start = _raw_header(path, handle)
+    return _parsed(path, raw), data_start
+
+
+def _raw_header(path: Path, handle: BinaryIO) -> tuple[bytes, int]:
+    """The header's bytes (its length checked against the file's) and where the data section starts."""
     file_size = handle_size(handle)
     handle.seek(0)
     prefix = handle.read(8)
@@ -138,18 +145,24 @@ def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
         raise InputError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES}) — refused", path=path)
     if 8 + length > file_size:
         raise InputError.truncated(path, f"safetensors header claims {length} bytes but the file has {file_size}")
-    raw = handle.read(length)
+    return handle.read(length), 8 + length
+
+
+def _parsed(path: Path, raw: bytes) -> dict:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a 5000-digit number, deep nesting
         raise InputError(f"safetensors header is not valid UTF-8 JSON ({type(e).__name__}) — the file is corrupt", path=path) from e
     if not isinstance(header, dict):
         raise InputError("safetensors header is not a JSON object — the file is corrupt", path=path)
-    return header, 8 + length
+    return header
 
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _DTYPES = {name: dtypes.BY_NAME[name] for name in FORMAT_DTYPES if name in dtypes.BY_NAME}  # what a header may name
+_HEADER_CONSTANTS = (ByteRange, StorageRef, TensorRef, _DTYPES, contiguous_stride, "cpu")
+# CKPTOOL_PURE_PYTHON_HEADER=1 parses every header with json (the C parse's reference)
+PURE_PYTHON_HEADER = os.environ.get("CKPTOOL_PURE_PYTHON_HEADER", "") not in ("", "0")
 
 
 def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
@@ -159,14 +172,21 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
 
 
 def _read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
-    header, data_start = read_header(path, handle)
+    raw, data_start = _raw_header(path, handle)
     file_size = handle_size(handle)
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
-    tensors = _usual_tensors(header, path, data_start, file_size)
-    if tensors is None:
-        tensors = _each_tensor(header, path, data_start, file_size)
+    parsed = _fastload.parse_header(raw, path, data_start, file_size, (*_HEADER_CONSTANTS, json.loads)) \
+        if FAST and not PURE_PYTHON_HEADER else None
+    if parsed is not None:  # the usual header, parsed in C straight into its tensors (100,000: 0.05 s, not 0.5)
+        tensors, metadata = parsed
+    else:  # json's parse, and the checks that say what is wrong
+        header = _parsed(path, raw)
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in metadata.items()):
+            raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
+        tensors = _usual_tensors(header, path, data_start, file_size)
+        if tensors is None:
+            tensors = _each_tensor(header, path, data_start, file_size)
     # names in sorted order, as the safetensors library lists them
     contents = SafetensorsContents(tensors=dict(sorted(tensors.items())), metadata=dict(metadata), files=[path])
     _retie(contents, path)
@@ -179,8 +199,7 @@ def _usual_tensors(header: dict, path: Path, data_start: int, file_size: int) ->
     where the C extension was not built."""
     if not FAST:
         return None
-    constants = (ByteRange, StorageRef, TensorRef, _DTYPES, contiguous_stride, "cpu")
-    return _fastload.header_tensors(header, path, data_start, file_size, constants)
+    return _fastload.header_tensors(header, path, data_start, file_size, _HEADER_CONSTANTS)
 
 
 def _each_tensor(header: dict, path: Path, data_start: int, file_size: int) -> dict[str, TensorRef]:

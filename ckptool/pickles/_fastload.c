@@ -1542,6 +1542,263 @@ static PyObject *header_tensors(PyObject *self, PyObject *args) {
     return tensors;
 }
 
+/* ---------------------------------------------------------------- a safetensors header, parsed */
+
+typedef struct {
+    const unsigned char *p, *end;
+} Cursor;
+
+static void skip_ws(Cursor *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r')) c->p++;
+}
+
+static int take(Cursor *c, unsigned char ch) {  /* the next token is ``ch``: taken (1), or not (0) */
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ch) {
+        c->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* a JSON string's bytes between its quotes; ``*escaped``: it holds a backslash. 0: not a string here */
+static int raw_string(Cursor *c, const unsigned char **start, Py_ssize_t *length, int *escaped) {
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != '"') return 0;
+    *start = ++c->p;
+    *escaped = 0;
+    while (c->p < c->end && *c->p != '"') {
+        if (*c->p < 0x20) return 0;  /* a raw control character: JSON refuses it */
+        if (*c->p == '\\') {
+            *escaped = 1;
+            if (++c->p >= c->end) return 0;
+        }
+        c->p++;
+    }
+    if (c->p >= c->end) return 0;
+    *length = c->p - *start;
+    c->p++;
+    return 1;
+}
+
+/* the str a JSON string stands for: decoded as UTF-8 (strict), or by ``loads`` (json.loads) where it holds
+   escapes; NULL (no error: the caller declines) for anything else */
+static PyObject *string_value(const unsigned char *start, Py_ssize_t length, int escaped, PyObject *loads) {
+    PyObject *value;
+    if (!escaped) {
+        value = PyUnicode_DecodeUTF8((const char *)start, length, "strict");
+    } else {
+        /* decoded as the whole header is (strict UTF-8: json.loads of bytes would let surrogates through) */
+        PyObject *quoted = PyUnicode_DecodeUTF8((const char *)start - 1, length + 2, "strict");
+        value = quoted ? PyObject_CallOneArg(loads, quoted) : NULL;
+        Py_XDECREF(quoted);
+        if (value != NULL && !PyUnicode_CheckExact(value)) Py_CLEAR(value);
+    }
+    if (value == NULL) PyErr_Clear();
+    return value;
+}
+
+/* a JSON number that is an int in [0, 2^63) written as JSON writes one (no sign, no leading zero, no
+   fraction or exponent): 1, else 0 */
+static int count_value(Cursor *c, int64_t *out) {
+    skip_ws(c);
+    const unsigned char *s = c->p;
+    if (s >= c->end || *s < '0' || *s > '9' || (*s == '0' && s + 1 < c->end && s[1] >= '0' && s[1] <= '9')) return 0;
+    int64_t v = 0;
+    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+        if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, (int64_t)(*c->p - '0'), &v)) return 0;
+        c->p++;
+    }
+    if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E' || *c->p == '-' || *c->p == '+')) return 0;
+    *out = v;
+    return 1;
+}
+
+static int is_key(const unsigned char *start, Py_ssize_t length, int escaped, const char *name) {
+    return !escaped && (size_t)length == strlen(name) && memcmp(start, name, (size_t)length) == 0;
+}
+
+PyDoc_STRVAR(parse_header_doc,
+"parse_header(raw, path, data_start, file_size, constants) -> (tensors, metadata) or None\n\n"
+"A safetensors header's bytes, parsed: what json.loads of them, __metadata__ taken out, then\n"
+"ckptool.formats.safetensors._each_tensor give (the TensorRefs by name in the header's order, and the\n"
+"metadata), for a header all of whose entries those accept; None for any other (the Python path then\n"
+"parses it, and says why it refuses it). ``constants``: header_tensors' and json.loads, for the strings\n"
+"that hold escapes.");
+
+static PyObject *parse_header(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    PyObject *path, *constants;
+    long long data_start, file_size;
+    if (!PyArg_ParseTuple(args, "y*OLLO!:parse_header", &raw, &path, &data_start, &file_size, &PyTuple_Type,
+                          &constants))
+        return NULL;
+    if (PyTuple_GET_SIZE(constants) != 7 || !PyDict_Check(item(constants, 3))) {
+        PyBuffer_Release(&raw);
+        PyErr_SetString(PyExc_ValueError, "parse_header: malformed constants");
+        return NULL;
+    }
+    PyObject *range_type = item(constants, 0), *storage_type = item(constants, 1), *tensor_type = item(constants, 2);
+    PyObject *kinds = item(constants, 3), *contiguous = item(constants, 4), *location = item(constants, 5);
+    PyObject *loads = item(constants, 6);
+    Cursor c = {(const unsigned char *)raw.buf, (const unsigned char *)raw.buf + raw.len};
+    PyObject *tensors = PyDict_New(), *metadata = NULL, *result = NULL;
+    Py_ssize_t n = 0, cap = 1024;
+    Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)cap);
+    int failed = tensors == NULL || spans == NULL ? -1 : 0;  /* 1: declined */
+    if (!failed && (!take(&c, '{') || take(&c, '}'))) failed = 1;  /* (an empty header: the Python path) */
+    while (!failed) {
+        const unsigned char *key;
+        Py_ssize_t key_length;
+        int key_escaped;
+        if (!raw_string(&c, &key, &key_length, &key_escaped) || !take(&c, ':')) {
+            failed = 1;
+            break;
+        }
+        if (is_key(key, key_length, key_escaped, "__metadata__")) {
+            if (metadata != NULL || !take(&c, '{') || (metadata = PyDict_New()) == NULL) {
+                failed = metadata == NULL && PyErr_Occurred() ? -1 : 1;
+                break;
+            }
+            if (!take(&c, '}')) {
+                do {
+                    const unsigned char *k, *v;
+                    Py_ssize_t kl, vl;
+                    int ke, ve;
+                    if (!raw_string(&c, &k, &kl, &ke) || !take(&c, ':') || !raw_string(&c, &v, &vl, &ve)) {
+                        failed = 1;
+                        break;
+                    }
+                    PyObject *mk = string_value(k, kl, ke, loads), *mv = mk ? string_value(v, vl, ve, loads) : NULL;
+                    int present = mv ? PyDict_Contains(metadata, mk) : 1;
+                    if (present || PyDict_SetItem(metadata, mk, mv) < 0) failed = present < 0 || PyErr_Occurred() ? -1 : 1;
+                    Py_XDECREF(mk);
+                    Py_XDECREF(mv);
+                } while (!failed && take(&c, ','));
+                if (!failed && !take(&c, '}')) failed = 1;
+            }
+        } else {
+            PyObject *name = string_value(key, key_length, key_escaped, loads), *dtype = NULL;
+            int64_t dims[64], begin = -1, end = -1;
+            int ndims = -1, have_offsets = 0;
+            if (name == NULL || PyDict_Contains(tensors, name) != 0 || !take(&c, '{')) failed = 1;
+            for (int field = 0; field < 3 && !failed; field++) {
+                const unsigned char *f;
+                Py_ssize_t fl;
+                int fe;
+                if ((field && !take(&c, ',')) || !raw_string(&c, &f, &fl, &fe) || !take(&c, ':')) {
+                    failed = 1;
+                } else if (is_key(f, fl, fe, "dtype") && dtype == NULL) {
+                    const unsigned char *d;
+                    Py_ssize_t dl;
+                    int de;
+                    PyObject *text = raw_string(&c, &d, &dl, &de) ? string_value(d, dl, de, loads) : NULL;
+                    dtype = text ? PyDict_GetItemWithError(kinds, text) : NULL;  /* borrowed */
+                    Py_XDECREF(text);
+                    if (dtype == NULL) failed = PyErr_Occurred() ? -1 : 1;
+                } else if (is_key(f, fl, fe, "shape") && ndims < 0) {
+                    if (!take(&c, '[')) failed = 1;
+                    else if (take(&c, ']')) ndims = 0;
+                    else {
+                        ndims = 0;
+                        do {
+                            if (ndims == 64 || !count_value(&c, &dims[ndims])) failed = 1;
+                            else ndims++;
+                        } while (!failed && take(&c, ','));
+                        if (!failed && !take(&c, ']')) failed = 1;
+                    }
+                } else if (is_key(f, fl, fe, "data_offsets") && !have_offsets) {
+                    have_offsets = take(&c, '[') && count_value(&c, &begin) && take(&c, ',') && count_value(&c, &end) &&
+                                   take(&c, ']');
+                    if (!have_offsets) failed = 1;
+                } else {
+                    failed = 1;  /* another key, or one twice */
+                }
+            }
+            if (!failed && !take(&c, '}')) failed = 1;
+            int64_t numel = 1, itemsize = 0, nbytes = 0, start = 0;
+            if (!failed) {
+                for (int k = 0; k < ndims && !failed; k++)
+                    if (__builtin_mul_overflow(numel, dims[k], &numel)) failed = 1;
+                PyObject *itemsize_obj = failed ? NULL : PyObject_GetAttr(dtype, S_ITEMSIZE);
+                if (!failed && itemsize_obj == NULL) failed = -1;
+                if (!failed) {
+                    itemsize = count_of(itemsize_obj);
+                    if (itemsize <= 0 || __builtin_mul_overflow(numel, itemsize, &nbytes) || end - begin != nbytes ||
+                        __builtin_add_overflow(begin, (int64_t)data_start, &start))
+                        failed = 1;
+                }
+                Py_XDECREF(itemsize_obj);
+            }
+            if (!failed && n == cap) {
+                Span *more = PyMem_Realloc(spans, sizeof(Span) * (size_t)(cap *= 2));
+                if (more == NULL) failed = -1;
+                else spans = more;
+            }
+            if (!failed) {
+                spans[n].begin = begin;
+                spans[n].end = end;
+                n++;
+                PyObject *shape = PyTuple_New(ndims);
+                for (int k = 0; shape != NULL && k < ndims; k++) {
+                    PyObject *size = PyLong_FromLongLong(dims[k]);
+                    if (size == NULL) Py_CLEAR(shape);
+                    else PyTuple_SET_ITEM(shape, k, size);
+                }
+                PyObject *start_obj = PyLong_FromLongLong(start), *nbytes_obj = PyLong_FromLongLong(nbytes);
+                PyObject *numel_obj = PyLong_FromLongLong(numel);
+                PyObject *stride = shape ? PyObject_CallOneArg(contiguous, shape) : NULL;
+                PyObject *range = NULL, *storage = NULL, *tensor = NULL;
+                if (start_obj && nbytes_obj && numel_obj && stride) {
+                    PyObject *range_args[3] = {path, start_obj, nbytes_obj};
+                    range = make(range_type, range_args, 3);
+                }
+                if (range) {
+                    PyObject *storage_args[5] = {name, dtype, numel_obj, location, range};
+                    storage = make(storage_type, storage_args, 5);
+                }
+                if (storage) {
+                    PyObject *tensor_args[4] = {storage, dtype, shape, stride};
+                    tensor = make(tensor_type, tensor_args, 4);
+                }
+                if (tensor == NULL || PyDict_SetItem(tensors, name, tensor) < 0) failed = -1;
+                Py_XDECREF(shape);
+                Py_XDECREF(start_obj);
+                Py_XDECREF(nbytes_obj);
+                Py_XDECREF(numel_obj);
+                Py_XDECREF(stride);
+                Py_XDECREF(range);
+                Py_XDECREF(storage);
+                Py_XDECREF(tensor);
+            }
+            Py_XDECREF(name);
+        }
+        if (failed || !take(&c, ',')) break;
+    }
+    if (!failed && (!take(&c, '}') || (skip_ws(&c), c.p != c.end) || n == 0)) failed = 1;
+    if (!failed) {  /* the data section tiled exactly: no gaps, no overlaps, nothing trailing */
+        qsort(spans, (size_t)n, sizeof(Span), span_order);
+        int64_t position = 0;
+        for (Py_ssize_t k = 0; k < n && !failed; k++) {
+            if (spans[k].begin != position) failed = 1;
+            position = spans[k].end;
+        }
+        if (!failed && (int64_t)data_start + position != (int64_t)file_size) failed = 1;
+    }
+    PyMem_Free(spans);
+    PyBuffer_Release(&raw);
+    if (!failed) {
+        if (metadata == NULL) metadata = PyDict_New();
+        if (metadata != NULL) result = PyTuple_Pack(2, tensors, metadata);
+    } else if (failed > 0) {
+        PyErr_Clear();
+        result = Py_NewRef(Py_None);
+    }
+    Py_XDECREF(tensors);
+    Py_XDECREF(metadata);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, load_doc},
     {"register", register_maker, METH_VARARGS, register_doc},
@@ -1549,6 +1806,7 @@ static PyMethodDef methods[] = {
     {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
     {"whole_plain", whole_plain, METH_O, whole_plain_doc},
     {"header_tensors", header_tensors, METH_VARARGS, header_tensors_doc},
+    {"parse_header", parse_header, METH_VARARGS, parse_header_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from itertools import accumulate, chain
-from operator import add
+from bisect import bisect_left
+from itertools import accumulate, chain, repeat
+from operator import add, is_
 from pathlib import Path
 from typing import BinaryIO
 
@@ -131,11 +132,17 @@ class DataOut:
         in one write per :data:`REPORT_EVERY` bytes — no call, read or write per piece.
         """
         position, i, count = out_offset, 0, len(paths)
+        # the usual copy: small pieces of one local file, cut into runs by their running total (no scan per piece)
+        ends = list(accumulate(sizes)) if count and max(sizes) <= SMALL_MEMBER and \
+            all(map(is_, paths, repeat(paths[0]))) and not is_remote(paths[0]) else None
         while i < count:
             path, j, run_bytes = paths[i], i, 0
-            while j < count and paths[j] is path and sizes[j] <= SMALL_MEMBER and run_bytes < REPORT_EVERY:
-                run_bytes += sizes[j]
-                j += 1
+            if ends is not None:  # up to the piece that brings the run to REPORT_EVERY bytes, as the scan below
+                j = min(bisect_left(ends, (ends[i - 1] if i else 0) + REPORT_EVERY, i) + 1, count)
+            else:
+                while j < count and paths[j] is path and sizes[j] <= SMALL_MEMBER and run_bytes < REPORT_EVERY:
+                    run_bytes += sizes[j]
+                    j += 1
             if j - i < 2 or is_remote(path):  # a large piece, a lone one, or a remote file's (each range summed)
                 j = i + 1
                 if headers is not None:

@@ -371,7 +371,10 @@ def test_the_write_check_reads_back_its_own_pickle_without_walking_or_checking_i
 
 
 @pytest.mark.parametrize("with_headers", [False, True])
-def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: Path, with_headers: bool) -> None:
+@pytest.mark.parametrize("report_every", [None, 4096])
+def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: Path, with_headers: bool,
+                                                                     report_every: int | None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """DataOut.copy_all (runs of small pieces read in windows in file order, written together) against the
     bytes of each piece read alone: drawn pieces in any order, overlapping, empty, past a window, larger
     than a small piece, from two files; every non-empty piece reported as one region where it landed."""
@@ -379,6 +382,8 @@ def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: P
 
     from ckptool import copying
 
+    if report_every is not None:  # runs cut often
+        monkeypatch.setattr(copying, "REPORT_EVERY", report_every)
     rng = random.Random(20261127)
     sources = [tmp_path / "a.bin", tmp_path / "b.bin"]
     contents = [rng.randbytes(3 << 20), rng.randbytes(1 << 16)]
@@ -387,10 +392,12 @@ def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: P
     for round_ in range(40):
         count = rng.randint(0, 300)
         picks = []
+        usual = round_ % 2 == 0  # small pieces of one file only (copy_all's runs cut by running total)
         for _ in range(count):
-            which = 0 if rng.random() < 0.9 else 1
+            which = 0 if usual or rng.random() < 0.9 else 1
             size = rng.choice([0, 1, 7, 64, 4096, 300_000, copying.SMALL_MEMBER + 5]) if rng.random() < 0.3 \
                 else rng.randint(0, 600)
+            size = min(size, copying.SMALL_MEMBER) if usual else size
             size = min(size, len(contents[which]))
             offset = rng.randint(0, len(contents[which]) - size)
             picks.append((which, offset, size))

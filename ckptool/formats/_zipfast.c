@@ -578,11 +578,35 @@ zf_fold(PyObject *module, PyObject *args)
         }
     }
     /* one pass, then the other, as the Python loops run: the entries list is not changed between them */
+    Py_ssize_t before = PyDict_GET_SIZE(by_name);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *member = PyList_GET_ITEM(entries, i);
         if (PyDict_SetItem(by_name, PyTuple_GET_ITEM(member, 0), member) < 0) {
             return NULL;
         }
+    }
+    /* the usual archive: names all ASCII without a capital, none twice. Each folds to itself and is its own
+       first member: ``folded`` is ``by_name`` (its table copied whole, no lowered name made) */
+    int plain = before == 0 && PyDict_GET_SIZE(by_name) == count && PyDict_GET_SIZE(folded) == 0;
+    for (Py_ssize_t i = 0; plain && i < count; i++) {
+        PyObject *name = PyTuple_GET_ITEM(PyList_GET_ITEM(entries, i), 0);
+        if (!PyUnicode_IS_ASCII(name)) {
+            plain = 0;
+            break;
+        }
+        const Py_UCS1 *text = PyUnicode_1BYTE_DATA(name);
+        for (Py_ssize_t k = 0, n = PyUnicode_GET_LENGTH(name); k < n; k++) {
+            if (text[k] >= 'A' && text[k] <= 'Z') {
+                plain = 0;
+                break;
+            }
+        }
+    }
+    if (plain) {
+        if (PyDict_Update(folded, by_name) < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *member = PyList_GET_ITEM(entries, i);

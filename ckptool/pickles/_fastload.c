@@ -27,6 +27,12 @@
 #include <stdint.h>
 #include <string.h>
 
+/* where a field lies in the instances of one type: read straight from there (slot_attr) */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t offset;  /* 0: not such a slot (getattr) */
+} Slot;
+
 #define DECLINE 1  /* not taken here: the caller runs CPython's unpickler */
 
 typedef struct {
@@ -810,11 +816,14 @@ static int put_text(Buffer *b, PyObject *text, Py_ssize_t *length) {  /* BINUNIC
     return status;
 }
 
+enum { E_TENSOR_STORAGE, E_TENSOR_BACKWARD_HOOKS, E_TENSOR_SHAPE, E_TENSOR_STRIDE, E_TENSOR_OFFSET, E_TENSOR_REQUIRES_GRAD, E_STORAGE_NUMEL, E_STORAGE_LOCATION, E_STORAGE_TYPE_GLOBAL, E_STORAGE_DTYPE, E_VALUE_SUBCLASS, E_VALUE_PARAMETER, E_VALUE_REBUILD, E_VALUE_EXTRA };  /* Emit.slots */
+
 typedef struct {
     PyObject *emitter, *memo, *global_memo, *keep, *storages, *dims_bytes, *global_keys;
     int renumber;
     Py_ssize_t next;  /* emitter.next_index: the index the next PUT takes */
     Py_ssize_t rebuild_at, dict_at;  /* the v2 rebuild's and OrderedDict's global_memo indices, once known */
+    Slot slots[16];  /* where each field read below lies in its object (slot_attr), by E_* */
     /* constants: (TensorRef, StorageRef, OrderedDict, StateDict, rebuild v2 name, its memo key, OrderedDict's) */
     PyObject *tensor_type, *storage_type, *odict_type, *state_dict_type, *v2_name, *v2_key, *odict_key;
     Buffer out;
@@ -919,6 +928,30 @@ static PyObject *attr(PyObject *obj, const char *name) {
     return PyObject_GetAttr(obj, interned);
 }
 
+/* getattr(obj, name), read straight from the instance's slot where ``name`` is a plain object slot of its type
+   (a slotted dataclass's field: what its member descriptor would read), found once per type in ``slot`` */
+static PyObject *slot_attr(PyObject *obj, const char *name, Slot *slot) {
+    PyTypeObject *type = Py_TYPE(obj);
+    if (slot->type != type) {
+        slot->type = type;
+        slot->offset = 0;
+        if (type->tp_getattro == PyObject_GenericGetAttr) {
+            PyObject *key = PyUnicode_InternFromString(name);
+            if (key == NULL) return NULL;
+            PyObject *descr = _PyType_Lookup(type, key);  /* borrowed; a data descriptor outranks any instance dict */
+            Py_DECREF(key);
+            if (descr != NULL && Py_TYPE(descr) == &PyMemberDescr_Type &&
+                ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX)
+                slot->offset = ((PyMemberDescrObject *)descr)->d_member->offset;
+        }
+    }
+    if (slot->offset > 0) {
+        PyObject *value = *(PyObject **)((char *)obj + slot->offset);
+        if (value != NULL) return Py_NewRef(value);
+    }
+    return attr(obj, name);  /* (an unset slot raises its AttributeError there) */
+}
+
 /* _Emitter._storage_key */
 static PyObject *storage_key(Emit *e, PyObject *storage) {
     PyObject *id = PyLong_FromVoidPtr(storage);
@@ -947,9 +980,9 @@ static PyObject *storage_key(Emit *e, PyObject *storage) {
 /* _Emitter._plain_tensor: 0 written, 1 not this form (nothing written, as its False), -1 error */
 static int emit_plain_tensor(Emit *e, PyObject *tensor) {
     int status = 1;
-    PyObject *storage = attr(tensor, "storage"), *hooks = attr(tensor, "backward_hooks");
-    PyObject *shape = attr(tensor, "shape"), *stride = attr(tensor, "stride"), *offset = attr(tensor, "offset");
-    PyObject *requires_grad = attr(tensor, "requires_grad");
+    PyObject *storage = slot_attr(tensor, "storage", &e->slots[E_TENSOR_STORAGE]), *hooks = slot_attr(tensor, "backward_hooks", &e->slots[E_TENSOR_BACKWARD_HOOKS]);
+    PyObject *shape = slot_attr(tensor, "shape", &e->slots[E_TENSOR_SHAPE]), *stride = slot_attr(tensor, "stride", &e->slots[E_TENSOR_STRIDE]), *offset = slot_attr(tensor, "offset", &e->slots[E_TENSOR_OFFSET]);
+    PyObject *requires_grad = slot_attr(tensor, "requires_grad", &e->slots[E_TENSOR_REQUIRES_GRAD]);
     PyObject *numel = NULL, *location = NULL, *type_global = NULL, *type_key = NULL, *skey = NULL;
     Buffer *b = &e->out;
     Py_ssize_t mark = b->len;
@@ -992,8 +1025,8 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
         }
         if (PyTuple_GET_SIZE(stride) && !alone(stride, 2) && (at = memo_index(e, stride)) != -1) goto check_error;
     }
-    numel = attr(storage, "numel");
-    location = attr(storage, "location");
+    numel = slot_attr(storage, "numel", &e->slots[E_STORAGE_NUMEL]);
+    location = slot_attr(storage, "location", &e->slots[E_STORAGE_LOCATION]);
     if (numel == NULL || location == NULL) goto error;
     if (!PyLong_CheckExact(numel) || !PyUnicode_CheckExact(location)) goto done;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++)
@@ -1004,12 +1037,12 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
     if (e->dict_at < 0) e->dict_at = global_index(e, e->odict_key);
     Py_ssize_t rebuild_at = e->rebuild_at, dict_at = e->dict_at;
     if (rebuild_at == -2 || dict_at == -2) goto error;
-    type_global = attr(storage, "type_global");
+    type_global = slot_attr(storage, "type_global", &e->slots[E_STORAGE_TYPE_GLOBAL]);
     if (type_global == NULL) goto error;
     int truth = PyObject_IsTrue(type_global);
     if (truth < 0) goto error;
     if (!truth) {  /* f"torch.{storage.dtype.storage_class or 'UntypedStorage'}" */
-        PyObject *dtype = attr(storage, "dtype"), *klass = dtype ? attr(dtype, "storage_class") : NULL;
+        PyObject *dtype = slot_attr(storage, "dtype", &e->slots[E_STORAGE_DTYPE]), *klass = dtype ? attr(dtype, "storage_class") : NULL;
         Py_XDECREF(dtype);
         if (klass == NULL) goto error;
         int has = PyObject_IsTrue(klass);
@@ -1131,8 +1164,8 @@ static int emit_value(Emit *e, PyObject *value) {
     Py_ssize_t at = memo_index(e, value);
     if (at == -2) return -1;
     if (at >= 0) return GET_INDEX(&e->out, at);
-    PyObject *subclass = attr(value, "subclass"), *parameter = attr(value, "parameter");
-    PyObject *rebuild = attr(value, "rebuild"), *extra = attr(value, "extra");
+    PyObject *subclass = slot_attr(value, "subclass", &e->slots[E_VALUE_SUBCLASS]), *parameter = slot_attr(value, "parameter", &e->slots[E_VALUE_PARAMETER]);
+    PyObject *rebuild = slot_attr(value, "rebuild", &e->slots[E_VALUE_REBUILD]), *extra = slot_attr(value, "extra", &e->slots[E_VALUE_EXTRA]);
     int plain = -1;
     if (subclass && parameter && rebuild && extra) {
         int same = PyUnicode_Check(rebuild) ? PyUnicode_Compare(rebuild, e->v2_name) : -1;
@@ -1298,8 +1331,8 @@ static PyObject *load(PyObject *self, PyObject *args) {
 /* ============================================================================== column passes */
 
 /* an object's truth, or -1 with an error set */
-static int truth_of(PyObject *obj, const char *name) {
-    PyObject *value = attr(obj, name);
+static int truth_of(PyObject *obj, const char *name, Slot *slot) {
+    PyObject *value = slot_attr(obj, name, slot);
     if (value == NULL) return -1;
     int is = PyObject_IsTrue(value);
     Py_DECREF(value);
@@ -1318,23 +1351,29 @@ static int64_t count_of(PyObject *v) {
     return (int64_t)x;
 }
 
+enum { S_VIEW_STORAGE, S_VIEW_OFFSET, S_VIEW_CONJ, S_VIEW_NEG, S_VIEW_SHAPE, S_VIEW_STRIDE, S_VIEW_DTYPE,
+       S_STORAGE_PRODUCER, S_STORAGE_PIECES, S_STORAGE_DATA, S_DTYPE_ITEMSIZE, S_DATA_LENGTH, S_COUNT };
+
 /* one view of refs.whole_plain: 1 (``*data`` a new reference, ``*nbytes`` set), 0 (not the usual whole tensor:
    the caller declines), -1 (an error set) */
-static int whole_one(PyObject *view, PyObject **data, int64_t *nbytes) {
+static int whole_one(PyObject *view, PyObject **data, int64_t *nbytes, Slot *slots) {
     *data = NULL;
     int status = 0;
-    PyObject *storage = attr(view, "storage"), *shape = NULL, *stride = NULL, *dtype = NULL, *length = NULL;
+    PyObject *storage = slot_attr(view, "storage", &slots[S_VIEW_STORAGE]), *shape = NULL, *stride = NULL;
+    PyObject *dtype = NULL, *length = NULL;
     if (storage == NULL) return -1;
     int t;
-    if ((t = truth_of(view, "offset")) != 0 || (t = truth_of(view, "conj")) != 0 || (t = truth_of(view, "neg")) != 0 ||
-        (t = truth_of(storage, "producer")) != 0 || (t = truth_of(storage, "pieces")) != 0) {
+    if ((t = truth_of(view, "offset", &slots[S_VIEW_OFFSET])) != 0 || (t = truth_of(view, "conj", &slots[S_VIEW_CONJ])) != 0 ||
+        (t = truth_of(view, "neg", &slots[S_VIEW_NEG])) != 0 ||
+        (t = truth_of(storage, "producer", &slots[S_STORAGE_PRODUCER])) != 0 ||
+        (t = truth_of(storage, "pieces", &slots[S_STORAGE_PIECES])) != 0) {
         status = t < 0 ? -1 : 0;
         goto out;
     }
-    *data = attr(storage, "data");
-    shape = attr(view, "shape");
-    stride = attr(view, "stride");
-    dtype = attr(view, "dtype");
+    *data = slot_attr(storage, "data", &slots[S_STORAGE_DATA]);
+    shape = slot_attr(view, "shape", &slots[S_VIEW_SHAPE]);
+    stride = slot_attr(view, "stride", &slots[S_VIEW_STRIDE]);
+    dtype = slot_attr(view, "dtype", &slots[S_VIEW_DTYPE]);
     if (*data == NULL || shape == NULL || stride == NULL || dtype == NULL) goto error;
     if ((t = PyObject_IsTrue(*data)) <= 0 || !PyTuple_CheckExact(shape) || !PyTuple_CheckExact(stride) ||
         PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(stride)) {
@@ -1348,11 +1387,11 @@ static int whole_one(PyObject *view, PyObject **data, int64_t *nbytes) {
         if (size < 0 || step != running || __builtin_mul_overflow(running, size, &running)) goto out;
     }
     count = running;
-    PyObject *itemsize_obj = attr(dtype, "itemsize");
+    PyObject *itemsize_obj = slot_attr(dtype, "itemsize", &slots[S_DTYPE_ITEMSIZE]);
     if (itemsize_obj == NULL) goto error;
     int64_t itemsize = count_of(itemsize_obj);
     Py_DECREF(itemsize_obj);
-    length = attr(*data, "length");
+    length = slot_attr(*data, "length", &slots[S_DATA_LENGTH]);
     if (length == NULL) goto error;
     if (itemsize < 0 || __builtin_mul_overflow(count, itemsize, nbytes) || count_of(length) != *nbytes) goto out;
     status = 1;
@@ -1384,10 +1423,12 @@ static PyObject *whole_plain(PyObject *self, PyObject *views) {
     Py_ssize_t count = PyList_GET_SIZE(views);
     PyObject *datas = PyList_New(count), *sizes = PyList_New(count);
     if (datas == NULL || sizes == NULL) goto error;
+    Slot slots[S_COUNT];
+    memset(slots, 0, sizeof slots);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *data;
         int64_t nbytes = 0;
-        int status = whole_one(PyList_GET_ITEM(views, i), &data, &nbytes);
+        int status = whole_one(PyList_GET_ITEM(views, i), &data, &nbytes, slots);
         if (status < 0) goto error;
         if (status == 0) {
             Py_DECREF(datas);

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,9 +227,7 @@ def test_the_safetensors_header_read_from_columns_is_the_one_read_entry_by_entry
         header: dict = {}
         position = 0
         for index in range(rng.randint(0, 6)):
-            dtype = rng.choice(names)
-            shape = [rng.choice([0, 1, 2, 3]) for _ in range(rng.randint(0, 3))]
-            nbytes = math.prod(shape) * dtypes.BY_NAME[dtype].itemsize
+            dtype, shape, nbytes = _drawn_entry(rng, names, [0, 1, 2, 3])
             header[f"t{rng.randint(0, 9)}{index}"] = {"dtype": dtype, "shape": shape,
                                                        "data_offsets": [position, position + nbytes]}
             position += nbytes
@@ -309,6 +309,13 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
     rng = random.Random(20261127)
     path = Path("x.safetensors")
     names = sorted(safetensors._DTYPES)
+    TOKEN_BENDS = {  # noqa: N806
+        0: [(b"]", b".0]")], 1: [(b"[0,", b"[-0,")], 2: [(b"[0,", b"[00,")],
+        7: [(b'"dtype"', b'"dtype": "F32", "dtype"')],  # a key twice (json keeps the last)
+        8: [(b'"m.', b'"\xff\xfe.')], 9: [(b'"shape"', b'"shape": [1], "extra"')],
+        10: [(b"e+", b"E"), (b"0]", b"1e0]")],
+        11: [(b'"__metadata__"', b'"__metadata__": {}, "__metadata__"')], 12: [(b'"format"', b'"format": 1, "f"')],
+    }
     alphabet = ["a", "b", ".", "0", "é", '"', "\\", "\n", "😀", "\ud800", "/", " ", "\x7f", "\u2028"]
 
     def reference(raw: bytes, file_size: int) -> tuple | None:
@@ -327,9 +334,7 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
         header: dict = {}
         position = 0
         for index in range(rng.randint(1, 5)):
-            dtype = rng.choice(names)
-            shape = [rng.choice([0, 1, 2, 3, 10]) for _ in range(rng.randint(0, 3))]
-            nbytes = math.prod(shape) * dtypes.BY_NAME[dtype].itemsize
+            dtype, shape, nbytes = _drawn_entry(rng, names, [0, 1, 2, 3, 10])
             name = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) if rng.random() < 0.3 else f"m.{index}"
             fields = [("dtype", dtype), ("shape", shape), ("data_offsets", [position, position + nbytes])]
             if rng.random() < 0.2:
@@ -347,12 +352,9 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
         raw = text.encode("utf-8", "surrogatepass") + b" " * rng.randint(0, 7)
         file_size = 100 + position
         bend = rng.randrange(16)
-        if bend == 0:
-            raw = raw.replace(b"]", b".0]", 1)
-        elif bend == 1:
-            raw = raw.replace(b"[0,", b"[-0,", 1)
-        elif bend == 2:
-            raw = raw.replace(b"[0,", b"[00,", 1)
+        if bend in TOKEN_BENDS:  # one token written otherwise
+            for old, new in TOKEN_BENDS[bend]:
+                raw = raw.replace(old, new, 1)
         elif bend == 3:
             at = rng.randrange(len(raw))
             raw = raw[:at] + bytes([rng.randrange(256)]) + raw[at + 1:]
@@ -363,18 +365,6 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
             raw = raw.rstrip() + rng.choice([b"x", b"}", b",", b"\x00"])
         elif bend == 6:
             file_size += rng.choice([-1, 1])
-        elif bend == 7:  # a key twice (json keeps the last)
-            raw = raw.replace(b'"dtype"', b'"dtype": "F32", "dtype"', 1)
-        elif bend == 8:
-            raw = raw.replace(b'"m.', b'"\xff\xfe.', 1)
-        elif bend == 9:
-            raw = raw.replace(b'"shape"', b'"shape": [1], "extra"', 1)
-        elif bend == 10:
-            raw = raw.replace(b"e+", b"E", 1).replace(b"0]", b"1e0]", 1)
-        elif bend == 11:
-            raw = raw.replace(b'"__metadata__"', b'"__metadata__": {}, "__metadata__"', 1)
-        elif bend == 12:
-            raw = raw.replace(b'"format"', b'"format": 1, "f"', 1)
         got = _fastload.parse_header(raw, path, 100, file_size, (*safetensors._HEADER_CONSTANTS, json.loads))
         expected = reference(raw, file_size)
         if expected is None:
@@ -396,3 +386,12 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
                     other.storage.numel, other.storage.location, other.storage.data)
             assert type(tensor.shape) is tuple and all(type(size) is int for size in tensor.shape)
     assert accepted > 1000 and refused > 1000, (accepted, refused)
+
+
+def _drawn_entry(rng: Any, dtype_names: list[str], sizes: list[int]) -> tuple[str, list[int], int]:
+    """A drawn safetensors header entry: its dtype's name, a shape of up to 3 of ``sizes``, its byte count."""
+    from ckptool import dtypes
+
+    dtype = rng.choice(dtype_names)
+    shape = [rng.choice(sizes) for _ in range(rng.randint(0, 3))]
+    return dtype, shape, math.prod(shape) * dtypes.BY_NAME[dtype].itemsize

@@ -1460,6 +1460,50 @@ static int span_order(const void *a, const void *b) {
     return x->end < y->end ? -1 : x->end > y->end;
 }
 
+/* whether the spans tile the data section exactly: no gaps, no overlaps, nothing after them (sorts them) */
+static int tiled(Span *spans, Py_ssize_t n, int64_t data_start, int64_t file_size) {
+    qsort(spans, (size_t)n, sizeof(Span), span_order);
+    int64_t position = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (spans[k].begin != position) return 0;
+        position = spans[k].end;
+    }
+    return data_start + position == file_size;
+}
+
+/* tensors[name] = TensorRef(StorageRef(name, dtype, numel, location, ByteRange(path, start, nbytes)), dtype, shape,
+   contiguous_stride(shape)): one safetensors header entry as safetensors._each_tensor builds it (``constants``:
+   header_tensors'). 0, or -1 with an error set (``shape`` NULL: its making failed) */
+static int add_header_tensor(PyObject *tensors, PyObject *name, PyObject *dtype, PyObject *shape, int64_t numel,
+                             int64_t start, int64_t nbytes, PyObject *path, PyObject *constants) {
+    if (shape == NULL) return -1;
+    PyObject *start_obj = PyLong_FromLongLong(start), *nbytes_obj = PyLong_FromLongLong(nbytes);
+    PyObject *numel_obj = PyLong_FromLongLong(numel);
+    PyObject *stride = PyObject_CallOneArg(item(constants, 4), shape);
+    PyObject *range = NULL, *storage = NULL, *tensor = NULL;
+    if (start_obj && nbytes_obj && numel_obj && stride) {
+        PyObject *range_args[3] = {path, start_obj, nbytes_obj};
+        range = make(item(constants, 0), range_args, 3);
+    }
+    if (range) {
+        PyObject *storage_args[5] = {name, dtype, numel_obj, item(constants, 5), range};
+        storage = make(item(constants, 1), storage_args, 5);
+    }
+    if (storage) {
+        PyObject *tensor_args[4] = {storage, dtype, shape, stride};
+        tensor = make(item(constants, 2), tensor_args, 4);
+    }
+    int status = tensor == NULL || PyDict_SetItem(tensors, name, tensor) < 0 ? -1 : 0;
+    Py_XDECREF(start_obj);
+    Py_XDECREF(nbytes_obj);
+    Py_XDECREF(numel_obj);
+    Py_XDECREF(stride);
+    Py_XDECREF(range);
+    Py_XDECREF(storage);
+    Py_XDECREF(tensor);
+    return status;
+}
+
 PyDoc_STRVAR(header_tensors_doc,
 "header_tensors(header, path, data_start, file_size, constants) -> dict or None\n\n"
 "ckptool.formats.safetensors._each_tensor for a header every entry of which it accepts: the same TensorRefs\n"
@@ -1476,8 +1520,7 @@ static PyObject *header_tensors(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "header_tensors: malformed constants");
         return NULL;
     }
-    PyObject *range_type = item(constants, 0), *storage_type = item(constants, 1), *tensor_type = item(constants, 2);
-    PyObject *kinds = item(constants, 3), *contiguous = item(constants, 4), *location = item(constants, 5);
+    PyObject *kinds = item(constants, 3);
     static PyObject *K_DTYPE, *K_SHAPE, *K_OFFSETS;
     if (K_DTYPE == NULL) {
         K_DTYPE = PyUnicode_InternFromString("dtype");
@@ -1539,41 +1582,11 @@ static PyObject *header_tensors(PyObject *self, PyObject *args) {
         spans[n].begin = begin;
         spans[n].end = end;
         n++;
-        PyObject *start_obj = PyLong_FromLongLong(start), *nbytes_obj = PyLong_FromLongLong(nbytes);
-        PyObject *numel_obj = PyLong_FromLongLong(numel), *shape_tuple = PyList_AsTuple(shape);
-        PyObject *stride = shape_tuple ? PyObject_CallOneArg(contiguous, shape_tuple) : NULL;
-        PyObject *range = NULL, *storage = NULL, *tensor = NULL;
-        if (start_obj && nbytes_obj && numel_obj && stride) {
-            PyObject *range_args[3] = {path, start_obj, nbytes_obj};
-            range = make(range_type, range_args, 3);
-        }
-        if (range) {
-            PyObject *storage_args[5] = {name, dtype, numel_obj, location, range};
-            storage = make(storage_type, storage_args, 5);
-        }
-        if (storage) {
-            PyObject *tensor_args[4] = {storage, dtype, shape_tuple, stride};
-            tensor = make(tensor_type, tensor_args, 4);
-        }
-        if (tensor == NULL || PyDict_SetItem(tensors, name, tensor) < 0) failed = -1;
-        Py_XDECREF(start_obj);
-        Py_XDECREF(nbytes_obj);
-        Py_XDECREF(numel_obj);
+        PyObject *shape_tuple = PyList_AsTuple(shape);
+        if (add_header_tensor(tensors, name, dtype, shape_tuple, numel, start, nbytes, path, constants) < 0) failed = -1;
         Py_XDECREF(shape_tuple);
-        Py_XDECREF(stride);
-        Py_XDECREF(range);
-        Py_XDECREF(storage);
-        Py_XDECREF(tensor);
     }
-    if (!failed) {  /* the data section tiled exactly: no gaps, no overlaps, nothing trailing */
-        qsort(spans, (size_t)n, sizeof(Span), span_order);
-        int64_t position = 0;
-        for (Py_ssize_t k = 0; k < n && !failed; k++) {
-            if (spans[k].begin != position) failed = 1;
-            position = spans[k].end;
-        }
-        if (!failed && (int64_t)data_start + position != (int64_t)file_size) failed = 1;
-    }
+    if (!failed && !tiled(spans, n, data_start, file_size)) failed = 1;
     PyMem_Free(spans);
     if (failed) {
         Py_DECREF(tensors);
@@ -1679,9 +1692,7 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "parse_header: malformed constants");
         return NULL;
     }
-    PyObject *range_type = item(constants, 0), *storage_type = item(constants, 1), *tensor_type = item(constants, 2);
-    PyObject *kinds = item(constants, 3), *contiguous = item(constants, 4), *location = item(constants, 5);
-    PyObject *loads = item(constants, 6);
+    PyObject *kinds = item(constants, 3), *loads = item(constants, 6);
     Cursor c = {(const unsigned char *)raw.buf, (const unsigned char *)raw.buf + raw.len};
     PyObject *tensors = PyDict_New(), *metadata = NULL, *result = NULL;
     Py_ssize_t n = 0, cap = 1024;
@@ -1786,46 +1797,15 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
                     if (size == NULL) Py_CLEAR(shape);
                     else PyTuple_SET_ITEM(shape, k, size);
                 }
-                PyObject *start_obj = PyLong_FromLongLong(start), *nbytes_obj = PyLong_FromLongLong(nbytes);
-                PyObject *numel_obj = PyLong_FromLongLong(numel);
-                PyObject *stride = shape ? PyObject_CallOneArg(contiguous, shape) : NULL;
-                PyObject *range = NULL, *storage = NULL, *tensor = NULL;
-                if (start_obj && nbytes_obj && numel_obj && stride) {
-                    PyObject *range_args[3] = {path, start_obj, nbytes_obj};
-                    range = make(range_type, range_args, 3);
-                }
-                if (range) {
-                    PyObject *storage_args[5] = {name, dtype, numel_obj, location, range};
-                    storage = make(storage_type, storage_args, 5);
-                }
-                if (storage) {
-                    PyObject *tensor_args[4] = {storage, dtype, shape, stride};
-                    tensor = make(tensor_type, tensor_args, 4);
-                }
-                if (tensor == NULL || PyDict_SetItem(tensors, name, tensor) < 0) failed = -1;
+                if (add_header_tensor(tensors, name, dtype, shape, numel, start, nbytes, path, constants) < 0) failed = -1;
                 Py_XDECREF(shape);
-                Py_XDECREF(start_obj);
-                Py_XDECREF(nbytes_obj);
-                Py_XDECREF(numel_obj);
-                Py_XDECREF(stride);
-                Py_XDECREF(range);
-                Py_XDECREF(storage);
-                Py_XDECREF(tensor);
             }
             Py_XDECREF(name);
         }
         if (failed || !take(&c, ',')) break;
     }
     if (!failed && (!take(&c, '}') || (skip_ws(&c), c.p != c.end) || n == 0)) failed = 1;
-    if (!failed) {  /* the data section tiled exactly: no gaps, no overlaps, nothing trailing */
-        qsort(spans, (size_t)n, sizeof(Span), span_order);
-        int64_t position = 0;
-        for (Py_ssize_t k = 0; k < n && !failed; k++) {
-            if (spans[k].begin != position) failed = 1;
-            position = spans[k].end;
-        }
-        if (!failed && (int64_t)data_start + position != (int64_t)file_size) failed = 1;
-    }
+    if (!failed && !tiled(spans, n, data_start, file_size)) failed = 1;
     PyMem_Free(spans);
     PyBuffer_Release(&raw);
     if (!failed) {

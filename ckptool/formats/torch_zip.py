@@ -12,13 +12,16 @@ from collections import Counter
 from collections.abc import Callable
 from itertools import repeat
 from dataclasses import replace
+from operator import attrgetter, itemgetter, mul
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles, progress
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import ByteRange, LazyByteRange, StorageRef
+from ..refs import _DATA, _ITEMSIZE, _NUMEL, _OFFSET, _PIECES, _PRODUCER, ByteRange, LazyByteRange, StorageRef
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torchscript, zipio
+
+_PATH, _CRC32, _DERIVED = attrgetter("path"), attrgetter("crc32"), attrgetter("derived")
 from .pickle_stream import split_pickles
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -201,13 +204,23 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
     ``guard_cache`` (the write's) remembers the pickle, so reading the output back need not walk it.
     """
     pickle_bytes, storages = pickles.dump(container, renumber_storages=True, guard_cache=guard_cache)
-    progress.expect(sum(storage.nbytes for _, storage in storages))
+    objects = list(map(itemgetter(1), storages))
+    sizes = list(map(mul, map(_NUMEL, objects), map(_ITEMSIZE, objects)))  # StorageRef.nbytes
+    progress.expect(sum(sizes))
     writer = zipio.ZipWriter(handle, on_data)
     try:
         writer.add_bytes(f"{archive_name}/data.pkl", pickle_bytes)
         writer.add_bytes(f"{archive_name}/.format_version", b"1")
         writer.add_bytes(f"{archive_name}/.storage_alignment", b"64")
         writer.add_bytes(f"{archive_name}/byteorder", b"little")
+        datas = list(map(_DATA, objects))
+        crcs = list(map(_CRC32, datas)) if all(datas) else [None]
+        if trust_recorded_crcs and None not in crcs and not any(map(_PIECES, objects)) \
+                and not any(map(_DERIVED, objects)) and not any(map(_PRODUCER, objects)):
+            # the usual write: every storage the bytes of a member, its CRC recorded (the loop below, in columns)
+            names = map(f"{archive_name}/data/".__add__, map(itemgetter(0), storages))
+            writer.add_copies(list(zip(names, map(_PATH, datas), map(_OFFSET, datas), sizes, crcs)))
+            storages = []
         copies: list[tuple[str, Any, int, int, int]] = []  # the usual storages: bytes of a member, its CRC recorded
         for key, storage in storages:
             data = storage.data

@@ -95,7 +95,7 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place, checkpoint)
     used = prefix if prefix is not None else checkpoint.prefix
-    stripped = checkpoint.strip_prefix(prefix)
+    stripped = checkpoint.strip_prefix(used)  # (the prefix detected once)
     renamed = count_keys(checkpoint.state_dict, prefix=used)
     details: dict[str, Any] = {"prefix": used, "renamed": renamed}
     if mapper is not None:

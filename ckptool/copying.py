@@ -161,13 +161,13 @@ class DataOut:
                   headers: list[bytes] | None) -> int:
         fd = self._sources.get(path)
         count = len(offsets)
-        parts: list[bytes | memoryview] = [b""] * count
         low, high = min(offsets), max(map(add, offsets, sizes))
         if high - low <= 2 * sum(sizes) + READ_AHEAD:  # they lie close together (a storage after each other): one
             window = memoryview(read_exact(fd, low, high - low, path))  # read, sliced in C-speed passes
             at = list(map(sub, offsets, repeat(low)))
             parts = list(map(window.__getitem__, map(slice, at, map(add, at, sizes))))
             return self._write_run(parts, sizes, out_offset, headers)
+        parts: list[bytes | memoryview] = [b""] * count
         order = sorted(range(count), key=offsets.__getitem__)
         k = 0
         while k < count:  # a window: pieces in file order, each within READ_GAP of the last, READ_AHEAD at most

@@ -530,7 +530,8 @@ _STORAGE, _SHAPE, _STRIDE, _NUMEL = attrgetter("storage"), attrgetter("shape"), 
 _ITEMSIZE = attrgetter("dtype.itemsize")
 _DATA, _OFFSET, _LENGTH, _CONJ, _NEG = attrgetter("data"), attrgetter("offset"), attrgetter("length"), attrgetter("conj"), \
     attrgetter("neg")
-_PRODUCER, _PIECES = attrgetter("producer"), attrgetter("pieces")
+_PRODUCER, _PIECES, _DERIVED = attrgetter("producer"), attrgetter("pieces"), attrgetter("derived")
+_PATH, _CRC32, _DTYPE_NAME = attrgetter("path"), attrgetter("crc32"), attrgetter("dtype.name")
 _IS_TENSOR_REF = functools.partial(type.__instancecheck__, TensorRef)  # isinstance(value, TensorRef), from C
 
 

@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from operator import attrgetter, mul
+from operator import mul
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from .errors import InputError
 from .jsonout import key_text
 from .pickles import OpaqueObject
 from .reader import load
-from .refs import _ITEMSIZE, _SHAPE, DeviceRef, SizeRef, TensorRef, check_expansion, expansion, shared_storages
+from .refs import _CONJ, _DTYPE_NAME, _ITEMSIZE, _NEG, _SHAPE, DeviceRef, SizeRef, TensorRef, check_expansion, expansion, shared_storages
 from .tree import iter_tensors
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
@@ -203,10 +203,6 @@ def describe_optimizer_state(value: dict) -> str:
     kinds = f" ({kind or 'per parameter'}: {shown})" if names else f" ({kind})" if kind else ""
     return (f"optimizer state: {len(state)} params over {groups} parameter group{'s' if groups != 1 else ''}, "
             f"{len(tensors)} tensors{kinds}, {_human_bytes(sum(t.nbytes for t in tensors))}")
-
-
-_DTYPE_NAME = attrgetter("dtype.name")
-_CONJ, _NEG = attrgetter("conj"), attrgetter("neg")
 
 
 def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:

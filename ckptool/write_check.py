@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, attrgetter, itemgetter, sub
+from operator import add, itemgetter, sub
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,7 +32,8 @@ from . import progress
 from .crc import crc32
 from .errors import CkptError, FingerprintMismatchError
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
-from .refs import _DATA, _OFFSET, _SHAPE, _STORAGE, ByteRange, TensorRef, shared_storages, whole_plain
+from .refs import _CRC32, _DATA, _DERIVED, _DTYPE_NAME, _OFFSET, _PATH, _SHAPE, _STORAGE, ByteRange, TensorRef, \
+    shared_storages, whole_plain
 
 # reads an output back: its tensors as the reader finds them
 ReadBack = Callable[[Path], Mapping[str, TensorRef]]
@@ -323,8 +324,6 @@ def _span_crc(tensor: TensorRef) -> int:
     return crc
 
 
-_PATH, _DERIVED, _CRC32, _DTYPE_NAME = attrgetter("path"), attrgetter("derived"), attrgetter("crc32"), \
-    attrgetter("dtype.name")
 
 
 def _later(work: Callable[[], Any]) -> Callable[[], Any]:
@@ -528,9 +527,9 @@ def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync
                 )
     # the CRC the output's zip records for a tensor must be that of its bytes (``actual`` is in the tensors' order)
     recorded = _recorded_crcs(written_tensors, whole)
-    summed = list(map(itemgetter(2), actual.values()))
-    if recorded is not None and recorded != summed:  # (one comparison in C: the usual write stops here)
-        for name, crc, crc_summed in zip(written_tensors, recorded, summed):
+    crcs = list(map(itemgetter(2), actual.values()))
+    if recorded is not None and recorded != crcs:  # (one comparison in C: the usual write stops here)
+        for name, crc, crc_summed in zip(written_tensors, recorded, crcs):
             if crc is not None and crc != crc_summed:
                 if stale:
                     raise StaleSourceCrc(stale)

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import attrgetter, mul
+from operator import mul
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,13 +33,12 @@ from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..gcpause import paused
 from ..pickles.unpickle import FAST, _fastload, new
-from ..refs import _ITEMSIZE, _OFFSET, _SHAPE, ByteRange, StorageRef, TensorRef, contiguous_stride, shared_storages, \
+from ..refs import _DTYPE_NAME, _ITEMSIZE, _OFFSET, _PATH, _SHAPE, ByteRange, StorageRef, TensorRef, contiguous_stride, shared_storages, \
     whole_plain
 from ..suggest import option
 from . import Contents, Format, Pickles, ReadOptions
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-_PATH, _DTYPE_NAME = attrgetter("path"), attrgetter("dtype.name")
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
 ENTRIES_KEY = "ckptool.entries"  # the container around the weights, encoded by ckptool.entries
@@ -160,8 +159,8 @@ def _parsed(path: Path, raw: bytes) -> dict:
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _DTYPES = {name: dtypes.BY_NAME[name] for name in FORMAT_DTYPES if name in dtypes.BY_NAME}  # what a header may name
-_HEADER_CONSTANTS = (ByteRange, StorageRef, TensorRef, _DTYPES, contiguous_stride, "cpu")
-# CKPTOOL_PURE_PYTHON_HEADER=1 parses every header with json (the C parse's reference)
+_HEADER_CONSTANTS = (ByteRange, StorageRef, TensorRef, _DTYPES, contiguous_stride, "cpu", json.loads)  # the C parse's
+# CKPTOOL_PURE_PYTHON_HEADER=1 reads every header with json and the entry checks (the C parse's reference)
 PURE_PYTHON_HEADER = os.environ.get("CKPTOOL_PURE_PYTHON_HEADER", "") not in ("", "0")
 
 
@@ -174,7 +173,7 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
 def _read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     raw, data_start = _raw_header(path, handle)
     file_size = handle_size(handle)
-    parsed = _fastload.parse_header(raw, path, data_start, file_size, (*_HEADER_CONSTANTS, json.loads)) \
+    parsed = _fastload.parse_header(raw, path, data_start, file_size, _HEADER_CONSTANTS) \
         if FAST and not PURE_PYTHON_HEADER else None
     if parsed is not None:  # the usual header, parsed in C straight into its tensors (100,000: 0.05 s, not 0.5)
         tensors, metadata = parsed
@@ -184,22 +183,11 @@ def _read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
         if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in metadata.items()):
             raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
-        tensors = _usual_tensors(header, path, data_start, file_size)
-        if tensors is None:
-            tensors = _each_tensor(header, path, data_start, file_size)
+        tensors = _each_tensor(header, path, data_start, file_size)
     # names in sorted order, as the safetensors library lists them
     contents = SafetensorsContents(tensors=dict(sorted(tensors.items())), metadata=dict(metadata), files=[path])
     _retie(contents, path)
     return contents
-
-
-def _usual_tensors(header: dict, path: Path, data_start: int, file_size: int) -> dict[str, TensorRef] | None:
-    """The tensors of a header every entry of which :func:`_each_tensor` accepts, read in C (100,000 entries: a
-    fifth of the time); None for any other header (then :func:`_each_tensor` says which entry and why), and
-    where the C extension was not built."""
-    if not FAST:
-        return None
-    return _fastload.header_tensors(header, path, data_start, file_size, _HEADER_CONSTANTS)
 
 
 def _each_tensor(header: dict, path: Path, data_start: int, file_size: int) -> dict[str, TensorRef]:
@@ -464,10 +452,13 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     index = sorted(range(len(names)), key=names.__getitem__)
     if len(set(itemsizes)) > 1:
         index.sort(key=itemsizes.__getitem__, reverse=True)
-    order = list(map(names.__getitem__, index))
-    nbytes_in_order = list(map(nbytes.__getitem__, index))
-    encoded = _encode_header(order, list(map(list(map(_DTYPE_NAME, views)).__getitem__, index)),
-                             list(map(list(map(_SHAPE, views)).__getitem__, index)), nbytes_in_order, metadata)
+
+    def in_order(column: list) -> list:  # a column put in the file's order
+        return list(map(column.__getitem__, index))
+
+    order, nbytes_in_order = in_order(names), in_order(nbytes)
+    encoded = _encode_header(order, in_order(list(map(_DTYPE_NAME, views))), in_order(list(map(_SHAPE, views))),
+                             nbytes_in_order, metadata)
     encoded += b" " * (-len(encoded) % 8)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
         entries = len(metadata.get("ckptool.entries", ""))
@@ -482,10 +473,10 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     try:
         if whole is not None:
             datas = whole[0]
-            out_offset = out.copy_all(list(map(list(map(_PATH, datas)).__getitem__, index)),
-                                      list(map(list(map(_OFFSET, datas)).__getitem__, index)), nbytes_in_order, out_offset)
+            out_offset = out.copy_all(in_order(list(map(_PATH, datas))), in_order(list(map(_OFFSET, datas))),
+                                      nbytes_in_order, out_offset)
         else:
-            out_offset = _write_each(handle, out, list(map(views.__getitem__, index)), out_offset)
+            out_offset = _write_each(handle, out, in_order(views), out_offset)
         out.report()
     finally:
         out.release()

@@ -12,16 +12,15 @@ from collections import Counter
 from collections.abc import Callable
 from itertools import repeat
 from dataclasses import replace
-from operator import attrgetter, itemgetter, mul
+from operator import itemgetter, mul
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import pickles, progress
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import _DATA, _ITEMSIZE, _NUMEL, _OFFSET, _PIECES, _PRODUCER, ByteRange, LazyByteRange, StorageRef
+from ..refs import _CRC32, _DATA, _DERIVED, _ITEMSIZE, _NUMEL, _OFFSET, _PATH, _PIECES, _PRODUCER, ByteRange, \
+    LazyByteRange, StorageRef
 from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torchscript, zipio
-
-_PATH, _CRC32, _DERIVED = attrgetter("path"), attrgetter("crc32"), attrgetter("derived")
 from .pickle_stream import split_pickles
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -217,34 +216,11 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         crcs = list(map(_CRC32, datas)) if all(datas) else [None]
         if trust_recorded_crcs and None not in crcs and not any(map(_PIECES, objects)) \
                 and not any(map(_DERIVED, objects)) and not any(map(_PRODUCER, objects)):
-            # the usual write: every storage the bytes of a member, its CRC recorded (the loop below, in columns)
+            # the usual write: every storage the bytes of a member, its CRC recorded (_add_each's first case, in columns)
             names = map(f"{archive_name}/data/".__add__, map(itemgetter(0), storages))
             writer.add_copies(list(zip(names, map(_PATH, datas), map(_OFFSET, datas), sizes, crcs)))
-            storages = []
-        copies: list[tuple[str, Any, int, int, int]] = []  # the usual storages: bytes of a member, its CRC recorded
-        for key, storage in storages:
-            data = storage.data
-            if data is not None and data.crc32 is not None and trust_recorded_crcs and storage.pieces is None \
-                    and storage.derived is None and storage.producer is None:
-                copies.append((f"{archive_name}/data/{key}", data.path, data.offset, storage.nbytes, data.crc32))
-                continue
-            writer.add_copies(copies)
-            copies.clear()
-            if storage.pieces is not None:
-                pieces = storage.pieces if trust_recorded_crcs else \
-                    tuple(replace(piece, crc32=None) for piece in storage.pieces)
-                writer.add_pieces(f"{archive_name}/data/{key}", pieces)
-                continue
-            if storage.derived is not None and storage.derived.nbytes == storage.nbytes:
-                writer.add_derived(f"{archive_name}/data/{key}", storage.derived)  # a cast, streamed
-                continue
-            if storage.producer is not None:
-                writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
-                continue
-            source = storage.byte_range()
-            writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes,
-                            source.crc32 if trust_recorded_crcs else None)
-        writer.add_copies(copies)
+        else:
+            _add_each(writer, storages, archive_name, trust_recorded_crcs)
         writer.add_bytes(f"{archive_name}/version", b"3\n")
         import secrets  # here: it imports hashlib and random, 5 ms of every read that writes nothing
 
@@ -252,6 +228,36 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         writer.close()
     finally:
         writer.release()
+
+
+def _add_each(writer: zipio.ZipWriter, storages: list[tuple[str, StorageRef]], archive_name: str,
+              trust_recorded_crcs: bool) -> None:
+    """Add each storage as a member: copied with its recorded CRC where it is the bytes of one (runs of them
+    copied together), else its pieces, its computed bytes or its bytes streamed and summed."""
+    copies: list[tuple[str, Any, int, int, int]] = []  # the usual storages: bytes of a member, its CRC recorded
+    for key, storage in storages:
+        data = storage.data
+        if data is not None and data.crc32 is not None and trust_recorded_crcs and storage.pieces is None \
+                and storage.derived is None and storage.producer is None:
+            copies.append((f"{archive_name}/data/{key}", data.path, data.offset, storage.nbytes, data.crc32))
+            continue
+        writer.add_copies(copies)
+        copies.clear()
+        if storage.pieces is not None:
+            pieces = storage.pieces if trust_recorded_crcs else \
+                tuple(replace(piece, crc32=None) for piece in storage.pieces)
+            writer.add_pieces(f"{archive_name}/data/{key}", pieces)
+            continue
+        if storage.derived is not None and storage.derived.nbytes == storage.nbytes:
+            writer.add_derived(f"{archive_name}/data/{key}", storage.derived)  # a cast, streamed
+            continue
+        if storage.producer is not None:
+            writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
+            continue
+        source = storage.byte_range()
+        writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes,
+                        source.crc32 if trust_recorded_crcs else None)
+    writer.add_copies(copies)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1473,7 +1473,7 @@ static int tiled(Span *spans, Py_ssize_t n, int64_t data_start, int64_t file_siz
 
 /* tensors[name] = TensorRef(StorageRef(name, dtype, numel, location, ByteRange(path, start, nbytes)), dtype, shape,
    contiguous_stride(shape)): one safetensors header entry as safetensors._each_tensor builds it (``constants``:
-   header_tensors'). 0, or -1 with an error set (``shape`` NULL: its making failed) */
+   parse_header's). 0, or -1 with an error set (``shape`` NULL: its making failed) */
 static int add_header_tensor(PyObject *tensors, PyObject *name, PyObject *dtype, PyObject *shape, int64_t numel,
                              int64_t start, int64_t nbytes, PyObject *path, PyObject *constants) {
     if (shape == NULL) return -1;
@@ -1502,98 +1502,6 @@ static int add_header_tensor(PyObject *tensors, PyObject *name, PyObject *dtype,
     Py_XDECREF(storage);
     Py_XDECREF(tensor);
     return status;
-}
-
-PyDoc_STRVAR(header_tensors_doc,
-"header_tensors(header, path, data_start, file_size, constants) -> dict or None\n\n"
-"ckptool.formats.safetensors._each_tensor for a header every entry of which it accepts: the same TensorRefs\n"
-"by name, in the header's order; None for any other header (the Python loop then says why).\n"
-"``constants``: (ByteRange, StorageRef, TensorRef, the allowed dtypes by name, contiguous_stride, \"cpu\").");
-
-static PyObject *header_tensors(PyObject *self, PyObject *args) {
-    PyObject *header, *path, *constants;
-    long long data_start, file_size;
-    if (!PyArg_ParseTuple(args, "O!OLLO!:header_tensors", &PyDict_Type, &header, &path, &data_start, &file_size,
-                          &PyTuple_Type, &constants))
-        return NULL;
-    if (PyTuple_GET_SIZE(constants) != 6 || !PyDict_Check(item(constants, 3))) {
-        PyErr_SetString(PyExc_ValueError, "header_tensors: malformed constants");
-        return NULL;
-    }
-    PyObject *kinds = item(constants, 3);
-    static PyObject *K_DTYPE, *K_SHAPE, *K_OFFSETS;
-    if (K_DTYPE == NULL) {
-        K_DTYPE = PyUnicode_InternFromString("dtype");
-        K_SHAPE = PyUnicode_InternFromString("shape");
-        K_OFFSETS = PyUnicode_InternFromString("data_offsets");
-        if (K_DTYPE == NULL || K_SHAPE == NULL || K_OFFSETS == NULL) return NULL;
-    }
-    Py_ssize_t count = PyDict_GET_SIZE(header);
-    if (count == 0) Py_RETURN_NONE;
-    Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)count);
-    PyObject *tensors = PyDict_New();
-    if (spans == NULL || tensors == NULL) {
-        PyMem_Free(spans);
-        Py_XDECREF(tensors);
-        return PyErr_NoMemory();
-    }
-    Py_ssize_t pos = 0, n = 0;
-    PyObject *name, *entry;
-    int failed = 0;  /* 1: declined, -1: an error */
-    while (!failed && PyDict_Next(header, &pos, &name, &entry)) {
-        if (!PyUnicode_CheckExact(name) || !PyDict_CheckExact(entry) || PyDict_GET_SIZE(entry) != 3) {
-            failed = 1;
-            break;
-        }
-        PyObject *dtype_name = PyDict_GetItemWithError(entry, K_DTYPE), *shape = PyDict_GetItemWithError(entry, K_SHAPE);
-        PyObject *offsets = PyDict_GetItemWithError(entry, K_OFFSETS);  /* borrowed */
-        if (dtype_name == NULL || shape == NULL || offsets == NULL) {
-            failed = PyErr_Occurred() ? -1 : 1;
-            break;
-        }
-        PyObject *dtype = PyUnicode_CheckExact(dtype_name) ? PyDict_GetItemWithError(kinds, dtype_name) : NULL;
-        if (dtype == NULL || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) > 64 || !PyList_CheckExact(offsets) ||
-            PyList_GET_SIZE(offsets) != 2) {
-            failed = PyErr_Occurred() ? -1 : 1;
-            break;
-        }
-        int64_t numel = 1, itemsize, nbytes;
-        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(shape); k++) {
-            int64_t size = count_of(PyList_GET_ITEM(shape, k));
-            if (size < 0 || __builtin_mul_overflow(numel, size, &numel)) {
-                failed = 1;
-                break;
-            }
-        }
-        if (failed) break;
-        PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
-        if (itemsize_obj == NULL) {
-            failed = -1;
-            break;
-        }
-        itemsize = count_of(itemsize_obj);
-        Py_DECREF(itemsize_obj);
-        int64_t begin = count_of(PyList_GET_ITEM(offsets, 0)), end = count_of(PyList_GET_ITEM(offsets, 1)), start;
-        if (itemsize <= 0 || begin < 0 || end < 0 || __builtin_mul_overflow(numel, itemsize, &nbytes) ||
-            end - begin != nbytes || __builtin_add_overflow(begin, (int64_t)data_start, &start)) {
-            failed = 1;
-            break;
-        }
-        spans[n].begin = begin;
-        spans[n].end = end;
-        n++;
-        PyObject *shape_tuple = PyList_AsTuple(shape);
-        if (add_header_tensor(tensors, name, dtype, shape_tuple, numel, start, nbytes, path, constants) < 0) failed = -1;
-        Py_XDECREF(shape_tuple);
-    }
-    if (!failed && !tiled(spans, n, data_start, file_size)) failed = 1;
-    PyMem_Free(spans);
-    if (failed) {
-        Py_DECREF(tensors);
-        if (failed < 0) return NULL;
-        Py_RETURN_NONE;
-    }
-    return tensors;
 }
 
 /* ---------------------------------------------------------------- a safetensors header, parsed */
@@ -1677,8 +1585,8 @@ PyDoc_STRVAR(parse_header_doc,
 "A safetensors header's bytes, parsed: what json.loads of them, __metadata__ taken out, then\n"
 "ckptool.formats.safetensors._each_tensor give (the TensorRefs by name in the header's order, and the\n"
 "metadata), for a header all of whose entries those accept; None for any other (the Python path then\n"
-"parses it, and says why it refuses it). ``constants``: header_tensors' and json.loads, for the strings\n"
-"that hold escapes.");
+"parses it, and says why it refuses it). ``constants``: (ByteRange, StorageRef, TensorRef, the allowed\n"
+"dtypes by name, contiguous_stride, \"cpu\", json.loads for the strings that hold escapes).");
 
 static PyObject *parse_header(PyObject *self, PyObject *args) {
     Py_buffer raw;
@@ -1826,7 +1734,6 @@ static PyMethodDef methods[] = {
     {"emit_items", emit_items, METH_VARARGS, emit_items_doc},
     {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
     {"whole_plain", whole_plain, METH_O, whole_plain_doc},
-    {"header_tensors", header_tensors, METH_VARARGS, header_tensors_doc},
     {"parse_header", parse_header, METH_VARARGS, parse_header_doc},
     {NULL, NULL, 0, NULL},
 };

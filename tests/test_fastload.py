@@ -537,3 +537,130 @@ def test_whole_plain_in_c_decides_as_the_python_passes_do(tmp_path: Path) -> Non
             assert any(type(v.shape) is not tuple or any(type(d) is not int for d in (*v.shape, *v.stride))
                        or type(v.stride) is not tuple or type(v.storage.data.length) is not int for v in group)
     assert accepted > 300 and declined > 300
+
+
+def _hashable(obj: Any) -> bool:
+    try:
+        hash(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _drawn_tree(rng: random.Random, plain: Any) -> Any:
+    """A tree of every kind check_tree meets, with shared sub-objects and cycles: lists, tuples, dicts, sets,
+    a state dict with attributes, strings and bytes of many lengths, tensors plain and with metadata, hooks (back
+    into the tree), a parameter or a subclass, opaque objects, devices, bytearrays, a tuple subclass."""
+    import copy
+    from collections import OrderedDict
+
+    from ckptool.pickles.placeholders import OpaqueObject
+    from ckptool.refs import DeviceRef, SizeRef
+
+    def atom() -> Any:
+        return rng.choice([None, True, 7, 2.5, "", "x" * rng.choice([1, 40, 900]), b"\0" * rng.choice([0, 3, 700]),
+                           -(2**70)])
+
+    pool: list[Any] = [atom() for _ in range(4)] + [plain]
+    lists: list[list] = []
+    for _ in range(rng.randint(1, 40)):
+        kids = [rng.choice(pool) for _ in range(rng.choice([0, 1, 2, 3, 6]))]
+        kind = rng.randrange(15)
+        if kind == 0:
+            node: Any = list(kids)
+            lists.append(node)
+        elif kind == 1:
+            node = tuple(kids)
+        elif kind == 2:
+            node = {rng.choice(["a", "b", "c", 3, "k" * 50]): kid for kid in kids}
+        elif kind == 3:
+            node = rng.choice([set, frozenset])(kid for kid in kids if _hashable(kid))
+        elif kind == 4:
+            node = OrderedDict((f"w{index}", kid) for index, kid in enumerate(kids))
+            if rng.random() < 0.7:
+                node._metadata = {"": {"version": 1}, "x": rng.choice(pool)}
+        elif kind == 5:
+            node = copy.copy(plain)
+        elif kind in (6, 7):
+            node = copy.copy(plain)
+            bent = rng.randrange(5)
+            if bent == 0:
+                node.backward_hooks = OrderedDict(hook=rng.choice(pool))
+            elif bent == 1:
+                node.extra = tuple(kids)
+            elif bent == 2:
+                node.parameter = (True, *kids)
+            elif bent == 3:
+                node.subclass = ("torch.nn.Buffer", *kids)
+            else:
+                node.backward_hooks = rng.choice([OrderedDict(), {}, 0, ""])  # empty: still the usual tensor
+        elif kind == 8:
+            node = OpaqueObject(*kids)
+            node._state = rng.choice([None, {"k": rng.choice(pool)}])
+            node._items = [rng.choice(pool)] if rng.random() < 0.5 else []
+        elif kind == 9:
+            node = DeviceRef(("cuda", rng.randint(0, 3)))
+        elif kind == 10:
+            node = bytearray(rng.choice([0, 5, 300]))
+        elif kind == 11:
+            node = SizeRef(rng.randint(0, 9) for _ in range(rng.randint(0, 3)))
+        elif kind == 12:
+            node = [[[[rng.choice(pool)]]]]  # depth
+        elif kind == 13:  # sharing that doubles what a naive walk visits at each level (a memo expansion bomb)
+            node = rng.choice(pool)
+            for _ in range(rng.randint(2, 14)):
+                node = [node, node] if rng.random() < 0.8 else (node, "s", node)
+        else:
+            node = atom()
+        pool.append(node)
+    for target in lists:  # cycles: a list holding what was built after it (itself, or an ancestor of it)
+        if rng.random() < 0.3:
+            target.append(rng.choice(pool))
+    hooked = [node for node in pool if type(node).__name__ == "TensorRef" and node.backward_hooks]
+    for tensor in hooked:  # a cycle through a tensor's hooks
+        if rng.random() < 0.3 and isinstance(tensor.backward_hooks, OrderedDict):
+            tensor.backward_hooks["back"] = rng.choice(pool)
+    for node in pool:  # a tensor held by its own parameter's or subclass's arguments
+        if type(node).__name__ == "TensorRef" and rng.random() < 0.3:
+            if node.parameter is not None:
+                node.parameter = (*node.parameter, node)
+            elif node.subclass is not None:
+                node.subclass = (*node.subclass, node)
+    return rng.choice([pool[-1], list(pool[-rng.randint(1, len(pool)):]), {"model": pool[-1], "all": pool}])
+
+
+def test_check_tree_in_c_judges_as_the_python_walk_does(fixtures_dir: Path) -> None:
+    """The tree check's C walk against the Python walk on drawn trees of every kind it meets (shared sub-objects,
+    cycles through lists and a tensor's hooks, every kind of leaf) under drawn limits: the same verdict (passes,
+    too deep, too many expanded objects, too much expanded text) for every tree, each verdict drawn often."""
+    import copy
+    from collections import Counter, OrderedDict
+
+    from ckptool.pickles import _fastload, limits
+    from ckptool.refs import TensorRef
+
+    plain = next(iter(ckptool.load(fixtures_dir / "single_lenet.pt").tensors.values()))
+    held = copy.copy(plain)  # a tensor that is one of its own parameter's arguments: a leaf below itself
+    held.parameter, held.backward_hooks = (True, held), None
+    hooked = copy.copy(plain)  # a cycle back through a tensor's hooks
+    hooked.backward_hooks = OrderedDict(back=[hooked])
+    made = [held, [held], {"w": held, "b": [held, plain]}, hooked, [[hooked]], [plain, [plain]], "text", plain]
+    rng = random.Random(20261127)
+    verdicts: Counter = Counter()
+    for index in range(len(made) + 2000):
+        tree = made[index] if index < len(made) else _drawn_tree(rng, plain)
+        # every nesting limit up to 12 (each tree's height is then found exactly), drawn limits of each kind
+        for nesting, nodes, text in [*((nesting, limits.MAX_EXPANDED_NODES, limits.MAX_EXPANDED_TEXT)
+                                       for nesting in range(1, 13)),
+                                     (rng.randint(2, 8), rng.randint(1, 60), rng.randint(0, 5000)),
+                                     (limits.MAX_NESTING, rng.randint(1, 500), limits.MAX_EXPANDED_TEXT)]:
+            saved = limits.MAX_NESTING, limits.MAX_EXPANDED_NODES
+            limits.MAX_NESTING, limits.MAX_EXPANDED_NODES = nesting, nodes
+            try:
+                expected = unpickle._check_tree(tree, text)
+            finally:
+                limits.MAX_NESTING, limits.MAX_EXPANDED_NODES = saved
+            found = _fastload.check_tree(tree, (TensorRef, unpickle._tree_children, nesting, nodes, text))
+            assert found == expected, (tree, nesting, nodes, text)
+            verdicts[found] += 1
+    assert min(verdicts[verdict] for verdict in range(4)) > 50, verdicts

@@ -9,13 +9,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import torch
 from click.testing import CliRunner
 
 from ckptool import jsonout
 from ckptool.cli import main
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra: pip install -e '.[test]'")
 
 KINDS = ["inspect", "scan", "write", "convert", "verify", "diff", "error"]
 

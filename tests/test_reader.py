@@ -139,12 +139,13 @@ GC_PROBE = """
 import contextlib, gc, io, sys
 import ckptool
 from ckptool.cli import main
+before = gc.get_freeze_count()  # a site hook or another package may freeze at start-up: only the read's share counts
 if sys.argv[2] == "cli":
     with contextlib.redirect_stdout(io.StringIO()):
         main(["inspect", sys.argv[1]], standalone_mode=False)
 else:
     ckptool.inspect(sys.argv[1])
-print(gc.get_freeze_count())
+print(gc.get_freeze_count() - before)
 """
 
 

@@ -19,7 +19,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jsonschema
 import pytest
 import torch
 from click.testing import CliRunner
@@ -218,6 +217,7 @@ def test_inspect_lists_what_a_trainer_checkpoint_holds(runs: Path) -> None:
 
 
 def test_inspect_json_and_trusted_training_args(runs: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra: pip install -e '.[test]'")
     folder = runs / "trainer/checkpoint-500"
     code, out, err = run("inspect", folder, "--json", "--allow-global", "transformers.*")
     assert code == 0, err

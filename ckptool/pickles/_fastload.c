@@ -1728,6 +1728,296 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* ---------------------------------------------------------------- the unpickled tree's check */
+
+/* what check_tree knows of one object, by address (objects stay alive in the tree through the walk) */
+typedef struct {
+    PyObject *key;  /* NULL: an empty slot */
+    int64_t height, size, text;
+    char done, on_path;
+} TreeEntry;
+
+typedef struct {
+    TreeEntry *slots;
+    size_t cap, used;  /* cap: a power of two */
+} TreeTable;
+
+static size_t tree_hash(PyObject *key, size_t cap) {
+    uint64_t h = (uint64_t)(uintptr_t)key;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 29;
+    return (size_t)h & (cap - 1);
+}
+
+/* the entry of ``key``, NULL if none and ``add`` is 0; made (zeroed) where ``add``; *error on no memory */
+static TreeEntry *tree_entry(TreeTable *t, PyObject *key, int add, int *error) {
+    if (add && (t->used + 1) * 2 > t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 1024;
+        TreeEntry *slots = PyMem_Calloc(cap, sizeof(TreeEntry));
+        if (slots == NULL) {
+            *error = 1;
+            return NULL;
+        }
+        for (size_t i = 0; i < t->cap; i++) {
+            if (t->slots[i].key == NULL) continue;
+            size_t j = tree_hash(t->slots[i].key, cap);
+            while (slots[j].key != NULL) j = (j + 1) & (cap - 1);
+            slots[j] = t->slots[i];
+        }
+        PyMem_Free(t->slots);
+        t->slots = slots;
+        t->cap = cap;
+    }
+    if (t->cap == 0) return NULL;
+    size_t i = tree_hash(key, t->cap);
+    while (t->slots[i].key != NULL) {
+        if (t->slots[i].key == key) return &t->slots[i];
+        i = (i + 1) & (t->cap - 1);
+    }
+    if (!add) return NULL;
+    t->slots[i].key = key;
+    t->used++;
+    return &t->slots[i];
+}
+
+static int64_t sat_add(int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
+typedef struct {
+    PyObject *obj;   /* borrowed: alive in the tree */
+    PyObject *kids;  /* NULL until entered; then a list or tuple (a new reference) */
+} TreeFrame;
+
+enum { T_TENSOR, T_CHILDREN, T_NESTING, T_NODES, T_TEXT, T_CONSTANTS };
+
+static Slot TREE_SLOTS[4];  /* TensorRef's extra, backward_hooks, parameter, subclass */
+
+/* 1: the usual tensor (no metadata, hooks, parameter or subclass: a leaf), 0: another, -1: error */
+static int plain_tensor_ref(PyObject *obj) {
+    PyObject *extra = slot_attr(obj, "extra", &TREE_SLOTS[0]);
+    if (extra == NULL) return -1;
+    /* (another extra, a tuple subclass even: entered, the Python children deciding) */
+    int plain = PyTuple_CheckExact(extra) && PyTuple_GET_SIZE(extra) == 0;
+    Py_DECREF(extra);
+    if (!plain) return 0;
+    PyObject *hooks = slot_attr(obj, "backward_hooks", &TREE_SLOTS[1]);
+    if (hooks == NULL) return -1;
+    int truth = hooks == Py_None ? 0 : PyObject_IsTrue(hooks);
+    Py_DECREF(hooks);
+    if (truth != 0) return truth < 0 ? -1 : 0;
+    PyObject *parameter = slot_attr(obj, "parameter", &TREE_SLOTS[2]);
+    if (parameter == NULL) return -1;
+    plain = parameter == Py_None;
+    Py_DECREF(parameter);
+    if (!plain) return 0;
+    PyObject *subclass = slot_attr(obj, "subclass", &TREE_SLOTS[3]);
+    if (subclass == NULL) return -1;
+    plain = subclass == Py_None;
+    Py_DECREF(subclass);
+    return plain;
+}
+
+static int tree_atom(PyTypeObject *kind) {
+    return kind == &PyUnicode_Type || kind == &PyBytes_Type || kind == &PyLong_Type || kind == &PyFloat_Type ||
+           kind == &PyBool_Type || kind == Py_TYPE(Py_None);
+}
+
+/* an object check_tree never enters (counted where it is referenced): an atom, the usual tensor, an empty
+   list, dict, tuple, set or frozenset. 1 skip, 0 enter, -1 error */
+static int tree_skipped(PyObject *kid, PyObject *tensor_type) {
+    PyTypeObject *kind = Py_TYPE(kid);
+    if (tree_atom(kind)) return 1;
+    if ((PyObject *)kind == tensor_type) return plain_tensor_ref(kid);
+    if (kind == &PyList_Type) return PyList_GET_SIZE(kid) == 0;
+    if (kind == &PyTuple_Type) return PyTuple_GET_SIZE(kid) == 0;
+    if (kind == &PyDict_Type) return PyDict_GET_SIZE(kid) == 0;
+    if (kind == &PySet_Type || kind == &PyFrozenSet_Type) return PySet_GET_SIZE(kid) == 0;
+    return 0;
+}
+
+/* _tree_children: a list or tuple (new reference), or NULL on error */
+static PyObject *tree_children(PyObject *obj, PyObject *constants) {
+    PyTypeObject *kind = Py_TYPE(obj);
+    if (kind == &PyList_Type || kind == &PyTuple_Type) return Py_NewRef(obj);
+    if (kind == &PyDict_Type) {
+        Py_ssize_t n = PyDict_GET_SIZE(obj), i = 0, at = 0;
+        PyObject *kids = PyList_New(2 * n), *key, *value;
+        if (kids == NULL) return NULL;
+        while (PyDict_Next(obj, &i, &key, &value) && at < n) {
+            PyList_SET_ITEM(kids, at, Py_NewRef(key));
+            PyList_SET_ITEM(kids, n + at, Py_NewRef(value));
+            at++;
+        }
+        if (at != n) {  /* (cannot happen: nothing runs while the dict is read) */
+            Py_DECREF(kids);
+            PyErr_SetString(PyExc_RuntimeError, "check_tree: a dict changed size");
+            return NULL;
+        }
+        return kids;
+    }
+    if (kind == &PySet_Type || kind == &PyFrozenSet_Type) return PySequence_List(obj);
+    if ((PyObject *)kind == PyTuple_GET_ITEM(constants, T_TENSOR)) {
+        int plain = plain_tensor_ref(obj);
+        if (plain < 0) return NULL;
+        if (plain) return PyTuple_New(0);
+    }
+    if (tree_atom(kind) || kind == &PyByteArray_Type) return PyTuple_New(0);
+    PyObject *kids = PyObject_CallOneArg(PyTuple_GET_ITEM(constants, T_CHILDREN), obj);
+    if (kids != NULL && !PyList_CheckExact(kids) && !PyTuple_CheckExact(kids)) {
+        Py_DECREF(kids);
+        PyErr_SetString(PyExc_TypeError, "check_tree: children must be a list");
+        return NULL;
+    }
+    return kids;
+}
+
+static int64_t text_length(PyObject *obj) {
+    PyTypeObject *kind = Py_TYPE(obj);
+    if (kind == &PyUnicode_Type) return PyUnicode_GET_LENGTH(obj);
+    if (kind == &PyBytes_Type) return PyBytes_GET_SIZE(obj);
+    if (kind == &PyByteArray_Type) return PyByteArray_GET_SIZE(obj);
+    return 0;
+}
+
+PyDoc_STRVAR(check_tree_doc,
+"check_tree(root, constants) -> 0, 1, 2 or 3\n\n"
+"ckptool.pickles.unpickle's tree check in one C pass: ``constants`` is (TensorRef, _tree_children, max nesting,\n"
+"max expanded nodes, text limit). 0: the tree passes; 1: it nests too deep; 2: its sharing expands past the node\n"
+"limit; 3: past the text limit. What the Python walk would find, object for object.");
+
+static PyObject *check_tree_c(PyObject *self, PyObject *args) {
+    PyObject *root, *constants;
+    if (!PyArg_ParseTuple(args, "OO!:check_tree", &root, &PyTuple_Type, &constants)) return NULL;
+    if (PyTuple_GET_SIZE(constants) != T_CONSTANTS) {
+        PyErr_SetString(PyExc_ValueError, "check_tree: malformed constants");
+        return NULL;
+    }
+    PyObject *tensor_type = PyTuple_GET_ITEM(constants, T_TENSOR);
+    int64_t max_nesting = PyLong_AsLongLong(PyTuple_GET_ITEM(constants, T_NESTING));
+    int64_t max_nodes = PyLong_AsLongLong(PyTuple_GET_ITEM(constants, T_NODES));
+    int64_t text_limit = PyLong_AsLongLong(PyTuple_GET_ITEM(constants, T_TEXT));
+    if (PyErr_Occurred()) return NULL;
+    TreeTable table = {NULL, 0, 0};
+    Py_ssize_t depth = 0, cap = 256;
+    TreeFrame *stack = PyMem_Malloc(sizeof(TreeFrame) * (size_t)cap);
+    int64_t edges = 0;
+    int verdict = 0, error = stack == NULL;
+    if (!error) {
+        stack[0].obj = root;
+        stack[0].kids = NULL;
+        depth = 1;
+    }
+    while (!error && !verdict && depth > 0) {
+        TreeFrame *frame = &stack[depth - 1];
+        PyObject *obj = frame->obj;
+        if (frame->kids == NULL) {
+            TreeEntry *entry = tree_entry(&table, obj, 0, &error);
+            if (entry != NULL && entry->done) {
+                depth--;
+                continue;
+            }
+            PyObject *kids = tree_children(obj, constants);
+            if (kids == NULL) {
+                error = 1;
+                break;
+            }
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(kids);
+            if (n == 0) {
+                Py_DECREF(kids);
+                entry = tree_entry(&table, obj, 1, &error);
+                if (entry == NULL) break;
+                entry->done = 1;
+                entry->height = 1;
+                entry->size = 1;
+                entry->text = text_length(obj);
+                depth--;
+                continue;
+            }
+            edges = sat_add(edges, n);
+            entry = tree_entry(&table, obj, 1, &error);
+            if (entry == NULL) {
+                Py_DECREF(kids);
+                break;
+            }
+            entry->on_path = 1;
+            frame->kids = kids;
+            PyObject **items = PySequence_Fast_ITEMS(kids);
+            for (Py_ssize_t k = 0; k < n && !error; k++) {
+                PyObject *kid = items[k];
+                int skip = tree_skipped(kid, tensor_type);
+                if (skip) {
+                    if (skip < 0) error = 1;
+                    continue;
+                }
+                TreeEntry *known = tree_entry(&table, kid, 0, &error);
+                if (known != NULL && (known->done || known->on_path)) continue;
+                if (depth == cap) {
+                    TreeFrame *more = PyMem_Realloc(stack, sizeof(TreeFrame) * (size_t)(cap *= 2));
+                    if (more == NULL) {
+                        error = 1;
+                        PyErr_NoMemory();
+                        break;
+                    }
+                    stack = more;
+                }
+                stack[depth].obj = kid;
+                stack[depth].kids = NULL;
+                depth++;
+            }
+            continue;
+        }
+        /* every kid is done now (or an atom, the usual tensor, an empty container, an ancestor) */
+        PyObject *kids = frame->kids;
+        frame->kids = NULL;
+        depth--;
+        TreeEntry *self_entry = tree_entry(&table, obj, 0, &error);
+        if (self_entry != NULL) self_entry->on_path = 0;  /* off the path before its kids are summed, as in Python */
+        int64_t height = 1, size = 1, text = 0;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(kids);
+        PyObject **items = PySequence_Fast_ITEMS(kids);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *kid = items[k];
+            PyTypeObject *kind = Py_TYPE(kid);
+            if (tree_atom(kind)) {
+                size = sat_add(size, 1);
+                if (kind == &PyUnicode_Type || kind == &PyBytes_Type) text = sat_add(text, text_length(kid));
+                continue;
+            }
+            TreeEntry *known = tree_entry(&table, kid, 0, &error);
+            if (known == NULL || !known->done) {
+                size = sat_add(size, 1);  /* the usual tensor (one level), an empty container or an ancestor (a leaf) */
+                if ((PyObject *)kind == tensor_type && (known == NULL || !known->on_path) && height < 2) height = 2;
+                continue;
+            }
+            if (known->height >= height) height = known->height + 1;
+            size = sat_add(size, known->size);
+            text = sat_add(text, known->text);
+        }
+        Py_DECREF(kids);
+        if (height > max_nesting) verdict = 1;
+        else if (size > max_nodes && size > sat_add(edges, 1) * 16) verdict = 2;  /* (edges < 2^59: no overflow) */
+        else if (text > text_limit) verdict = 3;
+        if (verdict) break;
+        TreeEntry *entry = tree_entry(&table, obj, 1, &error);
+        if (entry == NULL) break;
+        entry->done = 1;
+        entry->height = height;
+        entry->size = size < max_nodes + 1 ? size : max_nodes + 1;
+        entry->text = text < text_limit + 1 ? text : text_limit + 1;
+    }
+    for (Py_ssize_t k = 0; k < depth; k++) Py_XDECREF(stack[k].kids);
+    PyMem_Free(stack);
+    PyMem_Free(table.slots);
+    if (error) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return NULL;
+    }
+    return PyLong_FromLong(verdict);
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, load_doc},
     {"register", register_maker, METH_VARARGS, register_doc},
@@ -1735,6 +2025,7 @@ static PyMethodDef methods[] = {
     {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
     {"whole_plain", whole_plain, METH_O, whole_plain_doc},
     {"parse_header", parse_header, METH_VARARGS, parse_header_doc},
+    {"check_tree", check_tree_c, METH_VARARGS, check_tree_doc},
     {NULL, NULL, 0, NULL},
 };
 

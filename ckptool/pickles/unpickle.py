@@ -238,11 +238,31 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
     the pickle's length) — one 8 MiB string referenced 300 times is 2.4 GiB once json writes it.
 
     Atoms and empty containers are counted where they are referenced, never visited: a list of 10
-    million empty lists costs one pass over it, not a record per list."""
+    million empty lists costs one pass over it, not a record per list. Where the C run is built (:data:`FAST`),
+    it walks the tree (a 100,000-tensor state dict: 0.01 s, not 0.18), the Python children of the rarer objects
+    deciding what they hold; :func:`_check_tree` is the same walk in Python."""
+    text_limit = max(limits.MAX_EXPANDED_TEXT, 16 * source_bytes)
+    if FAST:
+        verdict = _fastload.check_tree(root, (TensorRef, _tree_children, limits.MAX_NESTING,
+                                              limits.MAX_EXPANDED_NODES, text_limit))
+    else:
+        verdict = _check_tree(root, text_limit)
+    if verdict == 1:
+        raise refuse(f"nests its objects over {limits.MAX_NESTING} levels deep")
+    if verdict == 2:
+        raise refuse(f"shares sub-objects so that walking it visits over {limits.MAX_EXPANDED_NODES} objects "
+                     "(a memo expansion bomb)")
+    if verdict == 3:
+        raise refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
+                     "(a memo expansion bomb)")
+
+
+def _check_tree(root: Any, text_limit: int) -> int:
+    """:func:`check_tree`'s walk: 0 (the tree passes), 1 (it nests too deep), 2 (its sharing expands past the node
+    limit) or 3 (past ``text_limit`` bytes of strings), for the first object found over a limit."""
     done: dict[int, tuple[int, int, int]] = {}  # id -> (height, expanded objects, expanded text bytes)
     on_path: set[int] = set()
     edges = 0
-    text_limit = max(limits.MAX_EXPANDED_TEXT, 16 * source_bytes)
     stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
     while stack:
         obj, kids = stack[-1]
@@ -299,11 +319,10 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
             size += entry[1]
             text += entry[2]
         if height > limits.MAX_NESTING:
-            raise refuse(f"nests its objects over {limits.MAX_NESTING} levels deep")
+            return 1
         if size > limits.MAX_EXPANDED_NODES and size > 16 * (edges + 1):
-            raise refuse(f"shares sub-objects so that walking it visits over {limits.MAX_EXPANDED_NODES} objects "
-                          "(a memo expansion bomb)")
+            return 2
         if text > text_limit:
-            raise refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
-                          "(a memo expansion bomb)")
+            return 3
         done[key] = (height, min(size, limits.MAX_EXPANDED_NODES + 1), min(text, text_limit + 1))
+    return 0

@@ -1474,14 +1474,14 @@ static int tiled(Span *spans, Py_ssize_t n, int64_t data_start, int64_t file_siz
 /* tensors[name] = TensorRef(StorageRef(name, dtype, numel, location, ByteRange(path, start, nbytes)), dtype, shape,
    contiguous_stride(shape)): one safetensors header entry as safetensors._each_tensor builds it (``constants``:
    parse_header's). 0, or -1 with an error set (``shape`` NULL: its making failed) */
-static int add_header_tensor(PyObject *tensors, PyObject *name, PyObject *dtype, PyObject *shape, int64_t numel,
-                             int64_t start, int64_t nbytes, PyObject *path, PyObject *constants) {
-    if (shape == NULL) return -1;
+/* the tensor of one header entry, put in ``tensors`` under ``name``: 0, 1 (the name is there already: declined), or
+   -1 (an error) */
+static int add_header_tensor(PyObject *tensors, PyObject *name, PyObject *dtype, PyObject *shape, PyObject *stride,
+                             int64_t numel, int64_t start, int64_t nbytes, PyObject *path, PyObject *constants) {
     PyObject *start_obj = PyLong_FromLongLong(start), *nbytes_obj = PyLong_FromLongLong(nbytes);
     PyObject *numel_obj = PyLong_FromLongLong(numel);
-    PyObject *stride = PyObject_CallOneArg(item(constants, 4), shape);
     PyObject *range = NULL, *storage = NULL, *tensor = NULL;
-    if (start_obj && nbytes_obj && numel_obj && stride) {
+    if (start_obj && nbytes_obj && numel_obj) {
         PyObject *range_args[3] = {path, start_obj, nbytes_obj};
         range = make(item(constants, 0), range_args, 3);
     }
@@ -1493,11 +1493,12 @@ static int add_header_tensor(PyObject *tensors, PyObject *name, PyObject *dtype,
         PyObject *tensor_args[4] = {storage, dtype, shape, stride};
         tensor = make(item(constants, 2), tensor_args, 4);
     }
-    int status = tensor == NULL || PyDict_SetItem(tensors, name, tensor) < 0 ? -1 : 0;
+    /* one look-up: the name's first entry goes in; a second finds the first (a duplicate key: json keeps the last) */
+    PyObject *present = tensor == NULL ? NULL : PyDict_SetDefault(tensors, name, tensor);  /* borrowed */
+    int status = present == NULL ? -1 : present != tensor ? 1 : 0;
     Py_XDECREF(start_obj);
     Py_XDECREF(nbytes_obj);
     Py_XDECREF(numel_obj);
-    Py_XDECREF(stride);
     Py_XDECREF(range);
     Py_XDECREF(storage);
     Py_XDECREF(tensor);
@@ -1601,6 +1602,12 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *kinds = item(constants, 3), *loads = item(constants, 6);
+    /* a header names few dtypes and shapes for many tensors: each spelling's dtype and item size, and each shape's
+       tuple and contiguous strides, made once (the tuples shared, as contiguous_stride's cache shares strides) */
+    struct { const unsigned char *text; Py_ssize_t length; PyObject *dtype; int64_t itemsize; } dtype_memo[8];
+    int dtype_memos = 0;
+    struct { int ndims; int64_t dims[8]; PyObject *shape, *stride; } shape_memo[16];
+    int shape_memos = 0;
     Cursor c = {(const unsigned char *)raw.buf, (const unsigned char *)raw.buf + raw.len};
     PyObject *tensors = PyDict_New(), *metadata = NULL, *result = NULL;
     Py_ssize_t n = 0, cap = 1024;
@@ -1639,9 +1646,9 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
             }
         } else {
             PyObject *name = string_value(key, key_length, key_escaped, loads), *dtype = NULL;
-            int64_t dims[64], begin = -1, end = -1;
+            int64_t dims[64], begin = -1, end = -1, itemsize = 0;
             int ndims = -1, have_offsets = 0;
-            if (name == NULL || PyDict_Contains(tensors, name) != 0 || !take(&c, '{')) failed = 1;
+            if (name == NULL || !take(&c, '{')) failed = 1;
             for (int field = 0; field < 3 && !failed; field++) {
                 const unsigned char *f;
                 Py_ssize_t fl;
@@ -1652,10 +1659,39 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
                     const unsigned char *d;
                     Py_ssize_t dl;
                     int de;
-                    PyObject *text = raw_string(&c, &d, &dl, &de) ? string_value(d, dl, de, loads) : NULL;
+                    if (!raw_string(&c, &d, &dl, &de)) {
+                        failed = 1;
+                        continue;
+                    }
+                    for (int k = 0; k < dtype_memos && !de; k++)
+                        if (dtype_memo[k].length == dl && memcmp(dtype_memo[k].text, d, (size_t)dl) == 0) {
+                            dtype = dtype_memo[k].dtype;  /* borrowed from ``kinds`` */
+                            itemsize = dtype_memo[k].itemsize;
+                            break;
+                        }
+                    if (dtype != NULL) continue;
+                    PyObject *text = string_value(d, dl, de, loads);
                     dtype = text ? PyDict_GetItemWithError(kinds, text) : NULL;  /* borrowed */
                     Py_XDECREF(text);
-                    if (dtype == NULL) failed = PyErr_Occurred() ? -1 : 1;
+                    if (dtype == NULL) {
+                        failed = PyErr_Occurred() ? -1 : 1;
+                        continue;
+                    }
+                    PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
+                    if (itemsize_obj == NULL) {
+                        failed = -1;
+                        continue;
+                    }
+                    itemsize = count_of(itemsize_obj);
+                    Py_DECREF(itemsize_obj);
+                    if (itemsize <= 0) failed = 1;
+                    else if (!de && dtype_memos < 8) {
+                        dtype_memo[dtype_memos].text = d;
+                        dtype_memo[dtype_memos].length = dl;
+                        dtype_memo[dtype_memos].dtype = dtype;
+                        dtype_memo[dtype_memos].itemsize = itemsize;
+                        dtype_memos++;
+                    }
                 } else if (is_key(f, fl, fe, "shape") && ndims < 0) {
                     if (!take(&c, '[')) failed = 1;
                     else if (take(&c, ']')) ndims = 0;
@@ -1676,19 +1712,15 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
                 }
             }
             if (!failed && !take(&c, '}')) failed = 1;
-            int64_t numel = 1, itemsize = 0, nbytes = 0, start = 0;
+            int64_t numel = 1, nbytes = 0, start = 0;
             if (!failed) {
-                for (int k = 0; k < ndims && !failed; k++)
+                for (int k = 0; k < ndims; k++)  /* (a 0 anywhere: 0, however large the others) */
+                    if (dims[k] == 0) numel = 0;
+                for (int k = 0; k < ndims && !failed && numel; k++)
                     if (__builtin_mul_overflow(numel, dims[k], &numel)) failed = 1;
-                PyObject *itemsize_obj = failed ? NULL : PyObject_GetAttr(dtype, S_ITEMSIZE);
-                if (!failed && itemsize_obj == NULL) failed = -1;
-                if (!failed) {
-                    itemsize = count_of(itemsize_obj);
-                    if (itemsize <= 0 || __builtin_mul_overflow(numel, itemsize, &nbytes) || end - begin != nbytes ||
-                        __builtin_add_overflow(begin, (int64_t)data_start, &start))
-                        failed = 1;
-                }
-                Py_XDECREF(itemsize_obj);
+                if (!failed && (__builtin_mul_overflow(numel, itemsize, &nbytes) || end - begin != nbytes ||
+                                __builtin_add_overflow(begin, (int64_t)data_start, &start)))
+                    failed = 1;
             }
             if (!failed && n == cap) {
                 Span *more = PyMem_Realloc(spans, sizeof(Span) * (size_t)(cap *= 2));
@@ -1699,14 +1731,46 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
                 spans[n].begin = begin;
                 spans[n].end = end;
                 n++;
-                PyObject *shape = PyTuple_New(ndims);
-                for (int k = 0; shape != NULL && k < ndims; k++) {
-                    PyObject *size = PyLong_FromLongLong(dims[k]);
-                    if (size == NULL) Py_CLEAR(shape);
-                    else PyTuple_SET_ITEM(shape, k, size);
+                PyObject *shape = NULL, *stride = NULL;
+                for (int k = 0; k < shape_memos && shape == NULL; k++)
+                    if (shape_memo[k].ndims == ndims && memcmp(shape_memo[k].dims, dims, sizeof(int64_t) * (size_t)ndims) == 0) {
+                        shape = Py_NewRef(shape_memo[k].shape);
+                        stride = Py_NewRef(shape_memo[k].stride);
+                    }
+                if (shape == NULL) {
+                    shape = PyTuple_New(ndims);
+                    for (int k = 0; shape != NULL && k < ndims; k++) {
+                        PyObject *size = PyLong_FromLongLong(dims[k]);
+                        if (size == NULL) Py_CLEAR(shape);
+                        else PyTuple_SET_ITEM(shape, k, size);
+                    }
+                    /* C-order strides (contiguous_stride's), in Python where a product passes int64 (a 0 dim ahead) */
+                    int64_t running = 1;
+                    int wide = 0;
+                    stride = shape == NULL ? NULL : PyTuple_New(ndims);
+                    for (int k = ndims - 1; stride != NULL && k >= 0 && !wide; k--) {
+                        PyObject *step = PyLong_FromLongLong(running);
+                        if (step == NULL) Py_CLEAR(stride);
+                        else PyTuple_SET_ITEM(stride, k, step);
+                        if (k > 0 && __builtin_mul_overflow(running, dims[k], &running)) wide = 1;
+                    }
+                    if (wide) {
+                        Py_CLEAR(stride);
+                        stride = PyObject_CallOneArg(item(constants, 4), shape);
+                    }
+                    if (shape != NULL && stride != NULL && ndims <= 8 && shape_memos < 16) {
+                        shape_memo[shape_memos].ndims = ndims;
+                        memcpy(shape_memo[shape_memos].dims, dims, sizeof(int64_t) * (size_t)ndims);
+                        shape_memo[shape_memos].shape = Py_NewRef(shape);
+                        shape_memo[shape_memos].stride = Py_NewRef(stride);
+                        shape_memos++;
+                    }
                 }
-                if (add_header_tensor(tensors, name, dtype, shape, numel, start, nbytes, path, constants) < 0) failed = -1;
+                int added = shape == NULL || stride == NULL ? -1 :
+                    add_header_tensor(tensors, name, dtype, shape, stride, numel, start, nbytes, path, constants);
+                if (added) failed = added;
                 Py_XDECREF(shape);
+                Py_XDECREF(stride);
             }
             Py_XDECREF(name);
         }
@@ -1714,6 +1778,10 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
     }
     if (!failed && (!take(&c, '}') || (skip_ws(&c), c.p != c.end) || n == 0)) failed = 1;
     if (!failed && !tiled(spans, n, data_start, file_size)) failed = 1;
+    for (int k = 0; k < shape_memos; k++) {
+        Py_DECREF(shape_memo[k].shape);
+        Py_DECREF(shape_memo[k].stride);
+    }
     PyMem_Free(spans);
     PyBuffer_Release(&raw);
     if (!failed) {

@@ -16,7 +16,7 @@ from bisect import bisect_left
 from itertools import accumulate, chain, repeat
 from operator import add, is_, sub
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
 from .crc import crc32
@@ -31,6 +31,20 @@ COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re
 _BUFFER = 8 << 20  # the buffer of a copy the kernel cannot make, and of a copy that sums its bytes
 
 OnData = Callable[[int, int], None]
+_UNSET: Any = object()
+_GATHER: Any = _UNSET
+
+
+def _native_gather() -> Callable[..., Any] | None:
+    """The C reads of a run of small pieces (``formats/_zipfast.c``'s ``gather``), where built and not turned off by
+    ``CKPTOOL_PURE_PYTHON_ZIP=1``; :meth:`DataOut._copy_run`'s Python windows are its reference, and the fallback.
+    (Found on first use: the zip module imports this one.)"""
+    global _GATHER
+    if _GATHER is _UNSET:
+        from .formats import zipio
+
+        _GATHER = getattr(zipio._native, "gather", None)
+    return _GATHER
 
 
 class DataOut:
@@ -160,6 +174,12 @@ class DataOut:
     def _copy_run(self, path: Path, offsets: list[int], sizes: list[int], out_offset: int,
                   headers: list[bytes] | None) -> int:
         fd = self._sources.get(path)
+        gather = _native_gather()
+        if gather is not None and isinstance(fd, int):  # the windows below, read and cut in C (no call per piece)
+            data = gather(fd, offsets, sizes, headers, READ_GAP, READ_AHEAD)
+            if type(data) is bytes:
+                self.handle.write(data)
+                return self._report_run(sizes, out_offset, headers)
         count = len(offsets)
         low, high = min(offsets), max(map(add, offsets, sizes))
         if high - low <= 2 * sum(sizes) + READ_AHEAD:  # they lie close together (a storage after each other): one
@@ -189,14 +209,21 @@ class DataOut:
     def _write_run(self, parts: list[bytes | memoryview], sizes: list[int], out_offset: int,
                    headers: list[bytes] | None) -> int:
         """Write a run's pieces (each after its header, if given) in one write, their regions reported in a batch."""
-        count = len(parts)
+        if headers is None:
+            self.handle.write(b"".join(parts))
+        else:
+            self.handle.write(b"".join(chain.from_iterable(zip(headers, parts))))
+        return self._report_run(sizes, out_offset, headers)
+
+    def _report_run(self, sizes: list[int], out_offset: int, headers: list[bytes] | None) -> int:
+        """A run just written at ``out_offset`` (each piece after its header, if given): its regions reported in a
+        batch; returns where it ends."""
+        count = len(sizes)
         if headers is None:
             starts = list(accumulate(sizes, initial=out_offset))
-            self.handle.write(b"".join(parts))
         else:
             lengths = list(map(add, map(len, headers), sizes))
             starts = list(map(add, accumulate(lengths, initial=out_offset), map(len, headers)))
-            self.handle.write(b"".join(chain.from_iterable(zip(headers, parts))))
         self._last_end = None
         if self.on_data is not None:
             regions = [region for region in zip(starts, sizes) if region[1]]  # an empty piece is no region

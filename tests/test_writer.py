@@ -371,18 +371,24 @@ def test_the_write_check_reads_back_its_own_pickle_without_walking_or_checking_i
     assert calls == {"walk": 2, "tree": 2}
 
 
+@pytest.mark.parametrize("in_c", [True, False])
 @pytest.mark.parametrize("with_headers", [False, True])
 @pytest.mark.parametrize("report_every", [None, 4096])
 def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: Path, with_headers: bool,
-                                                                     report_every: int | None,
+                                                                     report_every: int | None, in_c: bool,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """DataOut.copy_all (runs of small pieces read in windows in file order, written together) against the
-    bytes of each piece read alone: drawn pieces in any order, overlapping, empty, past a window, larger
-    than a small piece, from two files; every non-empty piece reported as one region where it landed."""
+    """DataOut.copy_all (runs of small pieces read in windows in file order, written together; the windows read
+    and cut in C, or in Python) against the bytes of each piece read alone: drawn pieces in any order, overlapping,
+    empty, past a window, larger than a small piece, from two files; every non-empty piece reported as one region
+    where it landed."""
     import random
 
     from ckptool import copying
 
+    if in_c and copying._native_gather() is None:
+        pytest.skip("the C extension (ckptool/formats/_zipfast.c) was not built here")
+    if not in_c:
+        monkeypatch.setattr(copying, "_GATHER", None)
     if report_every is not None:  # runs cut often
         monkeypatch.setattr(copying, "REPORT_EVERY", report_every)
     rng = random.Random(20261127)
@@ -425,3 +431,29 @@ def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: P
         assert end == position == len(expected)
         assert out_path.read_bytes() == bytes(expected)
         assert sorted(reported) == regions  # (no piece here is past COPY_STEP, reported in steps)
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+def test_copy_all_of_a_source_cut_short_says_the_file_ends(tmp_path: Path, in_c: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of small pieces whose source file is cut short after it was read (the C reads hand it back to the
+    Python run) is refused as a file that ends early, naming it; nothing is written of that run."""
+    from ckptool import copying
+    from ckptool.errors import InputError
+
+    if in_c and copying._native_gather() is None:
+        pytest.skip("the C extension (ckptool/formats/_zipfast.c) was not built here")
+    if not in_c:
+        monkeypatch.setattr(copying, "_GATHER", None)
+    source = tmp_path / "src.bin"
+    source.write_bytes(bytes(range(256)) * 40)
+    offsets = [index * 100 for index in range(100)]
+    with open(source, "r+b") as handle:
+        handle.truncate(5000)
+    with open(tmp_path / "out.bin", "w+b") as handle:
+        out = copying.DataOut(handle, lambda offset, length: None)
+        with pytest.raises(InputError, match="src.bin"):
+            out.copy_all([source] * 100, offsets, [60] * 100, 0)
+        out.release()
+        handle.flush()
+    assert (tmp_path / "out.bin").stat().st_size == 0

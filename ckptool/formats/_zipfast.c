@@ -8,13 +8,14 @@
  *   members        _members_py        the Member tuples of a local archive, and why others are not placed
  *   fold           _fold_py           Members' dicts: by exact name, by ASCII-folded name, the folded names shared
  *   spans          _spans_py          the encryption, stored-size and overlap checks of _read_members
+ *   gather         copying.DataOut._copy_run's reads: a run of small pieces read in windows, in one buffer
  *
  * The bytes are the attacker's: every read is bounds-checked against the buffer, every sum of
  * offsets and lengths is checked for overflow. Where an input is outside what a function handles
  * in C (a value past 64 bits, an object of an unexpected type: never from a file, only from an
  * unusual caller) it returns NotImplemented and the Python loop runs instead; that is how the two
  * stay equal for every input without this file reproducing Python's arbitrary-precision integers.
- * Nothing here releases the GIL or calls back into Python except the handle's seek and read.
+ * Nothing here calls back into Python except the handle's seek and read; only gather's reads release the GIL.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -23,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define CENTRAL_SIZE 46    /* zipfile.sizeCentralDir */
 #define LOCAL_SIZE 30      /* zipfile.sizeFileHeader */
@@ -751,6 +753,149 @@ done:
 
 /* ------------------------------------------------------------------------------------------ */
 
+/* ------------------------------------------------------------------ copying.DataOut._copy_run's reads */
+
+typedef struct {
+    int64_t offset;
+    Py_ssize_t index;
+} Piece;
+
+static int by_offset(const void *a, const void *b) {
+    int64_t x = ((const Piece *)a)->offset, y = ((const Piece *)b)->offset;
+    return x < y ? -1 : x > y;
+}
+
+/* ``count`` int64s of a list of exact non-negative ints (0), or 1 where one is anything else */
+static int int64_list(PyObject *list, int64_t *out, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *v = PyList_GET_ITEM(list, i);
+        if (!PyLong_CheckExact(v)) return 1;
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || x < 0) {
+            PyErr_Clear();
+            return 1;
+        }
+        out[i] = x;
+    }
+    return 0;
+}
+
+/* gather(fd, offsets, sizes, headers, gap, ahead) -> bytes, None or NotImplemented
+ *
+ * The bytes a run of small pieces makes in the output: for each i, headers[i] (if headers is not None)
+ * then sizes[i] bytes of fd at offsets[i]. The file is read in windows taken in the order the pieces lie
+ * in it, each window once (a piece within ``gap`` bytes of the last, ``ahead`` bytes at most), the GIL
+ * released. None where a read fails or the file ends first (the Python run then reads it, and says
+ * why); NotImplemented for a value no file gives (the Python run then copies it). */
+static PyObject *zf_gather(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *offsets, *sizes, *headers;
+    Py_ssize_t gap, ahead;
+    if (!PyArg_ParseTuple(args, "iO!O!Onn:gather", &fd, &PyList_Type, &offsets, &PyList_Type, &sizes, &headers,
+                          &gap, &ahead))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(offsets);
+    if (PyList_GET_SIZE(sizes) != n || gap < 0 || ahead < 1 ||
+        (headers != Py_None && (!PyList_CheckExact(headers) || PyList_GET_SIZE(headers) != n)))
+        Py_RETURN_NOTIMPLEMENTED;
+    int64_t *off = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    int64_t *size = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    int64_t *pos = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    Piece *order = PyMem_Malloc(sizeof(Piece) * (size_t)(n ? n : 1));
+    PyObject *result = NULL;
+    char *buffer = NULL;
+    int declined = 0;
+    if (off == NULL || size == NULL || pos == NULL || order == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (int64_list(offsets, off, n) || int64_list(sizes, size, n)) {
+        declined = 1;
+        goto done;
+    }
+    int64_t total = 0, largest = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (headers != Py_None) {
+            PyObject *header = PyList_GET_ITEM(headers, i);
+            if (!PyBytes_CheckExact(header) || __builtin_add_overflow(total, (int64_t)PyBytes_GET_SIZE(header), &total)) {
+                declined = 1;
+                goto done;
+            }
+        }
+        pos[i] = total;
+        int64_t last;
+        if (__builtin_add_overflow(total, size[i], &total) || __builtin_add_overflow(off[i], size[i], &last)) {
+            declined = 1;
+            goto done;
+        }
+        if (size[i] > largest) largest = size[i];
+        order[i].offset = off[i];
+        order[i].index = i;
+    }
+    if (total > PY_SSIZE_T_MAX / 2 || largest > PY_SSIZE_T_MAX / 2) {
+        declined = 1;
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    int64_t window_bytes = largest > (int64_t)ahead ? largest : (int64_t)ahead;
+    buffer = result == NULL ? NULL : PyMem_RawMalloc((size_t)window_bytes);
+    if (result == NULL || buffer == NULL) {
+        if (result != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    char *out = PyBytes_AS_STRING(result);
+    if (headers != Py_None)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *header = PyList_GET_ITEM(headers, i);
+            memcpy(out + pos[i] - PyBytes_GET_SIZE(header), PyBytes_AS_STRING(header), (size_t)PyBytes_GET_SIZE(header));
+        }
+    qsort(order, (size_t)n, sizeof(Piece), by_offset);
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t k = 0;
+    while (k < n && !failed) {
+        int64_t start = order[k].offset, end = start + size[order[k].index];
+        Py_ssize_t m = k + 1;
+        while (m < n) {
+            int64_t at = order[m].offset, stop = at + size[order[m].index];
+            if (at - end > (int64_t)gap || stop - start > window_bytes) break;
+            if (stop > end) end = stop;
+            m++;
+        }
+        int64_t got = 0;
+        while (got < end - start) {
+            ssize_t r = pread(fd, buffer + got, (size_t)(end - start - got), (off_t)(start + got));
+            if (r <= 0) {
+                failed = 1;  /* the file ends first, or the read fails */
+                break;
+            }
+            got += r;
+        }
+        for (Py_ssize_t q = k; q < m && !failed; q++) {
+            Py_ssize_t i = order[q].index;
+            memcpy(out + pos[i], buffer + (off[i] - start), (size_t)size[i]);
+        }
+        k = m;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        Py_CLEAR(result);
+        result = Py_NewRef(Py_None);
+    }
+done:
+    PyMem_Free(off);
+    PyMem_Free(size);
+    PyMem_Free(pos);
+    PyMem_Free(order);
+    PyMem_RawFree(buffer);
+    if (declined) {
+        Py_XDECREF(result);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"records", zf_records, METH_VARARGS,
      "records(data, size_cd, concat, max_version): the central directory's records, as zipio._records_py"},
@@ -760,6 +905,8 @@ static PyMethodDef methods[] = {
      "members(records, headers, file_size, Member): (found, problems), as zipio._members_py"},
     {"fold", zf_fold, METH_VARARGS,
      "fold(by_name, entries, Member, folded, shared): fills the dicts, as zipio._fold_py"},
+    {"gather", zf_gather, METH_VARARGS,
+     "gather(fd, offsets, sizes, headers, gap, ahead): a run of small pieces' output bytes, as copying.DataOut._copy_run"},
     {"spans", zf_spans, METH_VARARGS,
      "spans(entries, Member, directory_start, not_read): the first refusal, as zipio._spans_py"},
     {NULL, NULL, 0, NULL},

@@ -172,16 +172,22 @@ class _HeaderEntry:
         self.shape, self.dtype = shape, dtype
 
 
-def test_the_safetensors_header_is_the_bytes_json_writes_for_it() -> None:
-    """The header is written from columns: byte for byte what json.dumps writes for its dicts, on names that
-    need escaping (quotes, backslashes, controls, non-ASCII, lone surrogates), shapes with 0, bools and
-    large sizes, and metadata."""
+@pytest.mark.parametrize("in_c", [True, False])
+def test_the_safetensors_header_is_the_bytes_json_writes_for_it(in_c: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header is written from columns, in C or in Python: byte for byte what json.dumps writes for its dicts,
+    on names that need escaping (quotes, backslashes, controls, DEL, non-ASCII, lone surrogates), shapes with 0,
+    bools (which the C pass hands to Python) and large sizes, and metadata."""
     import math
     import random
 
     from ckptool import dtypes
     from ckptool.formats import safetensors
+    from ckptool.pickles.unpickle import FAST
 
+    if in_c and not FAST:
+        pytest.skip("the C extension (ckptool/pickles/_fastload.c) was not built here")
+    monkeypatch.setattr(safetensors, "PURE_PYTHON_HEADER", not in_c)
+    written_in_c = 0
     rng = random.Random(20261127)
     alphabet = ["a", "é", '"', "\\", "\n", "\x00", "\u2028", "😀", "/", " ", "\x7f", "\ud800"]
     kinds = [dtypes.BY_NAME[name] for name in ("F32", "BF16", "I64", "BOOL", "U8")]
@@ -189,7 +195,8 @@ def test_the_safetensors_header_is_the_bytes_json_writes_for_it() -> None:
         tensors = {}
         for index in range(rng.randint(0, 5)):
             name = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) + str(index)
-            shape = tuple(rng.choice([0, 1, 2, 7, True, False, 10**12]) for _ in range(rng.randint(0, 3)))
+            sizes = [0, 1, 2, 7, True, False, 10**12] if rng.random() < 0.3 else [0, 1, 2, 7, 10**12, 2**63 - 1]
+            shape = tuple(rng.choice(sizes) for _ in range(rng.randint(0, 3)))
             tensors[name] = _HeaderEntry(shape, rng.choice(kinds))
         metadata = {"kéy": 'v"al', "n": "1"} if rng.random() < 0.5 else {}
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -203,6 +210,12 @@ def test_the_safetensors_header_is_the_bytes_json_writes_for_it() -> None:
                                              [entry.shape for entry in tensors.values()], nbytes, metadata)
         assert encoded == json.dumps(header, separators=(",", ":")).encode("utf-8")
         assert sum(nbytes) == position
+        if in_c:
+            written_in_c += safetensors._fastload.encode_header(
+                list(tensors), [entry.dtype.name for entry in tensors.values()],
+                [entry.shape for entry in tensors.values()], nbytes, "", safetensors.encode_basestring_ascii
+            ) is not NotImplemented
+    assert not in_c or written_in_c > 1000  # the C pass wrote most headers itself
 
 
 def test_the_safetensors_header_parsed_in_c_checks_each_field_as_the_entry_checks_do() -> None:

@@ -424,10 +424,16 @@ def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[
     """The header's JSON for the tensors ``order`` names (their dtypes' names, shapes and byte counts) laid out end
     to end in that order: the bytes of ``json.dumps`` of it, compact.
 
-    Written from columns (100,000 entries): names escaped by json's own ASCII encoder, each dtype's and shape's
-    text made once by ``json.dumps``, the entries formatted by one ``str.format`` mapped over them.
+    Written from columns (100,000 entries): in C where built (``_fastload.encode_header``: names that need no
+    escape copied, others escaped by json's own ASCII encoder; a shape of other than ints declines to Python);
+    else names escaped by json's ASCII encoder, each dtype's and shape's text made once by ``json.dumps``, the
+    entries formatted by one ``str.format`` mapped over them. ``CKPTOOL_PURE_PYTHON_HEADER=1`` writes in Python.
     """
     parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))] if metadata else []
+    if FAST and not PURE_PYTHON_HEADER:  # in one C pass (100,000 entries: 0.02 s, not 0.2)
+        encoded = _fastload.encode_header(order, dtype_names, shapes, nbytes, "".join(parts), encode_basestring_ascii)
+        if encoded is not NotImplemented:
+            return encoded
     dtype_texts = {name: json.dumps(name) for name in set(dtype_names)}
     keys = list(map(repr, shapes))  # by repr: 2 and True are equal keys, but json writes them apart
     shape_texts = {key: json.dumps(list(shape), separators=(",", ":")) for key, shape in dict(zip(keys, shapes)).items()}

@@ -730,3 +730,46 @@ def test_nothing_is_leaked(seeds: dict[str, bytes]) -> None:
     for _ in range(300):
         work()
     assert sys.getallocatedblocks() - before < 300  # a leak per call would be 300 blocks or more
+
+
+@needs_native
+def test_the_headers_and_directory_a_write_makes_are_made_alike() -> None:
+    """What ZipWriter writes for its members, in C (local_headers_for, central_directory) against the Python loops
+    (_headers_for_py, _central_directory_py): drawn names (non-ASCII, empty, long), sizes and offsets around the
+    zip64 limits, CRCs to 2**32 - 1, positions at every alignment; the same bytes, offsets and flags. What the C
+    loops do not write themselves (a lone surrogate, a CRC or name past the format, a float) they hand back as
+    NotImplemented, and the Python loop decides."""
+    rng = random.Random(20261127)
+    alphabet = ["a", "é", "/", "data", "😀", "\x00", "Z" * 40]
+    edges = [0, 1, 63, 64, 0xFFFFFFFE, 0xFFFFFFFF, 0x100000000, 2**40]
+    declined = 0
+    for _ in range(3000):
+        count = rng.randint(0, 6)
+        names = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5))) for _ in range(count)]
+        sizes = [rng.choice(edges) if rng.random() < 0.3 else rng.randint(0, 5000) for _ in range(count)]
+        crcs = [rng.choice([0, 1, 0xFFFFFFFF, rng.getrandbits(32)]) for _ in range(count)]
+        position = rng.choice([0, 13, 64, rng.randint(0, 1 << 20), 0xFFFFFFF0])
+        if count and rng.random() < 0.05:  # what the C loop hands back
+            bend = rng.randrange(4)
+            if bend == 0:
+                names[0] = "x\ud800"
+            elif bend == 1:
+                crcs[0] = 1 << 32
+            elif bend == 2:
+                names[0] = "n" * 70000
+            else:
+                sizes[0] = 1.0
+        try:
+            expected: Any = zipio._headers_for_py(names, sizes, crcs, position)
+        except (UnicodeEncodeError, struct.error, TypeError) as e:
+            expected = type(e)
+        got = native.local_headers_for(names, sizes, crcs, position, zipio.ALIGNMENT)
+        if got is NotImplemented:
+            declined += 1
+        else:
+            assert shape(got) == shape(expected)
+            headers, encoded, offsets, _ = got
+            assert all((len(header) + offset) % zipio.ALIGNMENT == 0 for header, offset in zip(headers, offsets))
+            entries = list(zip(encoded, [offset + rng.choice([0, 0, 0xFFFFFFFF]) for offset in offsets], sizes, crcs))
+            assert shape(native.central_directory(entries)) == shape(zipio._central_directory_py(entries))
+    assert 50 < declined < 500

@@ -8,6 +8,8 @@
  *   members        _members_py        the Member tuples of a local archive, and why others are not placed
  *   fold           _fold_py           Members' dicts: by exact name, by ASCII-folded name, the folded names shared
  *   spans          _spans_py          the encryption, stored-size and overlap checks of _read_members
+ *   local_headers_for   _headers_for_py          the local headers ZipWriter.add_copies writes
+ *   central_directory   _central_directory_py    the central directory ZipWriter.close writes
  *   gather         copying.DataOut._copy_run's reads: a run of small pieces read in windows, in one buffer
  *
  * The bytes are the attacker's: every read is bounds-checked against the buffer, every sum of
@@ -753,6 +755,184 @@ done:
 
 /* ------------------------------------------------------------------------------------------ */
 
+/* ------------------------------------------------------------------ ZipWriter's headers and directory */
+
+static void le16(unsigned char *p, uint32_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
+static void le32(unsigned char *p, uint32_t v) { for (int k = 0; k < 4; k++) p[k] = (unsigned char)(v >> (8 * k)); }
+static void le64(unsigned char *p, uint64_t v) { for (int k = 0; k < 8; k++) p[k] = (unsigned char)(v >> (8 * k)); }
+
+/* an exact int in [0, limit]: 1 and *out set, else 0 (no error left) */
+static int bounded(PyObject *v, uint64_t limit, uint64_t *out) {
+    if (!PyLong_CheckExact(v)) return 0;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || x < 0 || (uint64_t)x > limit) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (uint64_t)x;
+    return 1;
+}
+
+/* local_headers_for(names, sizes, crcs, position, alignment) -> (headers, encoded, offsets, end) or NotImplemented
+ *
+ * zipio._headers_for_py (ZipWriter.add_copies' loop): for each member, its name's UTF-8, the local header written where the archive
+ * stands (zip64 past 4 GiB, the data padded to ``alignment`` with torch's "FB" extra field), where that header
+ * starts, and where the last member's data ends. */
+static PyObject *zf_local_headers_for(PyObject *self, PyObject *args) {
+    PyObject *names, *sizes, *crcs;
+    long long start_position;
+    Py_ssize_t alignment;
+    if (!PyArg_ParseTuple(args, "O!O!O!Ln:local_headers_for", &PyList_Type, &names, &PyList_Type, &sizes,
+                          &PyList_Type, &crcs, &start_position, &alignment))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(names);
+    if (PyList_GET_SIZE(sizes) != n || PyList_GET_SIZE(crcs) != n || alignment < 8 || alignment > 4096 ||
+        start_position < 0)
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *headers = PyList_New(n), *encoded = PyList_New(n), *offsets = PyList_New(n);
+    if (headers == NULL || encoded == NULL || offsets == NULL) goto fail;
+    uint64_t position = (uint64_t)start_position;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyList_GET_ITEM(names, i);
+        uint64_t size, crc;
+        if (!PyUnicode_CheckExact(name) || !bounded(PyList_GET_ITEM(sizes, i), (uint64_t)INT64_MAX, &size) ||
+            !bounded(PyList_GET_ITEM(crcs, i), 0xFFFFFFFFu, &crc))
+            goto decline;
+        PyObject *raw = PyUnicode_AsUTF8String(name);
+        if (raw == NULL) {
+            PyErr_Clear();
+            goto decline;
+        }
+        PyList_SET_ITEM(encoded, i, raw);
+        Py_ssize_t name_length = PyBytes_GET_SIZE(raw);
+        int zip64 = size >= 0xFFFFFFFFu;
+        Py_ssize_t extra = zip64 ? 20 : 0, padding = 0;
+        uint64_t data_start = position + 30 + (uint64_t)name_length + (uint64_t)extra;
+        if (data_start % (uint64_t)alignment) padding = (Py_ssize_t)((uint64_t)alignment - (data_start + 4) % (uint64_t)alignment) % alignment;
+        int padded = data_start % (uint64_t)alignment != 0;
+        Py_ssize_t extra_length = extra + (padded ? 4 + padding : 0);
+        if (name_length > 0xFFFF || extra_length > 0xFFFF) goto decline;
+        PyObject *header = PyBytes_FromStringAndSize(NULL, 30 + name_length + extra_length);
+        if (header == NULL) goto fail;
+        unsigned char *h = (unsigned char *)PyBytes_AS_STRING(header);
+        uint32_t stored = zip64 ? 0xFFFFFFFFu : (uint32_t)size;
+        le32(h, LOCAL_SIG);
+        le16(h + 4, zip64 ? 45 : 20);
+        le16(h + 6, 0x0800);
+        le16(h + 8, 0);
+        le16(h + 10, 0);
+        le16(h + 12, 0x21);
+        le32(h + 14, (uint32_t)crc);
+        le32(h + 18, stored);
+        le32(h + 22, stored);
+        le16(h + 26, (uint32_t)name_length);
+        le16(h + 28, (uint32_t)extra_length);
+        memcpy(h + 30, PyBytes_AS_STRING(raw), (size_t)name_length);
+        unsigned char *e = h + 30 + name_length;
+        if (zip64) {
+            le16(e, 0x0001);
+            le16(e + 2, 16);
+            le64(e + 4, size);
+            le64(e + 12, size);
+            e += 20;
+        }
+        if (padded) {
+            le16(e, 0x4246);
+            le16(e + 2, (uint32_t)padding);
+            memset(e + 4, 'Z', (size_t)padding);
+        }
+        PyList_SET_ITEM(headers, i, header);
+        PyObject *offset = PyLong_FromUnsignedLongLong(position);
+        if (offset == NULL) goto fail;
+        PyList_SET_ITEM(offsets, i, offset);
+        position += (uint64_t)PyBytes_GET_SIZE(header) + size;
+        if (position > (uint64_t)INT64_MAX) goto decline;
+    }
+    PyObject *result = Py_BuildValue("(NNNK)", headers, encoded, offsets, (unsigned long long)position);
+    return result;
+decline:
+    Py_XDECREF(headers);
+    Py_XDECREF(encoded);
+    Py_XDECREF(offsets);
+    Py_RETURN_NOTIMPLEMENTED;
+fail:
+    Py_XDECREF(headers);
+    Py_XDECREF(encoded);
+    Py_XDECREF(offsets);
+    return NULL;
+}
+
+/* central_directory(entries) -> (records, zip64) or NotImplemented
+ *
+ * zipio._central_directory_py (ZipWriter.close's loop): the central directory's records of ``entries`` ((name bytes, header offset, size, crc)
+ * each) end to end, and whether any needed a zip64 extra field. */
+static PyObject *zf_central_directory(PyObject *self, PyObject *args) {
+    PyObject *entries;
+    if (!PyArg_ParseTuple(args, "O!:central_directory", &PyList_Type, &entries)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(entries);
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(entries, i);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
+            PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) > 0xFFFF)
+            Py_RETURN_NOTIMPLEMENTED;
+        total += 46 + (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) + 28;  /* (at most: the extra's 3 values) */
+    }
+    PyObject *records = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (records == NULL) return NULL;
+    unsigned char *h = (unsigned char *)PyBytes_AS_STRING(records);
+    int zip64 = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(entries, i), *name = PyTuple_GET_ITEM(entry, 0);
+        uint64_t offset, size, crc;
+        if (!bounded(PyTuple_GET_ITEM(entry, 1), (uint64_t)INT64_MAX, &offset) ||
+            !bounded(PyTuple_GET_ITEM(entry, 2), (uint64_t)INT64_MAX, &size) ||
+            !bounded(PyTuple_GET_ITEM(entry, 3), 0xFFFFFFFFu, &crc)) {
+            Py_DECREF(records);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        uint64_t values[3];
+        int count = 0;
+        if (size >= 0xFFFFFFFFu) {
+            values[count++] = size;
+            values[count++] = size;
+        }
+        if (offset >= 0xFFFFFFFFu) values[count++] = offset;
+        Py_ssize_t name_length = PyBytes_GET_SIZE(name), extra_length = count ? 4 + 8 * count : 0;
+        zip64 |= count > 0;
+        uint32_t stored = size >= 0xFFFFFFFFu ? 0xFFFFFFFFu : (uint32_t)size;
+        le32(h, 0x02014B50u);
+        le16(h + 4, count ? 45 : 20);
+        le16(h + 6, count ? 45 : 20);
+        le16(h + 8, 0x0800);
+        le16(h + 10, 0);
+        le16(h + 12, 0);
+        le16(h + 14, 0x21);
+        le32(h + 16, (uint32_t)crc);
+        le32(h + 20, stored);
+        le32(h + 24, stored);
+        le16(h + 28, (uint32_t)name_length);
+        le16(h + 30, (uint32_t)extra_length);
+        le16(h + 32, 0);
+        le16(h + 34, 0);
+        le16(h + 36, 0);
+        le32(h + 38, 0);
+        le32(h + 42, offset >= 0xFFFFFFFFu ? 0xFFFFFFFFu : (uint32_t)offset);
+        memcpy(h + 46, PyBytes_AS_STRING(name), (size_t)name_length);
+        unsigned char *e = h + 46 + name_length;
+        if (count) {
+            le16(e, 0x0001);
+            le16(e + 2, (uint32_t)(8 * count));
+            for (int k = 0; k < count; k++) le64(e + 4 + 8 * k, values[k]);
+        }
+        h = e + extra_length;
+    }
+    Py_ssize_t used = (Py_ssize_t)(h - (unsigned char *)PyBytes_AS_STRING(records));
+    if (_PyBytes_Resize(&records, used) < 0) return NULL;
+    return Py_BuildValue("(NO)", records, zip64 ? Py_True : Py_False);
+}
+
 /* ------------------------------------------------------------------ copying.DataOut._copy_run's reads */
 
 typedef struct {
@@ -905,6 +1085,10 @@ static PyMethodDef methods[] = {
      "members(records, headers, file_size, Member): (found, problems), as zipio._members_py"},
     {"fold", zf_fold, METH_VARARGS,
      "fold(by_name, entries, Member, folded, shared): fills the dicts, as zipio._fold_py"},
+    {"local_headers_for", zf_local_headers_for, METH_VARARGS,
+     "local_headers_for(names, sizes, crcs, position, alignment): ZipWriter.add_copies' headers, as its loop"},
+    {"central_directory", zf_central_directory, METH_VARARGS,
+     "central_directory(entries): ZipWriter.close's records and whether one is zip64, as its loop"},
     {"gather", zf_gather, METH_VARARGS,
      "gather(fd, offsets, sizes, headers, gap, ahead): a run of small pieces' output bytes, as copying.DataOut._copy_run"},
     {"spans", zf_spans, METH_VARARGS,

@@ -622,6 +622,58 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
     return data
 
 
+def _local_header(name: bytes, size: int, crc: int, position: int) -> bytes:
+    """The local header of a stored member whose header starts at ``position``: zip64 from 4 GiB, its data
+    padded to :data:`ALIGNMENT` with torch's "FB" extra field."""
+    zip64 = size >= 0xFFFFFFFF
+    extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
+    start = position + _LOCAL_HEADER.size + len(name) + len(extra)
+    if start % ALIGNMENT:
+        extra += _PADDING[(-(start + 4)) % ALIGNMENT]
+    stored = 0xFFFFFFFF if zip64 else size
+    version = 45 if zip64 else 20
+    return _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)) + name + extra
+
+
+def _headers_for_py(names: list[str], sizes: list[int], crcs: list[int], position: int
+                      ) -> tuple[list[bytes], list[bytes], list[int], int]:
+    """Members written end to end from ``position``: each one's local header, name's UTF-8 and header offset, and
+    where the last one's data ends (the reference of ``_zipfast.local_headers_for``)."""
+    headers, encoded, offsets = [], [], []
+    for name, size, crc in zip(names, sizes, crcs):
+        encoded_name = name.encode("utf-8")
+        header = _local_header(encoded_name, size, crc, position)
+        headers.append(header)
+        encoded.append(encoded_name)
+        offsets.append(position)
+        position += len(header) + size
+    return headers, encoded, offsets, position
+
+
+def _central_directory_py(entries: list[tuple[bytes, int, int, int]]) -> tuple[bytes, bool]:
+    """The central directory's records of ``entries`` (name, header offset, size, CRC) end to end, and whether one
+    needed a zip64 extra field (the reference of ``_zipfast.central_directory``)."""
+    records: list[bytes] = []
+    needs_zip64 = False
+    for name, offset, size, crc in entries:
+        extra_values = []
+        if size >= 0xFFFFFFFF:
+            extra_values += [size, size]
+        if offset >= 0xFFFFFFFF:
+            extra_values.append(offset)
+        extra = struct.pack(f"<HH{len(extra_values)}Q", _ZIP64_ID, 8 * len(extra_values), *extra_values) if extra_values else b""
+        needs_zip64 = needs_zip64 or bool(extra_values)
+        stored_size = 0xFFFFFFFF if size >= 0xFFFFFFFF else size
+        stored_offset = 0xFFFFFFFF if offset >= 0xFFFFFFFF else offset
+        version = 45 if extra_values else 20
+        record = struct.pack(
+            "<IHHHHHHIIIHHHHHII", _CENTRAL_SIG, version, version, 0x0800, 0, 0, 0x21, crc, stored_size,
+            stored_size, len(name), len(extra), 0, 0, 0, 0, stored_offset,
+        )
+        records.append(record + name + extra)
+    return b"".join(records), needs_zip64
+
+
 class ZipWriter:
     """Write stored (uncompressed) members with 64-byte-aligned data, zip64 where needed."""
 
@@ -636,16 +688,9 @@ class ZipWriter:
         """Close the source files small members were read from (also after a failed write)."""
         self.out.release()
 
-    def _local_header(self, name: bytes, size: int, crc: int, position: int | None = None) -> bytes:
-        """The local header of a member whose header starts at ``position`` (default: where the archive stands)."""
-        zip64 = size >= 0xFFFFFFFF
-        extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
-        start = (self.position if position is None else position) + _LOCAL_HEADER.size + len(name) + len(extra)
-        if start % ALIGNMENT:
-            extra += _PADDING[(-(start + 4)) % ALIGNMENT]
-        stored = 0xFFFFFFFF if zip64 else size
-        version = 45 if zip64 else 20
-        return _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)) + name + extra
+    def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
+        """The local header of a member whose header starts where the archive stands."""
+        return _local_header(name, size, crc, self.position)
 
     def add_bytes(self, name: str, data: bytes, crc: int | None = None) -> None:
         """Add a member from memory, under ``crc`` when one is recorded for it (else its CRC is computed)."""
@@ -673,14 +718,13 @@ class ZipWriter:
         """:meth:`add_copy` for each ``(name, source, offset, size, crc)``, a recorded ``crc`` each: the headers
         made in one loop, the bytes copied in one call (:meth:`DataOut.copy_all`: a checkpoint's 100,000 small
         storages read in windows and written together)."""
-        entries, headers = self.entries, []
-        position = self.position
-        for name, _, _, size, crc in copies:
-            encoded = name.encode("utf-8")
-            header = self._local_header(encoded, size, crc, position)
-            headers.append(header)
-            entries.append((encoded, position, size, crc))
-            position += len(header) + size
+        names, sizes, crcs = [copy[0] for copy in copies], [copy[3] for copy in copies], [copy[4] for copy in copies]
+        made = _native.local_headers_for(names, sizes, crcs, self.position, ALIGNMENT) \
+            if _native is not None else NotImplemented
+        if made is NotImplemented:
+            made = _headers_for_py(names, sizes, crcs, self.position)
+        headers, encoded, offsets, position = made
+        self.entries.extend(zip(encoded, offsets, sizes, crcs))
         end = self.out.copy_all([copy[1] for copy in copies], [copy[2] for copy in copies],
                                 [copy[3] for copy in copies], self.position, headers)
         if end != position:
@@ -735,28 +779,13 @@ class ZipWriter:
         self.release()
         central_start = self.position
         needs_zip64 = len(self.entries) >= 0xFFFF
-        records: list[bytes] = []  # written in batches, not a write per record (100,000 members)
-        for name, offset, size, crc in self.entries:
-            extra_values = []
-            if size >= 0xFFFFFFFF:
-                extra_values += [size, size]
-            if offset >= 0xFFFFFFFF:
-                extra_values.append(offset)
-            extra = struct.pack(f"<HH{len(extra_values)}Q", _ZIP64_ID, 8 * len(extra_values), *extra_values) if extra_values else b""
-            needs_zip64 = needs_zip64 or bool(extra_values)
-            stored_size = 0xFFFFFFFF if size >= 0xFFFFFFFF else size
-            stored_offset = 0xFFFFFFFF if offset >= 0xFFFFFFFF else offset
-            version = 45 if extra_values else 20
-            record = struct.pack(
-                "<IHHHHHHIIIHHHHHII", _CENTRAL_SIG, version, version, 0x0800, 0, 0, 0x21, crc, stored_size,
-                stored_size, len(name), len(extra), 0, 0, 0, 0, stored_offset,
-            )
-            records.append(record + name + extra)
-            self.position += len(record) + len(name) + len(extra)
-            if len(records) >= 4096:
-                self.handle.write(b"".join(records))
-                records.clear()
-        self.handle.write(b"".join(records))
+        made = _native.central_directory(self.entries) if _native is not None else NotImplemented
+        if made is NotImplemented:
+            made = _central_directory_py(self.entries)
+        written, zip64 = made
+        self.handle.write(written)
+        self.position += len(written)
+        needs_zip64 = needs_zip64 or zip64
         central_size = self.position - central_start
         count = len(self.entries)
         if needs_zip64 or central_start >= 0xFFFFFFFF:

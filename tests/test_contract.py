@@ -188,6 +188,37 @@ def test_a_closed_pipe_ends_quietly(fixtures_dir: Path, subprocess_env: dict[str
         assert completed.stderr == ""
 
 
+EXIT_PROBE = """
+import atexit, sys, threading
+from ckptool.cli import run
+atexit.register(lambda: print("exit handler ran", file=sys.stderr))
+if sys.argv[1] == "thread":  # another thread alive: the usual exit, which waits for it
+    threading.Thread(target=lambda: (__import__("time").sleep(0.5), print("thread ended", file=sys.stderr))).start()
+sys.argv = ["ckptool", *sys.argv[2:]]
+run()
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "thread"])
+def test_the_command_exits_with_its_code_its_whole_output_and_the_exit_handlers_run(
+        fixtures_dir: Path, tmp_path: Path, subprocess_env: dict[str, str], case: str) -> None:
+    """The command's exit (cli.run: the heap left to the kernel) keeps what an exit must: the exit code, every byte
+    of stdout and stderr, the exit handlers, and a thread still running (waited for, as any exit waits)."""
+    for args, code in ((["inspect", "--json", str(fixtures_dir / "single_lenet.pt")], 0),
+                       (["inspect", str(tmp_path / "missing.pt")], 3),
+                       (["strip", str(fixtures_dir / "dp_mlp_wrapped.pt"), "-o", str(tmp_path / f"{case}.pt")], 0)):
+        completed = subprocess.run([sys.executable, "-c", EXIT_PROBE, case, *args], env=subprocess_env,
+                                   capture_output=True, text=True, timeout=300)
+        assert completed.returncode == code, completed.stderr
+        assert completed.stderr.endswith("exit handler ran\n")  # (after the thread ended, as at any exit)
+        assert ("thread ended\nexit handler ran\n" in completed.stderr) == (case == "thread")
+        if args[1] == "--json":
+            assert json.loads(completed.stdout)["tensors"] == 8
+        if code == 3:
+            assert completed.stderr.startswith("ckptool: error: ")
+    assert ckptool.load(tmp_path / f"{case}.pt").prefix == ""
+
+
 def test_a_bug_is_exit_70_in_one_line(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTOOL_DEBUG", raising=False)
 

@@ -722,7 +722,7 @@ typedef struct {
     Py_ssize_t len, cap;
 } Buffer;
 
-static int put_bytes(Buffer *b, const void *p, Py_ssize_t n) {
+static int reserve(Buffer *b, Py_ssize_t n) {  /* room for ``n`` more bytes: 0, or -1 */
     if (b->len + n > b->cap) {
         Py_ssize_t cap = b->cap ? b->cap : 1 << 16;
         while (cap < b->len + n) cap *= 2;
@@ -734,7 +734,20 @@ static int put_bytes(Buffer *b, const void *p, Py_ssize_t n) {
         b->data = data;
         b->cap = cap;
     }
+    return 0;
+}
+
+static int put_bytes(Buffer *b, const void *p, Py_ssize_t n) {
+    if (reserve(b, n) < 0) return -1;
     memcpy(b->data + b->len, p, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+/* the ``n`` bytes already written at ``at``, again (copied once the buffer has grown, not from where it was) */
+static int put_again(Buffer *b, Py_ssize_t at, Py_ssize_t n) {
+    if (reserve(b, n) < 0) return -1;
+    memcpy(b->data + b->len, b->data + at, (size_t)n);
     b->len += n;
     return 0;
 }
@@ -1799,67 +1812,27 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------- a safetensors header, written */
 
-typedef struct {
-    char *data;
-    size_t len, cap;
-} Out;
-
-static int out_put(Out *o, const char *text, size_t n) {
-    if (o->len + n > o->cap) {
-        size_t cap = o->cap ? o->cap : 1 << 16;
-        while (cap < o->len + n) cap *= 2;
-        char *more = PyMem_Realloc(o->data, cap);
-        if (more == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        o->data = more;
-        o->cap = cap;
-    }
-    memcpy(o->data + o->len, text, n);
-    o->len += n;
-    return 0;
-}
-
-/* the ``n`` bytes already written at ``at``, again (copied after the buffer grows, not from where it was) */
-static int out_again(Out *o, size_t at, size_t n) {
-    if (o->len + n > o->cap) {
-        size_t cap = o->cap * 2;
-        while (cap < o->len + n) cap *= 2;
-        char *more = PyMem_Realloc(o->data, cap);
-        if (more == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        o->data = more;
-        o->cap = cap;
-    }
-    memcpy(o->data + o->len, o->data + at, n);
-    o->len += n;
-    return 0;
-}
-
-static int out_int(Out *o, int64_t value) {
+static int put_decimal(Buffer *b, int64_t value) {
     char text[24];
     int n = snprintf(text, sizeof text, "%lld", (long long)value);
-    return out_put(o, text, (size_t)n);
+    return put_bytes(b, text, n);
 }
 
 /* a str as json.dumps writes it (ensure_ascii): copied between quotes where it needs no escape (printable
    ASCII but '"' and '\\'), else through ``escape`` (json.encoder.encode_basestring_ascii) */
-static int out_string(Out *o, PyObject *text, PyObject *escape) {
+static int put_json_string(Buffer *o, PyObject *text, PyObject *escape) {
     if (!PyUnicode_CheckExact(text)) return 1;
     if (PyUnicode_IS_ASCII(text)) {
         const unsigned char *c = PyUnicode_1BYTE_DATA(text);
         Py_ssize_t n = PyUnicode_GET_LENGTH(text), k = 0;
         while (k < n && c[k] >= 0x20 && c[k] < 0x7f && c[k] != '"' && c[k] != '\\') k++;
-        if (k == n) return out_put(o, "\"", 1) || out_put(o, (const char *)c, (size_t)n) || out_put(o, "\"", 1) ? -1 : 0;
+        if (k == n) return put_bytes(o, "\"", 1) || put_bytes(o, (const char *)c, n) || put_bytes(o, "\"", 1) ? -1 : 0;
     }
     PyObject *quoted = PyObject_CallOneArg(escape, text);
     if (quoted == NULL) return -1;
     int status = 1;
     if (PyUnicode_CheckExact(quoted) && PyUnicode_IS_ASCII(quoted))
-        status = out_put(o, (const char *)PyUnicode_1BYTE_DATA(quoted), (size_t)PyUnicode_GET_LENGTH(quoted));
+        status = put_bytes(o, (const char *)PyUnicode_1BYTE_DATA(quoted), PyUnicode_GET_LENGTH(quoted));
     Py_DECREF(quoted);
     return status;
 }
@@ -1879,15 +1852,15 @@ static PyObject *encode_header(PyObject *self, PyObject *args) {
     if (PyList_GET_SIZE(dtype_names) != n || PyList_GET_SIZE(shapes) != n || PyList_GET_SIZE(nbytes) != n ||
         !PyUnicode_IS_ASCII(prefix))
         Py_RETURN_NOTIMPLEMENTED;
-    Out o = {NULL, 0, 0};
-    int status = out_put(&o, "{", 1);
+    Buffer o = {NULL, 0, 0};
+    int status = put_bytes(&o, "{", 1);
     if (!status && PyUnicode_GET_LENGTH(prefix))
-        status = out_put(&o, (const char *)PyUnicode_1BYTE_DATA(prefix), (size_t)PyUnicode_GET_LENGTH(prefix)) ||
-                 (n && out_put(&o, ",", 1)) ? -1 : 0;
+        status = put_bytes(&o, (const char *)PyUnicode_1BYTE_DATA(prefix), PyUnicode_GET_LENGTH(prefix)) ||
+                 (n && put_bytes(&o, ",", 1)) ? -1 : 0;
     int64_t position = 0;
     /* the last dtype and shape written, and where their text lies in the output (copied for the next like it) */
     PyObject *last_dtype = NULL, *last_shape = NULL;
-    size_t dtype_at = 0, dtype_len = 0, shape_at = 0, shape_len = 0;
+    Py_ssize_t dtype_at = 0, dtype_len = 0, shape_at = 0, shape_len = 0;
     for (Py_ssize_t i = 0; i < n && !status; i++) {
         PyObject *count = PyList_GET_ITEM(nbytes, i), *shape = PyList_GET_ITEM(shapes, i);
         PyObject *dtype = PyList_GET_ITEM(dtype_names, i);
@@ -1899,23 +1872,23 @@ static PyObject *encode_header(PyObject *self, PyObject *args) {
             status = 1;
             break;
         }
-        if ((status = out_string(&o, PyList_GET_ITEM(order, i), escape)) || (status = out_put(&o, ":{\"dtype\":", 10)))
+        if ((status = put_json_string(&o, PyList_GET_ITEM(order, i), escape)) || (status = put_bytes(&o, ":{\"dtype\":", 10)))
             break;
         if (dtype == last_dtype) {
-            status = out_again(&o, dtype_at, dtype_len);
+            status = put_again(&o, dtype_at, dtype_len);
         } else {
-            size_t at = o.len;
-            status = out_string(&o, dtype, escape);
+            Py_ssize_t at = o.len;
+            status = put_json_string(&o, dtype, escape);
             last_dtype = dtype;
             dtype_at = at;
             dtype_len = o.len - at;
         }
-        if (status || (status = out_put(&o, ",\"shape\":", 9))) break;
+        if (status || (status = put_bytes(&o, ",\"shape\":", 9))) break;
         if (shape == last_shape) {
-            status = out_again(&o, shape_at, shape_len);
+            status = put_again(&o, shape_at, shape_len);
         } else {
-            size_t at = o.len;
-            status = out_put(&o, "[", 1);
+            Py_ssize_t at = o.len;
+            status = put_bytes(&o, "[", 1);
             for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape) && !status; k++) {
                 PyObject *dim = PyTuple_GET_ITEM(shape, k);
                 long long value = PyLong_CheckExact(dim) ? PyLong_AsLongLongAndOverflow(dim, &overflow) : -1;
@@ -1923,24 +1896,24 @@ static PyObject *encode_header(PyObject *self, PyObject *args) {
                     PyErr_Clear();
                     status = 1;  /* a bool (json writes true), a size past int64: the Python path */
                 } else {
-                    status = (k && out_put(&o, ",", 1)) || out_int(&o, value) ? -1 : 0;
+                    status = (k && put_bytes(&o, ",", 1)) || put_decimal(&o, value) ? -1 : 0;
                 }
             }
-            if (!status) status = out_put(&o, "]", 1);
+            if (!status) status = put_bytes(&o, "]", 1);
             last_shape = shape;
             shape_at = at;
             shape_len = o.len - at;
         }
-        if (status || (status = out_put(&o, ",\"data_offsets\":[", 17)) || (status = out_int(&o, position)) ||
-            (status = out_put(&o, ",", 1)) || (status = out_int(&o, end)) ||
-            (status = out_put(&o, i + 1 < n ? "]}," : "]}", i + 1 < n ? 3 : 2)))
+        if (status || (status = put_bytes(&o, ",\"data_offsets\":[", 17)) || (status = put_decimal(&o, position)) ||
+            (status = put_bytes(&o, ",", 1)) || (status = put_decimal(&o, end)) ||
+            (status = put_bytes(&o, i + 1 < n ? "]}," : "]}", i + 1 < n ? 3 : 2)))
             break;
         position = end;
     }
-    if (!status) status = out_put(&o, "}", 1);
+    if (!status) status = put_bytes(&o, "}", 1);
     PyObject *result = NULL;
     if (status > 0) result = Py_NewRef(Py_NotImplemented);
-    else if (status == 0) result = PyBytes_FromStringAndSize(o.data, (Py_ssize_t)o.len);
+    else if (status == 0) result = PyBytes_FromStringAndSize(o.data, o.len);
     PyMem_Free(o.data);
     return result;
 }

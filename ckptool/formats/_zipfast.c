@@ -31,6 +31,8 @@
 #define CENTRAL_SIZE 46    /* zipfile.sizeCentralDir */
 #define LOCAL_SIZE 30      /* zipfile.sizeFileHeader */
 #define LOCAL_SIG 0x04034B50u
+#define CENTRAL_SIG 0x02014B50u
+#define PADDING_ID 0x4246u  /* "FB": the extra field torch's writer pads a member's data to alignment with */
 #define UTF8_FLAG 0x800u
 #define ZIP64_ID 0x0001u
 #define MAX_HEADER_LENGTHS 131070  /* a local header's name + extra length: two 16-bit fields */
@@ -761,17 +763,29 @@ static void le16(unsigned char *p, uint32_t v) { p[0] = (unsigned char)v; p[1] =
 static void le32(unsigned char *p, uint32_t v) { for (int k = 0; k < 4; k++) p[k] = (unsigned char)(v >> (8 * k)); }
 static void le64(unsigned char *p, uint64_t v) { for (int k = 0; k < 8; k++) p[k] = (unsigned char)(v >> (8 * k)); }
 
-/* an exact int in [0, limit]: 1 and *out set, else 0 (no error left) */
+/* an exact int in [0, limit]: 1 and *out set, else 0 */
 static int bounded(PyObject *v, uint64_t limit, uint64_t *out) {
-    if (!PyLong_CheckExact(v)) return 0;
-    int overflow = 0;
-    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (overflow || x < 0 || (uint64_t)x > limit) {
-        PyErr_Clear();
-        return 0;
-    }
+    int state;
+    long long x = as_int64(v, &state);
+    if (state != 0 || x < 0 || (uint64_t)x > limit) return 0;
     *out = (uint64_t)x;
     return 1;
+}
+
+/* what a local header (from its offset 4) and a central record (from 6) both hold, in the same order: the
+   version needed, flags (UTF-8 names), method (stored), time, date, CRC, both sizes, the name's and extra's lengths */
+static void put_member_fields(unsigned char *p, int zip64, uint32_t crc, uint32_t stored, Py_ssize_t name_length,
+                              Py_ssize_t extra_length) {
+    le16(p, zip64 ? 45 : 20);
+    le16(p + 2, UTF8_FLAG);
+    le16(p + 4, 0);
+    le16(p + 6, 0);
+    le16(p + 8, 0x21);
+    le32(p + 10, crc);
+    le32(p + 14, stored);
+    le32(p + 18, stored);
+    le16(p + 22, (uint32_t)name_length);
+    le16(p + 24, (uint32_t)extra_length);
 }
 
 /* local_headers_for(names, sizes, crcs, position, alignment) -> (headers, encoded, offsets, end) or NotImplemented
@@ -807,38 +821,29 @@ static PyObject *zf_local_headers_for(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(encoded, i, raw);
         Py_ssize_t name_length = PyBytes_GET_SIZE(raw);
         int zip64 = size >= 0xFFFFFFFFu;
-        Py_ssize_t extra = zip64 ? 20 : 0, padding = 0;
-        uint64_t data_start = position + 30 + (uint64_t)name_length + (uint64_t)extra;
-        if (data_start % (uint64_t)alignment) padding = (Py_ssize_t)((uint64_t)alignment - (data_start + 4) % (uint64_t)alignment) % alignment;
-        int padded = data_start % (uint64_t)alignment != 0;
+        Py_ssize_t extra = zip64 ? 20 : 0;
+        uint64_t data_start = position + LOCAL_SIZE + (uint64_t)name_length + (uint64_t)extra;
+        int padded = data_start % (uint64_t)alignment != 0;  /* then padded after a 4-byte field header */
+        Py_ssize_t padding = padded ? (Py_ssize_t)(((uint64_t)alignment - (data_start + 4) % (uint64_t)alignment) %
+                                                   (uint64_t)alignment) : 0;
         Py_ssize_t extra_length = extra + (padded ? 4 + padding : 0);
         if (name_length > 0xFFFF || extra_length > 0xFFFF) goto decline;
-        PyObject *header = PyBytes_FromStringAndSize(NULL, 30 + name_length + extra_length);
+        PyObject *header = PyBytes_FromStringAndSize(NULL, LOCAL_SIZE + name_length + extra_length);
         if (header == NULL) goto fail;
         unsigned char *h = (unsigned char *)PyBytes_AS_STRING(header);
-        uint32_t stored = zip64 ? 0xFFFFFFFFu : (uint32_t)size;
         le32(h, LOCAL_SIG);
-        le16(h + 4, zip64 ? 45 : 20);
-        le16(h + 6, 0x0800);
-        le16(h + 8, 0);
-        le16(h + 10, 0);
-        le16(h + 12, 0x21);
-        le32(h + 14, (uint32_t)crc);
-        le32(h + 18, stored);
-        le32(h + 22, stored);
-        le16(h + 26, (uint32_t)name_length);
-        le16(h + 28, (uint32_t)extra_length);
-        memcpy(h + 30, PyBytes_AS_STRING(raw), (size_t)name_length);
-        unsigned char *e = h + 30 + name_length;
+        put_member_fields(h + 4, zip64, (uint32_t)crc, zip64 ? 0xFFFFFFFFu : (uint32_t)size, name_length, extra_length);
+        memcpy(h + LOCAL_SIZE, PyBytes_AS_STRING(raw), (size_t)name_length);
+        unsigned char *e = h + LOCAL_SIZE + name_length;
         if (zip64) {
-            le16(e, 0x0001);
+            le16(e, ZIP64_ID);
             le16(e + 2, 16);
             le64(e + 4, size);
             le64(e + 12, size);
             e += 20;
         }
         if (padded) {
-            le16(e, 0x4246);
+            le16(e, PADDING_ID);
             le16(e + 2, (uint32_t)padding);
             memset(e + 4, 'Z', (size_t)padding);
         }
@@ -877,7 +882,7 @@ static PyObject *zf_central_directory(PyObject *self, PyObject *args) {
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
             PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) > 0xFFFF)
             Py_RETURN_NOTIMPLEMENTED;
-        total += 46 + (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) + 28;  /* (at most: the extra's 3 values) */
+        total += CENTRAL_SIZE + (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) + 28;  /* (at most: the extra's 3 values) */
     }
     PyObject *records = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
     if (records == NULL) return NULL;
@@ -901,28 +906,19 @@ static PyObject *zf_central_directory(PyObject *self, PyObject *args) {
         if (offset >= 0xFFFFFFFFu) values[count++] = offset;
         Py_ssize_t name_length = PyBytes_GET_SIZE(name), extra_length = count ? 4 + 8 * count : 0;
         zip64 |= count > 0;
-        uint32_t stored = size >= 0xFFFFFFFFu ? 0xFFFFFFFFu : (uint32_t)size;
-        le32(h, 0x02014B50u);
-        le16(h + 4, count ? 45 : 20);
-        le16(h + 6, count ? 45 : 20);
-        le16(h + 8, 0x0800);
-        le16(h + 10, 0);
-        le16(h + 12, 0);
-        le16(h + 14, 0x21);
-        le32(h + 16, (uint32_t)crc);
-        le32(h + 20, stored);
-        le32(h + 24, stored);
-        le16(h + 28, (uint32_t)name_length);
-        le16(h + 30, (uint32_t)extra_length);
-        le16(h + 32, 0);
+        le32(h, CENTRAL_SIG);
+        le16(h + 4, count ? 45 : 20);  /* version made by */
+        put_member_fields(h + 6, count > 0, (uint32_t)crc, size >= 0xFFFFFFFFu ? 0xFFFFFFFFu : (uint32_t)size,
+                          name_length, extra_length);
+        le16(h + 32, 0);  /* comment length, disk, attributes */
         le16(h + 34, 0);
         le16(h + 36, 0);
         le32(h + 38, 0);
         le32(h + 42, offset >= 0xFFFFFFFFu ? 0xFFFFFFFFu : (uint32_t)offset);
-        memcpy(h + 46, PyBytes_AS_STRING(name), (size_t)name_length);
-        unsigned char *e = h + 46 + name_length;
+        memcpy(h + CENTRAL_SIZE, PyBytes_AS_STRING(name), (size_t)name_length);
+        unsigned char *e = h + CENTRAL_SIZE + name_length;
         if (count) {
-            le16(e, 0x0001);
+            le16(e, ZIP64_ID);
             le16(e + 2, (uint32_t)(8 * count));
             for (int k = 0; k < count; k++) le64(e + 4 + 8 * k, values[k]);
         }
@@ -948,15 +944,9 @@ static int by_offset(const void *a, const void *b) {
 /* ``count`` int64s of a list of exact non-negative ints (0), or 1 where one is anything else */
 static int int64_list(PyObject *list, int64_t *out, Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *v = PyList_GET_ITEM(list, i);
-        if (!PyLong_CheckExact(v)) return 1;
-        int overflow = 0;
-        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-        if (overflow || x < 0) {
-            PyErr_Clear();
-            return 1;
-        }
-        out[i] = x;
+        uint64_t value;
+        if (!bounded(PyList_GET_ITEM(list, i), (uint64_t)INT64_MAX, &value)) return 1;
+        out[i] = (int64_t)value;
     }
     return 0;
 }

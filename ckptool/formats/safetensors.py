@@ -430,7 +430,7 @@ def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[
     entries formatted by one ``str.format`` mapped over them. ``CKPTOOL_PURE_PYTHON_HEADER=1`` writes in Python.
     """
     parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))] if metadata else []
-    if FAST and not PURE_PYTHON_HEADER:  # in one C pass (100,000 entries: 0.02 s, not 0.2)
+    if FAST and not PURE_PYTHON_HEADER:  # in one C pass (100,000 entries: 0.04-0.07 s, not 0.2-0.27)
         encoded = _fastload.encode_header(order, dtype_names, shapes, nbytes, "".join(parts), encode_basestring_ascii)
         if encoded is not NotImplemented:
             return encoded

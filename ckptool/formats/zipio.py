@@ -725,8 +725,8 @@ class ZipWriter:
             made = _headers_for_py(names, sizes, crcs, self.position)
         headers, encoded, offsets, position = made
         self.entries.extend(zip(encoded, offsets, sizes, crcs))
-        end = self.out.copy_all([copy[1] for copy in copies], [copy[2] for copy in copies],
-                                [copy[3] for copy in copies], self.position, headers)
+        end = self.out.copy_all([copy[1] for copy in copies], [copy[2] for copy in copies], sizes, self.position,
+                                headers)
         if end != position:
             raise OutputError(f"internal: the archive's members end at {end}, not {position}")
         self.position = end

@@ -256,6 +256,90 @@ def test_the_run_reads_a_state_dict_with_no_python_rebuild_calls(tmp_path: Path,
     assert calls["rebuild"] == 9 and fast == slow  # ten entries, one of them the same tensor as another
 
 
+class _Storage:
+    """A storage record to pickle as torch.save does: ("storage", its class, key, location, numel)."""
+
+    def __init__(self, key: str, kind: Any, numel: int) -> None:
+        self.key, self.kind, self.numel = key, kind, numel
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, size: int) -> None:
+        self.storage, self.size = storage, size
+
+    def __reduce__(self) -> tuple:
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, (self.size,), (1,), False, __import__("collections").OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", obj.kind, obj.key, "cpu", obj.numel)
+        return None
+
+
+def _archive_of(path: Path, refs: list[tuple[str, _Storage, int]], storages: list[_Storage],
+                member_order: list[str]) -> Path:
+    """A torch archive holding ``refs`` (entry name, storage, elements viewed) with its members written in
+    ``member_order`` (data.pkl, byteorder, version and each of ``storages``' keys, in any order)."""
+    import io
+
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=2).dump({name: _Tensor(storage, size) for name, storage, size in refs})
+    sizes = {storage.key: storage.numel * {torch.FloatStorage: 4, torch.HalfStorage: 2, torch.LongStorage: 8}[
+        storage.kind] for storage in storages}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name in member_order:
+            if name in ("data.pkl", "byteorder", "version"):
+                archive.writestr(f"archive/{name}", {"data.pkl": buffer.getvalue(), "byteorder": b"little",
+                                                     "version": b"3\n"}[name])
+            else:
+                archive.writestr(f"archive/data/{name}", bytes(range(256)) * (sizes[name] // 256) +
+                                 bytes(sizes[name] % 256))
+    return path
+
+
+def test_storages_met_in_any_order_read_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the run looks for a storage's member among the next ones of the archive before any look-up (torch meets
+    # storages in the order it writes them): storages met again, out of order, far ahead, with keys of any
+    # text, members in any order, and empty storages of several dtypes must read as the Python loader reads them
+    rng = random.Random(5)
+    kinds = [torch.FloatStorage, torch.HalfStorage, torch.LongStorage]
+    outcomes = []
+    for case in range(40):
+        count = rng.choice([3, 8, 24, 40])
+        keys = [str(k) for k in range(count)] if case % 4 else [rng.choice(["w", "é", "λ", "k"]) + str(k)
+                                                                for k in range(count)]
+        storages = [_Storage(key, rng.choice(kinds), rng.choice([0, 1, 3, 40, 300])) for key in keys]
+        order = list(range(count))
+        if case % 3 == 1:
+            rng.shuffle(order)  # met out of order
+        elif case % 3 == 2:  # in order, with some met again and some met first far ahead
+            for _ in range(count // 4):
+                at = rng.randrange(count)
+                order.insert(rng.randrange(len(order) + 1), min(at + 17, count - 1) if rng.random() < 0.5 else at)
+        refs = [(f"t{i}", storages[k], rng.randrange(storages[k].numel + 1)) for i, k in enumerate(order)]
+        members = [storage.key for storage in storages]
+        if case % 5 == 3:
+            rng.shuffle(members)
+        elif case % 5 == 4:
+            members.reverse()
+        heads = ["data.pkl", "byteorder"] if case % 2 else ["byteorder", "data.pkl", "version"]
+        member_order = heads + members + (["version"] if case % 2 else [])
+        path = _archive_of(tmp_path / f"case{case}.pt", refs, storages, member_order)
+        outcomes.append(both(path, monkeypatch)[0])
+    # the planted case: a storage met first beyond the members looked at, then one in order, then the first again
+    storages = [_Storage(str(k), torch.FloatStorage, 4) for k in range(24)]
+    refs = [("far", storages[17], 4), ("near", storages[2], 4), ("far again", storages[17], 2)]
+    path = _archive_of(tmp_path / "planted.pt", refs, storages, ["data.pkl", "byteorder"] + [s.key for s in storages])
+    result = both(path, monkeypatch)
+    outcomes.append(result[0])
+    tensors = ckptool.load(path).tensors
+    assert tensors["far"].storage is tensors["far again"].storage
+    assert outcomes.count("read") == len(outcomes), outcomes
+
+
 def test_a_big_endian_archive_keeps_the_python_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

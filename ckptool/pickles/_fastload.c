@@ -56,6 +56,14 @@ typedef struct {
     PyObject *storages, *type_globals, *members, *prefix, *source, *base_offset, *not_read, *byte_range_type,
         *storage_type_ref, *member_type;
     int headers_none;
+    /* the archive's members met in their order: torch numbers storages as it meets them and writes their members
+       in that order, so the next member is looked at before any look-up (see next_member) */
+    Py_ssize_t member_pos, cursor_made;
+    int cursor_ok;
+    /* what each storage class and dtype met says (held: released at the end of the run) */
+    struct { PyObject *type, *dtype; int64_t itemsize; } types[8];
+    struct { PyObject *dtype; int plain; int64_t itemsize; } dtypes[16];
+    int type_count, dtype_count;
 } Run;
 
 static PyObject *S_STORAGE, *S_DTYPE, *S_NUMEL, *S_ITEMSIZE, *S_NAME, *S_MODULE, *S_DICT, *S_SETSTATE, *S_WRITE, *S_SAVE;
@@ -271,6 +279,84 @@ static int64_t small_int(PyObject *v, int *ok) {
     return (int64_t)x;
 }
 
+static PyObject *slot_attr(PyObject *obj, const char *name, Slot *slot);
+static Slot LOAD_SLOTS[2];  /* StorageRef's dtype and numel */
+
+/* what the run met ``dtype`` to be (whether its name is a plain dtype's, its itemsize): 1, or 0 if not met */
+static int dtype_met(Run *r, PyObject *dtype, int *plain, int64_t *itemsize) {
+    for (int k = 0; k < r->dtype_count; k++)
+        if (r->dtypes[k].dtype == dtype) {
+            *plain = r->dtypes[k].plain;
+            *itemsize = r->dtypes[k].itemsize;
+            return 1;
+        }
+    return 0;
+}
+
+static void dtype_meets(Run *r, PyObject *dtype, int plain, int64_t itemsize) {
+    if (r->dtype_count == (int)(sizeof r->dtypes / sizeof r->dtypes[0])) return;
+    r->dtypes[r->dtype_count].dtype = Py_NewRef(dtype);
+    r->dtypes[r->dtype_count].plain = plain;
+    r->dtypes[r->dtype_count++].itemsize = itemsize;
+}
+
+/* a storage class's dtype (borrowed: held by the run) and its itemsize, as the run met them; NULL if not met */
+static PyObject *type_met(Run *r, PyObject *type, int64_t *itemsize) {
+    for (int k = 0; k < r->type_count; k++)
+        if (r->types[k].type == type) {
+            *itemsize = r->types[k].itemsize;
+            return r->types[k].dtype;
+        }
+    return NULL;
+}
+
+static void type_meets(Run *r, PyObject *type, PyObject *dtype, int64_t itemsize) {
+    if (r->type_count == (int)(sizeof r->types / sizeof r->types[0])) return;
+    r->types[r->type_count].type = Py_NewRef(type);
+    r->types[r->type_count].dtype = Py_NewRef(dtype);
+    r->types[r->type_count++].itemsize = itemsize;
+}
+
+static void forget_met(Run *r) {
+    for (int k = 0; k < r->type_count; k++) {
+        Py_DECREF(r->types[k].type);
+        Py_DECREF(r->types[k].dtype);
+    }
+    for (int k = 0; k < r->dtype_count; k++) Py_DECREF(r->dtypes[k].dtype);
+    r->type_count = r->dtype_count = 0;
+}
+
+/* whether ``text`` is ``prefix`` followed by ``key`` (str of one byte a character each), compared where they lie */
+static int joined_is(PyObject *text, PyObject *prefix, PyObject *key) {
+    if (!PyUnicode_CheckExact(text) || PyUnicode_KIND(text) != PyUnicode_1BYTE_KIND ||
+        PyUnicode_KIND(prefix) != PyUnicode_1BYTE_KIND || PyUnicode_KIND(key) != PyUnicode_1BYTE_KIND)
+        return 0;
+    Py_ssize_t np = PyUnicode_GET_LENGTH(prefix), nk = PyUnicode_GET_LENGTH(key);
+    if (PyUnicode_GET_LENGTH(text) != np + nk) return 0;
+    const Py_UCS1 *t = PyUnicode_1BYTE_DATA(text);
+    return memcmp(t, PyUnicode_1BYTE_DATA(prefix), (size_t)np) == 0 &&
+           memcmp(t + np, PyUnicode_1BYTE_DATA(key), (size_t)nk) == 0;
+}
+
+#define MEMBERS_AHEAD 16  /* how far past the last storage's member the next one is looked for */
+
+/* The member of a storage record whose key the run has not met: the next members of the archive (in its
+   order, at most MEMBERS_AHEAD on) are looked at for ``prefix + key``. Borrowed; NULL if not there (then the
+   key is looked up: met before, or out of order) or if the run has stopped looking (a storage was made from
+   a look-up: its member may lie ahead). While every storage made so far was made from a member found so,
+   all lie before ``member_pos``: one found after it is of a key not met. */
+static PyObject *next_member(Run *r, PyObject *key) {
+    if (!r->cursor_ok || PyDict_GET_SIZE(r->storages) != r->cursor_made) return NULL;
+    Py_ssize_t pos = r->member_pos;
+    PyObject *name, *member;
+    for (int k = 0; k < MEMBERS_AHEAD && PyDict_Next(r->members, &pos, &name, &member); k++)
+        if (joined_is(name, r->prefix, key)) {
+            r->member_pos = pos;
+            return member;
+        }
+    return NULL;
+}
+
 /* rebuilds._rebuild_tensor_v2's usual case, checked as it checks it: the TensorRef, or NULL with no error
    set (not the usual case: the Python function decides), or NULL with an error */
 static PyObject *plain_tensor(Run *r, PyObject *args) {
@@ -288,13 +374,19 @@ static PyObject *plain_tensor(Run *r, PyObject *args) {
     int ok = 1;
     int64_t at = small_int(offset, &ok);
     if (!ok || at < 0) return NULL;
-    PyObject *dtype = PyObject_GetAttr(storage, S_DTYPE);
+    PyObject *dtype = slot_attr(storage, "dtype", &LOAD_SLOTS[0]);
     if (dtype == NULL) return NULL;
-    PyObject *name = PyObject_GetAttr(dtype, S_NAME);
-    if (name == NULL) goto fail;
-    int plain = PySet_Contains(r->plain_dtypes, name);
-    Py_DECREF(name);
-    if (plain < 0) goto fail;
+    int plain;
+    int64_t itemsize;
+    int met = dtype_met(r, dtype, &plain, &itemsize);
+    if (!met) {
+        PyObject *name = PyObject_GetAttr(dtype, S_NAME);
+        if (name == NULL) goto fail;
+        plain = PySet_Contains(r->plain_dtypes, name);
+        Py_DECREF(name);
+        if (plain < 0) goto fail;
+        if (!plain) dtype_meets(r, dtype, 0, 0);
+    }
     if (!plain) goto not_plain;
     int64_t last = at, count = 1;
     for (Py_ssize_t k = 0; k < dims; k++) {
@@ -305,11 +397,14 @@ static PyObject *plain_tensor(Run *r, PyObject *args) {
             __builtin_add_overflow(last, span, &last))
             goto not_plain;
     }
-    PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
-    if (itemsize_obj == NULL) goto fail;
-    int64_t itemsize = small_int(itemsize_obj, &ok);
-    Py_DECREF(itemsize_obj);
-    PyObject *numel_obj = PyObject_GetAttr(storage, S_NUMEL);
+    if (!met) {
+        PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
+        if (itemsize_obj == NULL) goto fail;
+        itemsize = small_int(itemsize_obj, &ok);
+        Py_DECREF(itemsize_obj);
+        if (ok && itemsize > 0) dtype_meets(r, dtype, 1, itemsize);
+    }
+    PyObject *numel_obj = slot_attr(storage, "numel", &LOAD_SLOTS[1]);
     if (numel_obj == NULL) goto fail;
     int64_t numel = small_int(numel_obj, &ok);
     Py_DECREF(numel_obj);
@@ -349,22 +444,38 @@ static PyObject *plain_storage(Run *r, PyObject *pid) {
     int ok = 1;
     int64_t numel = small_int(numel_obj, &ok);
     if (!ok || numel < 0) return NULL;
-    PyObject *cached = PyDict_GetItemWithError(r->storages, key);  /* borrowed */
-    if (cached != NULL || PyErr_Occurred()) {
-        PyErr_Clear();
-        return NULL;  /* shared storages and their dtypes: persistent_load */
+    PyObject *member = next_member(r, key);  /* borrowed */
+    int ahead = member != NULL;
+    if (!ahead) {
+        PyObject *cached = PyDict_GetItemWithError(r->storages, key);  /* borrowed */
+        if (cached != NULL || PyErr_Occurred()) {
+            PyErr_Clear();
+            return NULL;  /* shared storages and their dtypes: persistent_load */
+        }
     }
-    PyObject *dtype = PyObject_GetAttr(type, S_DTYPE);
-    if (dtype == NULL) return NULL;
-    PyObject *name = NULL, *member = NULL, *storage = NULL, *range = NULL, *type_global = NULL;
-    PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
-    if (itemsize_obj == NULL) goto out;
-    int64_t itemsize = small_int(itemsize_obj, &ok), nbytes;
-    Py_DECREF(itemsize_obj);
+    int64_t itemsize, nbytes;
+    PyObject *dtype = type_met(r, type, &itemsize);
+    if (dtype != NULL) {
+        Py_INCREF(dtype);
+    } else {
+        dtype = PyObject_GetAttr(type, S_DTYPE);
+        if (dtype == NULL) return NULL;
+        PyObject *itemsize_obj = PyObject_GetAttr(dtype, S_ITEMSIZE);
+        if (itemsize_obj == NULL) {
+            Py_DECREF(dtype);
+            return NULL;
+        }
+        itemsize = small_int(itemsize_obj, &ok);
+        Py_DECREF(itemsize_obj);
+        if (ok && itemsize > 0) type_meets(r, type, dtype, itemsize);
+    }
+    PyObject *name = NULL, *storage = NULL, *range = NULL, *type_global = NULL;
     if (!ok || itemsize <= 0 || __builtin_mul_overflow(numel, itemsize, &nbytes)) goto out;
-    name = PyUnicode_Concat(r->prefix, key);
-    if (name == NULL) goto out;
-    member = PyDict_GetItemWithError(r->members, name);  /* borrowed: dict.get, as the exact lookup */
+    if (!ahead) {
+        name = PyUnicode_Concat(r->prefix, key);
+        if (name == NULL) goto out;
+        member = PyDict_GetItemWithError(r->members, name);  /* borrowed: dict.get, as the exact lookup */
+    }
     if (member == NULL || (PyObject *)Py_TYPE(member) != r->member_type || PyTuple_GET_SIZE(member) < 5) goto out;
     PyObject *data_offset_obj = PyTuple_GET_ITEM(member, 1), *size_obj = PyTuple_GET_ITEM(member, 2);
     PyObject *crc_obj = PyTuple_GET_ITEM(member, 3), *compressed = PyTuple_GET_ITEM(member, 4);
@@ -407,6 +518,7 @@ static PyObject *plain_storage(Run *r, PyObject *pid) {
         storage = make(r->storage_ref_type, call, 6);
     }
     if (storage != NULL && PyDict_SetItem(r->storages, key, storage) < 0) Py_CLEAR(storage);
+    if (storage != NULL && ahead) r->cursor_made++;
 out:
     Py_DECREF(dtype);
     Py_XDECREF(name);
@@ -1326,6 +1438,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "load: malformed storages tuple");
             return NULL;
         }
+        r.cursor_ok = PyDict_GET_SIZE(r.storages) == 0 && PyUnicode_CheckExact(r.prefix);
     }
     PyObject *result = NULL;
     int status;
@@ -1336,6 +1449,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
     PyMem_Free(r.marks);
     for (Py_ssize_t k = 0; k < r.memo_cap; k++) Py_XDECREF(r.memo[k]);
     PyMem_Free(r.memo);
+    forget_met(&r);
     if (status == 2) return result;
     if (status == DECLINE) Py_RETURN_NOTIMPLEMENTED;
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "load: failed without an error");

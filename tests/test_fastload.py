@@ -456,8 +456,13 @@ def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypat
         "k" * 70: 3, 5: "int key", "none": None, "list": [1.5, plain], "key again": "first",
         "ü\ud800": tensor(storage, t(2), t(1)),
     }
+    # a key long enough to be memoised (64 bytes), met again as a key: ASCII, and fewer characters than bytes
+    long_ascii, long_wide = "n" * 70, "ü" * 40
+    entries[long_ascii] = tensor(storage, t(2), t(1))
+    entries[long_wide] = 4
     entries["same tuple"].stride = entries["same tuple"].shape  # one tuple as shape and stride
-    for container in (entries, OrderedDict(entries), {"model": entries, "epoch": 2}):
+    for container in (entries, OrderedDict(entries), {"model": entries, "epoch": 2},
+                      {long_ascii: 1, long_wide: 2, "model": entries}):
         for renumber in (False, True):
             fast = emitted(container, True, monkeypatch, renumber)
             assert fast == emitted(container, False, monkeypatch, renumber)

@@ -1025,9 +1025,13 @@ static int alone(PyObject *obj, Py_ssize_t held) { return Py_REFCNT(obj) == held
 
 /* a str key as save() writes it: 0, or -1 */
 static int emit_key(Emit *e, PyObject *key) {
-    Py_ssize_t at = memo_index(e, key);
-    if (at == -2) return -1;
-    if (at >= 0) return GET_INDEX(&e->out, at);
+    /* only a text of _SHARED_TEXT bytes or more is ever memoised (here and by save): a shorter ASCII one is not
+       looked up */
+    if (!PyUnicode_IS_ASCII(key) || PyUnicode_GET_LENGTH(key) >= 64) {
+        Py_ssize_t at = memo_index(e, key);
+        if (at == -2) return -1;
+        if (at >= 0) return GET_INDEX(&e->out, at);
+    }
     Py_ssize_t length;
     int status = put_text(&e->out, key, &length);
     if (status) return status < 0 ? -1 : python_save(e, key);
@@ -1143,8 +1147,9 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
         (requires_grad != Py_True && requires_grad != Py_False))
         goto done;
     {
-        Py_ssize_t at = memo_index(e, storage);
-        if (at != -1) goto check_error;
+        /* (the storage is never looked up in the memo, where save's ``id(storage) in memo`` looks: a storage is
+           written as a persistent id, which nothing memoises, and the memo keeps what it numbers alive) */
+        Py_ssize_t at;
         if (PyTuple_GET_SIZE(shape)) {
             if (shape == stride) goto done;
             if (!alone(shape, 2) && (at = memo_index(e, shape)) != -1) goto check_error;

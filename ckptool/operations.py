@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CkptError, UsageError, location
+from .gcpause import keep
 from . import suggest
 from .suggest import Metavar, option
 
@@ -105,6 +106,7 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
         details["devices_after"] = stripped.saved_devices()
     saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
                  in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    keep(checkpoint, stripped)
     return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes, details)
 
 
@@ -134,6 +136,7 @@ def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str =
     prefixed = checkpoint.add_prefix(prefix)
     saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
                  in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    keep(checkpoint, prefixed)
     return WriteReport("add-prefix", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
                        {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)})
 
@@ -160,6 +163,7 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     after = remapped.saved_devices()
     saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
                  in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    keep(checkpoint, remapped)
     return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved, "remap") + saved.notes,
                        {"devices_before": before, "devices_after": after})
 
@@ -295,6 +299,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     if (own_writer is None or own_writer.write is None) and isinstance(target, Path):
         target_format(target, options.to, max_shard_bytes)  # a name no format claims: refused before the input is read
     checkpoint = load(source, allow_globals=options.allow_globals, weights=options.weights)
+    keep(checkpoint)
     notes: list[str] = []
     if options.strip and checkpoint.prefix:
         notes.append(f'stripped "{checkpoint.prefix}" from the keys')
@@ -331,6 +336,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         from .entries import restored_notes
 
         notes += restored_notes(checkpoint.layout, checkpoint.metadata, flattened=checkpoint.flattened)
+    keep(checkpoint)  # (the stripped, renamed or cast one)
     return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import formats, layouts, modules, optimizers, suggest
 from .byteio import path_size, use_storage_options
+from .gcpause import keep
 from .checkpoint import Checkpoint, spell_weights
 from .errors import InputError
 from .jsonout import key_text
@@ -443,4 +444,5 @@ def inspect(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()
     """
     use_storage_options(storage_options)
     checkpoint = load(path, allow_globals=allow_globals, weights=weights)
+    keep(checkpoint)
     return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

@@ -31,6 +31,7 @@ from .copying import crc32_combine, pieces_crc
 from . import progress
 from .crc import crc32
 from .errors import CkptError, FingerprintMismatchError
+from .gcpause import keep
 from .digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
 from .refs import _CRC32, _DATA, _DERIVED, _DTYPE_NAME, _OFFSET, _PATH, _SHAPE, _STORAGE, ByteRange, TensorRef, \
     shared_storages, whole_plain
@@ -536,6 +537,7 @@ def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync
                 raise FingerprintMismatchError(
                     f"tensor {name!r}: the CRC recorded in the output's zip ({crc:08x}) is not that of the bytes "
                     f"written ({crc_summed:08x}) — the output was deleted; nothing changed")
+    keep(written_tensors, actual, expected)  # read back and compared: dropped with the command
     return len(actual)
 
 

@@ -219,6 +219,40 @@ def test_the_command_exits_with_its_code_its_whole_output_and_the_exit_handlers_
     assert ckptool.load(tmp_path / f"{case}.pt").prefix == ""
 
 
+def test_a_command_holds_its_trees_to_its_exit_and_a_library_caller_frees_them(
+        fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What dies as a command ends (the input's tree, the write's read-back) is held to the exit, which leaves
+    the heap to the kernel, instead of being freed object by object; the last few only, so a batch of files
+    holds two files' trees, not every file's. A library caller frees them as usual."""
+    import gc
+    import weakref
+    from collections import deque
+
+    from ckptool import gcpause, operations
+
+    source = fixtures_dir / "dp_mlp_wrapped.pt"
+    monkeypatch.setattr(gcpause, "_kept", deque(maxlen=4))
+    monkeypatch.setattr(gcpause, "_freezing", False)
+    operations.strip(source, tmp_path / "library.pt")
+    assert len(gcpause._kept) == 0
+
+    monkeypatch.setattr(gcpause, "_freezing", True)
+    operations.strip(source, tmp_path / "command.pt")
+    (read_back, inputs) = gcpause._kept  # the write's, then the command's
+    checkpoint, stripped = inputs
+    assert checkpoint.path == source and checkpoint.prefix == "module." and stripped.prefix == ""
+    written, actual, expected = read_back
+    assert sorted(written) == sorted(actual) == sorted(stripped.tensors) and actual == expected.values
+    first = weakref.ref(checkpoint)
+    del inputs, read_back, checkpoint, stripped, written, actual, expected
+    gc.collect()
+    assert first() is not None  # held
+    for k in range(2):
+        operations.strip(source, tmp_path / f"more{k}.pt")
+    gc.collect()
+    assert first() is None and len(gcpause._kept) == 4  # the first file's let go
+
+
 def test_a_bug_is_exit_70_in_one_line(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTOOL_DEBUG", raising=False)
 

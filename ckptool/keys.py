@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from .errors import KeyCollisionError, NothingToDoError, UsageError
@@ -97,7 +98,7 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
         # the usual wrapped state dict (tested in C): every key carries the prefix, so none collide once stripped
         cut = len(prefix)
         # keys and values in the mapping's own order (an OrderedDict moved to its end iterates apart from its dict)
-        return _with_keys(state_dict, list(zip([key[cut:] for key in keys], state_dict.values())),
+        return _with_keys(state_dict, list(zip(map(itemgetter(slice(cut, None)), keys), state_dict.values())),
                           _rename_metadata(state_dict, rename))
     if not any(isinstance(key, str) and key.startswith(prefix) for key in keys):
         raise NothingToDoError(f'no key starts with "{prefix}" — nothing to strip')

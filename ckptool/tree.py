@@ -171,8 +171,7 @@ def replace_at(container: Any, layout: Path_, value: Any) -> Any:
 def copy_mapping(mapping: dict, items: list[tuple[Any, Any]] | None = None) -> dict:
     """A shallow copy keeping the mapping's type and attributes (a state_dict's ``_metadata``)."""
     copy = type(mapping)() if isinstance(mapping, OrderedDict) else {}
-    for key, value in dict.items(mapping) if items is None else items:
-        copy[key] = value
+    copy.update(dict.items(mapping) if items is None else items)  # each pair set in order, as a loop sets them
     state = getattr(mapping, "__dict__", None)
     if state:
         copy.__dict__.update(state)

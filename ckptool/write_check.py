@@ -367,6 +367,8 @@ class Summed:
             if output_sums is None:
                 return [None] * len(datas)
             regions = list(map(output_sums.sums.get, offsets))
+            if None not in regions and list(map(itemgetter(0), regions)) == nbytes:  # each summed as it is
+                return list(map(itemgetter(1), regions))
             return [region[1] if region is not None and region[0] == length else output_sums.crc_of(offset, length)
                     for region, offset, length in zip(regions, offsets, nbytes)]
         return [files[key].crc_of(offset, length) if files[key] is not None else None  # type: ignore[union-attr]
@@ -574,7 +576,8 @@ class Expectations:
             if any(map(_DERIVED, map(_STORAGE, tensors.values()))) else {}
         stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
         RANGE_CRCS.clear()
-        sources = set(map(_PATH, filter(None, map(_DATA, map(_STORAGE, stored.values())))))
+        paths = list(map(_PATH, filter(None, map(_DATA, map(_STORAGE, stored.values())))))
+        sources = dict(zip(map(id, paths), paths)).values()  # by identity: one Path object read from, not 100,000 hashes
         lazy = not all(map(isinstance, sources, repeat(Path)))
         if lazy:
             # a remote source is summed after the write, from the CRCs its streaming recorded (not

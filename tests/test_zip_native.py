@@ -773,3 +773,28 @@ def test_the_headers_and_directory_a_write_makes_are_made_alike() -> None:
             entries = list(zip(encoded, [offset + rng.choice([0, 0, 0xFFFFFFFF]) for offset in offsets], sizes, crcs))
             assert shape(native.central_directory(entries)) == shape(zipio._central_directory_py(entries))
     assert 50 < declined < 500
+
+
+@needs_native
+def test_whether_names_start_with_a_prefix_is_said_alike() -> None:
+    """``starting`` (an archive's single folder, a TorchScript code folder) in C against all()/any() of
+    str.startswith: drawn names of one-, two- and four-byte characters, a dict's keys or a list, prefixes empty,
+    longer than the names or a name's own; anything but a dict or list of exact str is handed back."""
+    rng = random.Random(27)
+    alphabet = ["a", "A", "/", "é", "λ", "😀", "data"]
+    for _ in range(4000):
+        names = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(0, 6))]
+        prefix = rng.choice(names) if names and rng.random() < 0.3 else \
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+        if names and rng.random() < 0.4:  # most names under one folder
+            names = [prefix + name if rng.random() < 0.9 else name for name in names]
+        for every in (True, False):
+            tests = map(str.startswith, names, [prefix] * len(names))
+            expected = all(tests) if every else any(tests)
+            assert native.starting(names, prefix, every) is expected
+            assert native.starting(dict.fromkeys(names), prefix, every) is expected
+            assert zipio.starting(names, prefix, every=every) is expected
+    assert native.starting(("a",), "a", True) is NotImplemented and native.starting([b"a"], "a", True) is NotImplemented
+    assert native.starting({1: 0}, "a", False) is NotImplemented
+    with pytest.raises(TypeError):
+        zipio.starting([b"a"], "a", every=True)

@@ -1066,6 +1066,48 @@ done:
     return result;
 }
 
+/* starting(names, prefix, every) -> bool | NotImplemented: whether every name (``every``) or any name starts with
+   ``prefix``, as all()/any() over map(str.startswith, names, repeat(prefix)) would say; ``names`` a dict (its keys)
+   or a list of exact str, else NotImplemented */
+static PyObject *
+zf_starting(PyObject *module, PyObject *args)
+{
+    PyObject *names, *prefix;
+    int every;
+    if (!PyArg_ParseTuple(args, "OUp:starting", &names, &prefix, &every)) {
+        return NULL;
+    }
+    if (!PyDict_Check(names) && !PyList_CheckExact(names)) {
+        return not_implemented();
+    }
+    int dict = PyDict_Check(names);
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *name, *value;
+    for (;;) {
+        if (dict) {
+            if (!PyDict_Next(names, &pos, &name, &value)) {
+                break;
+            }
+        } else {
+            if (i >= PyList_GET_SIZE(names)) {
+                break;
+            }
+            name = PyList_GET_ITEM(names, i++);
+        }
+        if (!PyUnicode_CheckExact(name)) {
+            return not_implemented();
+        }
+        Py_ssize_t found = PyUnicode_Tailmatch(name, prefix, 0, PY_SSIZE_T_MAX, -1);
+        if (found < 0) {
+            return NULL;
+        }
+        if (found != every) {  /* a name that does not (every) or does (any) decides */
+            return PyBool_FromLong(!every);
+        }
+    }
+    return PyBool_FromLong(every);
+}
+
 static PyMethodDef methods[] = {
     {"records", zf_records, METH_VARARGS,
      "records(data, size_cd, concat, max_version): the central directory's records, as zipio._records_py"},
@@ -1081,6 +1123,8 @@ static PyMethodDef methods[] = {
      "central_directory(entries): ZipWriter.close's records and whether one is zip64, as its loop"},
     {"gather", zf_gather, METH_VARARGS,
      "gather(fd, offsets, sizes, headers, gap, ahead): a run of small pieces' output bytes, as copying.DataOut._copy_run"},
+    {"starting", zf_starting, METH_VARARGS,
+     "starting(names, prefix, every): whether every (or any) name starts with prefix, as all()/any() of str.startswith"},
     {"spans", zf_spans, METH_VARARGS,
      "spans(entries, Member, directory_start, not_read): the first refusal, as zipio._spans_py"},
     {NULL, NULL, 0, NULL},

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 from collections import Counter
 from collections.abc import Callable
-from itertools import repeat
 from dataclasses import replace
 from operator import itemgetter, mul
 from pathlib import Path
@@ -36,7 +35,7 @@ def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
     first = next(iter(members), "")
     if "/" in first:  # the usual archive: every name under the first one's folder (one C-speed pass)
         lead = first.split("/", 1)[0] + "/"
-        if all(map(str.startswith, members, repeat(lead))):
+        if zipio.starting(members, lead, every=True):
             return lead[:-1]
     tops = {name.split("/", 1)[0] for name in members}
     if len(tops) != 1 or not all("/" in name for name in members):

@@ -60,6 +60,9 @@ typedef struct {
        in that order, so the next member is looked at before any look-up (see next_member) */
     Py_ssize_t member_pos, cursor_made;
     int cursor_ok;
+    /* storages made from members found so, put in ``storages`` only when something looks there (see pend) */
+    PyObject **pend_keys, **pend_storages;
+    Py_ssize_t npend, pend_cap;
     /* what each storage class and dtype met says (held: released at the end of the run) */
     struct { PyObject *type, *dtype; int64_t itemsize; } types[8];
     struct { PyObject *dtype; int plain; int64_t itemsize; } dtypes[16];
@@ -338,6 +341,42 @@ static int joined_is(PyObject *text, PyObject *prefix, PyObject *key) {
            memcmp(t + np, PyUnicode_1BYTE_DATA(key), (size_t)nk) == 0;
 }
 
+/* A storage made from a member found ahead is of a key not met (next_member): it goes into ``storages`` (a
+   100,000-entry dict: an insert is a few cache misses) only when something is to look there, the look-up of a
+   key met before or the Python persistent_load, and at the end of the run. 0, or -1 with an error set. */
+static int pend(Run *r, PyObject *key, PyObject *storage) {
+    if (r->npend == r->pend_cap) {
+        Py_ssize_t cap = r->pend_cap ? r->pend_cap * 2 : 256;
+        PyObject **keys = PyMem_Realloc(r->pend_keys, (size_t)cap * sizeof(PyObject *));
+        if (keys == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->pend_keys = keys;
+        PyObject **storages = PyMem_Realloc(r->pend_storages, (size_t)cap * sizeof(PyObject *));
+        if (storages == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        r->pend_storages = storages;
+        r->pend_cap = cap;
+    }
+    r->pend_keys[r->npend] = Py_NewRef(key);
+    r->pend_storages[r->npend++] = Py_NewRef(storage);
+    return 0;
+}
+
+static int flush_pending(Run *r) {  /* what pend held, into ``storages`` in the order it was made */
+    int status = 0;
+    for (Py_ssize_t k = 0; k < r->npend; k++) {
+        if (status == 0 && PyDict_SetItem(r->storages, r->pend_keys[k], r->pend_storages[k]) < 0) status = -1;
+        Py_DECREF(r->pend_keys[k]);
+        Py_DECREF(r->pend_storages[k]);
+    }
+    r->npend = 0;
+    return status;
+}
+
 #define MEMBERS_AHEAD 16  /* how far past the last storage's member the next one is looked for */
 
 /* The member of a storage record whose key the run has not met: the next members of the archive (in its
@@ -346,7 +385,7 @@ static int joined_is(PyObject *text, PyObject *prefix, PyObject *key) {
    a look-up: its member may lie ahead). While every storage made so far was made from a member found so,
    all lie before ``member_pos``: one found after it is of a key not met. */
 static PyObject *next_member(Run *r, PyObject *key) {
-    if (!r->cursor_ok || PyDict_GET_SIZE(r->storages) != r->cursor_made) return NULL;
+    if (!r->cursor_ok || PyDict_GET_SIZE(r->storages) + r->npend != r->cursor_made) return NULL;
     Py_ssize_t pos = r->member_pos;
     PyObject *name, *member;
     for (int k = 0; k < MEMBERS_AHEAD && PyDict_Next(r->members, &pos, &name, &member); k++)
@@ -447,6 +486,7 @@ static PyObject *plain_storage(Run *r, PyObject *pid) {
     PyObject *member = next_member(r, key);  /* borrowed */
     int ahead = member != NULL;
     if (!ahead) {
+        if (flush_pending(r) < 0) return NULL;
         PyObject *cached = PyDict_GetItemWithError(r->storages, key);  /* borrowed */
         if (cached != NULL || PyErr_Occurred()) {
             PyErr_Clear();
@@ -517,7 +557,8 @@ static PyObject *plain_storage(Run *r, PyObject *pid) {
         PyObject *call[6] = {key, dtype, numel_obj, location, range, type_global};
         storage = make(r->storage_ref_type, call, 6);
     }
-    if (storage != NULL && PyDict_SetItem(r->storages, key, storage) < 0) Py_CLEAR(storage);
+    if (storage != NULL && (ahead ? pend(r, key, storage) : PyDict_SetItem(r->storages, key, storage)) < 0)
+        Py_CLEAR(storage);
     if (storage != NULL && ahead) r->cursor_made++;
 out:
     Py_DECREF(dtype);
@@ -633,7 +674,8 @@ static int persid(Run *r) {
     PyObject *pid = pop(r);
     if (pid == NULL) return DECLINE;
     PyObject *obj = plain_storage(r, pid);
-    if (obj == NULL && !PyErr_Occurred()) obj = PyObject_CallOneArg(r->persistent_load, pid);
+    if (obj == NULL && !PyErr_Occurred() && flush_pending(r) == 0)  /* (persistent_load looks in storages) */
+        obj = PyObject_CallOneArg(r->persistent_load, pid);
     Py_DECREF(pid);
     return push(r, obj);
 }
@@ -1449,6 +1491,27 @@ static PyObject *load(PyObject *self, PyObject *args) {
     int status;
     while ((status = step(&r, &result)) == 0) {
     }
+    /* the storages read, as the Python loader leaves them (a failed run's too: its error kept) */
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *raised = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *raised = type;
+#endif
+    if (flush_pending(&r) < 0 && raised == NULL) {
+        Py_CLEAR(result);
+        status = -1;
+    } else {
+        if (raised != NULL) PyErr_Clear();  /* (the run's own error is the one to raise) */
+#if PY_VERSION_HEX >= 0x030C0000
+        PyErr_SetRaisedException(raised);
+#else
+        PyErr_Restore(type, value, traceback);
+#endif
+    }
+    PyMem_Free(r.pend_keys);
+    PyMem_Free(r.pend_storages);
     clear_to(&r, 0);
     PyMem_Free(r.stack.items);
     PyMem_Free(r.marks);

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import attrgetter, contains, gt, mul, or_
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .dtypes import DType
 from .errors import InputError
@@ -469,12 +469,14 @@ class Expansion:
         return self.logical > EXPANSION_FACTOR * self.stored + EXPANSION_SLACK
 
 
-def expansion(tensors: Mapping[str, Any]) -> Expansion:
-    """Measure the views of ``tensors`` (no bytes read); tied tensors (one view under two names) count once."""
+def expansion(tensors: Mapping[str, Any], *, shared: bool | None = None) -> Expansion:
+    """Measure the views of ``tensors`` (no bytes read); tied tensors (one view under two names) count once.
+    ``shared``: whether any storage is viewed twice among them, if the caller knows (:func:`census`)."""
     values = list(tensors.values())
     if all(map(_IS_TENSOR_REF, values)):
         views_of = list(map(_STORAGE, values))
-        if len(set(views_of)) == len(views_of):  # a storage per tensor (identity hashes): nothing is tied
+        if not shared if shared is not None else len(set(views_of)) == len(views_of):
+            # a storage per tensor (identity hashes): nothing is tied
             whole = whole_plain(values)
             if whole is not None:  # each all of its storage, end to end: none expands (one pass in C)
                 return Expansion(sum(map(mul, map(_NUMEL, views_of), map(_ITEMSIZE, views_of))), sum(whole[1]), ())
@@ -571,6 +573,35 @@ def _whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | 
     if nbytes != list(map(_LENGTH, datas)):
         return None
     return datas, nbytes
+
+
+class Census(NamedTuple):
+    """What a summary counts of a checkpoint's tensors."""
+
+    parameters: int  # elements, summed
+    nbytes: int
+    dtypes: dict[str, int]  # tensors by dtype name, first met first
+    bits: bool  # whether any has a conjugate or negative bit
+    shared: bool  # whether any storage is viewed by more than one of them
+
+
+def census(views: list[TensorRef]) -> Census:
+    """The :class:`Census` of ``views``: one pass in C where the extension was built (100,000 tensors: ~10 ms,
+    against ~80 ms of the passes of :func:`_census`, its reference), else those passes."""
+    from .pickles.unpickle import FAST, _fastload
+
+    if FAST:
+        found = _fastload.census(views, TensorRef)
+        if found is not NotImplemented:
+            return Census(*found)
+    return _census(views)
+
+
+def _census(views: list[TensorRef]) -> Census:
+    numels = list(map(math.prod, map(_SHAPE, views)))
+    storages = list(map(_STORAGE, views))
+    return Census(sum(numels), sum(map(mul, numels, map(_ITEMSIZE, views))), dict(Counter(map(_DTYPE_NAME, views))),
+                  any(map(_CONJ, views)) or any(map(_NEG, views)), len(set(storages)) != len(storages))
 
 
 def shared_storages(tensors: Iterable[Any]) -> set[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from itertools import repeat
 from typing import Any
 
 from .pickles import OpaqueObject
@@ -85,23 +86,22 @@ def iter_tensors(obj: Any, *, storages: bool = False) -> Iterator[tuple[Path_, T
             stack.extend((path + (key,), value) for key, value in reversed(kids) if not _leaf(value))
 
 
-def tensor_values(obj: Any) -> Iterator[TensorRef]:
+def tensor_values(obj: Any) -> list[TensorRef]:
     """The tensors :func:`iter_tensors` yields, in its order, without the key path to each (no tuple
     per value: what counts storages or devices needs no names).
 
-    Depth first through a stack of iterators, one per container entered: a state dict's 100,000
-    tensors are yielded as its values are iterated, not pushed and popped one by one."""
+    Depth first through a stack of iterators, one per container entered; a state dict's 100,000
+    tensors are taken at once (C-speed passes), not one by one. Each tensor once: they are gathered as
+    the keys of a dict, where a TensorRef hashes by identity (``eq=False``) and keeps its first place."""
     seen: set[int] = set()  # containers entered
-    yielded: set[int] = set()  # tensors
+    found: dict[TensorRef, None] = {}
     stack: list[Iterator[Any]] = [iter((obj,))]
     atoms, emptyable = _ATOMS, _EMPTYABLE
     while stack:
         for node in stack[-1]:
             kind = type(node)
             if kind is TensorRef or isinstance(node, TensorRef):
-                if id(node) not in yielded:
-                    yielded.add(id(node))
-                    yield node
+                found[node] = None
                 continue
             if kind in atoms or (kind in emptyable and not node) or id(node) in seen:
                 continue
@@ -109,11 +109,10 @@ def tensor_values(obj: Any) -> Iterator[TensorRef]:
                 values = list(dict.values(node))
                 if values and all(map(_IS_TENSOR_REF, values)):  # a state dict: its tensors at once (tested in C)
                     seen.add(id(node))
-                    fresh = list(dict.fromkeys(values))  # each tensor once (TensorRef hashes by identity)
-                    if yielded:
-                        fresh = [value for value in fresh if id(value) not in yielded]
-                    yielded.update(map(id, fresh))
-                    yield from fresh
+                    if found:
+                        found.update(zip(values, repeat(None)))
+                    else:
+                        found = dict.fromkeys(values)
                     continue
             elif isinstance(node, list | tuple):
                 values = list(node)
@@ -125,6 +124,7 @@ def tensor_values(obj: Any) -> Iterator[TensorRef]:
                 break  # into the container; this one's iterator goes on where it stopped
         else:
             stack.pop()
+    return list(found)
 
 
 def contains(obj: Any, kind: type) -> bool:

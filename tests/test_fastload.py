@@ -628,6 +628,58 @@ def test_whole_plain_in_c_decides_as_the_python_passes_do(tmp_path: Path) -> Non
     assert accepted > 300 and declined > 300
 
 
+def test_the_census_in_c_counts_as_the_python_passes_do(tmp_path: Path) -> None:
+    """refs.census's pass in C (what inspect counts: elements, bytes, tensors by dtype name, conjugate and
+    negative bits, a storage viewed twice) against refs._census, on every fixture's tensors and on drawn ones:
+    shapes of zero, one or many dimensions, dims near 2**63, dtypes apart and two dtype objects of one name,
+    shared storages, bits; the same counts, or NotImplemented where the Python passes take what C does not
+    (a list or bool or huge dim, a sum past 64 bits, another class)."""
+    from ckptool import dtypes, refs
+
+    groups: list[list[Any]] = []
+    for path in sorted(Path("fixtures").rglob("*")):
+        if path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".ckpt") and path.is_file():
+            try:
+                checkpoint = ckptool.load(path)
+            except CkptError:
+                continue
+            if checkpoint.has_weights:
+                groups.append(list(checkpoint.tensors.values()))
+    assert len(groups) > 10
+    rng = random.Random(5)
+    kinds = [dtypes.BY_NAME[name] for name in ("F32", "BF16", "I64", "BOOL", "C64")]
+    twin = __import__("dataclasses").replace(kinds[0])  # another F32 object: counted with F32, by name
+    for _ in range(3000):
+        storages = [refs.StorageRef(str(k), kinds[0], 4, "cpu") for k in range(rng.randint(1, 4))]
+        group: list[Any] = []
+        for _ in range(rng.randint(0, 6)):
+            shape = tuple(rng.choice([0, 1, 3, 1000, 2**31]) for _ in range(rng.randint(0, 4)))
+            view = refs.TensorRef(rng.choice(storages), rng.choice(kinds + [twin]), shape, (1,) * len(shape))
+            bend = rng.randrange(12)
+            if bend == 0:
+                view.conj = rng.choice([True, 1, 0])
+            elif bend == 1:
+                view.neg = rng.choice([True, False])
+            elif bend == 2:
+                view.shape = rng.choice([list(shape), (True, 2), (2**62, 4), (2**63,), (3, 2**61)])
+            group.append(view)
+        groups.append(group)
+    taken = declined = 0
+    for group in groups:
+        python = refs._census(group)
+        c = unpickle._fastload.census(group, refs.TensorRef)
+        if c is NotImplemented:
+            declined += 1
+            assert any(type(v.shape) is not tuple or any(type(d) is not int or d >= 2**63 for d in v.shape)
+                       for v in group) or python.parameters >= 2**63 or python.nbytes >= 2**63, group
+        else:
+            assert refs.Census(*c) == python and list(c[2]) == list(python.dtypes), group
+            taken += 1
+        assert refs.census(group) == python
+    assert taken > 2000 and declined > 50
+    assert unpickle._fastload.census([object()], refs.TensorRef) is NotImplemented
+
+
 def _hashable(obj: Any) -> bool:
     try:
         hash(obj)

@@ -2404,10 +2404,156 @@ static PyObject *check_tree_c(PyObject *self, PyObject *args) {
     return PyLong_FromLong(verdict);
 }
 
+/* ===================================================================================== census */
+
+static Slot CENSUS_SLOTS[5];  /* TensorRef's shape, dtype, storage, conj, neg */
+
+PyDoc_STRVAR(census_doc,
+"census(views, TensorRef) -> (parameters, nbytes, {dtype name: count}, bits, shared) or NotImplemented\n\n"
+"refs._census of ``views`` (a list of TensorRefs) in one pass: elements and bytes summed, tensors counted by\n"
+"dtype name (first met first), whether any has a conjugate or negative bit, whether any storage is viewed\n"
+"twice. NotImplemented for anything else (a shape not of ints >= 0, a sum past 64 bits, many dtypes).");
+
+static PyObject *census(PyObject *self, PyObject *args) {
+    PyObject *views, *tensor_type;
+    if (!PyArg_ParseTuple(args, "O!O:census", &PyList_Type, &views, &tensor_type)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(views);
+    size_t cap = 16;
+    while (cap < (size_t)count * 2) cap <<= 1;
+    PyObject **seen = PyMem_Calloc(cap, sizeof(PyObject *));  /* the storages met, by address */
+    if (seen == NULL) return PyErr_NoMemory();
+    struct { PyObject *dtype, *name; int64_t itemsize; Py_ssize_t count; } kinds[16];
+    int nkinds = 0, bits = 0, shared = 0, declined = 0, failed = 0;
+    int64_t parameters = 0, nbytes = 0;
+    for (Py_ssize_t i = 0; i < count && !declined && !failed; i++) {
+        PyObject *view = PyList_GET_ITEM(views, i);
+        if ((PyObject *)Py_TYPE(view) != tensor_type) {
+            declined = 1;
+            break;
+        }
+        PyObject *shape = slot_attr(view, "shape", &CENSUS_SLOTS[0]), *dtype = slot_attr(view, "dtype", &CENSUS_SLOTS[1]);
+        PyObject *storage = slot_attr(view, "storage", &CENSUS_SLOTS[2]), *conj = slot_attr(view, "conj", &CENSUS_SLOTS[3]);
+        PyObject *neg = slot_attr(view, "neg", &CENSUS_SLOTS[4]);
+        int64_t numel = 1, itemsize = 0, size;
+        int kind = -1;
+        if (!shape || !dtype || !storage || !conj || !neg) {
+            failed = 1;
+            goto next;
+        }
+        if (!PyTuple_CheckExact(shape)) {
+            declined = 1;
+            goto next;
+        }
+        {
+            int over = 0, zero = 0;  /* (a product past 64 bits is 0 all the same where a dim is 0) */
+            for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++) {
+                int ok = 1;
+                int64_t dim = small_int(PyTuple_GET_ITEM(shape, k), &ok);
+                if (!ok || dim < 0) {
+                    declined = 1;
+                    goto next;
+                }
+                zero |= dim == 0;
+                over = over || __builtin_mul_overflow(numel, dim, &numel);
+            }
+            if (zero) {
+                numel = 0;
+            } else if (over) {
+                declined = 1;
+                goto next;
+            }
+        }
+        for (int k = 0; k < nkinds; k++)
+            if (kinds[k].dtype == dtype) kind = k;
+        if (kind < 0) {
+            if (nkinds == (int)(sizeof kinds / sizeof kinds[0])) {
+                declined = 1;
+                goto next;
+            }
+            PyObject *name = PyObject_GetAttr(dtype, S_NAME), *itemsize_obj = name ? PyObject_GetAttr(dtype, S_ITEMSIZE) : NULL;
+            int ok = 1;
+            itemsize = itemsize_obj ? small_int(itemsize_obj, &ok) : 0;
+            Py_XDECREF(itemsize_obj);
+            if (name == NULL || itemsize_obj == NULL) {
+                Py_XDECREF(name);
+                failed = 1;
+                goto next;
+            }
+            if (!ok || itemsize < 0 || !PyUnicode_CheckExact(name)) {
+                Py_DECREF(name);
+                declined = 1;
+                goto next;
+            }
+            kinds[nkinds].dtype = Py_NewRef(dtype);
+            kinds[nkinds].name = name;
+            kinds[nkinds].itemsize = itemsize;
+            kinds[nkinds].count = 0;
+            kind = nkinds++;
+        }
+        kinds[kind].count++;
+        if (__builtin_add_overflow(parameters, numel, &parameters) ||
+            __builtin_mul_overflow(numel, kinds[kind].itemsize, &size) || __builtin_add_overflow(nbytes, size, &nbytes)) {
+            declined = 1;
+            goto next;
+        }
+        for (int k = 0; k < 2; k++) {
+            int truth = PyObject_IsTrue(k ? neg : conj);
+            if (truth < 0) {
+                failed = 1;
+                goto next;
+            }
+            bits |= truth;
+        }
+        {
+            size_t at = (size_t)(((uintptr_t)storage >> 4) * 0x9E3779B97F4A7C15ull) & (cap - 1);
+            while (seen[at] != NULL && seen[at] != storage) at = (at + 1) & (cap - 1);
+            if (seen[at] == storage) shared = 1;
+            seen[at] = storage;  /* (borrowed: each view holds its storage while the pass runs) */
+        }
+next:
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        Py_XDECREF(storage);
+        Py_XDECREF(conj);
+        Py_XDECREF(neg);
+    }
+    PyMem_Free(seen);
+    PyObject *result = NULL, *counts = NULL;
+    if (failed) goto out;
+    if (declined) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto out;
+    }
+    counts = PyDict_New();
+    if (counts == NULL) goto out;
+    for (int k = 0; k < nkinds; k++) {  /* (two dtype objects of one name count together, as by name) */
+        Py_ssize_t total = kinds[k].count;
+        for (int j = 0; j < k; j++)
+            if (PyUnicode_Compare(kinds[j].name, kinds[k].name) == 0) total += kinds[j].count;
+        if (PyErr_Occurred()) goto out;
+        PyObject *number = PyLong_FromSsize_t(total);
+        if (number == NULL || PyDict_SetItem(counts, kinds[k].name, number) < 0) {
+            Py_XDECREF(number);
+            goto out;
+        }
+        Py_DECREF(number);
+    }
+    result = Py_BuildValue("(LLOOO)", (long long)parameters, (long long)nbytes, counts, bits ? Py_True : Py_False,
+                           shared ? Py_True : Py_False);
+out:
+    Py_XDECREF(counts);
+    for (int k = 0; k < nkinds; k++) {
+        Py_DECREF(kinds[k].dtype);
+        Py_DECREF(kinds[k].name);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_VARARGS, load_doc},
     {"register", register_maker, METH_VARARGS, register_doc},
     {"emit_items", emit_items, METH_VARARGS, emit_items_doc},
+    {"census", census, METH_VARARGS, census_doc},
     {"make", (PyCFunction)(void (*)(void))make_py, METH_FASTCALL, make_doc},
     {"whole_plain", whole_plain, METH_O, whole_plain_doc},
     {"parse_header", parse_header, METH_VARARGS, parse_header_doc},

@@ -268,20 +268,15 @@ def test_a_wrong_crc_recorded_in_the_output_zip_is_caught(fixtures_dir: Path, tm
     from ckptool.errors import FingerprintMismatchError
     from ckptool.formats import zipio
 
-    real_add_copy, real_add_copies = zipio.ZipWriter.add_copy, zipio.ZipWriter.add_copies
+    real_add_copy_columns = zipio.ZipWriter.add_copy_columns  # (add_copy and add_copies write through it)
 
     def wrong(name, crc):
         return crc ^ 0x1 if crc is not None and name.endswith("/data/1") else crc
 
-    def wrong_crc(self, name, source, offset, size, crc):
-        return real_add_copy(self, name, source, offset, size, wrong(name, crc))
+    def wrong_crcs(self, names, sources, offsets, sizes, crcs):
+        return real_add_copy_columns(self, names, sources, offsets, sizes, list(map(wrong, names, crcs)))
 
-    def wrong_crcs(self, copies):
-        return real_add_copies(self, [(name, source, offset, size, wrong(name, crc))
-                                      for name, source, offset, size, crc in copies])
-
-    monkeypatch.setattr(zipio.ZipWriter, "add_copy", wrong_crc)
-    monkeypatch.setattr(zipio.ZipWriter, "add_copies", wrong_crcs)
+    monkeypatch.setattr(zipio.ZipWriter, "add_copy_columns", wrong_crcs)
     with pytest.raises(FingerprintMismatchError, match="CRC recorded in the output"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt").strip_prefix(), tmp_path / "out.pt")
     assert not list(tmp_path.iterdir())

@@ -216,8 +216,8 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         if trust_recorded_crcs and None not in crcs and not any(map(_PIECES, objects)) \
                 and not any(map(_DERIVED, objects)) and not any(map(_PRODUCER, objects)):
             # the usual write: every storage the bytes of a member, its CRC recorded (_add_each's first case, in columns)
-            names = map(f"{archive_name}/data/".__add__, map(itemgetter(0), storages))
-            writer.add_copies(list(zip(names, map(_PATH, datas), map(_OFFSET, datas), sizes, crcs)))
+            names = list(map(f"{archive_name}/data/".__add__, map(itemgetter(0), storages)))
+            writer.add_copy_columns(names, list(map(_PATH, datas)), list(map(_OFFSET, datas)), sizes, crcs)
         else:
             _add_each(writer, storages, archive_name, trust_recorded_crcs)
         writer.add_bytes(f"{archive_name}/version", b"3\n")

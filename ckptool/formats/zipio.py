@@ -729,15 +729,19 @@ class ZipWriter:
         """:meth:`add_copy` for each ``(name, source, offset, size, crc)``, a recorded ``crc`` each: the headers
         made in one loop, the bytes copied in one call (:meth:`DataOut.copy_all`: a checkpoint's 100,000 small
         storages read in windows and written together)."""
-        names, sizes, crcs = [copy[0] for copy in copies], [copy[3] for copy in copies], [copy[4] for copy in copies]
+        names, sources, offsets, sizes, crcs = (list(column) for column in zip(*copies)) if copies else ([],) * 5
+        self.add_copy_columns(names, sources, offsets, sizes, crcs)
+
+    def add_copy_columns(self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int],
+                         crcs: list[int]) -> None:
+        """:meth:`add_copies` of its columns (what a caller holding columns passes: no tuple per copy)."""
         made = _native.local_headers_for(names, sizes, crcs, self.position, ALIGNMENT) \
             if _native is not None else NotImplemented
         if made is NotImplemented:
             made = _headers_for_py(names, sizes, crcs, self.position)
-        headers, encoded, offsets, position = made
-        self.entries.extend(zip(encoded, offsets, sizes, crcs))
-        end = self.out.copy_all([copy[1] for copy in copies], [copy[2] for copy in copies], sizes, self.position,
-                                headers)
+        headers, encoded, member_offsets, position = made
+        self.entries.extend(zip(encoded, member_offsets, sizes, crcs))
+        end = self.out.copy_all(sources, offsets, sizes, self.position, headers)
         if end != position:
             raise OutputError(f"internal: the archive's members end at {end}, not {position}")
         self.position = end

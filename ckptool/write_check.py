@@ -378,6 +378,27 @@ class Summed:
 _UNKNOWN: Any = object()
 
 
+def recorded_checks(tensors: Mapping[str, TensorRef]) -> Checks | None:
+    """:func:`tensor_checks` with ``trust_stored`` when every tensor is all of its storage and its archive
+    records that storage's CRC (the usual source: nothing to read); else None."""
+    return _whole_checks(list(tensors), list(tensors.values()), _UNKNOWN, trust_stored=True, known=None)
+
+
+def _whole_checks(names: list[str], views: list[TensorRef], whole: tuple[list[ByteRange], list[int]] | None,
+                  *, trust_stored: bool, known: Summed | None) -> Checks | None:
+    """The usual file's checks: every tensor all of its storage, each CRC known as a whole; else None."""
+    if whole is _UNKNOWN:
+        whole = whole_plain(views)
+    if whole is None:
+        return None
+    datas, nbytes = whole
+    crcs = list(map(_CRC32, datas)) if trust_stored else known.whole(datas, nbytes) if known is not None else None
+    if crcs is None or None in crcs:
+        return None
+    values = dict(zip(names, zip(map(_DTYPE_NAME, views), map(_SHAPE, views), crcs, repeat(None))))
+    return Checks(values, set(names) if trust_stored else set())
+
+
 def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known: Summed | None = None,
                   views_raw: bool = False, whole: tuple[list[ByteRange], list[int]] | None = _UNKNOWN) -> Checks:
     """The content of every tensor.
@@ -389,14 +410,9 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known
     """
     names = list(tensors)
     views = list(tensors.values())
-    if whole is _UNKNOWN:
-        whole = whole_plain(views)
-    if whole is not None:  # the usual file: every tensor is all of its storage, each CRC known as a whole
-        datas, nbytes = whole
-        crcs = list(map(_CRC32, datas)) if trust_stored else known.whole(datas, nbytes) if known is not None else None
-        if crcs is not None and None not in crcs:
-            values = dict(zip(names, zip(map(_DTYPE_NAME, views), map(_SHAPE, views), crcs, repeat(None))))
-            return Checks(values, set(names) if trust_stored else set())
+    usual = _whole_checks(names, views, whole, trust_stored=trust_stored, known=known)
+    if usual is not None:
+        return usual
     checks: dict[str, TensorCheck] = {}
     recorded_names: set[str] = set()
     by_storage: dict[tuple, int] = {}  # tied tensors are summed once
@@ -584,7 +600,11 @@ class Expectations:
             # downloaded twice); what the write did not stream whole is read then
             join = _later(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
         else:
-            join = run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+            # the usual source's checks are its recorded CRCs, made here at once (a thread would only take turns
+            # with this one for the interpreter); the others read bytes, beside the write
+            recorded = recorded_checks(stored)
+            join = (lambda: recorded) if recorded is not None else \
+                run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
 
         def checks() -> Checks:
             result = join()

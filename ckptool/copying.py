@@ -61,11 +61,12 @@ class DataOut:
         self.on_data = on_data
         # the batch form of ``on_data`` when it is a ``written`` method whose object has one (a write
         # check's OutputSums): 100,000 small tensors are then one hand-over per batch, not one each
-        self._report_many: Callable[[list[tuple[int, int]]], None] | None = getattr(
+        self._report_many: Callable[[list[tuple[int, int]], int, int], None] | None = getattr(
             getattr(on_data, "__self__", None), "written_many", None) \
             if getattr(on_data, "__name__", None) == "written" else None
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
+        self._pending_end = 0  # where the furthest pending region ends
         self._sources: FileCache[Source] = FileCache()
         self._window: tuple[Path, int, bytes] | None = None  # (source, offset, bytes) read ahead
         self._last_end: tuple[Path, int] | None = None  # where the last small piece ended
@@ -75,6 +76,7 @@ class DataOut:
         if self.on_data is not None:
             self._pending.append((offset, length))
             self._pending_bytes += length
+            self._pending_end = max(self._pending_end, offset + length)
             if self._pending_bytes >= REPORT_EVERY:
                 self.report()
 
@@ -84,13 +86,13 @@ class DataOut:
         if self._pending and self.on_data is not None:
             self.handle.flush()
             if self._report_many is not None:
-                self._report_many(self._pending)
+                self._report_many(self._pending, self._pending_end, self._pending_bytes)
                 self._pending = []
             else:
                 for offset, length in self._pending:
                     self.on_data(offset, length)
         self._pending.clear()
-        self._pending_bytes = 0
+        self._pending_bytes = self._pending_end = 0
 
     def read_source(self, source: Path, offset: int, size: int) -> bytes:
         """``size`` bytes of ``source`` at ``offset`` (a small piece: one read).
@@ -229,6 +231,8 @@ class DataOut:
             regions = [region for region in zip(starts, sizes) if region[1]]  # an empty piece is no region
             self._pending.extend(regions)
             self._pending_bytes += sum(sizes)
+            if regions:  # (in order: the last one ends furthest)
+                self._pending_end = max(self._pending_end, regions[-1][0] + regions[-1][1])
             if self._pending_bytes >= REPORT_EVERY:
                 self.report()
         return (starts[count - 1] + sizes[count - 1]) if count else out_offset

@@ -558,6 +558,21 @@ def test_nothing_leaks_over_many_reads_and_writes(tmp_path: Path) -> None:
     assert grown < 120_000, f"{grown} bytes more after 400 more rounds"  # ~25 kB here: caches settling
 
 
+def _fixture_tensors() -> list[list[Any]]:
+    """The tensors of every fixture that holds weights, a list per file."""
+    found = []
+    for path in sorted(Path("fixtures").rglob("*")):
+        if path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".ckpt") and path.is_file():
+            try:
+                checkpoint = ckptool.load(path)
+            except CkptError:
+                continue
+            if checkpoint.has_weights:
+                found.append(list(checkpoint.tensors.values()))
+    assert len(found) > 10
+    return found
+
+
 def test_whole_plain_in_c_decides_as_the_python_passes_do(tmp_path: Path) -> None:
     """refs.whole_plain's one pass in C against its passes in Python, on the tensors of every fixture and of
     drawn views bent in each field it tests (offset, bits, producer, pieces, no data, shape and stride of
@@ -567,16 +582,7 @@ def test_whole_plain_in_c_decides_as_the_python_passes_do(tmp_path: Path) -> Non
 
     from ckptool import dtypes, refs
 
-    views: list[list[refs.TensorRef]] = []
-    for path in sorted(Path("fixtures").rglob("*")):
-        if path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".ckpt") and path.is_file():
-            try:
-                checkpoint = ckptool.load(path)
-            except CkptError:
-                continue
-            if checkpoint.has_weights:
-                views.append(list(checkpoint.tensors.values()))
-    assert len(views) > 10
+    views: list[list[refs.TensorRef]] = _fixture_tensors()
     rng = random.Random(20261127)
     f32 = dtypes.BY_NAME["F32"]
     for _ in range(3000):
@@ -636,16 +642,7 @@ def test_the_census_in_c_counts_as_the_python_passes_do(tmp_path: Path) -> None:
     (a list or bool or huge dim, a sum past 64 bits, another class)."""
     from ckptool import dtypes, refs
 
-    groups: list[list[Any]] = []
-    for path in sorted(Path("fixtures").rglob("*")):
-        if path.suffix in (".pt", ".pth", ".bin", ".safetensors", ".ckpt") and path.is_file():
-            try:
-                checkpoint = ckptool.load(path)
-            except CkptError:
-                continue
-            if checkpoint.has_weights:
-                groups.append(list(checkpoint.tensors.values()))
-    assert len(groups) > 10
+    groups: list[list[Any]] = list(_fixture_tensors())
     rng = random.Random(5)
     kinds = [dtypes.BY_NAME[name] for name in ("F32", "BF16", "I64", "BOOL", "C64")]
     twin = __import__("dataclasses").replace(kinds[0])  # another F32 object: counted with F32, by name

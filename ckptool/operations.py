@@ -298,8 +298,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     own_writer = formats.for_target(options.to) if options.to is not None else None
     if (own_writer is None or own_writer.write is None) and isinstance(target, Path):
         target_format(target, options.to, max_shard_bytes)  # a name no format claims: refused before the input is read
-    checkpoint = load(source, allow_globals=options.allow_globals, weights=options.weights)
-    keep(checkpoint)
+    checkpoint = loaded = load(source, allow_globals=options.allow_globals, weights=options.weights)
     notes: list[str] = []
     if options.strip and checkpoint.prefix:
         notes.append(f'stripped "{checkpoint.prefix}" from the keys')
@@ -336,7 +335,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         from .entries import restored_notes
 
         notes += restored_notes(checkpoint.layout, checkpoint.metadata, flattened=checkpoint.flattened)
-    keep(checkpoint)  # (the stripped, renamed or cast one)
+    keep(loaded, checkpoint)  # (the input's tree, and the stripped, renamed or cast one)
     return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
 
 

@@ -475,8 +475,8 @@ def expansion(tensors: Mapping[str, Any], *, shared: bool | None = None) -> Expa
     values = list(tensors.values())
     if all(map(_IS_TENSOR_REF, values)):
         views_of = list(map(_STORAGE, values))
-        if not shared if shared is not None else len(set(views_of)) == len(views_of):
-            # a storage per tensor (identity hashes): nothing is tied
+        untied = not shared if shared is not None else len(set(views_of)) == len(views_of)  # (identity hashes)
+        if untied:  # a storage per tensor: nothing is tied
             whole = whole_plain(values)
             if whole is not None:  # each all of its storage, end to end: none expands (one pass in C)
                 return Expansion(sum(map(mul, map(_NUMEL, views_of), map(_ITEMSIZE, views_of))), sum(whole[1]), ())

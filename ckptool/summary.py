@@ -364,9 +364,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
               allow_expansion: bool = False) -> Summary:
     """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
-    # the counts in C-speed passes (100,000 tensors: a loop cost 30 ms, generators 0.1 s)
-    values = list(tensors.values())
-    counted = census(values)
+    counted = census(list(tensors.values()))  # one C pass where built (100,000 tensors: ~10 ms)
     file_bytes = 0
     for file in checkpoint.files:
         try:

@@ -139,15 +139,14 @@ class OutputSums:
         self._queue.put((offset, length))
         self._landed(offset + length, length)
 
-    def written_many(self, regions: list[tuple[int, int]], end: int | None = None, length: int | None = None) -> None:
+    def written_many(self, regions: list[tuple[int, int]], end: int, length: int) -> None:
         """:meth:`written` for many regions at once (a batch of small tensors): one hand-over to the
-        worker, not one per region. ``regions`` is the worker's from now on; ``end`` and ``length``, where
-        the caller kept them, are where the furthest ends and their bytes summed."""
+        worker, not one per region. ``regions`` is the worker's from now on; ``end`` is where the furthest
+        ends and ``length`` their bytes summed (kept by the caller as it reported them)."""
         if not regions:
             return
         self._queue.put(regions)
-        self._landed(max([offset + size for offset, size in regions]) if end is None else end,
-                     sum([size for _, size in regions]) if length is None else length)
+        self._landed(end, length)
 
     def _landed(self, end: int, length: int) -> None:
         """``length`` more bytes are in the file, up to ``end`` at most: start their writeback."""

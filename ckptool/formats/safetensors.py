@@ -27,7 +27,7 @@ from operator import mul
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import dtypes, inputs, progress
+from .. import dtypes, inputs, placement, progress
 from ..copying import DataOut
 from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
@@ -462,10 +462,18 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     def in_order(column: list) -> list:  # a column put in the file's order
         return list(map(column.__getitem__, index))
 
+    if whole is not None:  # large tensors each where the kernel copies whole pages (ckptool/placement.py)
+        offsets_in_order = in_order(list(map(_OFFSET, whole[0])))
+        placed = placement.safetensors_order(offsets_in_order, in_order(nbytes), in_order(itemsizes))
+        if placed is not None:
+            index = list(map(index.__getitem__, placed))
+            offsets_in_order = list(map(offsets_in_order.__getitem__, placed))
     order, nbytes_in_order = in_order(names), in_order(nbytes)
     encoded = _encode_header(order, in_order(list(map(_DTYPE_NAME, views))), in_order(list(map(_SHAPE, views))),
                              nbytes_in_order, metadata)
     encoded += b" " * (-len(encoded) % 8)
+    if whole is not None:
+        encoded += b" " * placement.header_padding(8 + len(encoded), offsets_in_order, nbytes_in_order)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
         entries = len(metadata.get("ckptool.entries", ""))
         raise OutputError(f"the safetensors header would be {len(encoded)} bytes, over the format's "
@@ -479,8 +487,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     try:
         if whole is not None:
             datas = whole[0]
-            out_offset = out.copy_all(in_order(list(map(_PATH, datas))), in_order(list(map(_OFFSET, datas))),
-                                      nbytes_in_order, out_offset)
+            out_offset = out.copy_all(in_order(list(map(_PATH, datas))), offsets_in_order, nbytes_in_order, out_offset)
         else:
             out_offset = _write_each(handle, out, in_order(views), out_offset)
         out.report()

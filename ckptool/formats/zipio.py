@@ -19,13 +19,15 @@ import zipfile
 import zlib
 
 from collections.abc import Callable, Iterable
-from itertools import repeat
+from itertools import compress, repeat
+from operator import gt
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
-from ..copying import DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
+from .. import placement
+from ..copying import SMALL_MEMBER, DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ..byteio import file_size as handle_size, is_remote
 from ..crc import crc32
 from ..errors import InputError, OutputError
@@ -633,13 +635,18 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
     return data
 
 
-def _local_header(name: bytes, size: int, crc: int, position: int) -> bytes:
+def _local_header(name: bytes, size: int, crc: int, position: int, residue: int | None = None) -> bytes:
     """The local header of a stored member whose header starts at ``position``: zip64 from 4 GiB, its data
-    padded to :data:`ALIGNMENT` with torch's "FB" extra field."""
+    padded with torch's "FB" extra field to :data:`ALIGNMENT`, or to ``residue`` within a page where given
+    (:func:`ckptool.placement.zip_padding`)."""
     zip64 = size >= 0xFFFFFFFF
     extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
     start = position + _LOCAL_HEADER.size + len(name) + len(extra)
-    if start % ALIGNMENT:
+    if residue is not None:
+        padding = placement.zip_padding(start, residue, ALIGNMENT)
+        if padding:
+            extra += struct.pack("<HH", _PADDING_ID, padding - 4) + b"Z" * (padding - 4)
+    elif start % ALIGNMENT:
         extra += _PADDING[(-(start + 4)) % ALIGNMENT]
     stored = 0xFFFFFFFF if zip64 else size
     version = 45 if zip64 else 20
@@ -734,7 +741,33 @@ class ZipWriter:
 
     def add_copy_columns(self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int],
                          crcs: list[int]) -> None:
-        """:meth:`add_copies` of its columns (what a caller holding columns passes: no tuple per copy)."""
+        """:meth:`add_copies` of its columns (what a caller holding columns passes: no tuple per copy).
+
+        A large member the kernel copies from a local file is placed at its source's offset within a page
+        (:func:`ckptool.placement.page_residue`): its own header, padded to that."""
+        start = 0
+        for index in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))):
+            residue = placement.page_residue(offsets[index], sizes[index])
+            if residue is None or is_remote(sources[index]):
+                continue
+            self._add_copy_run(names[start:index], sources[start:index], offsets[start:index], sizes[start:index],
+                               crcs[start:index])
+            encoded = names[index].encode("utf-8")
+            header = _local_header(encoded, sizes[index], crcs[index], self.position, residue)
+            self.entries.append((encoded, self.position, sizes[index], crcs[index]))
+            self.position = self.out.copy_all([sources[index]], [offsets[index]], [sizes[index]], self.position,
+                                              [header])
+            start = index + 1
+        if start:
+            names, sources, offsets, sizes, crcs = names[start:], sources[start:], offsets[start:], sizes[start:], \
+                crcs[start:]
+        self._add_copy_run(names, sources, offsets, sizes, crcs)
+
+    def _add_copy_run(self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int],
+                      crcs: list[int]) -> None:
+        """Members end to end from where the archive stands, each one's data at a multiple of :data:`ALIGNMENT`."""
+        if not names:
+            return
         made = _native.local_headers_for(names, sizes, crcs, self.position, ALIGNMENT) \
             if _native is not None else NotImplemented
         if made is NotImplemented:

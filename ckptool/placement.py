@@ -27,6 +27,7 @@ PAGE = 4096
 _STORAGE_ALIGNMENT = 64  # torch's: a source region at such an offset keeps it when matched
 _MAX_FILLERS = 32  # small regions put between two large ones at most
 _SIZES_TRIED = 32  # the most common sizes (modulo the page) of small regions that fillers are drawn from
+_SEARCHES = 4  # searches for fillers per order tried (each up to 4096 sums x _SIZES_TRIED sizes: ~30 ms)
 
 
 def zip_padding(position: int, residue: int | None, alignment: int) -> int:
@@ -46,21 +47,36 @@ def page_residue(offset: int, size: int) -> int | None:
 
 def safetensors_order(offsets: list[int], sizes: list[int], itemsizes: list[int]) -> list[int] | None:
     """The order to write regions in (indices into the columns: ``offsets`` in their sources, ``sizes``, element
-    sizes, given in the file's usual order, larger element types first) so that, once :func:`header_padding` has
-    placed the first large region, the others lie at their source's offset within a page too (:func:`page_residue`).
+    sizes, given in the file's usual order, larger element types first) that places the most bytes of large regions
+    at their source's offset within a page (:func:`page_residue`) once :func:`header_padding` has padded the header;
+    None where the usual order places as many.
 
-    The small regions come first, in the usual order, less the ones used as fillers; then the large ones in their
-    usual order, each followed by the fewest small ones (larger element types first) whose sizes bring the next to
-    its place when its own size does not. Where this order would not keep every region aligned to its element size
-    (from a data start at a multiple of 8), would place no more bytes than the usual one, or there are not two large
-    regions: None, the usual order.
+    Tried: the small regions whose sizes are multiples of 8 first (in the usual order), then the large ones, each
+    followed by the fewest small ones (larger element types first) whose sizes bring the next to its place when its
+    own size does not, then the other small ones; the large ones by their offset within a page (those at one offset
+    then follow each other with nothing between, when their sizes are multiples of the page), or in the usual
+    order. An order that would not keep every region aligned to its element size (from a data start at a multiple
+    of 8) is not taken.
     """
-    usual = range(len(sizes))
-    large = [i for i in compress(usual, map(gt, sizes, repeat(SMALL_MEMBER))) if offsets[i] % _STORAGE_ALIGNMENT == 0]
-    if len(large) < 2:
+    large = [i for i in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER)))
+             if offsets[i] % _STORAGE_ALIGNMENT == 0]
+    if not large:
         return None
+    best, most = None, _best_shift(0, offsets, sizes)[1]
+    for chain in (sorted(large, key=lambda i: offsets[i] % PAGE), large):
+        order = _chained(chain, offsets, sizes, itemsizes)
+        if order is not None:
+            placed = _best_shift(0, list(map(offsets.__getitem__, order)), list(map(sizes.__getitem__, order)))[1]
+            if placed > most:
+                best, most = order, placed
+    return best
+
+
+def _chained(large: list[int], offsets: list[int], sizes: list[int], itemsizes: list[int]) -> list[int] | None:
+    """:func:`safetensors_order`'s order for the large regions taken in the order ``large`` gives, or None where a
+    region would lie at other than a multiple of its element size (up to 8)."""
     large_set = set(large)
-    small = [i for i in usual if i not in large_set]
+    small = [i for i in range(len(sizes)) if i not in large_set]
     # the small regions whose size moves a position within a page, by that move (each list in the usual order)
     by_residue: dict[int, list[int]] = {}
     for index in small:
@@ -69,31 +85,31 @@ def safetensors_order(offsets: list[int], sizes: list[int], itemsizes: list[int]
             by_residue.setdefault(residue, []).append(index)
     for indices in by_residue.values():
         indices.reverse()  # taken from the end: the first in the usual order is taken first
-    sums = _fewest(by_residue)
-    order_tail = [large[0]]
+    sums, searches = _fewest(by_residue), 1
+    chain = [large[0]]
     taken: set[int] = set()
     position = sizes[large[0]]  # relative to the first large region's place (a multiple of 64)
     for index in large[1:]:
         need = (offsets[index] - offsets[large[0]] - position) % PAGE
         chosen = _fill(need, by_residue, sums) if need and position % 8 == 0 else []
-        if chosen is None:  # the fewest sizes for this need are used up: search again among those left
-            sums = _fewest(by_residue)
-            chosen = _fill(need, by_residue, sums) or []
+        if chosen is None and searches < _SEARCHES:  # the fewest sizes for this need are used up: search those left
+            sums, searches = _fewest(by_residue), searches + 1
+            chosen = _fill(need, by_residue, sums)
+        chosen = chosen or []
         chosen.sort(key=itemsizes.__getitem__, reverse=True)
         taken.update(chosen)
-        order_tail += chosen
-        order_tail.append(index)
+        chain += chosen
+        chain.append(index)
         position += sum(map(sizes.__getitem__, chosen)) + sizes[index]
-    order = [i for i in small if i not in taken] + order_tail
-    # every region aligned to its element size, from the data start that places the first large one (a multiple of 8:
-    # the small ones lead by a multiple of 8), were the header's JSON to end at a multiple of the page
-    lead = sum(map(sizes.__getitem__, order[:len(order) - len(order_tail)]))
-    start = (offsets[large[0]] - lead) % PAGE
+    left = [i for i in small if i not in taken]
+    lead = [i for i in left if sizes[i] % 8 == 0]
+    order = lead + chain + [i for i in left if sizes[i] % 8]
+    # the data start that places the first large region, were the header's JSON to end at a multiple of the page
+    start = (offsets[large[0]] - sum(map(sizes.__getitem__, lead))) % PAGE
     starts = accumulate(map(sizes.__getitem__, order), initial=start)
-    if start % 8 or any(map(mod, starts, map(min, map(itemsizes.__getitem__, order), repeat(8)))):
+    if any(map(mod, starts, map(min, map(itemsizes.__getitem__, order), repeat(8)))):
         return None
-    placed = _best_shift(0, list(map(offsets.__getitem__, order)), list(map(sizes.__getitem__, order)))[1]
-    return order if placed > _best_shift(0, offsets, sizes)[1] else None
+    return order
 
 
 def header_padding(header_end: int, offsets: list[int], sizes: list[int]) -> int:
@@ -105,9 +121,12 @@ def header_padding(header_end: int, offsets: list[int], sizes: list[int]) -> int
 
 def _best_shift(header_end: int, offsets: list[int], sizes: list[int]) -> tuple[int, int]:
     """:func:`header_padding`, and how many bytes of large regions it places."""
+    large = list(compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))))
+    if not large:
+        return 0, 0
     starts = list(accumulate(sizes, initial=header_end))
     placed: dict[int, int] = {}
-    for at in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))):
+    for at in large:
         if offsets[at] % _STORAGE_ALIGNMENT == 0:
             shift = (offsets[at] - starts[at]) % PAGE
             if shift % 8 == 0:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .. import dtypes, inputs, placement, progress
-from ..copying import DataOut
+from ..copying import SMALL_MEMBER, DataOut
 from ..byteio import file_size as handle_size, read_capped
 from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ..gcpause import paused
@@ -462,7 +462,9 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     def in_order(column: list) -> list:  # a column put in the file's order
         return list(map(column.__getitem__, index))
 
-    if whole is not None:  # large tensors each where the kernel copies whole pages (ckptool/placement.py)
+    # large tensors each where the kernel copies whole pages (ckptool/placement.py)
+    placing = whole is not None and max(nbytes, default=0) > SMALL_MEMBER
+    if placing:
         offsets_in_order = in_order(list(map(_OFFSET, whole[0])))
         placed = placement.safetensors_order(offsets_in_order, in_order(nbytes), in_order(itemsizes))
         if placed is not None:
@@ -472,7 +474,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     encoded = _encode_header(order, in_order(list(map(_DTYPE_NAME, views))), in_order(list(map(_SHAPE, views))),
                              nbytes_in_order, metadata)
     encoded += b" " * (-len(encoded) % 8)
-    if whole is not None:
+    if placing:
         encoded += b" " * placement.header_padding(8 + len(encoded), offsets_in_order, nbytes_in_order)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
         entries = len(metadata.get("ckptool.entries", ""))
@@ -487,7 +489,9 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     try:
         if whole is not None:
             datas = whole[0]
-            out_offset = out.copy_all(in_order(list(map(_PATH, datas))), offsets_in_order, nbytes_in_order, out_offset)
+            out_offset = out.copy_all(in_order(list(map(_PATH, datas))),
+                                      offsets_in_order if placing else in_order(list(map(_OFFSET, datas))),
+                                      nbytes_in_order, out_offset)
         else:
             out_offset = _write_each(handle, out, in_order(views), out_offset)
         out.report()

@@ -746,7 +746,9 @@ class ZipWriter:
         A large member the kernel copies from a local file is placed at its source's offset within a page
         (:func:`ckptool.placement.page_residue`): its own header, padded to that."""
         start = 0
-        for index in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))):
+        large = compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))) \
+            if max(sizes, default=0) > SMALL_MEMBER else ()
+        for index in large:
             residue = placement.page_residue(offsets[index], sizes[index])
             if residue is None or is_remote(sources[index]):
                 continue

@@ -19,8 +19,7 @@ from .. import pickles, progress
 from ..errors import InputError, UnsupportedFormatError
 from ..refs import _CRC32, _DATA, _DERIVED, _ITEMSIZE, _NUMEL, _OFFSET, _PATH, _PIECES, _PRODUCER, ByteRange, \
     LazyByteRange, StorageRef
-from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torchscript, zipio
-from .pickle_stream import split_pickles
+from . import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -45,6 +44,11 @@ def archive_folder(path: Path, members: dict[str, zipio.Member]) -> str:
     return tops.pop()
 
 
+def holds_code(members: zipio.Members, top: str) -> bool:
+    """Whether a torch zip is a TorchScript archive: it holds code or the code's constants."""
+    return members.get(f"{top}/constants.pkl") is not None or members.any_under(f"{top}/code/")
+
+
 def read(path: Path, options: ReadOptions) -> Contents:
     """Read a torch zip checkpoint's object tree with lazy storages."""
     handle = options.handle
@@ -53,7 +57,9 @@ def read(path: Path, options: ReadOptions) -> Contents:
     if not members:
         raise UnsupportedFormatError("is an empty zip archive, not a PyTorch checkpoint", path=path)
     top = archive_folder(path, members)
-    if torchscript.is_archive(members, top):  # its weights are read as its state_dict, its code never run
+    if holds_code(members, top):  # TorchScript: its weights are read as its state_dict, its code never run
+        from . import torchscript  # here: its module, with its parsers, is for such an archive alone
+
         contents = torchscript.read_archive(path, options, members, top,
                                             big_endian=_big_endian(path, handle, members, top))
         contents.format = torchscript.FORMAT.name
@@ -289,6 +295,8 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
     read, labelled by their place in the directory (and the one a load reads marked as such).
     An archive with a ``constants.pkl`` is scanned as ``torchscript``.
     """
+    from . import pickle_stream  # here: pickletools, for a scan alone
+
     handle = options.handle
     assert handle is not None
     listing = zipio.list_members(path, handle)
@@ -321,7 +329,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             data = zipio.read_member(path, handle, member, limit=pickles.MAX_PICKLE_BYTES)
         except InputError:
             continue  # unreadable: the load (and its one-line refusal) speaks for it
-        blobs += split_pickles(io.BytesIO(data), label, 5, options.resolver.guard_cache)
+        blobs += pickle_stream.split_pickles(io.BytesIO(data), label, 5, options.resolver.guard_cache)
     kind = "torchscript" if any(name.endswith("/constants.pkl") for name, _ in blobs) else FORMAT.name
     code = [member.name for member in listing.members if f"/{top}/code/" in f"/{member.name}" and
             zipio.fold_name(member.name).endswith(".py")]

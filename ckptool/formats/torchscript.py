@@ -52,11 +52,6 @@ _MANGLE = re.compile(r"___torch_mangle_\d+\.")
 _LIST = re.compile(r"^  (__parameters__|__buffers__) = (\[.*\])\s*$")
 
 
-def is_archive(members: zipio.Members, top: str) -> bool:
-    """Whether a torch zip is a TorchScript archive: it holds code or the code's constants."""
-    return members.get(f"{top}/constants.pkl") is not None or members.any_under(f"{top}/code/")
-
-
 def never(head: bytes | None, path: Path) -> bool:
     """Not claimed by its head: the torch zip reader hands a TorchScript archive over (the members say it)."""
     return False

@@ -2,15 +2,15 @@
 
 ``copy_file_range`` between two files of one file system copies page-cache page by page. A region whose output
 offset differs from its source offset modulo the page size spans two output pages for every source page, and costs
-each page two partial writes: a 1 GiB copy between misplaced offsets took 0.82-0.93 s here against 0.55-0.81 s
-between matched ones (interleaved, this machine's ext4). Writers therefore put each large region (one the kernel
+each page two partial writes: a 1 GiB copy between misplaced offsets took 0.81-1.20 s here (median 0.93) against
+0.62-0.77 s (median 0.69) between matched ones (seven of each, interleaved, this machine's ext4). Writers therefore put each large region (one the kernel
 copies: over :data:`~ckptool.copying.SMALL_MEMBER` bytes) where ``output offset % PAGE == source offset % PAGE``:
 
 - a zip member (``.pt``) by the padding of its local header, which torch's writer pads to 64 bytes with anyway
   (:func:`zip_padding`);
 - a safetensors file, whose data has no gaps, by the spaces that may follow its header's JSON and by the order of
   its tensors: large ones after the small, each followed by small ones whose bytes bring the next large one to its
-  place (:func:`safetensors_layout`).
+  place (:func:`safetensors_order`, :func:`header_padding`).
 
 Only regions whose source lies at a multiple of 64 bytes (every torch archive's storages) are matched, so a matched
 region keeps torch's 64-byte alignment. Nothing here changes a byte of a tensor, only where it lies.
@@ -30,11 +30,9 @@ _SIZES_TRIED = 32  # the most common sizes (modulo the page) of small regions th
 _SEARCHES = 4  # searches for fillers per order tried (each up to 4096 sums x _SIZES_TRIED sizes: ~30 ms)
 
 
-def zip_padding(position: int, residue: int | None, alignment: int) -> int:
+def zip_padding(position: int, residue: int) -> int:
     """The bytes of padding (its 4-byte extra-field header included; 0 for none) that put data, which would start at
-    ``position`` without it, at ``residue`` within a page (:data:`PAGE`), or else at a multiple of ``alignment``."""
-    if residue is None:
-        return 0 if position % alignment == 0 else 4 + (-(position + 4)) % alignment
+    ``position`` without it, at ``residue`` within a page (:data:`PAGE`)."""
     padding = (residue - position) % PAGE
     return padding + PAGE if 0 < padding < 4 else padding
 

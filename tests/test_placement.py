@@ -193,11 +193,8 @@ def test_fillers_bring_every_large_region_to_its_place_when_small_sizes_allow() 
 
 
 @pytest.mark.parametrize("position", [0, 1, 60, 61, 62, 63, 64, 4093, 4095, 8191])
-@pytest.mark.parametrize("residue", [None, 0, 64, 3, 4032])
-def test_a_zip_padding_puts_data_where_asked(position: int, residue: int | None) -> None:
-    padding = placement.zip_padding(position, residue, 64)
+@pytest.mark.parametrize("residue", [0, 64, 3, 4032])
+def test_a_zip_padding_puts_data_where_asked(position: int, residue: int) -> None:
+    padding = placement.zip_padding(position, residue)
     assert padding == 0 or padding >= 4  # an extra field's own header is 4 bytes
-    if residue is None:
-        assert (position + padding) % 64 == 0 and padding < 68
-    else:
-        assert (position + padding) % PAGE == residue and padding < PAGE + 4
+    assert (position + padding) % PAGE == residue and padding < PAGE + 4

@@ -643,7 +643,7 @@ def _local_header(name: bytes, size: int, crc: int, position: int, residue: int 
     extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
     start = position + _LOCAL_HEADER.size + len(name) + len(extra)
     if residue is not None:
-        padding = placement.zip_padding(start, residue, ALIGNMENT)
+        padding = placement.zip_padding(start, residue)
         if padding:
             extra += struct.pack("<HH", _PADDING_ID, padding - 4) + b"Z" * (padding - 4)
     elif start % ALIGNMENT:

@@ -57,12 +57,14 @@ def safetensors_order(offsets: list[int], sizes: list[int], itemsizes: list[int]
     of 8) is not taken.
     """
     large = [i for i in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER)))
-             if offsets[i] % _STORAGE_ALIGNMENT == 0]
+             if page_residue(offsets[i], sizes[i]) is not None]
     if not large:
         return None
+    large_set = set(large)
+    small = [i for i in range(len(sizes)) if i not in large_set]
     best, most = None, _best_shift(0, offsets, sizes)[1]
     for chain in (sorted(large, key=lambda i: offsets[i] % PAGE), large):
-        order = _chained(chain, offsets, sizes, itemsizes)
+        order = _chained(chain, small, offsets, sizes, itemsizes)
         if order is not None:
             placed = _best_shift(0, list(map(offsets.__getitem__, order)), list(map(sizes.__getitem__, order)))[1]
             if placed > most:
@@ -70,11 +72,11 @@ def safetensors_order(offsets: list[int], sizes: list[int], itemsizes: list[int]
     return best
 
 
-def _chained(large: list[int], offsets: list[int], sizes: list[int], itemsizes: list[int]) -> list[int] | None:
-    """:func:`safetensors_order`'s order for the large regions taken in the order ``large`` gives, or None where a
-    region would lie at other than a multiple of its element size (up to 8)."""
-    large_set = set(large)
-    small = [i for i in range(len(sizes)) if i not in large_set]
+def _chained(large: list[int], small: list[int], offsets: list[int], sizes: list[int],
+             itemsizes: list[int]) -> list[int] | None:
+    """:func:`safetensors_order`'s order for the large regions taken in the order ``large`` gives (``small``: the
+    others, in the usual order), or None where a region would lie at other than a multiple of its element size (up
+    to 8)."""
     # the small regions whose size moves a position within a page, by that move (each list in the usual order)
     by_residue: dict[int, list[int]] = {}
     for index in small:
@@ -125,7 +127,7 @@ def _best_shift(header_end: int, offsets: list[int], sizes: list[int]) -> tuple[
     starts = list(accumulate(sizes, initial=header_end))
     placed: dict[int, int] = {}
     for at in large:
-        if offsets[at] % _STORAGE_ALIGNMENT == 0:
+        if page_residue(offsets[at], sizes[at]) is not None:
             shift = (offsets[at] - starts[at]) % PAGE
             if shift % 8 == 0:
                 placed[shift] = placed.get(shift, 0) + sizes[at]

@@ -464,8 +464,8 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
 
     # large tensors each where the kernel copies whole pages (ckptool/placement.py)
     placing = whole is not None and max(nbytes, default=0) > SMALL_MEMBER
+    offsets_in_order = in_order(list(map(_OFFSET, whole[0]))) if whole is not None else []
     if placing:
-        offsets_in_order = in_order(list(map(_OFFSET, whole[0])))
         placed = placement.safetensors_order(offsets_in_order, in_order(nbytes), in_order(itemsizes))
         if placed is not None:
             index = list(map(index.__getitem__, placed))
@@ -488,10 +488,8 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     out = DataOut(handle, on_data)
     try:
         if whole is not None:
-            datas = whole[0]
-            out_offset = out.copy_all(in_order(list(map(_PATH, datas))),
-                                      offsets_in_order if placing else in_order(list(map(_OFFSET, datas))),
-                                      nbytes_in_order, out_offset)
+            out_offset = out.copy_all(in_order(list(map(_PATH, whole[0]))), offsets_in_order, nbytes_in_order,
+                                      out_offset)
         else:
             out_offset = _write_each(handle, out, in_order(views), out_offset)
         out.report()

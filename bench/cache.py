@@ -86,7 +86,9 @@ def rewarm(paths: list[Path]) -> float | None:
     checks its input first.
     """
     fraction = cached(paths)
-    if fraction is not None and fraction < 0.99:
+    for _ in range(3):
+        if fraction is None or fraction >= 0.99:
+            break
         warm(paths)
         fraction = cached(paths)
     return fraction

@@ -43,7 +43,15 @@ def test_bench_smoke(tmp_path: Path) -> None:
     per_size = [r for r in rows if r["size"] != "-"]
     assert {r["size"] for r in per_size} == labels
     assert {r["cache"] for r in per_size} == {"warm"}
-    assert all(c == 1.0 for r in per_size if r.get("input_cached") for c in r["input_cached"])
+    # a warm run's input was read back just before it; how much of it reclaim left in the page cache is the
+    # machine's business (a loaded box evicts between the read and the run), but the harness must measure it
+    # as a fraction and say so in the report where it fell short
+    md_lines = (results / "bench.md").read_text().splitlines()
+    for r in per_size:
+        fractions = [c for c in (r.get("input_cached") or []) if c is not None]
+        assert all(0.0 <= c <= 1.0 for c in fractions), r
+        if fractions and min(fractions) < 0.95:
+            assert any(f"| {r['size']} | warm | {r['tool']} |" in line and "cached" in line for line in md_lines), r
     # outputs are cleaned up after every run; the generated inputs stay for reuse
     assert not (tmp_path / "work" / "out").exists()
     assert sorted(p.name for p in (tmp_path / "work").glob("*.pt"))

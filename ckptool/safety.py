@@ -246,6 +246,14 @@ def _static_pass(blobs: list[formats.PickleBlob], cache: pickles.GuardCache) -> 
             static, ops, _ = static_globals(data)
             opcodes.update(ops)
             static_names += static
+            # and what CPython's unpickler reading it from a file would run (a frame's end that cuts an
+            # argument makes it read other opcodes than those the bytes show: a disguise)
+            view = pickles.file_reader_view(data)
+            if view is not None:
+                try:
+                    static_names += pickles.guard_stats(view).globals
+                except InputError:
+                    static_names += static_globals(view)[0]
     return opcodes, static_names
 
 

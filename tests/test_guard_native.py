@@ -610,7 +610,10 @@ def test_the_memo_index_and_text_forms_are_judged_alike() -> None:
         b"Np1x\n.": "malformed PUT index b'1x'", b"Ngx\n.": "reads memo index -1",
         b"I010\n.": "has an integer b'010'", b"L05L\n.": "has an integer b'05'", b"I01\n.": None, b"I-0\n.": None,
         b"F1_0\n.": None, b"Fone\n.": "has a malformed float b'one'", b"\x97N.": "has byte 0x97 at offset 0",
-        b"\x95" + _le(3, 8) + b".": "stops with nothing", b"\x80\x05\x95\x05\x00\x00\x00\x00\x00\x00\x00N.": None,
+        b"\x95" + _le(1, 8) + b".": "stops with nothing", b"\x80\x05\x95\x02\x00\x00\x00\x00\x00\x00\x00N.": None,
+        b"\x95" + _le(1, 8) + b"K\x05.": "runs past the end of its frame at offset 10",
+        b"\x95" + _le(2, 8) + b"N\x95" + _le(0, 8) + b".": "starts a frame at offset 10 inside the frame",
+        b"\x95" + _le(3, 8) + b"N.N": "stops at offset 10, inside a frame that ends at offset 12",
         b"T\xff\xff\xff\xff.": "has a negative length -1 at offset 1", b"T\xff": "has a negative length -1 at offset 1",
         b"NN\x8a\x09" + bytes(8) + b"\x80.": None, b"\x8c\x02os\x94\x8c\x06system\x94\x93.": None,
         b"\x8fNb.": "sets state (BUILD) on a container", b"cos\nsystem\nNb.": "sets state (BUILD) on os.system",
@@ -628,6 +631,7 @@ def test_the_memo_index_and_text_forms_are_judged_alike() -> None:
         else:
             assert result[0] == "InputError" and wording in result[1], (data, result)
     assert same(b"N") == ("Truncated", str(Truncated()))
+    assert same(b"\x95" + _le(3, 8) + b".") == ("Truncated", str(Truncated()))  # the frame is longer than the data
 
 
 # ---------------------------------------------------------------------------------------------- dispatch, leaks

@@ -17,6 +17,7 @@ The modules, each using only those above it:
 - :mod:`.allowlist` — ``TORCH_GLOBALS``, ``DEFAULT_EXTRA_GLOBALS`` and the ``GlobalResolver`` applying them;
 - :mod:`.guard_cache` — ``PickleStats`` (what a walk saw) and ``GuardCache`` (what one operation walked);
 - :mod:`.opcode_guard` — ``guard``: the opcode walk refusing what would hang or flood the C unpickler;
+- :mod:`.frames` — ``file_reader_view``: the opcodes a file reader runs where a frame cuts an argument (scan);
 - :mod:`.unpickle` — ``loads``: guard, restricted unpickler, tree check;
 - :mod:`.emit` — ``dump``, the writer, which needs only the placeholder types.
 
@@ -30,6 +31,7 @@ from . import limits
 from .allowlist import (ATTRIBUTE_LOOKUP, DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal,
                         is_pattern, python3_name, runs_code)
 from .emit import dump
+from .frames import file_reader_view
 from .guard_cache import GuardCache, PickleStats
 from .opcode_guard import guard, guard_stats
 from .limits import (MAX_EXPANDED_NODES, MAX_EXPANDED_TEXT, MAX_HASH_COLLISIONS, MAX_KEY_NODES, MAX_NESTING,
@@ -43,7 +45,7 @@ __all__ = [
     "DEFAULT_EXTRA_GLOBALS", "MAX_EXPANDED_NODES", "MAX_EXPANDED_TEXT", "MAX_HASH_COLLISIONS", "MAX_KEY_NODES",
     "MAX_NESTING", "MAX_PICKLE_BYTES", "MAX_UNPICKLED_BYTES", "PARAMETER_DESCRIPTORS", "TORCH_GLOBALS", "GlobalResolver",
     "GuardCache", "OpaqueObject", "PickleStats", "RefusedGlobal", "RestrictedUnpickler", "StateDict", "StorageTypeRef",
-    "TypeRef", "brief", "check_tree", "dump", "guard", "guard_stats", "is_pattern", "limits", "loads", "opaque_type",
+    "TypeRef", "brief", "check_tree", "dump", "file_reader_view", "guard", "guard_stats", "is_pattern", "limits", "loads", "opaque_type",
     "python3_name", "read_pickle", "runs_code",
 ]
 

@@ -216,6 +216,7 @@ typedef struct {
     size_t int_tuple_count;
     int64_t ops, memory, hashing;
     uint64_t memo_top;  /* one past the highest memo index stored: the length of CPython's memo table */
+    Py_ssize_t frame_end;  /* where the frame being read ends; 0 outside frames */
     int64_t max_memory, max_pickle, max_nodes, max_collisions;
     PyObject *torch_globals;
     PyObject *names;
@@ -1071,10 +1072,27 @@ static int op_rare(Walk *w, unsigned code) {
         PUSH(w->stack[w->top - 1]);
         w->memory += 8;
         return G_OK;
-    case 0x80: case 0x95:  /* PROTO FRAME */
-        w->at += code == 0x80 ? 1 : 8;
+    case 0x80:  /* PROTO */
+        w->at += 1;
         if (w->at > w->end) return G_TRUNCATED;
         return G_OK;
+    case 0x95: {  /* FRAME: the reader takes the frame's bytes in one read and serves the opcodes from them */
+        if (w->frame_end)
+            REFUSE("starts a frame at offset %zd inside the frame that ends at offset %zd", w->at - 1, w->frame_end);
+        if (w->at + 8 > w->end) return G_TRUNCATED;
+        const unsigned char *p = w->data + w->at;
+        uint64_t size = 0;
+        for (int k = 7; k >= 0; k--) size = (size << 8) | p[k];
+        w->at += 8;
+        if (past(w->at, size, w->end)) {
+            if (past(w->at, size, w->max_pickle))
+                REFUSE("has a %llu-byte frame, over the %lld-byte pickle limit", (unsigned long long)size,
+                       (long long)w->max_pickle);
+            return G_TRUNCATED;
+        }
+        w->frame_end = w->at + (Py_ssize_t)size;
+        return G_OK;
+    }
     case 0x98:  /* READONLY_BUFFER */
         if (!HAS(w, 1)) REFUSE("has READONLY_BUFFER on an empty stack (corrupt)");
         return G_OK;
@@ -1094,6 +1112,15 @@ static int run(Walk *w) {
     const unsigned char *raw;
     Py_ssize_t len;
     for (;;) {
+        if (w->frame_end && w->at >= w->frame_end) {
+            /* an argument read past the frame's end: a file reader takes it from the bytes after the frame,
+               dropping the frame's rest; a bytes reader reads on; the Python unpickler refuses */
+            if (w->at > w->frame_end)
+                REFUSE("has an opcode that runs past the end of its frame at offset %zd, so unpicklers would read "
+                       "different opcodes from it (a disguise)", w->frame_end);
+            w->frame_end = 0;
+        }
+        if ((w->ops & 0xFFFFF) == 0xFFFFF && PyErr_CheckSignals() < 0) return G_ERROR;  /* Ctrl-C, SIGTERM */
         if (w->at >= end) return G_TRUNCATED;
         unsigned code = data[w->at++];
         w->ops++;
@@ -1254,6 +1281,9 @@ static int run(Walk *w) {
             break;
         case 0x2E:  /* STOP */
             if (w->top <= FENCE(w)) REFUSE("stops with nothing on its stack (corrupt)");
+            if (w->frame_end && w->at != w->frame_end)  /* a stream reader would go on after the frame */
+                REFUSE("stops at offset %zd, inside a frame that ends at offset %zd (corrupt)", w->at - 1,
+                       w->frame_end);
             return G_OK;
         default:
             TRY(op_rare(w, code));

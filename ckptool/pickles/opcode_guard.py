@@ -90,6 +90,15 @@ _MAX_TEXT_NAME = 256  # longer strings are never a global's module or name
 _MAX_DIGITS = 4300  # int() refuses longer digit strings (Python's default int_max_str_digits): no pickler writes them
 
 
+def _crossing(frame_end: int) -> str:
+    """The refusal of an opcode whose argument runs past its frame's end. CPython's unpickler reading from
+    a file serves a frame's opcodes from one buffer and reads an argument the buffer cannot hold from
+    the bytes after the frame, dropping what was left; read from bytes, it reads on across the end; the
+    Python unpickler refuses. Which opcodes run depends on the reader: the pickle is refused."""
+    return (f"has an opcode that runs past the end of its frame at offset {frame_end}, so unpicklers would read "
+            "different opcodes from it (a disguise)")
+
+
 def _text(raw: bytes) -> Value:
     return Value("str", raw, 1, True, OPAQUE) if len(raw) <= _MAX_TEXT_NAME else _STR
 
@@ -318,8 +327,13 @@ class _Walk:
         entry_match = _ENTRY.match
         max_memory, max_pickle = limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES
         i = fence = ops = memory = top = 0
+        frame_end = 0  # where the frame being read ends; 0 outside frames (torch writes none)
         try:
             while True:
+                if frame_end and i >= frame_end:
+                    if i > frame_end:
+                        raise refuse(_crossing(frame_end))
+                    frame_end = 0
                 code = data[i]  # IndexError past the end: truncated
                 i += 1
                 ops += 1
@@ -387,7 +401,7 @@ class _Walk:
                     key = Value("str", data[i:i + size], 1, True, OPAQUE) if size <= _MAX_TEXT_NAME else _STR
                     i += size
                     memory += 56 + size
-                    if code == 0x58:  # a state-dict key: the tensor entry after it, in one step if it has torch's form
+                    if code == 0x58 and not frame_end:  # a state-dict key: the tensor entry after it, in one step
                         match = entry_match(data, i)
                         if match is not None:
                             self.memo_top = top
@@ -435,7 +449,21 @@ class _Walk:
                 elif code == 0x2E:  # STOP
                     if len(stack) <= fence:
                         raise refuse("stops with nothing on its stack (corrupt)")
+                    if frame_end and i != frame_end:  # a stream reader would go on after the frame, not after STOP
+                        raise refuse(f"stops at offset {i - 1}, inside a frame that ends at offset {frame_end} (corrupt)")
                     break
+                elif code == 0x95:  # FRAME: the reader takes the frame's bytes in one read and serves the opcodes from them
+                    if frame_end:
+                        raise refuse(f"starts a frame at offset {i - 1} inside the frame that ends at offset {frame_end}")
+                    if i + 8 > end:
+                        raise Truncated()
+                    size = int.from_bytes(data[i:i + 8], "little")
+                    i += 8
+                    if i + size > end:
+                        if i + size > max_pickle:
+                            raise refuse(f"has a {size}-byte frame, over the {max_pickle}-byte pickle limit")
+                        raise Truncated()
+                    frame_end = i + size
                 else:
                     handler = rare.get(code)
                     if handler is None:  # NEXT_BUFFER (out-of-band data a file cannot carry), or no opcode
@@ -779,8 +807,8 @@ class _Walk:
         self.stack.append(self.stack[-1])
         self.memory += 8
 
-    def frame(self, code: int) -> None:  # PROTO FRAME: nothing to check
-        self.at += 1 if code == 0x80 else 8
+    def proto(self, code: int) -> None:  # PROTO: nothing to check
+        self.at += 1
         if self.at > self.end:
             raise Truncated()
 
@@ -823,6 +851,6 @@ _RARE: dict[int, Callable[[_Walk, int], None]] = {
     0x30: _Walk.pop,  # POP
     0x31: _Walk.pop_mark_op,  # POP_MARK
     0x32: _Walk.dup,  # DUP
-    0x80: _Walk.frame, 0x95: _Walk.frame,  # PROTO FRAME
+    0x80: _Walk.proto,  # PROTO (FRAME is read in run: it changes how the walk reads what follows)
     0x98: _Walk.readonly_buffer,  # READONLY_BUFFER
 }

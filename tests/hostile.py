@@ -751,6 +751,14 @@ def _bounds_cases(directory: Path, canary_dir: Path) -> list[Case]:
     add("pickle_shared_string", make_zip(torch_members(whole(dct(
         (text("weight"), rebuild()), (text("names"), b"](" + shared + (b"j" + struct.pack("<I", 1)) * 299 + b"e"))),
         {"0": FOUR_FLOATS})))
+    # two equal dict keys nested 990 tuples deep: comparing them recursed to Python's limit, so which refusal a
+    # reader gave depended on how deep its stack already was; the one within a frame's cut LONG_BINPUT hid a 2 GiB memo
+    deep_key = b"K\x01" + b"\x85" * 990
+    add("pickle_deep_equal_tuple_keys", make_zip(torch_members(whole(dct(
+        (text("weight"), rebuild()), (text("k"), b"}" + deep_key + b"Ns" + deep_key + b"Ns"))), {"0": FOUR_FLOATS})))
+    body = b"}Nr\x00\x00\x00"
+    add("pickle_frame_cut_memo_index", make_zip(torch_members(
+        b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body + b"\x000\x8c\x08\x00\x00\x00\x04xxxx0.")))
     return cases
 
 

@@ -544,6 +544,14 @@ LIMIT_CASES = [
     ("MAX_HASH_COLLISIONS", 2, hostile.whole(b"}(" + b"".join(hostile.tup(*map(hostile.integer, p)) + b"N"
                                                               for p in hostile.colliding_pairs(3)) + b"u"),
      "puts 3 distinct keys"),
+    # two equal keys: comparing them recurses as deep as they nest, so the refusal must not hang on the stack left
+    *(("MAX_NESTING", 100, hostile.whole(b"}(" + (leaf + b"\x85" * depth + b"N") * 2 + b"u"),
+       None if depth <= 100 else "nested over 100 levels deep")
+      for depth in (100, 101, 990) for leaf in (b"K\x01", hostile.text("x"))),
+    ("MAX_NESTING", 3, hostile.whole(b"}(" + b"K\x01" + b"\x85" * 3 + b"N" + b"((K\x01\x85tt" + b"Nu"), None),
+    ("MAX_NESTING", 3, hostile.whole(b"}(" + b"K\x01" + b"\x85" * 4 + b"Nu"), "nested over 3 levels deep"),
+    ("MAX_NESTING", 3, hostile.whole(b"}(" + b"(" + hostile.text("x") + b"\x85\x85)\x86t" + b"Nu"),
+     "nested over 3 levels deep"),
 ]
 
 

@@ -27,7 +27,7 @@ static const char *const KIND_NAMES[] = {"str", "literal", "bytes", "tuple", "gl
 /* what a record's ``value`` is: OPAQUE (the guard cannot know it), how to make it, or made (V_OBJ) */
 enum { V_OPAQUE, V_INT, V_FLOAT, V_BIGLE, V_TUPLE, V_OBJ };
 
-/* flags of a global's or object's name (computed once, on first use) */
+/* flags of a global's or object's name (computed once, on first use); a tuple's ``flags`` is its depth instead */
 #define N_KNOWN 1u
 #define N_TORCH 2u  /* in TORCH_GLOBALS */
 #define N_CODECS 4u /* "_codecs.encode" */
@@ -217,7 +217,7 @@ typedef struct {
     int64_t ops, memory, hashing;
     uint64_t memo_top;  /* one past the highest memo index stored: the length of CPython's memo table */
     Py_ssize_t frame_end;  /* where the frame being read ends; 0 outside frames */
-    int64_t max_memory, max_pickle, max_nodes, max_collisions;
+    int64_t max_memory, max_pickle, max_nodes, max_collisions, max_depth;
     PyObject *torch_globals;
     PyObject *names;
     PyObject *message;  /* the refusal */
@@ -474,17 +474,28 @@ static Rec *made_by(Walk *w, Rec *callable) {
     return receiver(w, K_OBJECT, name, flags, hashable);
 }
 
-static Rec *opaque_tuple(Walk *w, int64_t nodes, int hashable) {
+/* How deep tuples nest in a record: what comparing two equal ones recurses (0 but for tuples). The Python
+   walk's ``depth``, held in a tuple record's ``flags`` (capped: the walk runs in C only while MAX_NESTING is
+   below the cap) */
+#define MAX_DEPTH 255
+static inline int depth_of(const Rec *r) {
+    return r->kind == K_TUPLE ? (r->flags ? r->flags : 1) : 0;
+}
+
+/* the shared record of tuples of ``nodes`` values nesting ``depth`` deep that the guard cannot all know;
+   cached for the shallow ones (all real pickles' tuples) */
+#define OPAQUE_DEPTHS 4
+static Rec *opaque_tuple(Walk *w, int64_t nodes, int hashable, int depth) {
     Rec **slot = NULL;
-    if (nodes >= 0 && nodes < OPAQUE_CACHE) {
+    if (nodes >= 0 && nodes < OPAQUE_CACHE && depth < OPAQUE_DEPTHS) {
         if (w->opaque_tuples == NULL) {
-            w->opaque_tuples = PyMem_Calloc(2 * OPAQUE_CACHE, sizeof(Rec *));
+            w->opaque_tuples = PyMem_Calloc(2 * OPAQUE_DEPTHS * OPAQUE_CACHE, sizeof(Rec *));
             if (w->opaque_tuples == NULL) {
                 PyErr_NoMemory();
                 return NULL;
             }
         }
-        slot = &w->opaque_tuples[(hashable ? OPAQUE_CACHE : 0) + nodes];
+        slot = &w->opaque_tuples[((hashable ? OPAQUE_DEPTHS : 0) + depth) * OPAQUE_CACHE + nodes];
         if (*slot != NULL) return *slot;
     }
     Rec *r = new_rec(w);
@@ -492,6 +503,7 @@ static Rec *opaque_tuple(Walk *w, int64_t nodes, int hashable) {
     r->kind = K_TUPLE;
     r->nodes = nodes;
     r->hashable = (uint8_t)hashable;
+    r->flags = (uint8_t)depth;
     if (slot != NULL) *slot = r;
     return r;
 }
@@ -533,15 +545,18 @@ static IntTuple *int_tuple_slot(Walk *w, Rec **items, Py_ssize_t count, int64_t 
 /* _new_tuple (``count`` > 0) */
 static Rec *new_tuple(Walk *w, Rec **items, Py_ssize_t count) {
     int64_t nodes = 1, cap = w->max_nodes + 1;
-    int hashable = 1, predictable = 1;
+    int hashable = 1, predictable = 1, depth = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
         Rec *item = items[k];
         if (nodes <= cap) nodes += item->nodes;  /* past cap it is cap + 1 either way */
+        int item_depth = depth_of(item);
+        if (item_depth > depth) depth = item_depth;
         if (!item->hashable) hashable = 0;
         else if (item->vkind == V_OPAQUE) predictable = 0;
     }
     if (nodes > w->max_nodes) nodes = cap;
-    if (!(predictable && hashable)) return opaque_tuple(w, nodes, hashable);
+    depth = depth < MAX_DEPTH ? depth + 1 : MAX_DEPTH;
+    if (!(predictable && hashable)) return opaque_tuple(w, nodes, hashable, depth);
     int64_t values[INT_TUPLE_ITEMS];
     IntTuple *slot = int_tuple_slot(w, items, count, values);
     if (slot != NULL && slot->rec != NULL) return slot->rec;
@@ -557,6 +572,7 @@ static Rec *new_tuple(Walk *w, Rec **items, Py_ssize_t count) {
     r->kind = K_TUPLE;
     r->hashable = 1;
     r->nodes = nodes;
+    r->flags = (uint8_t)depth;
     r->vkind = V_TUPLE;
     r->v.items = copy;
     r->len = (uint32_t)count;
@@ -691,6 +707,9 @@ static int add_keys(Walk *w, Rec *target, Rec **keys, Py_ssize_t count, Py_ssize
         }
         if (key->nodes > w->max_nodes)
             REFUSE("uses a dict key or set element of %lld+ nested values (a hashing bomb)", (long long)key->nodes);
+        if (depth_of(key) > w->max_depth)  /* comparing two equal ones would recurse that deep */
+            REFUSE("uses a dict key or set element nested over %lld levels deep (a hashing bomb)",
+                   (long long)w->max_depth);
         w->hashing = key->nodes > INT64_MAX - w->hashing ? INT64_MAX : w->hashing + key->nodes;
         if (key->vkind == V_OPAQUE) continue;
         PyObject *value = make_value(key);
@@ -1296,17 +1315,22 @@ static int run(Walk *w) {
 /* ---------------------------------------------------------------------------------- the module */
 
 PyDoc_STRVAR(walk_doc,
-"walk(data, max_unpickled_bytes, max_pickle_bytes, max_key_nodes, max_hash_collisions, torch_globals)\n--\n\n"
+"walk(data, max_unpickled_bytes, max_pickle_bytes, max_key_nodes, max_hash_collisions, max_nesting,\n"
+"     torch_globals)\n--\n\n"
 "Walk one pickle's opcodes as opcode_guard._Walk.run does. Returns (size, counts, globals) when it\n"
 "passes, None when data ends before its STOP (Truncated), or the refusal's message (a str).");
 
 static PyObject *walk(PyObject *module, PyObject *args) {
     PyObject *data;
-    long long max_memory, max_pickle, max_nodes, max_collisions;
+    long long max_memory, max_pickle, max_nodes, max_collisions, max_depth;
     PyObject *torch_globals;
-    if (!PyArg_ParseTuple(args, "O!LLLLO:walk", &PyBytes_Type, &data, &max_memory, &max_pickle, &max_nodes,
-                          &max_collisions, &torch_globals))
+    if (!PyArg_ParseTuple(args, "O!LLLLLO:walk", &PyBytes_Type, &data, &max_memory, &max_pickle, &max_nodes,
+                          &max_collisions, &max_depth, &torch_globals))
         return NULL;
+    if (max_depth < 0 || max_depth >= MAX_DEPTH) {  /* a tuple record holds its depth up to MAX_DEPTH */
+        PyErr_SetString(PyExc_ValueError, "max_nesting is out of the native walk's range");
+        return NULL;
+    }
     const long long bound = (long long)1 << 62;  /* beyond: the Python walk (opcode_guard checks the same) */
     if (max_memory < -bound || max_memory > bound || max_pickle < -bound || max_pickle > bound ||
         max_nodes < -bound || max_nodes > bound || max_collisions < -bound || max_collisions > bound) {
@@ -1321,6 +1345,7 @@ static PyObject *walk(PyObject *module, PyObject *args) {
     w.max_pickle = max_pickle;
     w.max_nodes = max_nodes;
     w.max_collisions = max_collisions;
+    w.max_depth = max_depth;
     w.torch_globals = torch_globals;
     w.names = PyList_New(0);
     if (w.names == NULL) return NULL;

@@ -44,6 +44,7 @@ except ImportError:  # not built (installed where no C compiler was): the Python
 # whether guard_stats walks in C (tests/test_guard_native.py holds the two walks to the same results)
 NATIVE = _native is not None and os.environ.get("CKPTOOL_PURE_PYTHON_GUARD", "") in ("", "0")
 _NATIVE_LIMIT = 1 << 62  # the C walk's range for each limit (a test may set any): past it, the Python walk
+_NATIVE_MAX_NESTING = 255  # a C tuple record holds its depth in a byte
 
 OPAQUE = object()  # the guard does not know the value (salted hash, or not hashable)
 
@@ -54,14 +55,16 @@ class Value:
     ``kind``: "str", "literal", "bytes", "tuple", "global", "object", "container", "list" or
     "other"; ``name``: a str's raw bytes (≤ 256) or the global a global/object came from;
     ``nodes``: what hashing it visits (tuples: every element, recursively); ``hashable``;
-    ``value``: ints, floats, None and tuples of them — hashes a pickle can predict — else OPAQUE.
-    A class with slots: its fields read as fast as a tuple's items in the per-opcode loop.
+    ``value``: ints, floats, None and tuples of them — hashes a pickle can predict — else OPAQUE;
+    ``depth``: how deep tuples nest in it (0 for anything but a tuple), which comparing two equal ones
+    recurses. A class with slots: its fields read as fast as a tuple's items in the per-opcode loop.
     """
 
-    __slots__ = ("kind", "name", "nodes", "hashable", "value")
+    __slots__ = ("kind", "name", "nodes", "hashable", "value", "depth")
 
-    def __init__(self, kind: str, name: Any, nodes: int, hashable: bool, value: Any) -> None:
+    def __init__(self, kind: str, name: Any, nodes: int, hashable: bool, value: Any, depth: int = 0) -> None:
         self.kind, self.name, self.nodes, self.hashable, self.value = kind, name, nodes, hashable, value
+        self.depth = depth
 
 
 class Receiver(Value):
@@ -72,6 +75,7 @@ class Receiver(Value):
 
     def __init__(self, kind: str, name: str | None = None, hashable: bool = False) -> None:
         self.kind, self.name, self.nodes, self.hashable, self.value = kind, name, 1, hashable, OPAQUE
+        self.depth = 0
         self.buckets: dict[int, set] | None = None
 
 
@@ -79,7 +83,7 @@ _STR = Value("str", None, 1, True, OPAQUE)
 _BYTES = Value("bytes", None, 1, True, OPAQUE)
 _OTHER = Value("other", None, 1, False, OPAQUE)
 _LIST = Value("list", None, 1, False, OPAQUE)  # lists take APPENDs, never keys: one record serves all
-_EMPTY_TUPLE = Value("tuple", None, 1, True, ())
+_EMPTY_TUPLE = Value("tuple", None, 1, True, (), 1)
 _UNKNOWN_GLOBAL = Value("global", None, 1, True, OPAQUE)
 _NONE, _TRUE, _FALSE = (Value("literal", None, 1, True, value) for value in (None, True, False))
 _BYTE_INTS = [Value("literal", None, 1, True, value) for value in range(256)]
@@ -149,14 +153,15 @@ def _python_walk(data: bytes) -> PickleStats:
 
 def _native_limits() -> bool:
     return all(type(limit) is int and 0 <= limit <= _NATIVE_LIMIT for limit in (
-        limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS))
+        limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS)) \
+        and type(limits.MAX_NESTING) is int and 0 <= limits.MAX_NESTING < _NATIVE_MAX_NESTING
 
 
 def _native_walk(data: bytes) -> PickleStats:
     """The C walk: the Python walk's results, its Truncated and its refusals' messages."""
     assert _native is not None
     result = _native.walk(data, limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES,
-                          limits.MAX_HASH_COLLISIONS, TORCH_GLOBALS)
+                          limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING, TORCH_GLOBALS)
     if result is None:
         raise Truncated()
     if type(result) is str:
@@ -166,9 +171,12 @@ def _native_walk(data: bytes) -> PickleStats:
 
 def _new_tuple(items: list[Value]) -> Value:
     nodes = 1
+    depth = 0
     hashable = predictable = True
     for item in items:
         nodes += item.nodes
+        if item.depth > depth:
+            depth = item.depth
         if not item.hashable:
             hashable = False
         elif item.value is OPAQUE:
@@ -177,23 +185,20 @@ def _new_tuple(items: list[Value]) -> Value:
     if nodes > max_nodes:
         nodes = max_nodes + 1
     if not (predictable and hashable):
-        # records never change: tuples alike but for values the guard cannot know share one
-        record = _OPAQUE_TUPLES.get((nodes, hashable))
-        if record is None:
-            record = _OPAQUE_TUPLES[nodes, hashable] = Value("tuple", None, nodes, hashable, OPAQUE)
-        return record
-    return Value("tuple", None, nodes, hashable, tuple([item.value for item in items]))
+        return _opaque_tuple(nodes, hashable, depth + 1)
+    return Value("tuple", None, nodes, hashable, tuple([item.value for item in items]), depth + 1)
 
 
-# at most 2 * (MAX_KEY_NODES + 1) records, none holding anything a pickle wrote
-_OPAQUE_TUPLES: dict[tuple[int, bool], Value] = {}
+# records never change: tuples alike but for values the guard cannot know share one; at most
+# MAX_KEY_NODES + 1 depths of 2 * (MAX_KEY_NODES + 1) records, none holding anything a pickle wrote
+_OPAQUE_TUPLES: dict[tuple[int, bool, int], Value] = {}
 
 
-def _opaque_tuple(nodes: int, hashable: bool) -> Value:
-    """The shared record of tuples of ``nodes`` values the guard cannot all know (as :func:`_new_tuple`)."""
-    record = _OPAQUE_TUPLES.get((nodes, hashable))
+def _opaque_tuple(nodes: int, hashable: bool, depth: int) -> Value:
+    """The shared record of tuples of ``nodes`` values nesting ``depth`` deep that the guard cannot all know."""
+    record = _OPAQUE_TUPLES.get((nodes, hashable, depth))
     if record is None:
-        record = _OPAQUE_TUPLES[nodes, hashable] = Value("tuple", None, nodes, hashable, OPAQUE)
+        record = _OPAQUE_TUPLES[nodes, hashable, depth] = Value("tuple", None, nodes, hashable, OPAQUE, depth)
     return record
 
 
@@ -537,7 +542,8 @@ class _Walk:
         memo[key_at] = key
         memo[skey_at] = Value("str", skey, 1, True, OPAQUE)
         memo[storage_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1,
-                                         storage.hashable and class_.hashable and location.hashable)
+                                         storage.hashable and class_.hashable and location.hashable,
+                                         1 + max(storage.depth, class_.depth, location.depth))
         stores = 6
         if size_at >= 0:
             memo[size_at] = size_tuple[0]
@@ -547,7 +553,8 @@ class _Walk:
             stores += 1
         memo[hooks_at] = _made_by(hooks)
         nodes = 5 + size_tuple[0].nodes + stride_tuple[0].nodes
-        memo[args_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1, False)
+        memo[args_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1, False,
+                                      1 + max(size_tuple[0].depth, stride_tuple[0].depth))
         memo[result_at] = result = _made_by(fn)
         # the opcodes' counts: what every entry has is tallied, and added up when the walk ends
         counts = self.counts
@@ -605,12 +612,14 @@ class _Walk:
         if target.kind != "container" and target.kind != "object":
             raise refuse(f"adds items to a {target.kind}, which holds none (corrupt)")
         assert isinstance(target, Receiver)
-        max_nodes, max_collisions = limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS
+        max_nodes, max_collisions, max_depth = limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING
         for key in keys:
             if not key.hashable:
                 raise refuse(f"uses a {key.kind} {key.name or ''} as a dict key or set element")
             if key.nodes > max_nodes:
                 raise refuse(f"uses a dict key or set element of {key.nodes}+ nested values (a hashing bomb)")
+            if key.depth > max_depth:  # comparing two equal ones would recurse that deep
+                raise refuse(f"uses a dict key or set element nested over {max_depth} levels deep (a hashing bomb)")
             self.hashing += key.nodes
             value = key.value
             if value is not OPAQUE:

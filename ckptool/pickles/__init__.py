@@ -14,6 +14,8 @@ The modules, each using only those above it:
 - :mod:`.limits` — every ceiling a pickle must stay under, and :func:`brief` for messages;
 - :mod:`.placeholders` — the inert types globals become (``StorageTypeRef``, ``OpaqueObject``, ``StateDict``);
 - :mod:`.rebuilds` — what the allowed callables do instead (check their arguments, build records);
+- :mod:`.gadgets` (with :mod:`.gadget_table`, written by ``scripts/gadget_census.py``) — ``runs_code``: which
+  names run code or reach the system, judged by what they resolve to;
 - :mod:`.allowlist` — ``TORCH_GLOBALS``, ``DEFAULT_EXTRA_GLOBALS`` and the ``GlobalResolver`` applying them;
 - :mod:`.guard_cache` — ``PickleStats`` (what a walk saw) and ``GuardCache`` (what one operation walked);
 - :mod:`.opcode_guard` — ``guard``: the opcode walk refusing what would hang or flood the C unpickler;

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
+from . import gadgets
 from ..refs import DTypeRef
 from .placeholders import OpaqueObject, StorageTypeRef, TypeRef, attribute_type, opaque_type, refuse_build
 from .rebuilds import (_builtin_bytearray, _builtin_complex, _builtin_set, _codecs_encode, _counter, _ordered_dict,
@@ -123,59 +124,15 @@ DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (*_STDLIB_DATA_GLOBALS[:1], *_NUMPY_GLO
                                           *_FRAMEWORK_DATA_GLOBALS)
 
 
-# Globals known to run code or reach the system when a pickle calls them. Every global outside the
-# allowlist is refused whatever this says; the list decides how a refusal and scan describe a name
-# ("runs code" rather than "unknown"), that a refusal naming one suggests no flag, and that no
-# pattern (``--allow-global 'builtins.*'``, ``'*'``) allows one: only its exact name does.
-CODE_RUNNING_MODULES: frozenset[str] = frozenset({
-    "os", "posix", "nt", "subprocess", "_posixsubprocess", "pty", "commands", "popen2", "platform",  # processes
-    "runpy", "code", "codeop", "importlib", "pkgutil", "zipimport", "imp",  # import and run code
-    "ctypes", "_ctypes", "cffi",  # call into memory
-    "pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "joblib", "cloudpickle",  # load more pickles
-    "socket", "_socket", "http", "urllib", "urllib2", "requests", "ftplib", "smtplib", "telnetlib",  # network
-    "shutil", "sys", "webbrowser", "multiprocessing", "_thread", "thread", "threading", "asyncio", "signal",
-    "pdb", "bdb", "timeit", "cProfile", "profile", "trace", "pip", "sysconfig", "linecache", "tempfile",
-    # standard-library gadgets whose functions run commands, eval code, write files or load pickles
-    "idlelib", "lib2to3", "doctest", "pydoc", "venv", "ensurepip", "distutils", "setuptools", "compileall",
-    "py_compile", "_aix_support", "_osx_support", "_pyrepl", "test.support", "imaplib", "poplib", "nntplib", "xmlrpc",
-    "socketserver", "httplib", "urllib3", "aiohttp", "httpx", "logging.handlers", "logging.config",
-    # torch's own: compile and load code, run commands, eval guard expressions, load pickles
-    "torch._inductor", "torch._dynamo", "torch.utils.bottleneck", "torch.utils.collect_env",
-    "torch.utils.cpp_extension", "torch.utils.data.datapipes", "torch.utils._config_module", "torch.hub",
-    "torch.jit.unsupported_tensor_ops", "torch.fx.experimental.symbolic_shapes", "torch.testing._internal",
-    "numpy.f2py", "numpy.distutils",
-})
-CODE_RUNNING_GLOBALS: frozenset[str] = frozenset({
-    *(f"builtins.{name}" for name in ("eval", "exec", "execfile", "compile", "__import__", "getattr", "setattr",
-                                      "delattr", "open", "input", "breakpoint", "globals", "locals", "vars",
-                                      "exit", "quit", "apply", "reload", "file")),
-    "io.open", "_io.open", "io.FileIO", "_io.FileIO", "io.open_code", "_io.open_code", "codecs.open",
-    "types.FunctionType", "types.CodeType", "types.LambdaType", "types.MethodType", "types.ModuleType",
-    "operator.attrgetter", "operator.methodcaller",  # reach any attribute of an object, then call it
-    # load another file's pickle or code
-    "torch.load", "torch.serialization.load", "torch.jit.load", "torch.hub.load", "torch.hub.load_state_dict_from_url",
-    "numpy.load", "numpy.testing._private.utils.runstring",
-    "logging.FileHandler",  # opens (creates) the file it is given
-    "torch._utils",  # the module itself: whatever a pickle reaches through it (its functions are torch's set)
-    # uuid's node lookups run ifconfig/ipconfig/netstat (uuid.UUID and SafeUUID are data)
-    "uuid._get_command_stdout", "uuid._popen", "uuid.getnode", "uuid.uuid1", "uuid._ifconfig_getnode",
-    "uuid._ip_getnode", "uuid._arp_getnode", "uuid._lanscan_getnode", "uuid._netstat_getnode",
-    "uuid._ipconfig_getnode", "uuid._netbios_getnode", "uuid._unix_getnode", "uuid._windll_getnode",
-})
-
-
 def runs_code(full_name: str) -> bool:
-    """Whether ``full_name`` is a global known to run code or reach the system (``os.system``,
-    ``posix.system``, ``builtins.eval``, ``subprocess.Popen``) rather than merely unknown."""
+    """Whether ``full_name`` is a global known to run code or reach the system rather than merely unknown,
+    judged by what it resolves to (:func:`ckptool.pickles.gadgets.runs_code`: ``os.system``,
+    ``torch.serialization.os.system``, ``builtins.eval.__call__``); torch's own rebuilds never are. Every
+    global outside the allowlist is refused whatever this says; it decides how a refusal and scan describe
+    a name ("runs code" rather than "unknown"), that a refusal naming one suggests no flag, and that no
+    pattern (``--allow-global 'builtins.*'``, ``'*'``) allows one: only its exact name does."""
     full_name = python3_name(full_name)
-    if full_name in CODE_RUNNING_GLOBALS:
-        return True
-    module = full_name.rpartition(".")[0]
-    while module:
-        if module in CODE_RUNNING_MODULES:
-            return True
-        module = module.rpartition(".")[0]
-    return False
+    return full_name not in TORCH_GLOBALS and gadgets.runs_code(full_name)
 
 
 # Pickle's protocol-2 spelling of a nested name (``HistoryBuffer.min``): ``getattr(<global>, 'min')``.

@@ -11,14 +11,16 @@ from typing import Any
 
 from . import keys as keys_
 from . import modules, optimizers
-from .errors import InputError, NothingToDoError, UsageError
+from .errors import FingerprintMismatchError, InputError, NothingToDoError, UsageError
 from .suggest import Metavar
 from .suggest import option as suggest_option
+from .text import value_str
 from .refs import _IS_TENSOR_REF, _STORAGE, StorageRef, TensorRef
 from . import layouts
 from .layouts import LayoutTensor
-from .pickles import OpaqueObject
-from .tree import contains, copy_mapping, get_at, iter_tensors, map_tensors, replace_at, tensor_values
+from .pickles import TORCH_GLOBALS, OpaqueObject
+from .tree import contains, copy_mapping, get_at, iter_tensors, map_tensors, order_key, placeholder_classes, \
+    replace_at, spelling, tensor_values
 
 # Where training code puts the weights, tried in order (first match wins).
 #   state_dict        Lightning, timm, many scripts          model_state_dict  the PyTorch tutorial's resumable dict
@@ -65,8 +67,8 @@ def find_layout(container: Any) -> tuple[Any, ...] | None:
         node, path = node[nested[0]], path + (nested[0],)
     if isinstance(container, dict):
         candidates = [(sum(1 for _ in iter_tensors(v)), k) for k, v in dict.items(container) if is_state_dict(v)]
-        if candidates:
-            return (max(candidates)[1],)
+        if candidates:  # the most tensors; of equal counts the greatest key, of any kinds (1 and "x" compare)
+            return (max(candidates, key=lambda candidate: (candidate[0], order_key(candidate[1])))[1],)
     return _find_module(container)
 
 
@@ -84,6 +86,13 @@ def _find_module(container: Any) -> tuple[Any, ...] | None:
         if modules.is_module(value):
             return (key,)
     return None
+
+
+def _may_be_placeholder(name: str) -> bool:
+    """Whether a global a read resolved may stand as a placeholder class in its tree: any but torch's own
+    functions and records (a state dict's usual three globals name none: its read-back is not walked)."""
+    value = TORCH_GLOBALS.get(name)
+    return value is None or (isinstance(value, type) and issubclass(value, OpaqueObject))
 
 
 # The candidate walk's bounds: keys are looked for this deep (find_layout's own reach), and no more
@@ -208,7 +217,8 @@ def _match(node: Any, text: str, depth: int) -> tuple[Any, ...] | None:
     ends = [index for index, char in enumerate(text) if char in "./"] + [len(text)]
     for end in reversed(ends):  # the longest key first: keys may hold dots
         part = text[:end]
-        for key in (part, int(part)) if part.isdigit() else (part,):
+        # (int() takes decimal digits of any script, not superscripts; at most 4300 of them)
+        for key in (part, int(part)) if part.isdecimal() and len(part) <= 4300 else (part,):
             child = _child(node, key)
             if child is _MISSING:
                 continue
@@ -225,7 +235,7 @@ def spell_weights(container: Any, layout: tuple[Any, ...]) -> str:
     unambiguous, else ``/``); the inverse of :func:`resolve_weights`."""
     if not layout:
         return "/"
-    parts = [str(key) for key in layout]
+    parts = [value_str(key) for key in layout]  # (a key no string can name is shown by what it is)
     for separator in (".", "/"):
         text = separator.join(parts)
         if resolve_weights(container, text) == tuple(layout):
@@ -337,7 +347,7 @@ class Checkpoint:
                 the sets of weights the container holds.
         """
         layout = resolve_weights(self.container, weights)
-        shown = weights if isinstance(weights, str) else "/".join(str(key) for key in weights)
+        shown = weights if isinstance(weights, str) else "/".join(map(value_str, weights))
         if layout and layout[-1] == optimizers.STATE_KEY and \
                 optimizers.is_optimizer_state(get_at(self.container, layout[:-1])):
             layout = layout[:-1]  # an optimizer's "state": its tensors, with the groups that give them meaning
@@ -359,7 +369,20 @@ class Checkpoint:
 
     def weights_as_written(self, written: Checkpoint) -> Checkpoint:
         """``written`` (this checkpoint written to a file and read back) with its weights at the
-        place this one's are: where the caller chose them in a container written whole."""
+        place this one's are: where the caller chose them in a container written whole.
+
+        Raises:
+            FingerprintMismatchError: ``written`` names a class or function of the container otherwise than
+                this checkpoint does (a nested ``Outer.Inner`` split at another dot): it would not load as
+                the same object.
+        """
+        unknown = placeholder_classes(written.container).keys() - placeholder_classes(self.container).keys() \
+            if any(map(_may_be_placeholder, written.globals)) else ()
+        if unknown:
+            name = min(spelling(cls) for cls in unknown)
+            raise FingerprintMismatchError(
+                f"the output reads back naming {name}, which the input names otherwise: it would not load as the "
+                "input does — it was deleted; nothing changed (a bug in ckptool: please report it)")
         if (self.selected or self.flattened) and not self.whole_model and self.layout is not None and \
                 (written.layout != self.layout or written.flattened != self.flattened) \
                 and resolve_weights(written.container, self.layout) is not None:
@@ -402,7 +425,7 @@ class Checkpoint:
         bare = "storage" if isinstance(self.container, StorageRef) else "tensor"
         found: dict[str, TensorRef] = {}
         for place, tensor in iter_tensors(self.container, storages=True):
-            name = ".".join(str(key) for key in place) or bare
+            name = ".".join(map(value_str, place)) or bare
             if name in found:
                 raise InputError(f"holds two tensors both placed at {name!r} (keys of different types) — compare "
                                  "them with torch", path=self.path)
@@ -485,7 +508,7 @@ class Checkpoint:
             gone = set(entries)
             dropped = replace(dropped, container=copy_mapping(
                 dropped.container, items=[(k, v) for k, v in dict.items(dropped.container) if k not in gone]))
-        return dropped, [str(key) for key in keys], [str(entry) for entry in entries]
+        return dropped, [value_str(key) for key in keys], [value_str(entry) for entry in entries]
 
     def weights_only(self) -> Checkpoint:
         """The weights alone, as a bare state dict at the top level (the container's other entries,

@@ -81,6 +81,7 @@ from .pickles.allowlist import DEFAULT_EXTRA_GLOBALS
 from .pickles.placeholders import OpaqueObject, StateDict, opaque_type
 from .refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 from . import dtypes
+from .text import value_str
 
 ENTRIES_KEY = "ckptool.entries"
 VERSION = 1
@@ -133,7 +134,7 @@ WEIGHTS = _Weights()
 
 def key_path(path: tuple[Any, ...]) -> str:
     """A key path as notes show it: ``optimizer.state.0`` (``(top level)`` for the container)."""
-    return ".".join(str(key) for key in path) or "(top level)"
+    return ".".join(map(value_str, path)) or "(top level)"
 
 
 class _Inside:
@@ -305,7 +306,7 @@ class _Encoder:
             self.notes.append(_note(path + (dropped_tensors[0],), _Drop(
                 f"a tensor ({tensor.dtype.torch_name} {list(tensor.shape)}) outside the weights", TENSOR_ADVICE)))
         elif dropped_tensors:  # a second state_dict (an EMA copy, buffers): named once, with its keys
-            shown = ", ".join(str(key) for key in dropped_tensors[:3]) + (", ..." if len(dropped_tensors) > 3 else "")
+            shown = ", ".join(map(value_str, dropped_tensors[:3])) + (", ..." if len(dropped_tensors) > 3 else "")
             drop = _Drop(f"{len(dropped_tensors)} tensor(s) outside the weights ({shown})", TENSOR_ADVICE)
             if not pairs:  # nothing but tensors: an empty mapping left behind would pass for the real one
                 raise drop
@@ -644,7 +645,7 @@ def restored_notes(layout: tuple[Any, ...] | None, metadata: dict[str, str], *, 
     if raw is None:
         return []
     try:
-        names = [str(key) for key in decode(raw).container]
+        names = [value_str(key) for key in decode(raw).container]
     except EntriesError:
         names = []
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")

@@ -11,7 +11,10 @@ A failed command with ``--json`` still prints one object on stdout, ``{"schema":
 message goes to stderr as without ``--json``.
 
 The output is strict JSON: ASCII (controls and non-ASCII escaped), no ``NaN``/``Infinity`` (a
-non-finite float is the string ``"nan"``, ``"inf"`` or ``"-inf"``), only string keys.
+non-finite float is the string ``"nan"``, ``"inf"`` or ``"-inf"``), only string keys, and no number
+of more than 4300 digits (what Python's own JSON reader takes: an int past that is the string
+``"<int of N bits>"``, as :func:`ckptool.text.int_text` writes it; a pickle may hold one of billions
+of digits, which no reader could use and writing would take hours).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import PurePath
 from typing import Any
 
 from . import errors, exitcodes
+from .text import int_text
 
 VERSION = 1
 
@@ -83,9 +87,12 @@ def error_document(type_: str, message: str, *, path: str | None = None,
 
 def plain(value: Any) -> Any:
     """``value`` as strict JSON values: tuples as lists, paths as strings, keys as strings,
-    non-finite floats as ``"nan"``/``"inf"``/``"-inf"``; anything else as its ``str``."""
-    if value is None or isinstance(value, bool | int | str):
+    non-finite floats as ``"nan"``/``"inf"``/``"-inf"``, an int too long for digits as ``"<int of N
+    bits>"``; anything else as its ``str``."""
+    if value is None or isinstance(value, bool | str):
         return value
+    if isinstance(value, int):
+        return value if value.bit_length() <= _DIGITS_SURELY_WRITTEN else _long_int(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
@@ -103,7 +110,19 @@ def key_text(key: Any) -> str:
         return key
     if isinstance(key, float) and not math.isfinite(key):
         return str(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return int_text(key)  # json.dumps' digits, or for an int too long for them its size
     return json.dumps(key) if isinstance(key, bool | int | float) or key is None else str(key)
+
+
+# ints of up to this many bits have at most 4300 digits, which Python writes (and its JSON reader takes)
+_DIGITS_SURELY_WRITTEN = 14_000
+
+
+def _long_int(value: int) -> int | str:
+    """A long int as strict JSON carries it: itself where Python writes its digits, else its size as text."""
+    text = int_text(value)
+    return value if text[0] != "<" else text
 
 
 def dumps(data: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .text import printable
+from .text import printable, value_repr
 
 if TYPE_CHECKING:
     from .comparison import DiffReport
@@ -41,7 +41,7 @@ def summary(summary: Summary) -> None:
         read = next((c["file"] for c in summary.candidates if c["chosen"]), None)
         echo(f"  folder         {folder.kind}" + (f": weights from {read}" if read else ": no model weights"))
     layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
-                                                          " -> ".join(repr(k) for k in summary.layout))
+                                                          " -> ".join(value_repr(k) for k in summary.layout))
     if summary.module_class is not None:
         layout += f" (whole-model pickle: {summary.module_class}, {summary.tensors} tensors)"
     echo(f"  weights at     {layout}")

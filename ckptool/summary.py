@@ -17,6 +17,7 @@ from .jsonout import key_text
 from .pickles import OpaqueObject
 from .reader import load
 from .refs import DeviceRef, SizeRef, TensorRef, census, check_expansion, expansion, shared_storages
+from .text import value_repr, value_str
 from .tree import iter_tensors
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
@@ -93,7 +94,7 @@ def _human_bytes(size: int) -> str:
 def describe_entry(value: Any) -> str:
     """A one-line description of a container entry that is not the weights."""
     if isinstance(value, bool | int | float | str) or value is None:
-        text = repr(value)
+        text = value_repr(value)  # (an int past 4300 digits: its size, not a ValueError)
         return text if len(text) <= 60 else text[:57] + "..."
     if isinstance(value, TensorRef):
         return f"tensor {value.dtype.name}{list(value.shape)}"
@@ -114,7 +115,8 @@ def describe_entry(value: Any) -> str:
     if isinstance(value, OpaqueObject):
         return f"{value.global_name} object"
     if isinstance(value, dict):
-        text = repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in dict.values(value)) else ""
+        text = value_repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in dict.values(value)) \
+            else ""
         return text if text and len(text) <= 80 else f"dict with {len(value)} entries"
     if isinstance(value, list | tuple):
         return f"{type(value).__name__} of {len(value)}"
@@ -156,12 +158,15 @@ def _plain_value(value: Any, budget: list[int], depth: int) -> Any:
     if value is None or isinstance(value, bool | int | str):
         if isinstance(value, str):
             budget[0] -= len(value) // 64
+        elif isinstance(value, int) and value.bit_length() > 14_000 and key_text(value)[0] == "<":  # past 4300 digits
+            raise _NotPlain
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)  # strict JSON: "inf", "-inf", "nan"
     if isinstance(value, dict) and not isinstance(value, OpaqueObject):
         items = dict.items(value)
-        if not all(k is None or isinstance(k, str | int | float | bool) for k, _ in items):
+        if not all(k is None or isinstance(k, str | float | bool) or (isinstance(k, int) and key_text(k)[0] != "<")
+                   for k, _ in items):
             raise _NotPlain
         return {key_text(k): _plain_value(v, budget, depth + 1) for k, v in items}
     if isinstance(value, list | tuple) and not isinstance(value, OpaqueObject):
@@ -384,7 +389,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         saved_devices=dict(sorted(checkpoint.saved_devices().items()))
         if formats.for_name(checkpoint.format).has_location_tags else {},
         tied=tied_groups(tensors) if counted.shared else [],
-        entries={str(k): entry_record(v) for k, v in checkpoint.entries().items()},
+        entries={value_str(k): entry_record(v) for k, v in checkpoint.entries().items()},
         globals=sorted(checkpoint.globals),
         file_bytes=file_bytes,
         metadata=dict(checkpoint.metadata),

@@ -8,6 +8,8 @@ through :func:`printable`; JSON output is exact instead (``json.dumps`` escapes 
 
 from __future__ import annotations
 
+import reprlib
+
 
 def printable(text: object) -> str:
     """``str(text)`` with every non-printable character written as a Python-style escape.
@@ -39,3 +41,69 @@ def _escape(char: str) -> str:
     if code < 0x10000:
         return f"\\u{code:04x}"
     return f"\\U{code:08x}"
+
+
+def int_text(value: int) -> str:
+    """``str(value)``, or ``<int of N bits>`` for an int too long for Python to write in digits.
+
+    Python refuses to turn an int of more than 4300 digits into text (``ValueError``: the
+    conversion's time grows with the square of the length, and a pickle can hold an int of
+    billions of digits). Its bit length costs nothing and says its size exactly.
+
+    Example:
+        >>> int_text(-12), int_text(1 << 20000), int_text(-(1 << 20000))
+        ('-12', '<int of 20001 bits>', '<negative int of 20001 bits>')
+    """
+    try:
+        return str(value)
+    except ValueError:
+        return f"<{'negative ' if value < 0 else ''}int of {value.bit_length()} bits>"
+
+
+class _LongIntRepr(reprlib.Repr):
+    """repr, bounded in depth and length, with each int too long for digits as :func:`int_text` writes it."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return int_text(x)
+
+    def repr1(self, x: object, level: int) -> str:
+        if isinstance(x, int) and not isinstance(x, bool):  # an int subclass too (reprlib names it by its type)
+            return int_text(int(x))
+        return super().repr1(x, level)
+
+    def repr_OrderedDict(self, x: dict, level: int) -> str:  # (a state dict's class too: it calls itself so)
+        return f"OrderedDict({self.repr_dict(x, level)})"
+
+
+_LONG_INTS = _LongIntRepr()
+_LONG_INTS.maxlevel, _LONG_INTS.maxdict, _LONG_INTS.maxlist, _LONG_INTS.maxtuple = 6, 100, 100, 100
+_LONG_INTS.maxset = _LONG_INTS.maxfrozenset = 100
+_LONG_INTS.maxstring = _LONG_INTS.maxother = 400
+
+
+def value_repr(value: object) -> str:
+    """``repr(value)``; where that fails on an int too long for digits (held anywhere inside it), a repr
+    that shows each such int as :func:`int_text` does (bounded in depth and length).
+
+    Example:
+        >>> value_repr({"lr": 1 << 20000})
+        "{'lr': <int of 20001 bits>}"
+    """
+    try:
+        return repr(value)
+    except ValueError:
+        return _LONG_INTS.repr(value)
+
+
+def value_str(value: object) -> str:
+    """``str(value)`` (a key named in a path), with an int too long for digits shown as :func:`int_text`
+    shows it, wherever it lies inside ``value``.
+
+    Example:
+        >>> value_str(3), value_str((1 << 20000, "a"))
+        ('3', "(<int of 20001 bits>, 'a')")
+    """
+    try:
+        return str(value)
+    except ValueError:
+        return int_text(value) if isinstance(value, int) else _LONG_INTS.repr(value)

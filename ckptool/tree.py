@@ -142,6 +142,84 @@ def contains(obj: Any, kind: type) -> bool:
     return False
 
 
+def placeholder_classes(obj: Any) -> dict[type, None]:
+    """Every placeholder class reachable from ``obj`` (an allowed object's class, a class or function held
+    as a value, a key included), each once, in the order met.
+
+    There is one class per spelling of a global (``m`` + ``Outer.Inner``, ``m.Outer`` + ``Inner`` and
+    ``getattr(m.Outer, 'Inner')`` are three), so a rewrite that reads back with a class its input did not
+    hold spelled a name otherwise: it would not load as the same object. A tensor's own parts name only
+    torch's globals, and a state dict's tensors are passed over at once (tested in C).
+    """
+    found: dict[type, None] = {}
+    seen: set[int] = set()
+    stack: list[Any] = [obj]
+    atoms, emptyable = _ATOMS, _EMPTYABLE
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind in atoms or kind is TensorRef or (kind in emptyable and not node) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, type):
+            if issubclass(node, OpaqueObject):
+                found[node] = None
+                if node._parent is not None:  # read from getattr(<parent>, 'name')
+                    stack.append(node._parent)
+            continue
+        if isinstance(node, OpaqueObject):
+            found[kind] = None
+            stack.extend(_child_values(node))
+            stack.extend(key for key, _ in node._setitems)
+        elif isinstance(node, dict):
+            values = list(dict.values(node))
+            if not all(map(_IS_TENSOR_REF, values)):
+                stack.extend(values)
+            if set(map(type, dict.keys(node))) != {str}:  # (a state dict's 100,000 str keys: one C pass)
+                stack.extend(key for key in dict.keys(node) if type(key) is not str)
+        elif isinstance(node, list | tuple | set | frozenset):
+            stack.extend(node)
+    return found
+
+
+_CLOSE, _OPEN = (-1,), (2,)  # a tuple's ends: a shorter tuple sorts before a longer one it begins
+
+
+def order_key(value: Any) -> tuple:
+    """A sort key under which any two dict keys a pickle can hold compare, mixed kinds included.
+
+    ``sorted({1: a, "x": b})`` raises TypeError (``'<' not supported between 'str' and 'int'``); keys
+    compared through this never do: strings (by value), then numbers (ints, floats and bools by value),
+    then tuples (item by item under this same order, a shorter one first), then None, then anything
+    else by its type's name (equal keys keep their order in a stable sort). Built without recursion:
+    a key may nest a thousand tuples deep.
+
+    Example:
+        >>> sorted([(1, 2), None, 3, "b", (1,)], key=order_key)
+        ['b', 3, (1,), (1, 2), None]
+    """
+    tokens: list[tuple] = []
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if item is _CLOSE:
+            tokens.append(_CLOSE)
+        elif kind is str or isinstance(item, str):
+            tokens.append((0, str(item)))
+        elif kind in (int, bool, float) or isinstance(item, int | float):
+            tokens.append((1, item))
+        elif kind is tuple:
+            tokens.append(_OPEN)
+            stack.append(_CLOSE)
+            stack.extend(reversed(item))
+        elif item is None:
+            tokens.append((3,))
+        else:
+            tokens.append((4, kind.__qualname__))
+    return tuple(tokens)
+
+
 def get_at(container: Any, layout: Path_) -> Any:
     node = container
     for key in layout:
@@ -247,3 +325,18 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
         return node
 
     return rebuild(obj)
+
+
+def spelling(cls: type) -> str:
+    """How a pickle names a placeholder class: ``getattr(m.Outer, 'Inner')``, ``m:Outer.Inner`` (module ``m``,
+    a nested name) or its plain global ``m.Outer``."""
+    attributes: list[str] = []
+    while getattr(cls, "_parent", None) is not None:  # (a chain of getattr calls: no recursion over its length)
+        attributes.append(cls._attribute)  # type: ignore[attr-defined]
+        cls = cls._parent  # type: ignore[attr-defined]
+    module = getattr(cls, "_module", None)
+    name: str = getattr(cls, "_global", "") or cls.__qualname__
+    text = f"{module}:{name[len(module) + 1:]}" if module else name
+    for attribute in reversed(attributes):
+        text = f"getattr({text}, {attribute!r})"
+    return text

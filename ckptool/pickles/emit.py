@@ -3,7 +3,8 @@
 :func:`dump` emits protocol 2 using only the opcodes torch's ``weights_only`` unpickler accepts,
 re-emitting every placeholder as the global it came from, so a rewritten checkpoint loads wherever
 the original did. (What only a protocol-4 input can hold — a frozenset read from FROZENSET, keywords
-from NEWOBJ_EX, a nested class's dotted name — is written as that input wrote it.) It needs nothing of the reading side but the placeholder types, and the table of
+from NEWOBJ_EX, a nested class's dotted name — is written as that input wrote it, and so is an int too
+long for LONG1: LONG4, which a weights_only load of the input did not read either.) It needs nothing of the reading side but the placeholder types, and the table of
 torch's globals to name an allowed function handed over as a value (``defaultdict(OrderedDict)``).
 
 Every global it writes is one the tree names: a placeholder's own, a class or function the tree
@@ -173,23 +174,29 @@ class _Emitter:
                 self.save(item)
             self.write(_P.FROZENSET)
             self._put(obj)
-        elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._parent is not None:
-            # a nested name read from getattr(<global>, 'name'): spelled back the same way
-            if id(obj) in self.memo:
-                self._get(self.memo[id(obj)])
-                return
-            self.global_("builtins.getattr")
-            self.save((obj._parent, obj._attribute))
-            self.write(_P.REDUCE)
-            self._put(obj)
-        elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and obj._global:
+        elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and (obj._global or obj._parent is not None):
             # an allowed class passed as a value (numpy's ndarray to _reconstruct, defaultdict's
-            # list factory, a config's object_type): the global it was read from
-            self.global_(obj._global, obj._module)
+            # list factory, a config's object_type): the global it was read from, spelled as it was
+            self._class(obj)
         elif callable(obj) and self._callable_name(obj) is not None:
             self.global_(self._callable_name(obj))  # type: ignore[arg-type]
         else:
             raise InputError(f"cannot write a {type(obj).__name__} into a checkpoint pickle")
+
+    def _class(self, cls: type) -> None:
+        """A placeholder class named as the pickle named it, so that it loads as the same object: read from
+        ``getattr(<global>, 'name')`` (pickle's spelling of a nested name below protocol 4), that call again;
+        else its global, split where the pickle split it (STACK_GLOBAL's ``m`` + ``Outer.Inner``)."""
+        if cls._parent is None:  # type: ignore[attr-defined]
+            self.global_(cls._global, cls._module)  # type: ignore[attr-defined]
+            return
+        if id(cls) in self.memo:
+            self._get(self.memo[id(cls)])
+            return
+        self.global_("builtins.getattr")
+        self.save((cls._parent, cls._attribute))  # type: ignore[attr-defined]
+        self.write(_P.REDUCE)
+        self._put(cls)
 
     def _callable_name(self, obj: Any) -> str | None:
         """The global a function of torch's allowed set stands for (``collections.OrderedDict`` is read
@@ -209,10 +216,7 @@ class _Emitter:
         elif -(2**31) <= value < 2**31:
             self.write(_P.BININT + struct.pack("<i", value))
         else:
-            encoded = pickle.encode_long(value)
-            if len(encoded) > 255:
-                raise InputError("an integer in the checkpoint is too large to write")
-            self.write(_P.LONG1 + bytes([len(encoded)]) + encoded)
+            self.write(_long_bytes(value))
 
     def _tuple(self, obj: tuple) -> None:
         if not obj:
@@ -396,7 +400,7 @@ class _Emitter:
 
     def _opaque(self, obj: OpaqueObject) -> None:
         # pickle's save_reduce order: the call, memo, items appended, items set, then BUILD's state
-        self.global_(obj._global, obj._module)
+        self._class(type(obj))
         if obj._mode == "newobj_ex":  # cls.__new__(cls, *args, **kwargs): the pair the reader kept
             args, kwargs = obj._args
             self.save(tuple(args))
@@ -453,10 +457,17 @@ def _int_bytes(value: int) -> bytes:
         return _P.BININT2 + struct.pack("<H", value)
     if -(2**31) <= value < 2**31:
         return _P.BININT + struct.pack("<i", value)
+    return _long_bytes(value)
+
+
+def _long_bytes(value: int) -> bytes:
+    """LONG1, or past 255 bytes (614 digits) LONG4, as pickle (and so torch.save) writes an int. torch's
+    weights_only loader reads no LONG4: an int that long came from a pickle it did not load either (or from a
+    container ckptool carried out of one), and is written back as that pickle held it."""
     encoded = pickle.encode_long(value)
-    if len(encoded) > 255:
-        raise InputError("an integer in the checkpoint is too large to write")
-    return _P.LONG1 + bytes([len(encoded)]) + encoded
+    if len(encoded) < 256:
+        return _P.LONG1 + bytes([len(encoded)]) + encoded
+    return _P.LONG4 + struct.pack("<i", len(encoded)) + encoded
 
 
 def dump(obj: Any, *, renumber_storages: bool = False,

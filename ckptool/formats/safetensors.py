@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import math
 import re
@@ -148,13 +149,58 @@ def _raw_header(path: Path, handle: BinaryIO) -> tuple[bytes, int]:
 
 
 def _parsed(path: Path, raw: bytes) -> dict:
+    """The header as the safetensors library reads it, or refused where that library refuses it: besides
+    invalid UTF-8 or JSON, an entry naming a field twice or a second ``__metadata__`` (serde's "duplicate
+    field"; a plain dict would keep the last), ``-0`` for a count (a float to serde; ``0`` to Python's
+    json), and a lone surrogate escape (``\\ud800``, not Unicode; serde refuses it, json decodes it)."""
+    repeated: list[tuple[dict, list[str]]] = []
+
+    def pairs_hook(pairs: list[tuple[str, object]]) -> dict:
+        mapping = dict(pairs)
+        if len(mapping) < len(pairs):
+            counted = Counter(key for key, _ in pairs)
+            repeated.append((mapping, [key for key, count in counted.items() if count > 1]))
+        return mapping
+
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs_hook, parse_int=_json_int)
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a 5000-digit number, deep nesting
         raise InputError(f"safetensors header is not valid UTF-8 JSON ({type(e).__name__}) — the file is corrupt", path=path) from e
     if not isinstance(header, dict):
         raise InputError("safetensors header is not a JSON object — the file is corrupt", path=path)
+    for mapping, keys in repeated:  # (a name twice keeps its last entry, as serde's map does; metadata too)
+        if mapping is header:
+            if "__metadata__" in keys:
+                raise InputError("safetensors header holds __metadata__ twice — the file is corrupt", path=path)
+            continue
+        if mapping is not header.get("__metadata__"):  # an entry's fields, also one a later entry replaces
+            name = next((name for name, entry in header.items() if entry is mapping), None)
+            raise InputError(f"safetensors entry {'' if name is None else repr(name[:80]) + ' '}names "
+                             f"{keys[0][:20]!r} twice — the file is corrupt", path=path)
+    if b"\\u" in raw:  # (only an escape spells a surrogate: strict UTF-8 refuses one written raw)
+        _refuse_surrogates(header, path)
     return header
+
+
+def _json_int(text: str) -> int | float:
+    """json's int, but ``-0`` as the float serde reads it (JSON writes no such int: refused as a count)."""
+    return -0.0 if text == "-0" else int(text)
+
+
+def _refuse_surrogates(header: dict, path: Path) -> None:
+    """Refuse a name, dtype or metadata string holding a lone surrogate (only an escape can spell one)."""
+    metadata = header.get("__metadata__")
+    texts = [*header, *(entry.get("dtype") for entry in header.values() if isinstance(entry, dict))]
+    if isinstance(metadata, dict):
+        texts += [*metadata, *metadata.values()]
+    for text in texts:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"safetensors header holds a lone surrogate escape in {text[:80]!r}, which is not "
+                                 "Unicode (the safetensors library refuses it too) — the file is corrupt",
+                                 path=path) from None
 
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
@@ -378,8 +424,17 @@ def parse_size(text: str) -> int:
 
 
 def check_dtypes(tensors: Mapping[str, TensorRef], *, out: Path | None = None) -> None:
-    """Refuse, before anything is written, tensors whose dtype the safetensors format does not define,
-    naming them (the safetensors library would not open the file)."""
+    """Refuse, before anything is written, tensors whose dtype the safetensors format does not define, or
+    whose name holds a lone surrogate (a pickle's key may; JSON text may not), naming them: the safetensors
+    library would not open the file."""
+    names = list(tensors)
+    if not all(map(str.isascii, names)):  # (the usual names: one C pass)
+        unpaired = [name for name in names if _unpaired(name)]
+        if unpaired:
+            shown = ", ".join(repr(name[:80]) for name in unpaired[:3]) + (", ..." if len(unpaired) > 3 else "")
+            raise OutputError(f"safetensors cannot store {len(unpaired)} tensor name(s) holding a lone surrogate "
+                              f"({shown}: not Unicode, which the format's JSON header is) — write a .pt instead ("
+                              + option("to", "pt") + "), or rename them", path=out)
     outside: dict[str, list[str]] = {}
     for name, tensor in tensors.items():
         if tensor.dtype.name not in FORMAT_DTYPES:
@@ -419,6 +474,31 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
     return aliases
 
 
+def _unpaired(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (a pickle's key, a file name that is not UTF-8)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _unicode_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` as a JSON header can hold it: a lone surrogate (``ckptool.source``'s file name when it is not
+    UTF-8, its bytes kept as surrogates) written as the escape text printing shows (``\\udcff``)."""
+    if all(not _unpaired(key) and not _unpaired(value) for key, value in metadata.items()):
+        return dict(metadata)
+    return {_printable_surrogates(key): _printable_surrogates(value) for key, value in metadata.items()}
+
+
+def _printable_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape (``\\udcff``), other characters kept."""
+    return "".join(f"\\u{ord(char):04x}" if 0xD800 <= ord(char) <= 0xDFFF else char for char in text) \
+        if _unpaired(text) else text
+
+
 def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]], nbytes: list[int],
                    metadata: Mapping[str, str]) -> bytes:
     """The header's JSON for the tensors ``order`` names (their dtypes' names, shapes and byte counts) laid out end
@@ -429,7 +509,7 @@ def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[
     else names escaped by json's ASCII encoder, each dtype's and shape's text made once by ``json.dumps``, the
     entries formatted by one ``str.format`` mapped over them. ``CKPTOOL_PURE_PYTHON_HEADER=1`` writes in Python.
     """
-    parts = ['"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"))] if metadata else []
+    parts = ['"__metadata__":' + json.dumps(_unicode_metadata(metadata), separators=(",", ":"))] if metadata else []
     if FAST and not PURE_PYTHON_HEADER:  # in one C pass (100,000 entries: 0.04-0.07 s, not 0.2-0.27)
         encoded = _fastload.encode_header(order, dtype_names, shapes, nbytes, "".join(parts), encode_basestring_ascii)
         if encoded is not NotImplemented:

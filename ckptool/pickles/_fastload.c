@@ -1202,16 +1202,9 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
         !PyTuple_CheckExact(stride) || PyTuple_GET_SIZE(shape) > 3 || PyTuple_GET_SIZE(stride) > 3 ||
         (requires_grad != Py_True && requires_grad != Py_False))
         goto done;
-    {
-        /* (the storage is never looked up in the memo, where save's ``id(storage) in memo`` looks: a storage is
-           written as a persistent id, which nothing memoises, and the memo keeps what it numbers alive) */
-        Py_ssize_t at;
-        if (PyTuple_GET_SIZE(shape)) {
-            if (shape == stride) goto done;
-            if (!alone(shape, 2) && (at = memo_index(e, shape)) != -1) goto check_error;
-        }
-        if (PyTuple_GET_SIZE(stride) && !alone(stride, 2) && (at = memo_index(e, stride)) != -1) goto check_error;
-    }
+    /* (the storage is never looked up in the memo, where save's ``id(storage) in memo`` looks: a storage is
+       written as a persistent id, which nothing memoises, and the memo keeps what it numbers alive. The shape and
+       stride are never looked up either: they are written by value, whichever tuple objects hold them) */
     numel = slot_attr(storage, "numel", &e->slots[E_STORAGE_NUMEL]);
     location = slot_attr(storage, "location", &e->slots[E_STORAGE_LOCATION]);
     if (numel == NULL || location == NULL) goto error;
@@ -1302,8 +1295,7 @@ static int emit_plain_tensor(Emit *e, PyObject *tensor) {
             cached = PyDict_GetItemWithError(e->dims_bytes, dims);
             if (cached == NULL) goto error;
         }
-        if (put_bytes(b, PyBytes_AS_STRING(cached), PyBytes_GET_SIZE(cached)) || PUT_INDEX(b, index) ||
-            (!alone(dims, 2) && memoise(e, dims, index) < 0))
+        if (put_bytes(b, PyBytes_AS_STRING(cached), PyBytes_GET_SIZE(cached)) || PUT_INDEX(b, index))
             goto error;
         index++;
     }
@@ -1754,8 +1746,21 @@ static int raw_string(Cursor *c, const unsigned char **start, Py_ssize_t *length
     return 1;
 }
 
+/* whether a str holds a lone surrogate (only a JSON escape spells one: strict UTF-8 refuses it written raw) */
+static int has_surrogate(PyObject *text) {
+    int kind = PyUnicode_KIND(text);
+    if (kind == PyUnicode_1BYTE_KIND) return 0;
+    const void *data = PyUnicode_DATA(text);
+    for (Py_ssize_t k = 0, n = PyUnicode_GET_LENGTH(text); k < n; k++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, k);
+        if (c >= 0xD800 && c <= 0xDFFF) return 1;
+    }
+    return 0;
+}
+
 /* the str a JSON string stands for: decoded as UTF-8 (strict), or by ``loads`` (json.loads) where it holds
-   escapes; NULL (no error: the caller declines) for anything else */
+   escapes; NULL (no error: the caller declines) for anything else, a lone surrogate escape included (the
+   Python parse refuses it, as the safetensors library does) */
 static PyObject *string_value(const unsigned char *start, Py_ssize_t length, int escaped, PyObject *loads) {
     PyObject *value;
     if (!escaped) {
@@ -1765,7 +1770,7 @@ static PyObject *string_value(const unsigned char *start, Py_ssize_t length, int
         PyObject *quoted = PyUnicode_DecodeUTF8((const char *)start - 1, length + 2, "strict");
         value = quoted ? PyObject_CallOneArg(loads, quoted) : NULL;
         Py_XDECREF(quoted);
-        if (value != NULL && !PyUnicode_CheckExact(value)) Py_CLEAR(value);
+        if (value != NULL && (!PyUnicode_CheckExact(value) || has_surrogate(value))) Py_CLEAR(value);
     }
     if (value == NULL) PyErr_Clear();
     return value;
@@ -1858,7 +1863,11 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
             PyObject *name = string_value(key, key_length, key_escaped, loads), *dtype = NULL;
             int64_t dims[64], begin = -1, end = -1, itemsize = 0;
             int ndims = -1, have_offsets = 0;
-            if (name == NULL || !take(&c, '{')) failed = 1;
+            /* a key that escapes "__metadata__" (\u005f_metadata__) is the metadata to json.loads and to the
+               safetensors library, not a tensor: the Python parse reads it */
+            if (name == NULL || (key_escaped && PyUnicode_CompareWithASCIIString(name, "__metadata__") == 0) ||
+                !take(&c, '{'))
+                failed = 1;
             for (int field = 0; field < 3 && !failed; field++) {
                 const unsigned char *f;
                 Py_ssize_t fl;

@@ -310,8 +310,9 @@ class _Emitter:
     def _plain_tensor(self, tensor: TensorRef) -> bool:
         """A plain ``_rebuild_tensor_v2`` tensor (the state dict's usual entry) written in one piece:
         exactly the bytes :meth:`save` writes for it value by value (its arguments' tuple, a fresh
-        hooks ``OrderedDict`` and each tuple memoised alike). False, with nothing written, for any
-        argument that path would write otherwise (shared through the memo, not plain ints)."""
+        hooks ``OrderedDict``, each numbered alike; its shape and stride by value, as :meth:`_tensor_args`
+        gives them). False, with nothing written, for any argument that path would write otherwise (shared
+        through the memo, not plain ints)."""
         memo = self.memo
         storage, hooks, shape, stride, offset = tensor.storage, tensor.backward_hooks, tensor.shape, tensor.stride, \
             tensor.offset
@@ -322,7 +323,6 @@ class _Emitter:
             return False
         if type(storage) is not StorageRef or id(storage) in memo or type(offset) is not int \
                 or type(shape) is not tuple or type(stride) is not tuple or len(shape) > 3 or len(stride) > 3 \
-                or (shape and (id(shape) in memo or shape is stride)) or (stride and id(stride) in memo) \
                 or type(tensor.requires_grad) is not bool or type(storage.numel) is not int \
                 or type(storage.location) is not str:
             return False
@@ -365,9 +365,7 @@ class _Emitter:
                 written = dims_bytes[dims] = b"".join([small[value] if 0 <= value < 256 else _int_bytes(value)
                                                        for value in dims]) + _TUPLES[len(dims)]
             parts.append(written)
-            parts.append(_put_bytes(index))
-            memo[id(dims)] = index
-            keep.append(dims)
+            parts.append(_put_bytes(index))  # (numbered as pickle numbers it; never looked up: written by value)
             index += 1
         parts.append(_P.NEWTRUE if tensor.requires_grad else _P.NEWFALSE)
         parts.append(_get_bytes(dict_at))
@@ -390,7 +388,10 @@ class _Emitter:
 
     @staticmethod
     def _tensor_args(tensor: TensorRef) -> tuple:
-        args: list[Any] = [tensor.storage, tensor.offset, tuple(tensor.shape), tuple(tensor.stride)]
+        # a tensor's shape and stride are written by value (tuples of their own, as torch.save's are): which
+        # tensors share one tuple object is the reader's business (a safetensors header's parse shares them),
+        # and must not change the bytes written
+        args: list[Any] = [tensor.storage, tensor.offset, tuple(list(tensor.shape)), tuple(list(tensor.stride))]
         if tensor.rebuild != "torch._utils._rebuild_tensor":
             hooks = tensor.backward_hooks if tensor.backward_hooks is not None else OrderedDict()
             args += [tensor.requires_grad, hooks]

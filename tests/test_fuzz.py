@@ -17,6 +17,7 @@ import os
 from collections import Counter
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,3 +216,115 @@ def _clean_work_dir():
     for path in WORK.iterdir():
         path.unlink()
     WORK.rmdir()
+
+
+# ------------------------------------------------------------------------------------------------
+# the sanitized fuzz's oracles (scripts/fuzz/twins.py) and what it found
+
+
+FUZZ_SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "fuzz"
+FINDINGS = Path(__file__).resolve().parent / "data" / "fuzz"  # every input `make fuzz` ever flagged, once fixed
+
+
+def _twins():
+    sys.path.insert(0, str(FUZZ_SCRIPTS))
+    import twins
+
+    return twins
+
+
+def finding_files() -> list[Path]:
+    return sorted(p for p in FINDINGS.iterdir() if p.is_file() and p.suffix != ".txt") if FINDINGS.is_dir() else []
+
+
+@pytest.mark.parametrize("path", finding_files(), ids=lambda path: path.name)
+def test_every_fuzz_finding_stays_fixed(path: Path, tmp_path: Path) -> None:
+    """Each input the fuzz flagged (tests/data/fuzz/, with a .txt of what it was): every C twin agrees with its
+    Python reference on it and the API raises only CkptError (under ASan and UBSan too, in `make fuzz`)."""
+    assert _twins().check(path, tmp_path) == []
+
+
+def test_the_fuzz_oracles_pass_every_fixture(fixtures_dir: Path, tmp_path: Path) -> None:
+    """The oracles hold on real checkpoints (so a finding is the input's doing, not the oracle's), and reach
+    the deep ones: a load, a save both ways, an emit both ways."""
+    twins = _twins()
+    outcomes = Counter()
+    for path in sorted(fixtures_dir.rglob("*")):
+        if path.is_file() and path.suffix in (".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl"):
+            problems, outcome = twins.check_report(path, tmp_path)
+            assert problems == [], (path, problems)
+            outcomes[outcome] += 1
+    assert outcomes["read"] >= 30, outcomes
+
+
+def test_the_fuzz_oracles_see_a_twin_that_differs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C twin made to differ is caught, and named: the guard's walk, zipio's loops, the unpickler's run."""
+    from ckptool.formats import zipio
+    from ckptool.pickles import opcode_guard, unpickle
+
+    twins = _twins()
+    path = tmp_path / "good.pt"
+    path.write_bytes(hostile.good_zip())
+    (tmp_path / "out").mkdir()
+    assert twins.check(path, tmp_path / "out") == []
+    if opcode_guard._native is not None:
+        real_walk = opcode_guard._native_walk
+
+        def walk_counting_one_more(data: bytes) -> pickles.PickleStats:
+            stats = real_walk(data)
+            return pickles.PickleStats(stats.size, [stats.counts[0] + 1, *stats.counts[1:]], stats.globals)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(opcode_guard, "_native_walk", walk_counting_one_more)
+            assert any(p.startswith("guard: the walks differ") for p in twins.check(path, tmp_path / "out"))
+    if zipio._native is not None:
+        class Renaming:
+            def __getattr__(self, name: str) -> object:
+                function = getattr(zipio._native, name)
+                if name != "records":
+                    return function
+                return lambda *args: [(("x" + r[0]),) + tuple(r[1:]) for r in function(*args)]
+
+        with monkeypatch.context() as patch:
+            patch.setattr(zipio, "_native", Renaming())
+            problems = twins.check(path, tmp_path / "out")
+            assert any(p.startswith("zip: ") for p in problems), problems
+            assert any(p.startswith("load: C and Python differ (twin zip)") for p in problems), problems
+    if unpickle._fastload is not None:
+        real_fast_load = unpickle._fast_load
+
+        def fast_load_dropping_a_key(*args: object) -> object:
+            result = real_fast_load(*args)
+            if isinstance(result, dict) and result:
+                del result[next(iter(result))]
+            return result
+
+        with monkeypatch.context() as patch:
+            patch.setattr(unpickle, "_fast_load", fast_load_dropping_a_key)
+            problems = twins.check(path, tmp_path / "out")
+            assert any(p.startswith("load: C and Python differ (twin unpickle)") for p in problems), problems
+
+
+def test_the_fuzz_mutators_run_on_every_kind_of_seed(fixtures_dir: Path, tmp_path: Path) -> None:
+    """Every mutator runs without failing on every kind of seed, and the mutants differ from their seeds."""
+    import random
+
+    sys.path.insert(0, str(FUZZ_SCRIPTS))
+    import mutate
+
+    corpus = tmp_path / "hostile"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hostile.build_corpus(corpus)
+    seeds = mutate.load_seeds([fixtures_dir, corpus])
+    kinds = {seed.kind for seed in seeds}
+    assert {"zip", "legacy", "safetensors", "pickle"} <= kinds, kinds
+    donors = mutate.pickle_blobs(seeds)
+    rng = random.Random(0)
+    changed = 0
+    for seed in seeds:
+        for _ in range(3):
+            data, notes = mutate.mutate(rng, seed, seeds, donors)
+            assert notes and len(data) <= mutate.MAX_MUTANT
+            changed += data != seed.data
+    assert changed >= 2 * len(seeds), (changed, len(seeds))

@@ -114,15 +114,14 @@ CODE_RUNNING_GLOBALS: frozenset[str] = frozenset({
 _MODULE_OBJECTS: Final = frozenset({"torch._utils"})
 CODE_RUNNING: Final = CODE_RUNNING_MODULES | CODE_RUNNING_GLOBALS
 
-# Names inside a code-running module that are data (read by ckptool's own format readers).
+# Names inside a code-running module that are data (read by ckptool's own format readers): the names under
+# these modules' (not the modules themselves, which a package may shadow with something else)
 _INERT_WITHIN: Final = (
-    "torch.jit._pickle",  # TorchScript's list tags: each returns its argument
-    "numpy.random._pickle",  # numpy's random generators, rebuilt from their state
-    "torch.distributed.checkpoint.metadata",  # DCP's metadata records (dataclasses)
+    "torch.jit._pickle.",  # TorchScript's list tags: each returns its argument
+    "numpy.random._pickle.",  # numpy's random generators, rebuilt from their state
+    "torch.distributed.checkpoint.metadata.",  # DCP's metadata records (dataclasses)
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     "torch.serialization._get_layout",  # a layout's name, as torch pickles it
-    "torch._C._nn", "torch._C._special", "torch._C._linalg", "torch._C._fft", "torch._C._nested", "torch._C._sparse",
-    "torch._C._VariableFunctions", "torch._C._TensorBase", "torch._C.Generator",  # compute: held as module attributes
 )
 
 # System modules whose name, as a later component, is that module re-exported (``torch.os``, ``argparse._os``):
@@ -182,6 +181,8 @@ def _inert_prefix(name: str) -> int:
     (:data:`_INERT_WITHIN`); 0 if none."""
     if name.startswith(_INERT_WITHIN):
         for inert in _INERT_WITHIN:
+            if inert.endswith(".") and name.startswith(inert):
+                return inert.count(".")
             if name == inert or name.startswith(inert + "."):
                 return inert.count(".") + 1
     return 0

@@ -27,9 +27,13 @@ from typing import Any
 from . import dtypes, formats, inputs, pickles
 from .byteio import learnt_size, use_storage_options
 from .errors import CkptError, InputError, UnsupportedFormatError, location
+from .formats import npy
 from .refs import StorageRef
 from .suggest import Wording, option
 
+# what a converted object of a package runs, for scan's note
+_CONVERTED_CODE = {"omegaconf": "omegaconf resolves its interpolations, running the resolvers the loading program "
+                                "registered: ${oc.env:...} reads the environment, an eval resolver runs any code"}
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 
 
@@ -61,7 +65,7 @@ def global_verdict(full_name: str, resolver: pickles.GlobalResolver) -> str:
     """One global's verdict: ``dangerous`` when it is known to run code or reach the system (whatever
     the flags: an exact ``--allow-global`` reads it inert, but ``torch.load`` would still call it),
     else ``allowed`` when the read's allowlist accepts it, else ``unknown``."""
-    if pickles.runs_code(full_name):
+    if pickles.runs_code(full_name) or full_name in resolver.called_on:
         return DANGEROUS
     return ALLOWED if resolver.is_allowed(full_name) else UNKNOWN
 
@@ -97,9 +101,10 @@ def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
     return found, opcodes, error
 
 
-def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
-                    guard_cache: pickles.GuardCache | None = None) -> tuple[dict[str, int], str | None]:
-    """Globals a load would import, found by unpickling with inert placeholders for everything."""
+def dry_run_globals(data: bytes, allow_globals: tuple[str, ...], guard_cache: pickles.GuardCache | None = None,
+                    called_on: dict[str, str] | None = None) -> tuple[dict[str, int], str | None]:
+    """Globals a load would import, found by unpickling with inert placeholders for everything; the data
+    classes a call converts while unpickling go into ``called_on`` (class -> call)."""
     resolver = pickles.GlobalResolver(allow_globals, permissive=True, guard_cache=guard_cache)
     stand_ins: dict[Any, StorageRef] = {}
 
@@ -119,6 +124,8 @@ def dry_run_globals(data: bytes, allow_globals: tuple[str, ...],
         error = e.message
     except pickles.RefusedGlobal as e:  # not raised in permissive mode, kept for safety
         error = ", ".join(e.names)
+    if called_on is not None:
+        called_on.update(resolver.called_on)
     return dict(resolver.seen), error
 
 
@@ -129,9 +136,24 @@ def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Form
         if not head:
             raise InputError("is empty (0 bytes) — the save or download did not finish", path=path)
         fmt = formats.sniff(head, path)
-        if fmt is None:  # no checkpoint: the load names what it is
-            return None, formats.Pickles("", [])
+        if fmt is None:  # no checkpoint: the load names what it is; an array of objects is a pickle numpy.load runs
+            return None, formats.Pickles("npy", _npy_pickles(handle, head, resolver)) if head.startswith(
+                npy.MAGIC) else formats.Pickles("", [])
         return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
+
+
+def _npy_pickles(handle: Any, head: bytes, resolver: pickles.GlobalResolver) -> list[formats.PickleBlob]:
+    """The pickle of an ``.npy`` object array (``numpy.load(allow_pickle=True)`` runs it); none for another array."""
+    from .formats import pickle_stream
+
+    handle.seek(0)
+    offset = npy.pickle_offset(handle.read(npy.HEAD_BYTES))
+    if offset is None:
+        return []
+    handle.seek(offset)
+    return [formats.PickleBlob(label, data, read_by_load=False) for label, data in
+            pickle_stream.split_pickles(handle, "the array's objects (numpy.load with allow_pickle runs them)", 1,
+                                        resolver.guard_cache)]
 
 
 def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
@@ -169,7 +191,10 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     if fmt is not None and fmt.scan_resolver is not None:  # DCP's metadata classes are read as inert placeholders too
         resolver = fmt.scan_resolver(resolver)
     opcodes, static_names = _static_pass(blobs, cache)
-    format_name, globals_, problems, load_error = _load_pass(path, blobs, allow_globals, cache)
+    format_name, globals_, problems, load_error = _load_pass(path, blobs, allow_globals, cache, resolver.called_on)
+    conversions = [f"the pickle calls {call} on an object of {class_name}: torch.load would run that class's code "
+                   f"while unpickling ({_CONVERTED_CODE.get(class_name.split('.')[0], 'its methods')})"
+                   for class_name, call in resolver.called_on.items()]
     for full_name in static_names:
         # a getattr the reads judged by its calls (pickle's spelling of a nested name) is listed by
         # what it named; only a read that stopped early leaves it to the static pass
@@ -180,7 +205,7 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     dangerous = [name for name in unsafe if verdicts[name] == DANGEROUS]
     report = ScanReport(path=str(path), format=found.kind, safe=not unsafe, unsafe=unsafe,
                         globals=dict(sorted(globals_.items())), opcodes=dict(sorted(opcodes.items())),
-                        pickles=[blob.label for blob in blobs], problems=[*found.notes, *problems],
+                        pickles=[blob.label for blob in blobs], problems=[*found.notes, *conversions, *problems],
                         dangerous=dangerous, verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
                         verdicts=verdicts, readable=load_error is None)
     by_file, unread = _by_file(blobs, verdicts, cache)
@@ -258,8 +283,9 @@ def _static_pass(blobs: list[formats.PickleBlob], cache: pickles.GuardCache) -> 
 
 
 def _load_pass(path: Path, blobs: list[formats.PickleBlob], allow_globals: tuple[str, ...],
-               cache: pickles.GuardCache) -> tuple[str, Counter, list[str], CkptError | None]:
-    """The globals a restricted load resolves, and a dry run's of each pickle it did not read.
+               cache: pickles.GuardCache, called_on: dict[str, str]) -> tuple[str, Counter, list[str], CkptError | None]:
+    """The globals a restricted load resolves, and a dry run's of each pickle it did not read (with the
+    data classes a call converts while unpickling, into ``called_on``).
 
     Returns the checkpoint's format (when the load succeeded), the globals, the dry runs'
     problems (kept only when the load failed) and the load's error.
@@ -275,14 +301,16 @@ def _load_pass(path: Path, blobs: list[formats.PickleBlob], allow_globals: tuple
         globals_.update(checkpoint.globals)
         format_name = checkpoint.format
         load_error: CkptError | None = None
-        # the pickles the load did not read (a zip's other .pkl members) are still run dry
-        unread = [blob for blob in blobs if not blob.read_by_load]
+        # the pickles the load did not read (a zip's other .pkl members) are still run dry; all of them where
+        # a call may convert an object whose class's code it runs (an exactly allowed one is read all the same)
+        unread = blobs if pickles.may_convert(checkpoint.globals) else [blob for blob in blobs if not blob.read_by_load]
     except CkptError as e:
         load_error = e
         unread = blobs
     for blob in unread:
-        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals, cache)
-        globals_.update(dynamic)
+        dynamic, dynamic_error = dry_run_globals(blob.data, allow_globals, cache, called_on)
+        if load_error is not None or not blob.read_by_load:  # what the load read, it listed already
+            globals_.update(dynamic)
         if dynamic_error and load_error is not None:
             problems.append(f"{blob.label}: {dynamic_error}")
     return format_name, globals_, problems, load_error
@@ -305,8 +333,11 @@ def refusal(refused: pickles.RefusedGlobal) -> Wording:
     shown = ", ".join(names[:SHOWN_GLOBALS]) + (f" and {len(names) - SHOWN_GLOBALS} more"
                                                 if len(names) > SHOWN_GLOBALS else "")
     partial = "" if refused.complete else " (the read stopped early, so more may follow)"
-    dangerous = [name for name in names if pickles.runs_code(name)]
-    if len(names) == 1:
+    dangerous = [name for name in names if pickles.runs_code(name) or name in refused.called_on]
+    if len(names) == 1 and names[0] in refused.called_on:
+        head = (f"pickle calls {refused.called_on[names[0]]} on an object of {names[0]} while unpickling, which runs "
+                "that class's code")
+    elif len(names) == 1:
         head = f"pickle imports {names[0]}, which {'runs' if dangerous else 'could run'} code"
     else:
         head = f"pickle imports {len(names)} globals outside the allowlist: {shown}{partial}"

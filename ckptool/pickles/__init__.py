@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from . import limits
 from .allowlist import (ATTRIBUTE_LOOKUP, DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal,
-                        is_pattern, python3_name, runs_code)
+                        is_pattern, may_convert, python3_name, runs_code)
 from .emit import dump
 from .frames import file_reader_view
 from .guard_cache import GuardCache, PickleStats
@@ -47,7 +47,8 @@ __all__ = [
     "DEFAULT_EXTRA_GLOBALS", "MAX_EXPANDED_NODES", "MAX_EXPANDED_TEXT", "MAX_HASH_COLLISIONS", "MAX_KEY_NODES",
     "MAX_NESTING", "MAX_PICKLE_BYTES", "MAX_UNPICKLED_BYTES", "PARAMETER_DESCRIPTORS", "TORCH_GLOBALS", "GlobalResolver",
     "GuardCache", "OpaqueObject", "PickleStats", "RefusedGlobal", "RestrictedUnpickler", "StateDict", "StorageTypeRef",
-    "TypeRef", "brief", "check_tree", "dump", "file_reader_view", "guard", "guard_stats", "is_pattern", "limits", "loads", "opaque_type",
+    "TypeRef", "brief", "check_tree", "dump", "file_reader_view", "guard", "guard_stats", "is_pattern", "limits", "loads",
+    "may_convert", "opaque_type",
     "python3_name", "read_pickle", "runs_code",
 ]
 

@@ -64,6 +64,7 @@ static PyObject *UNRESOLVED;  /* "<unresolved STACK_GLOBAL>" */
 static PyObject *EMPTY_STR;
 static PyObject *FROM_BYTES_KW;  /* {"signed": True} */
 static PyObject *LITTLE;  /* "little" */
+static PyObject *UNDERSCORES;  /* "__" */
 
 /* ------------------------------------------------------------------------------------ the memo */
 
@@ -217,9 +218,10 @@ typedef struct {
     int64_t ops, memory, hashing;
     uint64_t memo_top;  /* one past the highest memo index stored: the length of CPython's memo table */
     Py_ssize_t frame_end;  /* where the frame being read ends; 0 outside frames */
-    int64_t max_memory, max_pickle, max_nodes, max_collisions, max_depth;
+    int64_t max_memory, max_pickle, max_nodes, max_collisions, max_depth, max_globals;
     PyObject *torch_globals;
     PyObject *names;
+    PyObject *nested;   /* the nested names getattr's arguments spell (tuple records borrow them), or NULL */
     PyObject *message;  /* the refusal */
     uint64_t counts[256];
 } Walk;
@@ -291,6 +293,7 @@ static void walk_free(Walk *w) {
     PyMem_Free(w->opaque_tuples);
     PyMem_Free(w->int_tuples);
     memo_free(&w->memo);
+    Py_XDECREF(w->nested);
     Py_XDECREF(w->message);
 }
 
@@ -542,6 +545,39 @@ static IntTuple *int_tuple_slot(Walk *w, Rec **items, Py_ssize_t count, int64_t 
     }
 }
 
+static int global_name(Walk *w, Rec *r, PyObject **decoded);
+
+/* _attribute_pair: "<global>.<name>" when the items are a global and a plain identifier, no dunder (getattr's
+   arguments spelling a nested name), kept alive by the walk; NULL (no error) when they are not */
+static int attribute_pair(Walk *w, Rec **items, PyObject **nested) {
+    *nested = NULL;
+    Rec *parent = items[0], *attribute = items[1];
+    if (parent->kind != K_GLOBAL || parent->n.gname == NULL || attribute->kind != K_STR) return G_OK;
+    PyObject *text;
+    if (global_name(w, attribute, &text) != G_OK) return G_ERROR;
+    if (text == NULL) return G_OK;
+    int plain = PyUnicode_IsIdentifier(text);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    if (plain && PyUnicode_Tailmatch(text, UNDERSCORES, 0, n, -1) == 1 && PyUnicode_Tailmatch(text, UNDERSCORES, 0, n, 1) == 1)
+        plain = 0;
+    if (plain <= 0 || PyErr_Occurred()) {
+        Py_DECREF(text);
+        return PyErr_Occurred() ? G_ERROR : G_OK;
+    }
+    PyObject *full = PyUnicode_FromFormat("%U.%U", parent->n.gname, text);
+    Py_DECREF(text);
+    if (full == NULL) return G_ERROR;
+    if (w->nested == NULL && (w->nested = PyList_New(0)) == NULL) {
+        Py_DECREF(full);
+        return G_ERROR;
+    }
+    int appended = PyList_Append(w->nested, full);
+    Py_DECREF(full);
+    if (appended < 0) return G_ERROR;
+    *nested = full;  /* the list holds it */
+    return G_OK;
+}
+
 /* _new_tuple (``count`` > 0) */
 static Rec *new_tuple(Walk *w, Rec **items, Py_ssize_t count) {
     int64_t nodes = 1, cap = w->max_nodes + 1;
@@ -556,7 +592,21 @@ static Rec *new_tuple(Walk *w, Rec **items, Py_ssize_t count) {
     }
     if (nodes > w->max_nodes) nodes = cap;
     depth = depth < MAX_DEPTH ? depth + 1 : MAX_DEPTH;
-    if (!(predictable && hashable)) return opaque_tuple(w, nodes, hashable, depth);
+    if (!(predictable && hashable)) {
+        PyObject *nested = NULL;
+        if (count == 2 && attribute_pair(w, items, &nested) != G_OK) return NULL;
+        if (nested != NULL) {  /* a tuple like any other, knowing the name getattr would make of it */
+            Rec *r = new_rec(w);
+            if (r == NULL) return NULL;
+            r->kind = K_TUPLE;
+            r->nodes = nodes;
+            r->hashable = (uint8_t)hashable;
+            r->flags = (uint8_t)depth;
+            r->n.gname = nested;
+            return r;
+        }
+        return opaque_tuple(w, nodes, hashable, depth);
+    }
     int64_t values[INT_TUPLE_ITEMS];
     IntTuple *slot = int_tuple_slot(w, items, count, values);
     if (slot != NULL && slot->rec != NULL) return slot->rec;
@@ -773,7 +823,9 @@ static int global_name(Walk *w, Rec *r, PyObject **decoded) {  /* _text_name(r.n
     return G_OK;
 }
 
-static int add_name(Walk *w, PyObject *name) {
+static int add_name(Walk *w, PyObject *name) {  /* each becomes a placeholder class when unpickled */
+    if ((int64_t)PyList_GET_SIZE(w->names) >= w->max_globals)
+        REFUSE("names over %lld globals (a memory bomb)", (long long)w->max_globals);
     return PyList_Append(w->names, name) < 0 ? G_ERROR : G_OK;
 }
 
@@ -943,7 +995,7 @@ static int op_rare(Walk *w, unsigned code) {
         if (full == NULL) return G_ERROR;
         int added = add_name(w, full);
         Py_DECREF(full);  /* the names list holds it, and records borrow it from there */
-        if (added < 0) return G_ERROR;
+        if (added != G_OK) return added;
         if (code == 0x69) {
             TRY(pop_mark(w, &items, &count));
             uint8_t flags;
@@ -983,7 +1035,7 @@ static int op_rare(Walk *w, unsigned code) {
         Py_XDECREF(a);
         int added = add_name(w, full != NULL ? full : UNRESOLVED);
         Py_XDECREF(full);
-        if (added < 0) return G_ERROR;
+        if (added != G_OK) return added;
         Rec *r = new_rec(w);
         if (r == NULL) return G_ERROR;
         r->kind = K_GLOBAL;
@@ -1280,9 +1332,21 @@ static int run(Walk *w) {
         case 0x52: case 0x81: case 0x92: {  /* REDUCE NEWOBJ NEWOBJ_EX */
             Py_ssize_t count = code == 0x92 ? 3 : 2;
             if (w->top - count < FENCE(w)) REFUSE("calls with too few values on its stack (corrupt)");
-            Rec *callable = w->stack[w->top - count];
+            Rec *callable = w->stack[w->top - count], *arguments = w->stack[w->top - 1];
             w->top -= count;
-            PUSH(made_by(w, callable));
+            if (code == 0x52 && arguments->kind == K_TUPLE && arguments->n.gname != NULL && callable->kind == K_GLOBAL &&
+                callable->n.gname != NULL && (PyUnicode_CompareWithASCIIString(callable->n.gname, "builtins.getattr") == 0 ||
+                                              PyUnicode_CompareWithASCIIString(callable->n.gname, "__builtin__.getattr") == 0)) {
+                Rec *r = new_rec(w);  /* getattr(<global>, 'name'): the global <global>.name */
+                if (r == NULL) return G_ERROR;
+                r->kind = K_GLOBAL;
+                r->hashable = 1;
+                r->nodes = 1;
+                r->n.gname = arguments->n.gname;
+                PUSH(r);
+            } else {
+                PUSH(made_by(w, callable));
+            }
             w->memory += PLACEHOLDER_COST;
             break;
         }
@@ -1316,16 +1380,16 @@ static int run(Walk *w) {
 
 PyDoc_STRVAR(walk_doc,
 "walk(data, max_unpickled_bytes, max_pickle_bytes, max_key_nodes, max_hash_collisions, max_nesting,\n"
-"     torch_globals)\n--\n\n"
+"     max_globals, torch_globals)\n--\n\n"
 "Walk one pickle's opcodes as opcode_guard._Walk.run does. Returns (size, counts, globals) when it\n"
 "passes, None when data ends before its STOP (Truncated), or the refusal's message (a str).");
 
 static PyObject *walk(PyObject *module, PyObject *args) {
     PyObject *data;
-    long long max_memory, max_pickle, max_nodes, max_collisions, max_depth;
+    long long max_memory, max_pickle, max_nodes, max_collisions, max_depth, max_globals;
     PyObject *torch_globals;
-    if (!PyArg_ParseTuple(args, "O!LLLLLO:walk", &PyBytes_Type, &data, &max_memory, &max_pickle, &max_nodes,
-                          &max_collisions, &max_depth, &torch_globals))
+    if (!PyArg_ParseTuple(args, "O!LLLLLLO:walk", &PyBytes_Type, &data, &max_memory, &max_pickle, &max_nodes,
+                          &max_collisions, &max_depth, &max_globals, &torch_globals))
         return NULL;
     if (max_depth < 0 || max_depth >= MAX_DEPTH) {  /* a tuple record holds its depth up to MAX_DEPTH */
         PyErr_SetString(PyExc_ValueError, "max_nesting is out of the native walk's range");
@@ -1333,7 +1397,8 @@ static PyObject *walk(PyObject *module, PyObject *args) {
     }
     const long long bound = (long long)1 << 62;  /* beyond: the Python walk (opcode_guard checks the same) */
     if (max_memory < -bound || max_memory > bound || max_pickle < -bound || max_pickle > bound ||
-        max_nodes < -bound || max_nodes > bound || max_collisions < -bound || max_collisions > bound) {
+        max_nodes < -bound || max_nodes > bound || max_collisions < -bound || max_collisions > bound ||
+        max_globals < -bound || max_globals > bound) {
         PyErr_SetString(PyExc_ValueError, "a limit is out of the native walk's range");
         return NULL;
     }
@@ -1346,6 +1411,7 @@ static PyObject *walk(PyObject *module, PyObject *args) {
     w.max_nodes = max_nodes;
     w.max_collisions = max_collisions;
     w.max_depth = max_depth;
+    w.max_globals = max_globals;
     w.torch_globals = torch_globals;
     w.names = PyList_New(0);
     if (w.names == NULL) return NULL;
@@ -1403,6 +1469,8 @@ PyMODINIT_FUNC PyInit__guard(void) {
         EMPTY_STR = PyUnicode_FromString("");
         FROM_BYTES_KW = Py_BuildValue("{s:O}", "signed", Py_True);
         LITTLE = PyUnicode_InternFromString("little");
+        UNDERSCORES = PyUnicode_InternFromString("__");
+        if (UNDERSCORES == NULL) return NULL;
         if (empty == NULL || UNRESOLVED == NULL || EMPTY_STR == NULL || FROM_BYTES_KW == NULL || LITTLE == NULL)
             return NULL;
         shared(&R_STR, K_STR, 1, NULL);

@@ -12,13 +12,15 @@ reach the system (``os.system``, ``builtins.eval``) from merely unknown ones.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import dtypes
 from . import gadgets
 from ..refs import DTypeRef
-from .placeholders import OpaqueObject, StorageTypeRef, TypeRef, attribute_type, opaque_type, refuse_build
+from . import limits
+from .placeholders import (_OPAQUE_TYPES, OpaqueObject, StorageTypeRef, TypeRef, attribute_type, opaque_type,
+                           refuse_build)
 from .rebuilds import (_builtin_bytearray, _builtin_complex, _builtin_set, _codecs_encode, _counter, _ordered_dict,
                        _rebuild_device_tensor_from_cpu_tensor, _rebuild_from_type_v2, _rebuild_meta_tensor_no_storage,
                        _rebuild_parameter, _rebuild_parameter_with_state, _rebuild_tensor, _rebuild_tensor_v2,
@@ -33,13 +35,17 @@ class RefusedGlobal(Exception):
 
     ``names`` lists every refused global in the order the pickle first names them (``name`` is the
     first); ``complete`` is False when the walk, carried on with inert placeholders past the first
-    refusal, stopped early on something else, so more names may follow those listed.
+    refusal, stopped early on something else, so more names may follow those listed; ``called_on``
+    maps a data class refused because a call converts one of its objects while unpickling (its own
+    code would run) to that call.
     """
 
-    def __init__(self, names: str | Sequence[str], *, complete: bool = True) -> None:
+    def __init__(self, names: str | Sequence[str], *, complete: bool = True,
+                 called_on: Mapping[str, str] | None = None) -> None:
         self.names = [names] if isinstance(names, str) else list(names)
         self.name = self.names[0]
         self.complete = complete
+        self.called_on = dict(called_on or {})
         super().__init__(", ".join(self.names))
 
 
@@ -135,6 +141,24 @@ def runs_code(full_name: str) -> bool:
     return full_name not in TORCH_GLOBALS and gadgets.runs_code(full_name)
 
 
+# Calls that iterate or convert their argument, and the packages whose objects run their own code then
+_CONVERTERS: frozenset[str] = frozenset({
+    *(f"builtins.{name}" for name in ("dict", "list", "tuple", "set", "frozenset", "str", "int", "float", "bool",
+                                      "bytes", "bytearray", "complex", "sorted", "iter", "next", "max", "min", "sum",
+                                      "any", "all", "enumerate", "zip", "map", "filter", "reversed", "len", "repr",
+                                      "format", "hash", "print", "ascii")),
+    "collections.deque", "collections.defaultdict", "collections.ChainMap",
+})
+_RUN_WHEN_CONVERTED = ("omegaconf.",)
+
+
+def may_convert(names: Iterable[str]) -> bool:
+    """Whether globals a pickle named hold both a call that iterates or converts its arguments
+    (``builtins.dict``) and a class whose own code such a call would run (omegaconf's)."""
+    spelled = [python3_name(name) for name in names]
+    return any(name in _CONVERTERS for name in spelled) and any(name.startswith(_RUN_WHEN_CONVERTED) for name in spelled)
+_OPAQUE_TYPES_KEPT = 100_000  # placeholder classes kept between reads (each read adds at most MAX_GLOBALS)
+
 # Pickle's protocol-2 spelling of a nested name (``HistoryBuffer.min``): ``getattr(<global>, 'min')``.
 ATTRIBUTE_LOOKUP = "builtins.getattr"
 
@@ -202,14 +226,21 @@ class GlobalResolver:
 
     def __init__(self, allow_globals: Sequence[str] = (), *, permissive: bool = False,
                  guard_cache: GuardCache | None = None) -> None:
-        self.extra = set(DEFAULT_EXTRA_GLOBALS) | {python3_name(name) for name in allow_globals if not is_pattern(name)}
+        self.named = {python3_name(name) for name in allow_globals if not is_pattern(name)}  # the caller's own
+        self.extra = set(DEFAULT_EXTRA_GLOBALS) | self.named
         self.patterns = tuple(dict.fromkeys(name for name in allow_globals if is_pattern(name)))
         self.allow_globals = tuple(allow_globals)  # as the caller gave them
         self.permissive = permissive
         self.guard_cache = guard_cache
         self.seen: dict[str, int] = {}
         self.refused: list[str] = []
+        self._refused: set[str] = set()  # the same names: a flood of them is refused in linear time
         self._lookups: list[type] = []  # one getattr placeholder per GLOBAL naming it (see _attribute_lookup)
+        # data classes a call iterates or converts while unpickling (builtins.dict(<DictConfig>)): the class's own
+        # code then runs, so it needs the caller's trust (name -> the call)
+        self.called_on: dict[str, str] = {}
+        if len(_OPAQUE_TYPES) > _OPAQUE_TYPES_KEPT:  # placeholders of earlier reads: no read holds them by name
+            _OPAQUE_TYPES.clear()
 
     def records(self) -> tuple[dict[str, int], int, int]:
         """What resolving has recorded so far, for :meth:`restore`."""
@@ -221,11 +252,19 @@ class GlobalResolver:
         self.seen.clear()
         self.seen.update(seen)
         del self.refused[refused:]
+        self._refused = set(self.refused)
         del self._lookups[lookups:]
 
     def is_allowed(self, full_name: str) -> bool:
         full_name = python3_name(full_name)
+        if full_name in self.called_on:  # no more data: a call runs its code; like a code-running name, exact only
+            return full_name in self.named
         return full_name in TORCH_GLOBALS or full_name in self.extra or self._matches(full_name)
+
+    def _refuse(self, full_name: str) -> None:
+        if full_name not in self._refused:
+            self._refused.add(full_name)
+            self.refused.append(full_name)
 
     def _matches(self, full_name: str) -> bool:
         """Whether one of the user's patterns allows ``full_name`` (a Python 3 name): by matching it,
@@ -241,15 +280,39 @@ class GlobalResolver:
             full_name = f"{module}.{name}"
         if full_name == ATTRIBUTE_LOOKUP:  # counted by what it is called with (see _attribute_lookup)
             return self._attribute_lookup(spelled)
-        self.seen[spelled] = self.seen.get(spelled, 0) + 1  # as the file names it
+        self._count(spelled)  # as the file names it
         if full_name in TORCH_GLOBALS:  # before any pattern: torch's globals keep their checks under '*'
             return TORCH_GLOBALS[full_name]
-        if full_name in self.extra or self._matches(full_name):
-            return opaque_type(full_name, module)
-        if full_name not in self.refused:
-            self.refused.append(full_name)
-        # refused: an inert placeholder lets the walk go on to every other refused name
+        if not (full_name in self.extra or self._matches(full_name)):
+            self._refuse(full_name)  # an inert placeholder all the same lets the walk go on to every other one
         return opaque_type(full_name, module)
+
+    def _count(self, spelled: str) -> None:
+        count = self.seen.get(spelled)
+        if count is None and len(self.seen) >= limits.MAX_GLOBALS:
+            raise limits.refuse(f"names over {limits.MAX_GLOBALS} distinct globals (a memory bomb)")
+        self.seen[spelled] = 1 if count is None else count + 1
+
+    def may_convert(self) -> bool:
+        """Whether the pickle named a call that may convert an object whose class's code it runs
+        (:func:`may_convert`): its tree is then looked through for such calls (:meth:`called`)."""
+        return may_convert(self.seen)
+
+    def called(self, call: OpaqueObject) -> None:
+        """An allowed call the pickle makes (``builtins.dict(<DictConfig>)``): on an object of a class whose own
+        code it would run (omegaconf's containers resolve interpolations when iterated, running the resolvers
+        the loading program registered: ``${oc.env:...}`` reads the environment, and the ``eval`` resolver many
+        projects register runs any code), that class is refused like a code-running name: read only when the
+        caller names it exactly."""
+        if call._global in _CONVERTERS and call._mode == "reduce" and isinstance(call._args, tuple):
+            for arg in call._args:
+                if isinstance(arg, OpaqueObject) and arg._global.startswith(_RUN_WHEN_CONVERTED):
+                    self._called_on(arg._global, call._global)
+
+    def _called_on(self, class_name: str, call: str) -> None:
+        self.called_on.setdefault(class_name, call)
+        if class_name not in self.named:  # as for a code-running name: no pattern, only its exact name reads it
+            self._refuse(class_name)
 
     def _attribute_lookup(self, spelled: str) -> type:
         """The placeholder for one GLOBAL naming ``builtins.getattr``, judged by its calls.
@@ -282,15 +345,15 @@ class GlobalResolver:
 
     def _nested(self, parent: type, attribute: str) -> type:
         full_name = f"{parent._global}.{attribute}"  # type: ignore[attr-defined]
-        self.seen[full_name] = self.seen.get(full_name, 0) + 1
-        if not (full_name in self.extra or self._matches(full_name)) and full_name not in self.refused:
-            self.refused.append(full_name)
+        self._count(full_name)
+        if not (full_name in self.extra or self._matches(full_name)):
+            self._refuse(full_name)
         return attribute_type(parent, attribute)
 
     def _record_lookup(self, spelled: str) -> None:
-        self.seen[spelled] = self.seen.get(spelled, 0) + 1
-        if ATTRIBUTE_LOOKUP not in self.extra and ATTRIBUTE_LOOKUP not in self.refused:
-            self.refused.append(ATTRIBUTE_LOOKUP)
+        self._count(spelled)
+        if ATTRIBUTE_LOOKUP not in self.extra:
+            self._refuse(ATTRIBUTE_LOOKUP)
 
     def refusal(self, *, complete: bool = True) -> RefusedGlobal | None:
         """The one refusal naming every global refused so far (none in permissive mode, or if none was)."""
@@ -300,4 +363,4 @@ class GlobalResolver:
                 self._record_lookup(lookup._spelled)  # type: ignore[attr-defined]
         if self.permissive or not self.refused:
             return None
-        return RefusedGlobal(self.refused, complete=complete)
+        return RefusedGlobal(self.refused, complete=complete, called_on=self.called_on)

@@ -17,6 +17,9 @@ MAX_PICKLE_BYTES = 1 << 30
 # included): a 10-byte pickle can otherwise ask for a 64 GiB memo, and 1 MB of EMPTY_SET opcodes
 # builds 200 MB of sets. Real checkpoints' pickles estimate at ~2 KB per tensor (200 MB for 100k).
 MAX_UNPICKLED_BYTES = 1 << 30
+# Distinct globals one pickle names (and GLOBAL opcodes the guard walks): each becomes a placeholder
+# class (~1 KB); whole-model pickles name hundreds, 1,000,000 names held 2.6 GB.
+MAX_GLOBALS = 100_000
 # Nesting of the object tree: every walk over it (ours, json, repr, the writer) must fit the stack.
 MAX_NESTING = 100
 # One dict key or set element: hashing a tuple visits every element of every nested tuple.

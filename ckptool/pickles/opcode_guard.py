@@ -153,7 +153,8 @@ def _python_walk(data: bytes) -> PickleStats:
 
 def _native_limits() -> bool:
     return all(type(limit) is int and 0 <= limit <= _NATIVE_LIMIT for limit in (
-        limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS)) \
+        limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS,
+        limits.MAX_GLOBALS)) \
         and type(limits.MAX_NESTING) is int and 0 <= limits.MAX_NESTING < _NATIVE_MAX_NESTING
 
 
@@ -161,12 +162,30 @@ def _native_walk(data: bytes) -> PickleStats:
     """The C walk: the Python walk's results, its Truncated and its refusals' messages."""
     assert _native is not None
     result = _native.walk(data, limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES,
-                          limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING, TORCH_GLOBALS)
+                          limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING, limits.MAX_GLOBALS, TORCH_GLOBALS)
     if result is None:
         raise Truncated()
     if type(result) is str:
         raise refuse(result)
     return PickleStats(*result)
+
+
+# Pickle's protocol-2 spelling of a nested name (``Outer.Inner``, ``HistoryBuffer.min``): REDUCE of
+# ``getattr`` with a global and a plain identifier. The reader takes it for the global it spells
+# (:meth:`~ckptool.pickles.GlobalResolver.resolve`), so the walk does: an object of it may get its state.
+_ATTRIBUTE_LOOKUPS = frozenset({"builtins.getattr", "__builtin__.getattr"})
+
+
+def _attribute_pair(items: list[Value]) -> str | None:
+    """``<global>.<name>`` when ``items`` are a global and a plain identifier, no dunder: getattr's arguments
+    spelling a nested name; else None."""
+    parent, attribute = items
+    if parent.kind != "global" or parent.name is None or attribute.kind != "str" or attribute.name is None:
+        return None
+    text = _text_name(attribute.name)
+    if text is None or not text.isidentifier() or (text.startswith("__") and text.endswith("__")):
+        return None
+    return f"{parent.name}.{text}"
 
 
 def _new_tuple(items: list[Value]) -> Value:
@@ -185,6 +204,9 @@ def _new_tuple(items: list[Value]) -> Value:
     if nodes > max_nodes:
         nodes = max_nodes + 1
     if not (predictable and hashable):
+        nested = _attribute_pair(items) if len(items) == 2 else None
+        if nested is not None:  # a tuple like any other, knowing the name getattr would make of it
+            return Value("tuple", nested, nodes, hashable, OPAQUE, depth + 1)
         return _opaque_tuple(nodes, hashable, depth + 1)
     return Value("tuple", None, nodes, hashable, tuple([item.value for item in items]), depth + 1)
 
@@ -438,8 +460,12 @@ class _Walk:
                     if len(stack) - count < fence:
                         raise refuse("calls with too few values on its stack (corrupt)")
                     callable_ = stack[-count]
+                    nested = stack[-1].name if code == 0x52 and stack[-1].kind == "tuple" else None
                     del stack[-count:]
-                    push(_made_by(callable_))
+                    if nested is not None and callable_.kind == "global" and callable_.name in _ATTRIBUTE_LOOKUPS:
+                        push(Value("global", nested, 1, True, OPAQUE))  # getattr(<global>, 'name'): <global>.name
+                    else:
+                        push(_made_by(callable_))
                     memory += _PLACEHOLDER_COST
                 elif code == 0x51:  # BINPERSID
                     if len(stack) <= fence:
@@ -615,7 +641,8 @@ class _Walk:
         max_nodes, max_collisions, max_depth = limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING
         for key in keys:
             if not key.hashable:
-                raise refuse(f"uses a {key.kind} {key.name or ''} as a dict key or set element")
+                raise refuse(f"uses a {key.kind} {(key.name if key.kind != 'tuple' else None) or ''} as a dict key "
+                             "or set element")
             if key.nodes > max_nodes:
                 raise refuse(f"uses a dict key or set element of {key.nodes}+ nested values (a hashing bomb)")
             if key.depth > max_depth:  # comparing two equal ones would recurse that deep
@@ -632,6 +659,12 @@ class _Walk:
                                  "(a hash-collision flood)")
         if self.hashing > 8 * self.ops + 100_000:
             raise refuse("hashes more nested keys than its size allows (a hashing bomb)")
+
+    def add_name(self, full_name: str) -> None:
+        """A global named (GLOBAL, INST, STACK_GLOBAL): each becomes a placeholder class when unpickled."""
+        if len(self.names) >= limits.MAX_GLOBALS:
+            raise refuse(f"names over {limits.MAX_GLOBALS} globals (a memory bomb)")
+        self.names.append(full_name)
 
     # one method per opcode (or family of opcodes alike but for their argument's width) ---------
     def sized(self, code: int) -> None:  # BINUNICODE8, and the BINBYTES and BINSTRING families
@@ -703,7 +736,7 @@ class _Walk:
             full_name = f"{module.decode('utf-8')}.{attribute.decode('utf-8')}"
         except UnicodeDecodeError:
             raise refuse("names a global that is not UTF-8") from None
-        self.names.append(full_name)
+        self.add_name(full_name)
         if code == 0x69:
             self.pop_mark()
             self.stack.append(Receiver("object", full_name, full_name not in TORCH_GLOBALS))
@@ -720,7 +753,7 @@ class _Walk:
         attribute_name = _text_name(attribute.name) if attribute.kind == "str" else None
         known = module_name is not None and attribute_name is not None
         full_name = f"{module_name}.{attribute_name}" if known else None
-        self.names.append(full_name or "<unresolved STACK_GLOBAL>")
+        self.add_name(full_name or "<unresolved STACK_GLOBAL>")
         self.stack.append(Value("global", full_name, 1, True, OPAQUE))
 
     def ext(self, code: int) -> None:  # EXT1 EXT2 EXT4: a global from the copyreg registry
@@ -748,7 +781,8 @@ class _Walk:
         target = self.stack[-1]
         if target.kind != "object" or target.name is None or \
                 (target.name in TORCH_GLOBALS and target.name != "collections.OrderedDict"):
-            raise refuse(f"sets state (BUILD) on {target.name or 'a ' + target.kind}, which torch's loader never does")
+            shown = target.name if target.kind != "tuple" else None  # a tuple's name is getattr's, not its own
+            raise refuse(f"sets state (BUILD) on {shown or 'a ' + target.kind}, which torch's loader never does")
         self.memory += 64
 
     def empty_list(self, code: int) -> None:  # EMPTY_LIST: takes no keys, so one shared record serves every list

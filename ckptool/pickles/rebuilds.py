@@ -293,6 +293,9 @@ def _builtin_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 
 def _ordered_dict(items: Any = ()) -> OrderedDict:
+    if not isinstance(items, list | tuple | dict):
+        # an object: torch.load would iterate it, running its class's code (omegaconf resolves interpolations)
+        raise InputError(f"OrderedDict built from {brief(items)}, not key-value pairs — torch never writes that; refused")
     if isinstance(items, list | tuple) and items:
         if not all(isinstance(item, tuple | list) and len(item) == 2 for item in items):
             raise InputError("OrderedDict built from something that is not key-value pairs — refused")
@@ -303,6 +306,8 @@ def _ordered_dict(items: Any = ()) -> OrderedDict:
 
 
 def _counter(items: Any = None) -> Counter:
+    if items is not None and not isinstance(items, dict):
+        raise InputError(f"Counter built from {brief(items)}, not a dict of counts — torch never writes that; refused")
     return Counter(items) if isinstance(items, dict) else Counter()
 
 

@@ -127,11 +127,14 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
             if refusal is not None and not isinstance(e, RefusedGlobal):
                 raise refusal from None
             raise
+        if not emitted:
+            check_tree(obj, source_bytes=len(blob))
+        if hasattr(resolver, "may_convert") and resolver.may_convert():
+            for call in _calls(obj):
+                resolver.called(call)
         refusal = resolver.refusal()
         if refusal is not None:
             raise refusal
-        if not emitted:
-            check_tree(obj, source_bytes=len(blob))
     return obj
 
 
@@ -229,6 +232,22 @@ def _tree_children(obj: Any) -> list[Any]:
     if isinstance(obj, DeviceRef):
         return [obj.args]
     return []
+
+
+def _calls(root: Any) -> list[OpaqueObject]:
+    """Every object the tree holds that was built by calling its global (REDUCE, OBJ, INST), each once."""
+    found: list[OpaqueObject] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if type(obj) in _ATOMS or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, OpaqueObject) and obj._mode == "reduce":
+            found.append(obj)
+        stack.extend(_tree_children(obj))
+    return found
 
 
 def check_tree(root: Any, *, source_bytes: int = 0) -> None:

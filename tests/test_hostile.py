@@ -335,9 +335,9 @@ PICKLESCAN_BENIGN_CHECKPOINTS = {"pytorch_model.bin", "new_pytorch_model.bin"}
 PICKLESCAN_STRUCTURAL = {
     "bad_pytorch.pt",  # a PNG
     "benign0_v0.pkl", "benign0_v3.pkl", "benign0_v4.pkl", "not_a_pickle.bin",  # plain data, not checkpoints
-    "benign_password_protected.zip", "malicious1_0x1.zip",  # encrypted members
+    "benign_password_protected.zip",  # an encrypted member (malicious1_0x1.zip's is only flagged so: scanned, dangerous)
     "malicious1.7z",  # a 7z archive
-    "dns_exfiltration.npy", "int_array.npy", "object_array.npy",  # numpy files
+    "int_array.npy", "object_array.npy",  # numpy files (dns_exfiltration.npy's object array is scanned: dangerous)
     "int_arrays.npz", "int_arrays_compressed.npz", "object_arrays.npz", "object_arrays_compressed.npz",
 }
 

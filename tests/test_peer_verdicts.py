@@ -40,6 +40,11 @@ def peer_grades(name: str) -> dict[str, str]:
 # malicious entries only: a peer's top grade on a benign or malformed file is its false alarm (bench/peers/table.md)
 FLAGGED = sorted(name for name, record in RECORDED["files"].items()
                  if record["label"] == "malicious" and "malicious" in peer_grades(name).values())
+# Peer-flagged files ckptool refuses rather than judges, each with the reason a refusal is the answer
+REFUSED_NOT_READ = {
+    "picklescan/tests/data/malicious1.7z": "a 7z archive, which no PyTorch or NumPy loader opens: ckptool says to "
+                                           "extract it first, and judges the pickle inside once extracted",
+}
 # the picklescan corpus's bare-tensor checkpoints, which its README says every command reads
 PICKLESCAN_CHECKPOINTS = ("picklescan/tests/data/pytorch_model.bin", "picklescan/tests/data/new_pytorch_model.bin")
 
@@ -69,6 +74,9 @@ def test_what_a_peer_calls_malicious_is_dangerous(corpus: tuple[Path, dict[str, 
     try:
         report = ckptool.scan(out / entries[name].path)
     except CkptError as e:
+        if name in REFUSED_NOT_READ:
+            assert "extract it first" in str(e)
+            return
         pytest.fail(f"{name}: ckptool refuses it ({e}) where the peers say [{said}]: scan must name it dangerous")
     assert report.verdict == "dangerous", (
         f"{name}: ckptool says {report.verdict} (outside the allowlist: {report.unsafe}) where the peers say [{said}]")

@@ -239,8 +239,8 @@ _SIGNATURES = (
     (b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
     (b"\x1f\x8b", "a gzip archive — decompress it first"), (b"7z\xbc\xaf", "a 7z archive — extract it first"),
     (b"BZh", "a bzip2 archive — decompress it first"), (b"\xfd7zXZ", "an xz archive — decompress it first"),
-    (b"\x93NUMPY", "a NumPy .npy array, not a checkpoint"), (b"\x89HDF", "an HDF5 file (Keras?), not a PyTorch checkpoint"),
-    (b"GGUF", "a GGUF file (llama.cpp), not a PyTorch checkpoint"), (b"%PDF", "a PDF document"),
+    (b"\x93NUMPY", "a NumPy .npy array (numpy.load reads it)"), (b"\x89HDF", "an HDF5 file (Keras?)"),
+    (b"GGUF", "a GGUF file (llama.cpp)"), (b"%PDF", "a PDF document"),
     (b"\x7fELF", "an executable"), (b"PK\x05\x06", "an empty zip archive"),
 )
 

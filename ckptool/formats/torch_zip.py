@@ -315,7 +315,10 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
         if member is loaded:
             label += LOADED_MARK
         if member.encrypted:
-            continue  # its plaintext cannot be read; torch cannot read it either
+            if member.compressed:
+                continue  # ciphertext: its plaintext cannot be read; torch cannot read it either
+            # flagged encrypted yet stored as it lies: torch refuses it, a reader ignoring the flag runs it
+            label += " (flagged encrypted, stored in the clear)"
         if not _may_be_pickle(member):
             continue  # a storage's bytes: never read
         try:

@@ -314,3 +314,98 @@ def test_a_module_whose_class_is_not_declared_is_refused(archives: dict[str, Pat
     with pytest.raises(Exception):
         _reference(path)
     _refused(path, "Conv1d is not declared in the archive's code/")
+
+
+# ---------------------------------------------------------------------------------------------- bounded code reading
+
+
+class Named(torch.nn.Module):
+    """Parameters whose names the code must quote: a ParameterList's and a ParameterDict's keys."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        super().__init__()
+        self.listed = torch.nn.ParameterList([torch.nn.Parameter(torch.full((2,), float(i))) for i in range(3)])
+        self.named = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.full((i + 1,), float(i)))
+                                             for i, key in enumerate(keys)})
+        self.register_buffer("steps", torch.arange(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.steps.sum()
+
+
+def _scripted(module: torch.nn.Module, path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.script(module.eval()).save(str(path))
+    return path
+
+
+def test_quoted_names_read_as_torch_jit_load_gives_them(tmp_path: Path) -> None:
+    path = _scripted(Named(("a b", "é", "s'q", "x-y")), tmp_path / "named.pt")  # (torch writes names unescaped)
+    _assert_same(to_state_dict(ckptool.load(path).tensors), _reference(path))
+
+
+def test_a_name_torch_cannot_read_is_refused_as_torch_refuses_it(tmp_path: Path) -> None:
+    path = _scripted(Named(("back\\slash",)), tmp_path / "backslash.pt")  # torch writes "back\slash" unescaped
+    with pytest.raises(Exception, match="octal"):
+        _reference(path)
+    _refused(path, "not a string literal torch reads")
+
+
+def test_a_scripted_resnet18_reads_as_torch_jit_load_gives_it(tmp_path: Path) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    path = _scripted(torchvision.models.resnet18(), tmp_path / "resnet18.pt")
+    _assert_same(to_state_dict(ckptool.load(path).tensors), _reference(path))
+
+
+def _flooded(source: Path, out: Path, line: str) -> Path:
+    """``source`` with its top class's ``__parameters__`` line replaced by ``line`` (stored: no zip bomb)."""
+    tail = next(name for name in zipfile.ZipFile(source).namelist()
+                if name.endswith(".py") and "__parameters__ = [" in _member(source, name.split("/", 1)[1]).decode())
+    tail = tail.split("/", 1)[1]
+    text = _member(source, tail).decode()
+    start = text.index("  __parameters__ = [")
+    end = text.index("\n", start)
+    return _rewritten(source, out, {tail: (text[:start] + line + text[end:]).encode()})
+
+
+# ~16 MiB lines of what a list of names must not hold, or holds too much of: each parsed whole as a Python literal
+# once held 1.5-6 GB (numbers: 5.8 GB); each is refused in one line within the budget
+FLOODS = {  # (the line, what the refusal names)
+    "numbers": (lambda: "  __parameters__ = [" + "17," * (5 << 20) + "]", "MiB of text"),
+    "numbers within the text budget": (lambda: "  __parameters__ = [" + "17," * (1 << 20) + "]",
+                                       "not a list of names"),
+    "names": (lambda: "  __parameters__ = [" + "".join(f'"n{i}",' for i in range(900_000)) + "]", "MiB of text"),
+    "many names in little text": (lambda: "  __parameters__ = [" + '"x",' * 700_000 + "]", "over 100000"),
+    "nested lists": (lambda: "  __parameters__ = " + "[" * 400_000 + "]" * 400_000, "not a list of names"),
+    "a long name": (lambda: '  __parameters__ = ["' + "x" * (1 << 20) + '"]', "characters"),
+}
+
+
+@pytest.mark.parametrize("name", FLOODS)
+def test_a_flood_in_a_list_of_names_is_refused_in_bounded_memory(archives: dict[str, Path], tmp_path: Path,
+                                                                 name: str) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bounds import GiB, one_error_line, run_limited
+
+    line, refusal = FLOODS[name]
+    path = _flooded(archives["linear_traced"], tmp_path / "flood.pt", line())
+    completed = run_limited(["inspect", path], int(1.5 * GiB), tmp_path, timeout=300)
+    assert completed.returncode == 3, completed.stderr[-2000:]
+    message = one_error_line(completed.stderr, path)
+    assert "TorchScript class" in message and refusal in message, message
+
+
+def test_a_long_list_of_names_within_the_budget_reads(archives: dict[str, Path], tmp_path: Path) -> None:
+    # 2000 declared parameters the module does not hold: the list is read, the weights are those it holds
+    names = ", ".join(f'"p{i}"' for i in range(2000))
+    path = _flooded(archives["linear_traced"], tmp_path / "listed.pt", f'  __parameters__ = ["weight", {names}, ]')
+    _assert_same(to_state_dict(ckptool.load(path).tensors), _reference(archives["linear_traced"]))
+
+
+def test_code_past_the_total_budget_is_refused(archives: dict[str, Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.formats import torchscript
+
+    monkeypatch.setattr(torchscript, "MAX_CODE_TOTAL", 1000)  # a small archive stands for a large one
+    _refused(archives["scripted"], "code files hold over 1000 B of text")

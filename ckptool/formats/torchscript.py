@@ -10,8 +10,8 @@ order, taking each value by name from the BUILD dict). ``constants.pkl`` holds t
 constants, which no ``state_dict`` lists.
 
 Here the ``__torch__`` classes become inert placeholders (nothing is imported or called), the
-class declarations are read as text (bounded, never compiled or run; one list literal at a time
-is parsed by :func:`ast.literal_eval`), and the weights are gathered as
+class declarations are read as text (bounded, never compiled or run: a list of names is read token
+by token within a budget, each name a single string literal), and the weights are gathered as
 ``torch.jit.load(f).state_dict()`` gives them: in each module its parameters, then its buffers
 (every one: a loaded archive knows no non-persistent buffers), then each child module, depth
 first, each in declaration order. A class that restores its state with its own code
@@ -22,27 +22,35 @@ Read-only: a rewrite writes the weights as a plain state-dict ``.pt`` and says s
 
 from __future__ import annotations
 
-import ast
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .. import pickles
 from ..errors import InputError, UnsupportedFormatError
-from ..refs import StorageRef, TensorRef
+from ..refs import StorageRef, TensorRef, human_size
 from . import Contents, Format, ReadOptions, zipio
 
 # A class's declaration is at most this long (a real one: a few KB; torchvision's largest, ~100 KB).
 MAX_CODE_BYTES = 16 << 20
-# code files read for one archive, and module objects walked (a real model: hundreds to a few thousand)
+# code files read for one archive, and their text in all (ResNet-18: 33 files, 35 KB; ViT-B/16: 60 KB)
 MAX_CODE_FILES = 10_000
+MAX_CODE_TOTAL = 64 << 20
+# A class's list of parameter or buffer names: its text, its names, one name's text. Each name is
+# decoded on its own (a single string literal), so memory stays near the text's size whatever it holds.
+MAX_LIST_BYTES = 4 << 20
+MAX_LIST_NAMES = 100_000
+MAX_NAME_BYTES = 64 << 10
+# attributes one class declares (a real module: tens)
+MAX_ATTRIBUTES = 100_000
 MAX_MODULES = 1_000_000
 # how deep modules nest (real models: under 20)
 MAX_MODULE_DEPTH = 200
 
-_CLASS = re.compile(r"^class ([A-Za-z_][A-Za-z0-9_]*)\(([A-Za-z_][A-Za-z0-9_.]*)\):\s*$")
+_CLASS_LINE = re.compile(r"^class ([A-Za-z_][A-Za-z0-9_]*)\(([A-Za-z_][A-Za-z0-9_.]*)\):[ \t\r\f\v]*$", re.MULTILINE)
 _DECLARED = re.compile(r"^  ([A-Za-z_][A-Za-z0-9_]*) : (.+)$")
 _QUOTED_DECLARED = re.compile(r'^  __annotations__\[("(?:[^"\\]|\\.)*")\] = (.+)$')
 # classes torch defines in C++ (``torch.classes.quantized.LinearPackedParamsBase``): no code declares them
@@ -50,6 +58,10 @@ _BUILT_IN = "__torch__.torch.classes."
 # torch renames a class it compiled twice (``___torch_mangle_7.M``); messages name it as written (``M``)
 _MANGLE = re.compile(r"___torch_mangle_\d+\.")
 _LIST = re.compile(r"^  (__parameters__|__buffers__) = (\[.*\])\s*$")
+# one Python string literal, as torch's printer writes a name (quotes, backslash escapes), and the list's
+# separators; nothing else may stand in a list of names
+_STRING = re.compile(r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"|\'[^\'\\\n]*(?:\\.[^\'\\\n]*)*\'')
+_SPACE = re.compile(r"\s*")
 
 
 def never(head: bytes | None, path: Path) -> bool:
@@ -155,9 +167,11 @@ class _Classes:
 
     def __init__(self, path: Path, handle: Any, members: zipio.Members, top: str) -> None:
         self.path, self.handle, self.members, self.top = path, handle, members, top
-        self.sources: dict[str, list[str] | None] = {}
+        # each file's text and where each class it declares starts, found in one pass over it
+        self.sources: dict[str, tuple[str, dict[str, tuple[int, str]]] | None] = {}
         self.parsed: dict[str, _Class | None] = {}
         self.files = 0
+        self.text_read = 0
 
     def of(self, obj: Any) -> _Class | None:
         """The declaration of ``obj``'s class; None for an object not of a ``__torch__`` class."""
@@ -168,46 +182,51 @@ class _Classes:
             self.parsed[qualified] = self._parse(qualified)
         return self.parsed[qualified]
 
-    def _lines(self, qualifier: str) -> list[str] | None:
-        """The lines of ``code/<qualifier as a path>.py`` (where torch's importer looks), or None."""
+    def _source(self, qualifier: str) -> tuple[str, dict[str, tuple[int, str]]] | None:
+        """The text of ``code/<qualifier as a path>.py`` (where torch's importer looks) and its classes'
+        starts, or None."""
         if qualifier in self.sources:
             return self.sources[qualifier]
         if len(self.sources) >= MAX_CODE_FILES:
             raise InputError(f"TorchScript archive names classes in over {MAX_CODE_FILES} code files — refused",
                              path=self.path)
         member = self.members.get(f"{self.top}/code/{qualifier.replace('.', '/')}.py")
-        lines = None
+        source = None
         if member is not None:
+            if self.text_read + member.size > MAX_CODE_TOTAL:
+                raise InputError(f"TorchScript archive's code files hold over {human_size(MAX_CODE_TOTAL)} of text "
+                                 "(a real model's: well under 1 MiB) — refused", path=self.path)
             raw = zipio.read_member(self.path, self.handle, member, limit=MAX_CODE_BYTES)
+            self.text_read += len(raw)
             try:
-                lines = raw.decode("utf-8").splitlines()
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InputError(f"TorchScript code {member.name!r} is not UTF-8 text — the archive is corrupt",
                                  path=self.path) from e
+            starts: dict[str, tuple[int, str]] = {}
+            for match in _CLASS_LINE.finditer(text):  # the first declaration of a name is the one read
+                starts.setdefault(match.group(1), (match.end(), match.group(2)))
+            source = (text, starts)
             self.files += 1
-        self.sources[qualifier] = lines
-        return lines
+        self.sources[qualifier] = source
+        return source
 
     def _parse(self, qualified: str) -> _Class | None:
         if qualified.startswith(_BUILT_IN):
             return None  # a class torch defines in C++ (packed quantized weights): never a module
         qualifier, _, name = qualified.rpartition(".")
-        lines = self._lines(qualifier) or []
-        start = None
-        for number, line in enumerate(lines):
-            match = _CLASS.match(line)
-            if match and match.group(1) == name:
-                start, base = number, match.group(2)
-                break
+        source = self._source(qualifier)
+        found = source[1].get(name) if source is not None else None
         shown = _MANGLE.sub("", qualified.removeprefix("__torch__."))
-        if start is None:
+        if found is None:
             # a module whose class is not declared would silently lose its weights; torch cannot load it either
             raise InputError(f"TorchScript class {shown} is not declared in the archive's code/ "
                              f"({qualifier.replace('.', '/')}.py) — torch.jit.load refuses it too; the archive is "
                              "truncated or corrupt", path=self.path)
+        text, (position, base) = source[0], found
         declared = _Class(name=shown, is_module=base == "Module", attributes=[], parameters=set(), buffers=set(),
                           restores_itself=False)
-        for line in lines[start + 1:]:
+        for line in _lines_from(text, position):
             if line and not line.startswith(" "):
                 break  # the next top-level statement ends the class
             if line.startswith("  def __setstate__("):
@@ -219,11 +238,15 @@ class _Classes:
                 continue
             quoted = _QUOTED_DECLARED.match(line)
             if quoted:
-                declared.attributes.append((self._literal(quoted.group(1), qualified), quoted.group(2).strip()))
-                continue
-            plain = _DECLARED.match(line)
-            if plain and " = " not in plain.group(2):  # ``name : Final[int] = 3`` is a constant, not a slot
+                declared.attributes.append((self._string(quoted.group(1), qualified), quoted.group(2).strip()))
+            else:
+                plain = _DECLARED.match(line)
+                if not plain or " = " in plain.group(2):  # ``name : Final[int] = 3`` is a constant, not a slot
+                    continue
                 declared.attributes.append((plain.group(1), plain.group(2).strip()))
+            if len(declared.attributes) > MAX_ATTRIBUTES:
+                raise InputError(f"TorchScript class {shown} declares over {MAX_ATTRIBUTES} attributes — refused",
+                                 path=self.path)
         counts = Counter(name for name, _ in declared.attributes)
         if len(counts) != len(declared.attributes):
             twice = next(name for name, count in counts.items() if count > 1)
@@ -231,19 +254,76 @@ class _Classes:
                              "corrupt", path=self.path)
         return declared
 
-    def _literal(self, text: str, qualified: str) -> Any:
-        try:
-            return ast.literal_eval(text)  # a literal only: nothing is compiled to run
-        except (ValueError, SyntaxError, RecursionError, MemoryError) as e:
-            raise InputError(f"TorchScript class {qualified} declares {text[:60]!r}, not a literal — the archive is "
-                             "corrupt", path=self.path) from e
+    def _string(self, text: str, qualified: str) -> str:
+        """One string literal's value (a name), decoded as torch's TorchScript parser decodes it."""
+        if len(text) > MAX_NAME_BYTES:
+            raise InputError(f"TorchScript class {qualified} declares a name of over {MAX_NAME_BYTES} characters — "
+                             "refused", path=self.path)
+        value = torch_string(text)
+        if value is None:
+            raise InputError(f"TorchScript class {qualified} declares {text[:60]!r}, not a string literal torch "
+                             "reads — torch.jit.load refuses it too; the archive is corrupt", path=self.path)
+        return value
 
     def _names(self, text: str, qualified: str, kind: str) -> list[str]:
-        names = self._literal(text, qualified)
-        if not isinstance(names, list) or not all(isinstance(item, str) for item in names):
-            raise InputError(f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of names — "
-                             "the archive is corrupt", path=self.path)
+        """A ``[...]`` list of names, read token by token within :data:`MAX_LIST_BYTES` and
+        :data:`MAX_LIST_NAMES`: any other literal (numbers, nested lists) is refused, not parsed."""
+        if len(text) > MAX_LIST_BYTES:
+            raise InputError(f"TorchScript class {qualified} declares {kind} in over {human_size(MAX_LIST_BYTES)} "
+                             "of text — refused", path=self.path)
+        names: list[str] = []
+        position, end = _SPACE.match(text, 1).end(), len(text) - 1  # inside the brackets
+        while position < end:
+            token = _STRING.match(text, position)
+            if token is None:
+                raise InputError(f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
+                                 "names — the archive is corrupt", path=self.path)
+            names.append(self._string(token.group(), qualified))
+            if len(names) > MAX_LIST_NAMES:
+                raise InputError(f"TorchScript class {qualified} declares over {MAX_LIST_NAMES} {kind} — refused",
+                                 path=self.path)
+            position = _SPACE.match(text, token.end()).end()
+            if position < end and text[position] != ",":
+                raise InputError(f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
+                                 "names — the archive is corrupt", path=self.path)
+            position = _SPACE.match(text, position + 1).end() if position < end else position
         return names
+
+
+# the escapes torch's TorchScript parser reads in a string literal (parseStringLiteral); \\x, \\u, \\r and the
+# rest it refuses, but three octal digits
+_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "a": "\a", "b": "\b", "f": "\f", "n": "\n", "v": "\v", "t": "\t"}
+_OCTAL = re.compile(r"[0-7]{3}")
+
+
+def torch_string(text: str) -> str | None:
+    """The value of a quoted string literal as TorchScript reads it, or None where torch refuses it.
+    (An octal escape past 127 is refused too: torch puts its byte alone into UTF-8 text.)"""
+    if len(text) < 2 or text[0] not in "'\"" or text[-1] != text[0]:
+        return None
+    body, pieces, position = text[1:-1], [], 0
+    while (slash := body.find("\\", position)) != -1:
+        pieces.append(body[position:slash])
+        escaped = body[slash + 1:slash + 2]
+        if escaped in _ESCAPES:
+            pieces.append(_ESCAPES[escaped])
+            position = slash + 2
+        elif _OCTAL.fullmatch(body, slash + 1, slash + 4) and int(body[slash + 1:slash + 4], 8) < 0o200:
+            pieces.append(chr(int(body[slash + 1:slash + 4], 8)))
+            position = slash + 4
+        else:
+            return None
+    pieces.append(body[position:])
+    return "".join(pieces)
+
+
+def _lines_from(text: str, position: int) -> Iterator[str]:
+    """The lines of ``text`` after ``position`` (the end of a class line), one at a time (no list of them)."""
+    start = text.find("\n", position)
+    while start != -1:
+        stop = text.find("\n", start + 1)
+        yield text[start + 1:stop if stop != -1 else len(text)].rstrip("\r")
+        start = stop
 
 
 class _Walk:

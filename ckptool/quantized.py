@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import BY_NAME, DType
@@ -93,31 +94,78 @@ def _scalar(role: str, data: bytes, dtype: DType, location: str) -> TensorRef:
 
 
 def _vector(role: str, values: Any, dtype: DType, location: str) -> TensorRef:
-    """A 1-dimensional tensor whose bytes ``values()`` computes (a conversion, read only when asked)."""
+    """A 1-dimensional tensor whose bytes ``values()`` computes (read only when asked)."""
     count = values.count
     storage = StorageRef(key=f"quantized {role}", dtype=dtype, numel=count, location=location, producer=values)
     return TensorRef(storage=storage, dtype=dtype, shape=(count,), stride=(1,))
 
 
+def _converted(role: str, source: TensorRef, target: DType, location: str) -> TensorRef:
+    """A saved per-channel parameter tensor as torch's quantizer converts it to ``target``.
+
+    A stride-0 view is converted as the one element it stores and stays a stride-0 view: what it
+    promises is counted as the expansion it is (:func:`ckptool.refs.expansion`), never as stored
+    bytes. Any other view is converted chunk by chunk as it is streamed (bounded memory)."""
+    if source.numel > 1 and source.stride == (0,):
+        one = TensorRef(storage=source.storage, dtype=source.dtype, shape=(1,), stride=(1,), offset=source.offset,
+                        conj=source.conj, neg=source.neg)
+        single = _Converted(one, target)
+        storage = StorageRef(key=f"quantized {role}", dtype=target, numel=1, location=location, producer=single.read)
+        return TensorRef(storage=storage, dtype=target, shape=source.shape, stride=(0,))
+    converted = _Converted(source, target)
+    storage = StorageRef(key=f"quantized {role}", dtype=target, numel=source.numel, location=location,
+                         producer=converted.read, derived=converted)
+    return TensorRef(storage=storage, dtype=target, shape=(source.numel,), stride=(1,))
+
+
+# elements converted at a time: 8 MiB of float64 or int64 out
+_CONVERT_CHUNK = 1 << 20
+
+
 class _Converted:
     """The bytes of a saved tensor converted to ``target`` as torch's ``.to()`` converts on the CPU:
     widening exactly, float64 to float32 rounding to nearest even (NaN payloads kept as the CPU
-    keeps them), integers to int64 by value."""
+    keeps them), integers to int64 by value. Computed chunk by chunk whenever they are read (the
+    :class:`ckptool.refs.Derived` protocol); ``crc32`` once a pass has produced them all."""
 
     def __init__(self, source: TensorRef, target: DType) -> None:
-        self.source, self.target, self.count = source, target, source.numel
+        self.source, self.target = source, target
+        self.nbytes = source.numel * target.itemsize
+        self.crc32: int | None = None if self.nbytes else 0
 
-    def __call__(self) -> bytes:
+    def chunks(self) -> Iterator[memoryview]:
         import numpy as np
 
-        data = self.source.read_bytes()
-        if self.source.dtype.name == "BF16":  # numpy has no bfloat16: it is float32's top half
-            values = (np.frombuffer(data, dtype="<u2").astype("<u4") << 16).view("<f4")
-        else:
-            values = np.frombuffer(data, dtype=_FLOATING.get(self.source.dtype.name)
-                                   or _INTEGRAL[self.source.dtype.name])
-        with np.errstate(all="ignore"):
-            return values.astype({"F64": "<f8", "F32": "<f4", "I64": "<i8"}[self.target.name]).tobytes()
+        item = self.source.dtype.itemsize
+        crc, pending = 0, b""
+        for chunk in self.source.iter_bytes(chunk_size=_CONVERT_CHUNK * item):
+            data = pending + bytes(chunk) if pending else chunk
+            usable = len(data) - len(data) % item
+            pending = bytes(data[usable:])
+            if usable:
+                out = _convert(np, memoryview(data)[:usable], self.source.dtype.name, self.target.name)
+                crc = zlib.crc32(out, crc)
+                yield memoryview(out)
+        if pending:  # the storage check makes this unreachable
+            raise InputError(f"a quantized tensor's parameters end inside a {self.source.dtype.torch_name} element "
+                             "— the file is corrupt")
+        self.crc32 = crc
+
+    def read(self) -> bytearray:
+        """All the converted bytes at once (to build a tensor from them)."""
+        data = bytearray()
+        for chunk in self.chunks():
+            data += chunk
+        return data
+
+
+def _convert(np: Any, data: memoryview, source: str, target: str) -> bytes:
+    if source == "BF16":  # numpy has no bfloat16: it is float32's top half
+        values = (np.frombuffer(data, dtype="<u2").astype("<u4") << 16).view("<f4")
+    else:
+        values = np.frombuffer(data, dtype=_FLOATING.get(source) or _INTEGRAL[source])
+    with np.errstate(all="ignore"):
+        return values.astype({"F64": "<f8", "F32": "<f4", "I64": "<i8"}[target]).tobytes()
 
 
 class _Listed:
@@ -326,7 +374,7 @@ class QuantizedTensor(LayoutTensor):
                 elif value.dtype == target:
                     parts.append((role, value))  # as torch.save writes them: read as saved
                 else:
-                    parts.append((role, _vector(role, _Converted(value, target), target, location)))
+                    parts.append((role, _converted(role, value, target, location)))
             parts.append(("axis", _scalar("axis", struct.pack("<q", qparams[3]), BY_NAME["I64"], location)))
         self.__dict__["_components"] = (self._args, parts)
         return parts

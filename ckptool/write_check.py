@@ -319,9 +319,12 @@ KICK_EVERY = 8 * 1024 * 1024
 
 def _span_crc(tensor: TensorRef) -> int:
     """CRC32 of the storage bytes an expanding view spans (read once, never expanded)."""
+    start = tensor.offset * tensor.dtype.itemsize
+    if tensor.storage.producer is not None:  # computed bytes (a quantized tensor's converted parameter)
+        return crc32(bytes(tensor.storage.producer())[start:start + tensor.span_bytes()])
     crc = 0
     data = tensor.storage.byte_range()
-    for chunk in data.iter_reused(tensor.offset * tensor.dtype.itemsize, tensor.span_bytes()):
+    for chunk in data.iter_reused(start, tensor.span_bytes()):
         crc = crc32(chunk, crc)
     return crc
 
@@ -438,7 +441,7 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known
         # a conjugate or negative view of a storage holds other values than the plain view
         identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
                     tensor.conj, tensor.neg) if id(tensor.storage) in shared else None
-        if views_raw and tensor.storage.producer is None and tensor.storage.pieces is None and tensor.expands():
+        if views_raw and tensor.storage.pieces is None and tensor.expands():
             crc = by_storage.get(identity) if identity is not None else None
             if crc is None:
                 crc = _span_crc(tensor)

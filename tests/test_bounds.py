@@ -16,6 +16,7 @@ import os
 import resource
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,55 @@ def test_allow_expansion_materializes_the_views_in_full(tmp_path: Path, monkeypa
         assert torch.equal(written[name], tensor.contiguous())
     assert invoke("diff", source, out, "--allow-expansion").exit_code == 0
     assert invoke("verify", source, "--devices", "cpu", "--allow-expansion").exit_code == 0
+
+
+def _stride0_channel_parameters(path: Path, count: int) -> Path:
+    """A quantized qint8 tensor of ``count`` channels, one stored byte viewed at stride 0, whose per-channel
+    float32 scales and int32 zero points are stride-0 views of one element each: ~2 KB of file."""
+    from collections import OrderedDict
+
+    from test_differential import Crafted
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        storage = torch.quantize_per_tensor(torch.zeros(1), 0.5, 2, torch.qint8)._typed_storage()
+        qparams = (torch.per_channel_affine, torch.full((1,), 0.25).expand(count),
+                   torch.ones(1, dtype=torch.int32).expand(count), 0)
+        torch.save({"q": Crafted(torch._utils._rebuild_qtensor, (storage, 0, (count,), (0,), qparams, False,
+                                                                 OrderedDict()))}, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["convert-dtype", "diff", "verify", "fingerprint"])
+def test_stride0_quantization_parameters_count_as_what_they_expand_to(tmp_path: Path, command: str) -> None:
+    """torch's quantizer holds per-channel parameters as float64 scales and int64 zero points: 200M channels of
+    them are 3.2 GB from 8 stored bytes. They count as the expansion they are (they once counted as stored
+    bytes: convert used 9.4 GB, diff 5.5 GB); a .pt rewrite copies them raw."""
+    path = _stride0_channel_parameters(tmp_path / "channels.pt", 200_000_000)
+    assert path.stat().st_size < 4096
+    args = {"convert-dtype": ["convert", path, "-o", tmp_path / "bf16.pt", "--dtype", "bf16"],
+            "diff": ["diff", path, path], "verify": ["verify", path, "--devices", "cpu"],
+            "fingerprint": ["inspect", path, "--fingerprint"]}[command]
+    completed = run_limited(args, int(1.5 * GiB), tmp_path)
+    assert completed.returncode == 3, completed.stderr
+    line = one_error_line(completed.stderr, path)
+    assert "/scales]': 8 B viewed as 1.5 GiB" in line and "--allow-expansion" in line, line
+    assert not (tmp_path / "bf16.pt").exists()
+
+
+def test_a_pt_rewrite_copies_stride0_quantization_parameters_raw(tmp_path: Path) -> None:
+    path = _stride0_channel_parameters(tmp_path / "channels.pt", 200_000_000)
+    for command in (["convert", path, "-o", tmp_path / "out.pt"], ["inspect", path]):
+        completed = run_limited(command, int(1.5 * GiB), tmp_path)
+        assert completed.returncode == 0, completed.stderr
+    assert "3 tensor view(s) expand their storage" in completed.stdout
+    assert (tmp_path / "out.pt").stat().st_size < 4096
+    small = _stride0_channel_parameters(tmp_path / "small.pt", 5)  # the same record, values torch can hold
+    assert invoke("convert", small, "-o", tmp_path / "small_out.pt").exit_code == 0
+    expected, written = (torch.load(p, weights_only=True)["q"] for p in (small, tmp_path / "small_out.pt"))
+    assert torch.equal(written.int_repr(), expected.int_repr())
+    assert torch.equal(written.q_per_channel_scales(), expected.q_per_channel_scales())
+    assert torch.equal(written.q_per_channel_zero_points(), expected.q_per_channel_zero_points())
 
 
 # ---------------------------------------------------------------------------------------------- pickles

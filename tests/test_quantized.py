@@ -302,6 +302,15 @@ CRAFTED: dict[str, Any] = {
     "channel three parameters": lambda: _call((_PCA, _S64, _Z64)),
     "channel complex scales": lambda: _call((_PCA, _S64.to(torch.complex64), _Z64, 0)),
     "channel negated scales": lambda: _call((_PCA, torch._neg_view(_S64), _Z64, 0)),
+    # stride-0 parameters of another type: converted as the one element they store, kept stride 0
+    "channel stride-0 float32 scales": lambda: _call((_PCA, torch.full((1,), 0.25).expand(3), _Z64, 0)),
+    "channel stride-0 int32 zero points": lambda: _call((_PCA, _S64, torch.full((1,), -3, dtype=torch.int32).expand(3),
+                                                         0)),
+    "channel stride-0 negated float16 scales": lambda: _call((_PCA, torch._neg_view(torch.full((1,), -0.5,
+                                                              dtype=torch.float16)).expand(3), _Z64, 0)),
+    "float qparams stride-0 float64 zero points": lambda: _call((_FQ, torch.full((3,), 0.5),
+                                                                torch.full((1,), 1.5, dtype=torch.float64).expand(3),
+                                                                0)),
     "quint4x2": lambda: _call((_PTA, 0.5, 2), (4, 6), (6, 1), 0, False, _storage(torch.quint4x2, 24)),
     "quint4x2 odd count": lambda: _call((_PTA, 0.5, 2), (3, 3), (3, 1), 0, False, _storage(torch.quint4x2, 24)),
     "quint4x2 offset": lambda: _call((_PTA, 0.5, 2), (2, 6), (6, 1), 3, False, _storage(torch.quint4x2, 24)),
@@ -320,7 +329,9 @@ def test_crafted_rebuild_arguments_read_as_torch_or_are_refused(tmp_path: Path, 
     path = _save(tmp_path / "crafted.pt", {"q": call, "b": torch.ones(1)})
     outcome = assert_agree(path)
     if name in ("per tensor", "channel", "channel lists", "float qparams lists", "quint4x2", "offset view",
-                "channel float32 scales", "float qparams rounding float64", "channel negated scales"):
+                "channel float32 scales", "float qparams rounding float64", "channel negated scales",
+                "channel stride-0 float32 scales", "channel stride-0 int32 zero points",
+                "channel stride-0 negated float16 scales", "float qparams stride-0 float64 zero points"):
         assert outcome == "equal", outcome
     if name in ("quint4x2 offset past its storage",):  # torch reads memory past the storage: never read
         assert outcome == "ckptool refuses", outcome

@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
+from . import layout_checks
 from .errors import InputError
 from .pickles import TORCH_GLOBALS, OpaqueObject, TypeRef, brief
 from .pickles.rebuilds import _check_parameter_state
-from .refs import TensorRef
+from .refs import PartRef, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +96,31 @@ class LayoutTensor(OpaqueObject):
         """The tensor torch.load returns, from the materialized components."""
         raise NotImplementedError
 
+    def problem(self) -> str | None:
+        """What torch.load refuses in it (read from its index parts), or None."""
+        return None
+
+    def _parts(self, saved: list[tuple[str, TensorRef]]) -> list[tuple[str, TensorRef]]:
+        """The saved component tensors as the parts of this tensor (:class:`~ckptool.refs.PartRef`: what
+        reads their values checks this tensor first), made once for its arguments."""
+        cached = self.__dict__.get("_components")
+        if cached is not None and cached[0] is self._args:
+            return cached[1]
+        parts = [(role, PartRef.of(tensor, self)) for role, tensor in saved]
+        self.__dict__["_components"] = (self._args, parts)
+        return parts
+
+    def check(self, *, name: str = "", path: Any = None) -> None:
+        """Refuse it as torch.load does (:mod:`ckptool.layout_checks`); its index parts are read once."""
+        if self.__dict__.get("_checked") is self._args:
+            return
+        problem = self.problem()
+        if problem is not None:
+            if path is None:  # the file its parts lie in
+                path = next((part.storage.data.path for _, part in self.components() if part.storage.data), None)
+            raise layout_checks.refuse(self.layout, problem, name=name, path=path)
+        self.__dict__["_checked"] = self._args
+
     def describe(self) -> str:
         shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
         return f"{self.layout} {self.dtype.torch_name} {shape}"
@@ -142,8 +168,8 @@ class SparseTensor(LayoutTensor):
     def components(self) -> list[tuple[str, TensorRef]]:
         data = self._args[1]
         if self.layout == "sparse_coo":
-            return [("indices", data[0]), ("values", data[1])]
-        return [("compressed_indices", data[0]), ("plain_indices", data[1]), ("values", data[2])]
+            return self._parts([("indices", data[0]), ("values", data[1])])
+        return self._parts([("compressed_indices", data[0]), ("plain_indices", data[1]), ("values", data[2])])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -155,9 +181,21 @@ class SparseTensor(LayoutTensor):
         data = self._args[1]
         return data[3] if self.layout == "sparse_coo" and len(data) == 4 else None
 
+    def problem(self) -> str | None:
+        data = self._args[1]
+        if self.layout == "sparse_coo":
+            return layout_checks.coo_problem(data[0], data[1], self.shape, self.coalesced)
+        return layout_checks.compressed_problem(self.layout, data[0], data[1], data[2], self.shape)
+
+    def reduce_args(self) -> tuple:
+        """The arguments as saved, once checked: a write never re-emits a tensor torch.load refuses."""
+        self.check()
+        return self._args
+
     def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         import torch
 
+        self.check()
         try:
             if self.layout == "sparse_coo":
                 # torch.load builds it unchecked, then checks every loaded sparse tensor's invariants
@@ -193,8 +231,8 @@ class NestedTensor(LayoutTensor):
         return "nested"
 
     def components(self) -> list[tuple[str, TensorRef]]:
-        return [("values", self._args[0]), ("sizes", self._args[1]), ("strides", self._args[2]),
-                ("offsets", self._args[3])]
+        return self._parts([("values", self._args[0]), ("sizes", self._args[1]), ("strides", self._args[2]),
+                            ("offsets", self._args[3])])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -205,20 +243,25 @@ class NestedTensor(LayoutTensor):
         count, dims = self.shape
         return f"nested {self.dtype.torch_name} ({count} tensors of {dims} dimensions)"
 
+    def problem(self) -> str | None:
+        return layout_checks.nested_problem(*self._args)
+
+    def reduce_args(self) -> tuple:
+        """The arguments as saved, once checked: a write never re-emits a tensor torch.load refuses."""
+        self.check()
+        return self._args
+
     def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         import torch
 
+        # checked first: a piece reaching past its buffer would read memory the file does not hold
+        self.check()
         buffer, sizes, strides, offsets = parts["values"], parts["sizes"], parts["strides"], parts["offsets"]
-        # torch.load does not check these: a nested view reaching past its buffer would read other memory
-        if sizes.numel() and (bool((sizes < 0).any()) or bool((strides < 0).any()) or bool((offsets < 0).any())):
-            raise InputError("a nested tensor has a negative size, stride or offset — the file is corrupt")
-        if sizes.shape[0]:
-            empty = (sizes == 0).any(dim=1) if sizes.shape[1] else torch.zeros(sizes.shape[0], dtype=torch.bool)
-            last = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
-            if bool(((~empty) & (last >= buffer.numel())).any()):
-                raise InputError("a nested tensor's pieces reach past its buffer — the file is corrupt")
-        return torch._nested_view_from_buffer(buffer.contiguous(), sizes.contiguous(), strides.contiguous(),
-                                              offsets.contiguous())
+        try:
+            return torch._nested_view_from_buffer(buffer.contiguous(), sizes.contiguous(), strides.contiguous(),
+                                                  offsets.contiguous())
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise layout_checks.refuse("nested", str(e).splitlines()[0][:160]) from e
 
 
 GLOBALS: dict[str, Any] = {
@@ -335,6 +378,9 @@ class WrappedLayoutTensor(LayoutTensor):
 
     def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.inner.build(parts)
+
+    def check(self, *, name: str = "", path: Any = None) -> None:
+        self.inner.check(name=name, path=path)
 
 
 def _wrapper(name: str) -> type:

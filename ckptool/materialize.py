@@ -31,7 +31,7 @@ from .dtypes import DType
 from .errors import CkptError, InputError
 from .keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
 from .reader import load
-from .refs import StorageRef, TensorRef
+from .refs import StorageRef, TensorRef, check_wholes
 from .torch_import import import_torch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
@@ -138,8 +138,13 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
     from . import layouts
 
     refs = {name: tensor for name, tensor in tensors.items() if isinstance(tensor, TensorRef)}
-    # sparse and nested tensors: their components are materialized with the rest (sharing storages)
+    # what torch.load refuses is refused before a byte of values is read: the sparse and nested tensors
+    # given whole, and those whose parts are given (as Checkpoint.tensors lists them)
+    check_wholes(refs)
     layout_values = layouts.layout_tensors(tensors)
+    for name, value in layout_values.items():
+        value.check(name=str(name))
+    # sparse and nested tensors: their components are materialized with the rest (sharing storages)
     refs.update({f"{name}\0{role}": part for name, value in layout_values.items() for role, part in value.components()})
     users: dict[int, list[TensorRef]] = {}
     for tensor in refs.values():

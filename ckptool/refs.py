@@ -622,14 +622,54 @@ def human_size(count: int) -> str:
     return f"{count} B"
 
 
+class PartRef(TensorRef):
+    """A part of a tensor torch builds from parts (a sparse or nested tensor: :mod:`ckptool.layouts`), as
+    ``Checkpoint.tensors`` lists it: the saved tensor, and the tensor it is a part of (``whole``, which
+    has ``check(name=..., path=...)``). What reads parts' values checks their wholes first
+    (:func:`check_wholes`)."""
+
+    __slots__ = ("whole",)
+
+    @classmethod
+    def of(cls, tensor: TensorRef, whole: Any) -> PartRef:
+        part = cls.__new__(cls)
+        for name in TensorRef.__slots__:  # (the dataclass's fields)
+            object.__setattr__(part, name, getattr(tensor, name))
+        part.whole = whole
+        return part
+
+
+def check_wholes(tensors: Mapping[str, Any], *, path: Path | None = None) -> None:
+    """Refuse, as torch.load does, the sparse and nested tensors whose parts (:class:`PartRef`) are
+    among ``tensors``: their index parts are read once. A mapping without parts costs one C-speed pass.
+
+    Raises:
+        InputError: torch.load refuses one of them (an index past the size, a piece past its buffer...).
+    """
+    if PartRef not in set(map(type, tensors.values())):
+        return
+    wholes: dict[int, tuple[str, Any]] = {}
+    for name, value in tensors.items():
+        whole = getattr(value, "whole", None) if type(value) is PartRef else None
+        if whole is not None and id(whole) not in wholes:
+            # a part is named "key[layout size/role]": the whole's key is what comes before the last "["
+            wholes[id(whole)] = (str(name).rpartition("[")[0] or str(name), whole)
+    for name, whole in wholes.values():
+        whole.check(name=name, path=path)
+
+
 def check_expansion(tensors: Mapping[str, Any], *, allow: bool, path: Path | None = None,
                     doing: str = "materialize") -> Expansion:
-    """Refuse views that would expand their storages past EXPANSION_FACTOR (plus EXPANSION_SLACK).
+    """Refuse views that would expand their storages past EXPANSION_FACTOR (plus EXPANSION_SLACK), and
+    the sparse and nested tensors torch.load refuses among what they are parts of (:func:`check_wholes`):
+    every command that streams or materializes the views calls this first.
 
     Raises:
         InputError: the views expand too far and ``allow`` is False; the message gives the size
-            they would become and the option that allows it.
+            they would become and the option that allows it. Or torch.load refuses a sparse or
+            nested tensor the views are parts of.
     """
+    check_wholes(tensors, path=path)
     measured = expansion(tensors)
     if measured.excessive and not allow:
         name, view_bytes, span = measured.expanding[0] if measured.expanding else ("", measured.logical, 0)

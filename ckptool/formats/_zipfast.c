@@ -38,6 +38,16 @@
 #define MAX_HEADER_LENGTHS 131070  /* a local header's name + extra length: two 16-bit fields */
 #define MAX_FILE_SIZE ((long long)1 << 62)  /* no sum of two offsets or lengths under it passes 64 bits */
 
+/* Every 2^16 turns of a loop whose length an input sets, a pending signal's Python handler runs (Ctrl-C raises
+ * KeyboardInterrupt, SIGTERM ckptool's exit) and its error ends the loop as any error does: a command ends
+ * within a second however many records an archive holds (1: the handler raised, its error set) */
+#define SIGNAL_TURNS 0xFFFF
+static inline int
+signalled(Py_ssize_t turn)
+{
+    return (turn & SIGNAL_TURNS) == SIGNAL_TURNS && PyErr_CheckSignals() < 0;
+}
+
 static Py_UCS4 cp437_table[256];  /* Python's own cp437 codec, read once at import */
 static int cp437_ascii_identity;  /* whether it maps 0x00-0x7F to themselves (it does) */
 
@@ -165,7 +175,11 @@ zf_records(PyObject *module, PyObject *args)
     }
     /* total never passes end + 46 + 3 * 65535: each record starts within the buffer */
     uint64_t total = 0;
+    Py_ssize_t turns = 0;
     while (total < size_cd) {
+        if (signalled(++turns)) {
+            goto error;
+        }
         if (total + CENTRAL_SIZE > end) {
             goto refused;
         }
@@ -314,6 +328,9 @@ zf_local_headers(PyObject *module, PyObject *args)
     Py_ssize_t placed = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = PyList_GET_ITEM(offsets, i);
+        if (signalled(i)) {
+            goto error;
+        }
         if (!PyLong_CheckExact(item)) {
             PyMem_Free(order);
             return not_implemented();
@@ -339,8 +356,11 @@ zf_local_headers(PyObject *module, PyObject *args)
         Py_INCREF(Py_None);
         PyList_SET_ITEM(results, i, Py_None);
     }
-    Py_ssize_t k = 0;
+    Py_ssize_t k = 0, windows = 0;
     while (k < placed) {
+        if (signalled(++windows)) {
+            goto error;
+        }
         long long start = order[k].offset;
         Py_ssize_t last = k;
         while (last + 1 < placed && order[last + 1].offset + LOCAL_SIZE - start <= window) {
@@ -422,6 +442,9 @@ zf_members(PyObject *module, PyObject *args)
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *record = PyList_GET_ITEM(records, i);
         PyObject *header = PyList_GET_ITEM(headers, i);
+        if (signalled(i)) {
+            return NULL;
+        }
         if (!PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != 8) {
             return not_implemented();
         }
@@ -443,6 +466,9 @@ zf_members(PyObject *module, PyObject *args)
         goto error;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (signalled(i)) {
+            goto error;
+        }
         PyObject *record = PyList_GET_ITEM(records, i);
         PyObject *name = PyTuple_GET_ITEM(record, 0), *raw_name = PyTuple_GET_ITEM(record, 1);
         PyObject *header_offset = PyTuple_GET_ITEM(record, 2), *size = PyTuple_GET_ITEM(record, 3);
@@ -578,6 +604,9 @@ zf_fold(PyObject *module, PyObject *args)
     Py_ssize_t count = PyList_GET_SIZE(entries);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *member = PyList_GET_ITEM(entries, i);
+        if (signalled(i)) {
+            return NULL;
+        }
         if (Py_TYPE(member) != member_type || PyTuple_GET_SIZE(member) < 1
             || !PyUnicode_CheckExact(PyTuple_GET_ITEM(member, 0))) {
             return not_implemented();
@@ -587,7 +616,7 @@ zf_fold(PyObject *module, PyObject *args)
     Py_ssize_t before = PyDict_GET_SIZE(by_name);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *member = PyList_GET_ITEM(entries, i);
-        if (PyDict_SetItem(by_name, PyTuple_GET_ITEM(member, 0), member) < 0) {
+        if (signalled(i) || PyDict_SetItem(by_name, PyTuple_GET_ITEM(member, 0), member) < 0) {
             return NULL;
         }
     }
@@ -616,6 +645,9 @@ zf_fold(PyObject *module, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *member = PyList_GET_ITEM(entries, i);
+        if (signalled(i)) {
+            return NULL;
+        }
         PyObject *key = ascii_lower(PyTuple_GET_ITEM(member, 0));
         if (key == NULL) {
             return NULL;
@@ -682,6 +714,9 @@ zf_spans(PyObject *module, PyObject *args)
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *member = PyList_GET_ITEM(entries, i);
+        if (signalled(i)) {
+            goto done;  /* (result NULL: the handler's error) */
+        }
         if (Py_TYPE(member) != member_type || PyTuple_GET_SIZE(member) != 10) {
             goto in_python;
         }
@@ -808,6 +843,7 @@ static PyObject *zf_local_headers_for(PyObject *self, PyObject *args) {
     if (headers == NULL || encoded == NULL || offsets == NULL) goto fail;
     uint64_t position = (uint64_t)start_position;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (signalled(i)) goto fail;
         PyObject *name = PyList_GET_ITEM(names, i);
         uint64_t size, crc;
         if (!PyUnicode_CheckExact(name) || !bounded(PyList_GET_ITEM(sizes, i), (uint64_t)INT64_MAX, &size) ||
@@ -879,6 +915,7 @@ static PyObject *zf_central_directory(PyObject *self, PyObject *args) {
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(entries, i);
+        if (signalled(i)) return NULL;
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
             PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) > 0xFFFF)
             Py_RETURN_NOTIMPLEMENTED;
@@ -891,6 +928,10 @@ static PyObject *zf_central_directory(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(entries, i), *name = PyTuple_GET_ITEM(entry, 0);
         uint64_t offset, size, crc;
+        if (signalled(i)) {
+            Py_DECREF(records);
+            return NULL;
+        }
         if (!bounded(PyTuple_GET_ITEM(entry, 1), (uint64_t)INT64_MAX, &offset) ||
             !bounded(PyTuple_GET_ITEM(entry, 2), (uint64_t)INT64_MAX, &size) ||
             !bounded(PyTuple_GET_ITEM(entry, 3), 0xFFFFFFFFu, &crc)) {
@@ -986,6 +1027,7 @@ static PyObject *zf_gather(PyObject *self, PyObject *args) {
     }
     int64_t total = 0, largest = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (signalled(i)) goto done;  /* (result NULL: the handler's error) */
         if (headers != Py_None) {
             PyObject *header = PyList_GET_ITEM(headers, i);
             if (!PyBytes_CheckExact(header) || __builtin_add_overflow(total, (int64_t)PyBytes_GET_SIZE(header), &total)) {
@@ -1083,7 +1125,10 @@ zf_starting(PyObject *module, PyObject *args)
     int dict = PyDict_Check(names);
     Py_ssize_t pos = 0, i = 0;
     PyObject *name, *value;
-    for (;;) {
+    for (Py_ssize_t turn = 0;; turn++) {
+        if (signalled(turn)) {
+            return NULL;
+        }
         if (dict) {
             if (!PyDict_Next(names, &pos, &name, &value)) {
                 break;

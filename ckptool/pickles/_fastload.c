@@ -36,6 +36,14 @@ typedef struct {
 
 #define DECLINE 1  /* not taken here: the caller runs CPython's unpickler */
 
+/* Every 2^16 turns of a loop whose length an input sets, a pending signal's Python handler runs (Ctrl-C raises
+   KeyboardInterrupt, SIGTERM ckptool's exit) and its error ends the loop as any error does: a command ends
+   within a second however long its input (1: the handler raised, its error set) */
+#define SIGNAL_TURNS 0xFFFF
+static inline int signalled(Py_ssize_t turn) {
+    return (turn & SIGNAL_TURNS) == SIGNAL_TURNS && PyErr_CheckSignals() < 0;
+}
+
 typedef struct {
     PyObject **items;
     Py_ssize_t len, cap;
@@ -576,7 +584,7 @@ static int setitems(Run *r, Py_ssize_t x) {  /* CPython's do_setitems */
     if ((len - x) % 2 != 0) return DECLINE;
     PyObject *dict = r->stack.items[x - 1];
     for (Py_ssize_t i = x + 1; i < len; i += 2)
-        if (PyObject_SetItem(dict, r->stack.items[i - 1], r->stack.items[i]) < 0) return -1;
+        if (signalled((i - x) >> 1) || PyObject_SetItem(dict, r->stack.items[i - 1], r->stack.items[i]) < 0) return -1;
     clear_to(r, x);
     return 0;
 }
@@ -588,7 +596,7 @@ static int appends(Run *r, Py_ssize_t x) {  /* CPython's do_append, for a list (
     PyObject *list = r->stack.items[x - 1];
     if (!PyList_CheckExact(list)) return DECLINE;
     for (Py_ssize_t i = x; i < len; i++)
-        if (PyList_Append(list, r->stack.items[i]) < 0) return -1;
+        if (signalled(i - x) || PyList_Append(list, r->stack.items[i]) < 0) return -1;
     clear_to(r, x);
     return 0;
 }
@@ -1411,6 +1419,7 @@ static PyObject *emit_items(PyObject *self, PyObject *args) {
     e.rebuild_at = e.dict_at = -1;
     Py_ssize_t count = PyList_GET_SIZE(items);
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (signalled(i)) goto out;
         PyObject *pair = PyList_GET_ITEM(items, i);
         Py_INCREF(pair);
         int status;
@@ -1495,7 +1504,12 @@ static PyObject *load(PyObject *self, PyObject *args) {
     }
     PyObject *result = NULL;
     int status;
+    Py_ssize_t turns = 0;
     while ((status = step(&r, &result)) == 0) {
+        if (signalled(++turns)) {
+            status = -1;
+            break;
+        }
     }
     /* the storages read, as the Python loader leaves them (a failed run's too: its error kept) */
 #if PY_VERSION_HEX >= 0x030C0000
@@ -1630,6 +1644,7 @@ static PyObject *whole_plain(PyObject *self, PyObject *views) {
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *data;
         int64_t nbytes = 0;
+        if (signalled(i)) goto error;
         int status = whole_one(PyList_GET_ITEM(views, i), &data, &nbytes, slots);
         if (status < 0) goto error;
         if (status == 0) {
@@ -1829,10 +1844,15 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
     Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)cap);
     int failed = tensors == NULL || spans == NULL ? -1 : 0;  /* 1: declined */
     if (!failed && (!take(&c, '{') || take(&c, '}'))) failed = 1;  /* (an empty header: the Python path) */
+    Py_ssize_t turns = 0;
     while (!failed) {
         const unsigned char *key;
         Py_ssize_t key_length;
         int key_escaped;
+        if (signalled(++turns)) {
+            failed = -1;
+            break;
+        }
         if (!raw_string(&c, &key, &key_length, &key_escaped) || !take(&c, ':')) {
             failed = 1;
             break;
@@ -1847,6 +1867,10 @@ static PyObject *parse_header(PyObject *self, PyObject *args) {
                     const unsigned char *k, *v;
                     Py_ssize_t kl, vl;
                     int ke, ve;
+                    if (signalled(++turns)) {
+                        failed = -1;
+                        break;
+                    }
                     if (!raw_string(&c, &k, &kl, &ke) || !take(&c, ':') || !raw_string(&c, &v, &vl, &ve)) {
                         failed = 1;
                         break;
@@ -2067,6 +2091,10 @@ static PyObject *encode_header(PyObject *self, PyObject *args) {
     PyObject *last_dtype = NULL, *last_shape = NULL;
     Py_ssize_t dtype_at = 0, dtype_len = 0, shape_at = 0, shape_len = 0;
     for (Py_ssize_t i = 0; i < n && !status; i++) {
+        if (signalled(i)) {
+            status = -1;
+            break;
+        }
         PyObject *count = PyList_GET_ITEM(nbytes, i), *shape = PyList_GET_ITEM(shapes, i);
         PyObject *dtype = PyList_GET_ITEM(dtype_names, i);
         int overflow = 0;
@@ -2305,7 +2333,12 @@ static PyObject *check_tree_c(PyObject *self, PyObject *args) {
         stack[0].kids = NULL;
         depth = 1;
     }
+    Py_ssize_t turns = 0;
     while (!error && !verdict && depth > 0) {
+        if (signalled(++turns)) {
+            error = 1;
+            break;
+        }
         TreeFrame *frame = &stack[depth - 1];
         PyObject *obj = frame->obj;
         if (frame->kids == NULL) {
@@ -2435,6 +2468,10 @@ static PyObject *census(PyObject *self, PyObject *args) {
     int nkinds = 0, bits = 0, shared = 0, declined = 0, failed = 0;
     int64_t parameters = 0, nbytes = 0;
     for (Py_ssize_t i = 0; i < count && !declined && !failed; i++) {
+        if (signalled(i)) {
+            failed = 1;
+            break;
+        }
         PyObject *view = PyList_GET_ITEM(views, i);
         if ((PyObject *)Py_TYPE(view) != tensor_type) {
             declined = 1;

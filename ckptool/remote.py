@@ -1,4 +1,4 @@
-"""Checkpoints where they live: URLs (``s3://``, ``gs://``, ``https://``, any fsspec protocol) read by ranges.
+"""Checkpoints where they live: URLs (``s3://``, ``gs://``, ``https://``) read by ranges.
 
 A :class:`RemotePath` stands where a :class:`pathlib.Path` stands in the readers: it joins, names
 and suffixes like a path, so a sharded index's ``directory / shard`` or a DCP folder's files work
@@ -11,8 +11,15 @@ on sequential reads (so ``inspect`` of a ``.pt`` is a size request, the head wit
 the tail with the zip directory), big reads fetched exactly (in parallel ranges when large), and
 every request and byte counted in :data:`STATS` for ``--json``'s ``io``.
 
+Every request reads no further than it asked and ends within a wall-clock limit
+(:mod:`ckptool.bounded`). The protocols read are :data:`SUPPORTED` (``s3://`` and its Hadoop spellings
+``s3a://``/``s3n://``, ``gs://``/``gcs://``, ``http(s)://``, and fsspec's in-process ``memory://``); any
+other is refused in one line naming them, before a request is made. :func:`identity` gives an object
+one spelling whatever the user typed, so an output is compared with its inputs by what it names.
+
 fsspec (and s3fs/gcsfs for their protocols) is imported only when a URL is used: the core install
-does not need it, and a URL without it is one line naming ``pip install 'ckptool[remote]'``.
+does not need it, and a URL without it is one line naming ``pip install 'ckptool[remote]'``. Their
+loggers and warnings are kept off the terminal (:func:`_quiet_libraries`): a failure is ckptool's one line.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
+import posixpath
 import re
 import threading
 import urllib.parse
@@ -29,37 +38,86 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from . import bounded
 from .errors import InputError, MissingExtraError
 
 INSTALL = "pip install 'ckptool[remote]'"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
-PACKAGE_FOR = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+LOCAL_PROTOCOLS = frozenset({"file", "local"})  # fsspec's two names for this machine's files: read as paths
+# the protocols ckptool reads (each by ranges, bounded) -> the fsspec protocol that serves it
+SUPPORTED = {"s3": "s3", "s3a": "s3", "s3n": "s3", "gs": "gs", "gcs": "gs", "http": "http", "https": "https",
+             "memory": "memory"}
+SUPPORTED_SHOWN = "s3:// (s3a://, s3n://), gs:// (gcs://), https://, http:// and local paths (file://)"
+SUPPORTED_WRITTEN = "s3:// (s3a://, s3n://), gs:// (gcs://) and local paths (file://)"
+PACKAGE_FOR = {"s3": "s3fs", "s3a": "s3fs", "s3n": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+S3_NAMES = frozenset({"s3", "s3a", "s3n"})
+_BUCKETED = frozenset({"s3", "gs", "memory"})  # a URL's "host" is the first folder (bucket) of one path
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@]*@")  # user:password@ after any scheme's ://
 
 
 def is_url(value: object) -> bool:
-    """True for a :class:`RemotePath` or a string naming a URL other than ``file://``."""
+    """True for a :class:`RemotePath` or a string naming a URL other than a local file (``file://``, ``local://``)."""
     if isinstance(value, RemotePath):
         return True
     if not isinstance(value, str):
         return False
     match = _SCHEME.match(value)
-    return match is not None and match.group(1).lower() != "file"
+    return match is not None and match.group(1).lower() not in LOCAL_PROTOCOLS
 
 
 def location(value: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
-    """What a user named: a :class:`RemotePath` for a URL, a local :class:`Path` otherwise (``file://`` too)."""
+    """What a user named: a :class:`RemotePath` for a URL, a local :class:`Path` otherwise (``file://``
+    and ``local://`` too, percent-decoded)."""
     if isinstance(value, RemotePath):
         return value
     text = os.fspath(value)
     match = _SCHEME.match(text)
     if match is None:
         return Path(text)
-    if match.group(1).lower() == "file":
+    if match.group(1).lower() in LOCAL_PROTOCOLS:
         parsed = urllib.parse.urlparse(text)
         return Path(urllib.parse.unquote(parsed.netloc + parsed.path) if parsed.netloc not in ("", "localhost")
                     else urllib.parse.unquote(parsed.path))
     return RemotePath(text)
+
+
+def identity(target: str | os.PathLike[str] | RemotePath) -> str:
+    """One spelling of what ``target`` names, for telling whether an output is an input: a local path
+    (plain, ``file://``, ``local://``) as ``file://`` + its real path (links and ``..`` resolved); a URL
+    with its protocol's one name (``s3a``/``s3n`` -> ``s3``, ``gcs`` -> ``gs``), no user or password,
+    the host lower-cased without its default port, the path percent-decoded with ``.`` and ``..``
+    steps taken and no trailing ``/``, no query or fragment.
+
+    Two spellings of one object always give one identity; two objects may share one only where a
+    store would resolve one name to the other (``a/../b``), which is what the comparison must catch.
+
+    Example:
+        >>> identity("s3a://Bucket/run/./ckpt.pt/") == identity("s3://bucket/run/ckpt.pt")
+        True
+    """
+    found = location(target) if not isinstance(target, RemotePath) else target
+    if not isinstance(found, RemotePath):
+        return "file://" + os.path.normcase(os.path.realpath(found))
+    parsed = urllib.parse.urlsplit(found.url)
+    protocol = SUPPORTED.get(found.protocol, found.protocol)
+    host = parsed.netloc.rsplit("@", 1)[-1].lower()
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and "]" not in port and int(port) == _DEFAULT_PORTS.get(protocol):
+        host = name
+    path = urllib.parse.unquote(parsed.path)
+    if protocol in _BUCKETED:  # no host: s3:///b/k is s3://b/k, as the filesystem strips it
+        path, host = "/" + (host + path).lstrip("/"), ""
+    segments: list[str] = []
+    for segment in path.split("/")[1:]:  # RFC 3986's dot-segment removal; "a//b" stays (a store's own key)
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment != ".":
+            segments.append(segment)
+    path = ("/" + "/".join(segments)).rstrip("/") if path else ""
+    return f"{protocol}://{host}{path[1:] if protocol in _BUCKETED else path}"
 
 
 class RemotePath:
@@ -74,17 +132,18 @@ class RemotePath:
         self.protocol = match.group(1).lower()
         self._url = url.rstrip("/") if url.count("/") > 3 or not url.endswith("://") else url
         parsed = urllib.parse.urlsplit(self._url)
-        host = parsed.hostname or ""
-        if parsed.port is not None:
-            host += f":{parsed.port}"
-        if not host and "@" in parsed.netloc:  # s3://user@bucket is not a thing, but never print it
-            host = parsed.netloc.rsplit("@", 1)[1]
-        elif not host:
-            host = parsed.netloc
+        try:
+            host = parsed.hostname or ""
+            if parsed.port is not None:
+                host += f":{parsed.port}"
+        except ValueError:  # not host:port (a chained URL's "a::b"): shown as written, less any credentials
+            host = ""
+        if not host:  # s3://user@bucket is not a thing, but never print it
+            host = parsed.netloc.rsplit("@", 1)[-1]
         shown = f"{parsed.scheme}://{host}{parsed.path}"
         if parsed.query:
             shown += "?..."  # a presigned URL's signature is a credential
-        self._shown = shown
+        self._shown = _USERINFO.sub(r"\1", shown)  # a chained URL's inner ones too
 
     # -- what it is called ------------------------------------------------------------------
     @property
@@ -162,6 +221,11 @@ class RemotePath:
     def resolve(self, strict: bool = False) -> RemotePath:
         return self
 
+    @property
+    def identity(self) -> str:
+        """What this URL names, whatever its spelling (:func:`identity`)."""
+        return identity(self)
+
     # -- what is there ------------------------------------------------------------------------
     @property
     def read_only(self) -> bool:
@@ -181,9 +245,11 @@ class RemotePath:
         fs, path = self.reading_filesystem()
         try:
             with STATS.request():
-                return dict(fs.info(path))
-        except FileNotFoundError:
-            return None
+                return dict(bounded.call(fs, "info", path))
+        except FileNotFoundError as e:
+            if _says_missing(e):
+                return None
+            raise remote_error(e, self) from None
         except Exception as e:
             raise remote_error(e, self) from None
 
@@ -209,7 +275,7 @@ class RemotePath:
         fs, path = self.filesystem()
         try:
             with STATS.request():
-                entries = fs.ls(path, detail=True)
+                entries = bounded.call(fs, "ls", path, detail=True)
         except FileNotFoundError:
             return {}
         except Exception as e:
@@ -295,7 +361,32 @@ def _forget_remote_files() -> None:
         byteio.forget_remote()
 
 
+# the libraries' own loggers: their tracebacks and the stores' raw answers stay off the terminal (a
+# NullHandler keeps Python's last-resort handler quiet; an application's own logging still sees them)
+QUIET_LOGGERS = ("fsspec", "s3fs", "gcsfs", "aiobotocore", "botocore", "aiohttp", "google", "google.auth", "urllib3",
+                 "asyncio")
+_QUIET_WARNINGS = r"(fsspec|s3fs|gcsfs|aiobotocore|botocore|aiohttp|google|urllib3)(\.|$)"
+_quieted = False
+
+
+def _quiet_libraries() -> None:
+    global _quieted
+    if _quieted:
+        return
+    import warnings
+
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(handler, logging.NullHandler) for handler in logger.handlers):
+            logger.addHandler(logging.NullHandler())
+    warnings.filterwarnings("ignore", module=_QUIET_WARNINGS)
+    # gcsfs asks Google's control plane about a bucket over gRPC, whose C core logs to the terminal itself
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    _quieted = True
+
+
 def _fsspec() -> Any:
+    _quiet_libraries()
     try:
         import fsspec
     except ImportError as e:
@@ -303,31 +394,72 @@ def _fsspec() -> Any:
     return fsspec
 
 
+def check_supported(path: RemotePath, *, writing: bool = False) -> str:
+    """The fsspec protocol that serves ``path`` (:data:`SUPPORTED`).
+
+    Raises:
+        InputError: a chained URL (``zip://a::s3://...``) or a protocol ckptool does not read, naming those it
+            does (OutputError, naming those it writes, for an output).
+    """
+    from .errors import OutputError
+    from .suggest import Metavar, option
+
+    if writing:
+        kind, does, step = OutputError, f"writes to {SUPPORTED_WRITTEN}", "write the output to one of them"
+    else:
+        kind, does, step = InputError, f"reads {SUPPORTED_SHOWN}", "copy the file to one of them"
+    if "::" in path.url:
+        raise kind(f"chained URLs (a::b) are not supported — ckptool {does}; {step}", path=path)
+    protocol = SUPPORTED.get(path.protocol)
+    if protocol is None:
+        raise kind(f"{path.protocol}:// URLs are not supported — ckptool {does}; {step}", path=path)
+    if protocol in _BUCKETED and "@" in path.url.split("://", 1)[1].split("/", 1)[0]:
+        raise kind(f"{path.protocol}:// URLs carry no user or password — give the store's credentials in the "
+                   "environment or with " + option("storage_options", Metavar("KEY=VALUE")), path=path)
+    return protocol
+
+
 def filesystem_for(path: RemotePath) -> tuple[Any, str]:
     """The fsspec filesystem for ``path``'s protocol (made once per protocol and options) and its path there."""
+    protocol = check_supported(path)
     fsspec = _fsspec()
-    key = (path.protocol, json.dumps(_options, sort_keys=True, default=str))
+    key = (protocol, json.dumps(_options, sort_keys=True, default=str))
     with _lock:
         fs = _filesystems.get(key)
     if fs is None:
         try:
-            fs = fsspec.filesystem(path.protocol, **_default_options(path.protocol), **_options)
+            fs = _make_filesystem(fsspec, protocol)
         except ImportError as e:
             package = PACKAGE_FOR.get(path.protocol, "the fsspec package for it")
             raise MissingExtraError(f"{path.protocol}:// URLs need {package}, which is not installed — {INSTALL}",
                                     path=path) from e
-        except ValueError as e:
-            raise InputError(f"has a protocol fsspec does not know ({path.protocol}://) — use s3://, gs://, "
-                             "https:// or an installed fsspec protocol", path=path) from e
+        except (TypeError, ValueError) as e:  # an option this protocol does not take
+            from .suggest import Metavar, option
+
+            raise InputError(f"the storage options are not ones {path.protocol}:// takes ({type(e).__name__}) — "
+                             "check each " + option("storage_options", Metavar("KEY=VALUE")), path=path) from None
         with _lock:
             _filesystems[key] = fs
-    return fs, fs._strip_protocol(path.url)
+    url = path.url if protocol == path.protocol else protocol + path.url[len(path.protocol):]
+    return fs, fs._strip_protocol(url)
+
+
+def _make_filesystem(fsspec: Any, protocol: str) -> Any:
+    options = {**_default_options(protocol), **_options}
+    if protocol == "gs" and (options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")):
+        # gcsfs's default class asks Google's control plane (gRPC) about a bucket's layout, which no other
+        # endpoint (an emulator, a gateway) serves: it retries for a minute. Objects need only the JSON API.
+        from gcsfs.core import GCSFileSystem
+
+        return GCSFileSystem(**options)
+    return fsspec.filesystem(protocol, **options)
 
 
 def reading_filesystem_for(path: RemotePath) -> tuple[Any, str]:
     """For reads: :mod:`.s3read`'s reader for an ``s3://`` object when the storage options and environment are
     ones it reproduces botocore for (no fsspec, s3fs or botocore imported), else :func:`filesystem_for`."""
-    if path.protocol in ("s3", "s3a"):
+    check_supported(path)
+    if path.protocol in S3_NAMES:
         bucket_key = path.url.split("://", 1)[1].rstrip("/")
         if "?" not in bucket_key and "@" not in bucket_key.split("/", 1)[0] and "/" in bucket_key.strip("/") \
                 and _s3fs_installed():
@@ -354,7 +486,7 @@ def _s3fs_installed() -> bool:
 def _default_options(protocol: str) -> dict[str, Any]:
     """Options ckptool sets unless the user does: S3 retries throttling with backoff (botocore's
     standard mode); the standard ``AWS_ENDPOINT_URL`` names an S3-compatible store."""
-    if protocol not in ("s3", "s3a"):
+    if protocol != "s3":
         return {}
     defaults: dict[str, Any] = {}
     if "config_kwargs" not in _options:
@@ -379,14 +511,59 @@ def _status_of(error: BaseException) -> tuple[int | None, str]:
     status = getattr(error, "status", None) or getattr(error, "code", None)
     if isinstance(status, int):
         return status, ""
+    first = str(error).split(":", 1)[0] if isinstance(error, (OSError, ValueError)) else ""
+    if first in _GCSFS_STATUS:  # gcsfs says these in words, the store's text after them
+        return _GCSFS_STATUS[first], ""
     return None, ""
 
 
-def remote_error(error: BaseException, path: RemotePath, *, writing: bool = False) -> InputError:
-    """One line for a failed request: the cause (404, 403, throttled, timeout...) and the next step;
-    never the store's raw text (it may quote a signed URL)."""
-    from .errors import OutputError
+_GCSFS_STATUS = {"Forbidden": 403, "Bad Request": 400}
+
+
+def _credentials_hint(path: RemotePath) -> Any:
+    """Where the credentials of ``path``'s protocol come from, for a refusal."""
     from .suggest import Metavar, option
+
+    given = option("storage_options", Metavar("KEY=VALUE"))
+    if path.protocol in S3_NAMES:
+        return "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or " + given + ")"
+    if path.protocol in ("gs", "gcs"):
+        return ("check the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, or "
+                + given + ")")
+    return "check the URL and any credentials it needs (" + given + ")"
+
+
+def _endpoint_hint(path: RemotePath) -> Any:
+    """How ``path``'s protocol is pointed at a store, for a refusal."""
+    from .suggest import Metavar, option
+
+    if path.protocol in S3_NAMES:
+        return ("check the endpoint (AWS_ENDPOINT_URL or " + option("storage_options", Metavar("endpoint_url=..."))
+                + ") and that it is up")
+    if path.protocol in ("gs", "gcs"):
+        return ("check the endpoint (STORAGE_EMULATOR_HOST or "
+                + option("storage_options", Metavar("endpoint_url=...")) + ") and that it is up")
+    return "check the URL's host and that it is up"
+
+
+def _says_missing(error: FileNotFoundError) -> bool:
+    """Whether a FileNotFoundError means "nothing there": fsspec's HTTP filesystem raises it for any failed
+    request, a 403 or a 500 under it."""
+    current: BaseException | None = error.__cause__ or error.__context__
+    for _ in range(8):
+        if current is None:
+            return True
+        status = _status_of(current)[0]
+        if status is not None:
+            return status in (404, 410)
+        current = current.__cause__ or current.__context__
+    return True
+
+
+def remote_error(error: BaseException, path: RemotePath, *, writing: bool = False) -> InputError:
+    """One line for a failed request: the cause (404, 403, throttled, timeout, an answer other than asked...)
+    and the next step; never the store's raw text (it may quote a signed URL or a credential)."""
+    from .errors import OutputError
 
     kind = OutputError if writing else InputError
     chain: list[BaseException] = []
@@ -394,16 +571,27 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
     while current is not None and len(chain) < 8:
         chain.append(current)
         current = current.__cause__ or current.__context__
+    # fsspec's HTTP info turns any failure into FileNotFoundError: the status under it is the cause
+    statuses = [status for status, _ in map(_status_of, chain) if status is not None]
+    if statuses and isinstance(chain[0], FileNotFoundError) and statuses[0] != 404:
+        chain = chain[1:]
     for item in chain:
+        if isinstance(item, bounded.RangeRefused):  # its text is numbers only, ckptool's own
+            return kind(f"the server {item} — refused (ckptool reads no more than it asks for); it does not serve "
+                        "byte ranges as asked: download the file and pass its local path",
+                        path=path)  # type: ignore[return-value]
+        if isinstance(item, bounded.RequestTimedOut):
+            return kind(f"timed out: the store sent no complete answer within {item.seconds:g} s "
+                        f"({bounded.TIMEOUT_ENV} sets the limit) — check the network or the endpoint, then retry",
+                        path=path)  # type: ignore[return-value]
         status, code = _status_of(item)
+        code = "" if code == str(status) else code  # a bodiless answer's only "code" is its status
         if isinstance(item, FileNotFoundError) or status == 404 or code in ("NoSuchKey", "NoSuchBucket", "404"):
             what = "its bucket does not exist" if code == "NoSuchBucket" else "does not exist"
             return kind(f"{what} (404) — check the URL", path=path)  # type: ignore[return-value]
         if isinstance(item, PermissionError) or status in (401, 403) or code in (
                 "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-            return kind(f"access denied ({status or 403}{', ' + code if code else ''}) — check the credentials "
-                        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or "
-                        + option("storage_options", Metavar("KEY=VALUE")) + ")",
+            return kind(f"access denied ({status or 403}{', ' + code if code else ''}) — " + _credentials_hint(path),
                         path=path)  # type: ignore[return-value]
         if status in (429, 503) or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
             return kind(f"the store is throttling requests ({status or 503}{' ' + code if code else ''}) and kept "
@@ -413,12 +601,13 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
             return kind("timed out talking to the store — check the network or the endpoint, then retry",
                         path=path)  # type: ignore[return-value]
         if "Connect" in name or isinstance(item, ConnectionError):
-            return kind("cannot connect to the store — check the endpoint (AWS_ENDPOINT_URL or "
-                        + option("storage_options", Metavar("endpoint_url=...")) + ") and that it is up",
-                        path=path)  # type: ignore[return-value]
+            return kind("cannot connect to the store — " + _endpoint_hint(path), path=path)  # type: ignore[return-value]
         if status is not None and status >= 500:
             return kind(f"the store failed ({status}{' ' + code if code else ''}) — retry later",
                         path=path)  # type: ignore[return-value]
+        if status is not None and status >= 400:
+            return kind(f"the store refused the request ({status}{' ' + code if code else ''}) — check the URL; "
+                        + _credentials_hint(path), path=path)  # type: ignore[return-value]
     return kind(f"request failed ({type(error).__name__}{': ' + code if (code := _status_of(error)[1]) else ''}) — "
                 "check the URL and the credentials", path=path)  # type: ignore[return-value]
 
@@ -594,24 +783,26 @@ class RemoteFile(io.RawIOBase):
         found: list[bytes | None] = [self.cached(offset, size) for offset, size in ranges]
         wanted = [i for i, data in enumerate(found) if data is None]
         if wanted:
-            starts = [ranges[i][0] for i in wanted]
-            ends = [min(self.size, ranges[i][0] + ranges[i][1]) for i in wanted]
-            try:
-                if hasattr(self._fs, "cat_ranges") and len(wanted) > 1:
-                    pieces = self._fs.cat_ranges([self._key] * len(wanted), starts, ends)
-                else:
-                    pieces = [self._fs.cat_file(self._key, start=starts[0], end=ends[0])]
-                for piece in pieces:
-                    if isinstance(piece, BaseException):
-                        raise piece
-            except InputError:
-                raise
-            except Exception as e:
-                raise remote_error(e, self.path) from None
-            STATS.add(requests=len(wanted), read=sum(len(piece) for piece in pieces))
+            spans = [(ranges[i][0], min(self.size, ranges[i][0] + ranges[i][1])) for i in wanted]
+            pieces = self._get(spans)
             for i, piece in zip(wanted, pieces):
                 found[i] = piece
         return [data or b"" for data in found]
+
+    def _get(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``[start, end)`` from the store, read no further than asked (:mod:`.bounded`)."""
+        try:
+            pieces = bounded.get_ranges(self._fs, self._key, spans)
+        except InputError:
+            raise
+        except Exception as e:
+            raise remote_error(e, self.path) from None
+        STATS.add(requests=len(spans), read=sum(len(piece) for piece in pieces))
+        for (start, end), piece in zip(spans, pieces):
+            if len(piece) > end - start:  # an in-process store's answer, or a reader that did not stop
+                raise InputError(f"the store sent {len(piece)} bytes where {end - start} at {start} were asked — "
+                                 "refused; check the URL and the store", path=self.path)
+        return pieces
 
     def preadinto(self, view: memoryview, offset: int) -> int:
         data = self.pread(len(view), offset)
@@ -620,23 +811,12 @@ class RemoteFile(io.RawIOBase):
 
     def _fetch(self, start: int, end: int) -> bytes:
         """Bytes [start, end) from the store: one request, or parallel ranges for a big read."""
-        try:
-            if end - start >= PARALLEL_FROM and hasattr(self._fs, "cat_ranges"):
-                starts = list(range(start, end, PART))
-                ends = [min(end, s + PART) for s in starts]
-                pieces = self._fs.cat_ranges([self._key] * len(starts), starts, ends)
-                for piece in pieces:
-                    if isinstance(piece, BaseException):
-                        raise piece
-                data = b"".join(pieces)
-                STATS.add(requests=len(starts), read=len(data))
-            else:
-                data = self._fs.cat_file(self._key, start=start, end=end)
-                STATS.add(requests=1, read=len(data))
-        except InputError:
-            raise
-        except Exception as e:
-            raise remote_error(e, self.path) from None
+        if end - start >= PARALLEL_FROM:
+            spans = [(s, min(end, s + PART)) for s in range(start, end, PART)]
+        else:
+            spans = [(start, end)]
+        pieces = self._get(spans)
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if len(data) != end - start:
             raise InputError.truncated(self.path, f"asked for {end - start} bytes at {start}, got {len(data)}")
         return data

@@ -11,6 +11,12 @@ proxy, a storage option it does not know...), in which case the caller uses s3fs
 Requests are retried as botocore's standard mode does (5 attempts, exponential backoff with jitter, on 500,
 502, 503, 504, 429, throttling codes and dropped connections). Failures are :class:`S3Error` with a
 botocore-like ``response`` (status and code, never a credential) or the socket's own error.
+
+A store is no more trusted than a file: an answer is judged before its body and read no further than
+asked (:func:`ckptool.bounded.judge`: a range's body up to the range, an error's up to
+:data:`~ckptool.bounded.ERROR_BODY_LIMIT`, a listing's up to :data:`LISTING_LIMIT`), and each request,
+headers to last byte, ends within :func:`ckptool.bounded.request_timeout_s` (a watchdog shuts its socket;
+:class:`~ckptool.bounded.RequestTimedOut`, not retried: a store that trickles would trickle again).
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from .bounded import ERROR_BODY_LIMIT, RangeRefused, RequestTimedOut, judge, request_timeout_s
+
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 MAX_ATTEMPTS = 5
 BACKOFF_BASE_S = 1.0  # the n-th retry waits random() * min(MAX_BACKOFF_S, BACKOFF_BASE_S * 2**(n-1))
 MAX_BACKOFF_S = 20.0
+LISTING_LIMIT = 1 << 20  # a one-key listing is a few hundred bytes
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 RETRY_CODES = frozenset({
@@ -353,8 +362,13 @@ class S3Reader:
         return scheme, host, port, header, path
 
     def request(self, method: str, bucket: str, key: str, *, query: Mapping[str, str] | None = None,
-                headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        """(status, lower-cased headers, body) of a 2xx answer; S3Error for any other, after retries."""
+                headers: Mapping[str, str] | None = None, span: tuple[int, int] | None = None
+                ) -> tuple[int, dict[str, str], bytes]:
+        """(status, lower-cased headers, body) of a 2xx answer; S3Error for any other, after retries.
+
+        ``span``: the bytes ``[start, end)`` a ranged GET asks for; its body is read as
+        :func:`ckptool.bounded.judge` allows (RangeRefused otherwise). RequestTimedOut when one try
+        outlasts :func:`ckptool.bounded.request_timeout_s`."""
         query = dict(query or {})
         region = self._bucket_regions.get(bucket, self.region)
         redirected = False
@@ -362,7 +376,9 @@ class S3Reader:
         while True:
             attempt += 1
             try:
-                status, answer, body = self._once(method, bucket, key, query, dict(headers or {}), region)
+                status, answer, body = self._once(method, bucket, key, query, dict(headers or {}), region, span)
+            except (RequestTimedOut, RangeRefused):
+                raise
             except (ConnectionError, http.client.HTTPException, TimeoutError, socket.timeout, OSError) as e:
                 if attempt >= self.attempts or not _retryable_exception(e):
                     if isinstance(e, socket.gaierror):  # as botocore says it: the endpoint cannot be reached
@@ -390,7 +406,7 @@ class S3Reader:
         time.sleep(random.random() * min(MAX_BACKOFF_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
 
     def _once(self, method: str, bucket: str, key: str, query: dict[str, str], headers: dict[str, str],
-              region: str) -> tuple[int, dict[str, str], bytes]:
+              region: str, span: tuple[int, int] | None = None) -> tuple[int, dict[str, str], bytes]:
         scheme, host, port, host_header, path = self._target(bucket, key, region)
         if self.credentials is not None:
             sent = sign(method, host_header, path, query, headers, self.credentials, region)
@@ -399,32 +415,69 @@ class S3Reader:
             sent["host"] = host_header
         sent["user-agent"] = "ckptool"
         target = path + ("?" + "&".join(f"{quote(k)}={quote(v)}" for k, v in sorted(query.items())) if query else "")
+        seconds = request_timeout_s()
+        watchdog = _Watchdog(seconds)
         fresh_tried = False
-        while True:
-            connection, reused = POOL.get(scheme, host, port, self.connect_timeout, self.ca_bundle)
-            try:
-                if connection.sock is None:
-                    connection.connect()
-                    connection.sock.settimeout(self.read_timeout)  # type: ignore[attr-defined]
-                with _counts_lock:
-                    COUNTS["requests"] += 1
-                connection.request(method, target, headers=sent)
-                response = connection.getresponse()
-                body = response.read()
-            except (ConnectionError, http.client.BadStatusLine, BrokenPipeError) as e:
-                connection.close()
-                if reused and not fresh_tried and not isinstance(e, ConnectionRefusedError):
-                    fresh_tried = True  # the store closed an idle connection: one more try on a new one
-                    continue
-                raise
-            except BaseException:
-                connection.close()
-                raise
-            if response.will_close:
-                connection.close()
-            else:
-                POOL.put(scheme, host, port, connection)
-            return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+        try:
+            while True:
+                connection, reused = POOL.get(scheme, host, port, self.connect_timeout, self.ca_bundle)
+                watchdog.watch(connection)
+                try:
+                    if connection.sock is None:
+                        connection.connect()
+                        connection.sock.settimeout(self.read_timeout)  # type: ignore[attr-defined]
+                    watchdog.check()
+                    with _counts_lock:
+                        COUNTS["requests"] += 1
+                    connection.request(method, target, headers=sent)
+                    response = connection.getresponse()
+                    answer = {k.lower(): v for k, v in response.getheaders()}
+                    body = self._body(method, response, answer, span)
+                    watchdog.check()
+                except (ConnectionError, http.client.BadStatusLine, BrokenPipeError) as e:
+                    connection.close()
+                    watchdog.check()
+                    if reused and not fresh_tried and not isinstance(e, ConnectionRefusedError):
+                        fresh_tried = True  # the store closed an idle connection: one more try on a new one
+                        continue
+                    raise
+                except BaseException:
+                    connection.close()
+                    watchdog.check()
+                    raise
+                if response.will_close or not response.isclosed():  # a body left unread: no reuse
+                    connection.close()
+                else:
+                    POOL.put(scheme, host, port, connection)
+                return response.status, answer, body
+        finally:
+            watchdog.stop()
+
+    @staticmethod
+    def _body(method: str, response: http.client.HTTPResponse, headers: Mapping[str, str],
+              span: tuple[int, int] | None) -> bytes:
+        """The body, read no further than the request asked (see the module's docstring)."""
+        if method == "HEAD":
+            return b""
+        status = response.status
+        if not 200 <= status < 300:
+            return response.read(ERROR_BODY_LIMIT)
+        if span is None:
+            body = response.read(LISTING_LIMIT + 1)
+            if len(body) > LISTING_LIMIT:
+                raise RangeRefused(f"sent more than {LISTING_LIMIT} bytes for a one-key listing")
+            return body
+        try:
+            declared = int(headers["content-length"]) if "content-length" in headers else None
+        except ValueError:
+            declared = None
+        length, refuse_more = judge(status, headers.get("content-range"), declared, *span)
+        body = response.read(length)
+        if len(body) < length:  # the answer ended early (a dropped connection): retried, as botocore does
+            raise http.client.IncompleteRead(body, length - len(body))
+        if refuse_more and response.read(1):
+            raise RangeRefused(f"sent more than the {length} bytes of the range it named")
+        return body
 
     # what remote.py asks for
     @staticmethod
@@ -460,22 +513,21 @@ class S3Reader:
         return any(element.tag.rsplit("}", 1)[-1] in ("Contents", "CommonPrefixes") for element in root)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes [start, end) of the object (all of it without a range)."""
+        """Bytes [start, end) of the object (to its end without ``end``), never more: a longer or other
+        answer is RangeRefused."""
         bucket, key = self.split(path)
-        headers = {}
-        if start is not None or end is not None:
-            first = start or 0
-            if end is not None and end <= first:
-                return b""
-            headers["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
+        first = start or 0
+        if end is None:
+            end = int(self.info(path).get("size") or 0)
+        if end <= first:
+            return b""
         try:
-            status, answer, body = self.request("GET", bucket, key, headers=headers)
+            _, _, body = self.request("GET", bucket, key, headers={"Range": f"bytes={first}-{end - 1}"},
+                                      span=(first, end))
         except S3Error as e:
             if e.status == 416:
                 return b""
             raise
-        if status == 200 and headers:  # a store that ignored the range
-            body = body[start or 0:end]
         return body
 
     def cat_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
@@ -485,6 +537,40 @@ class S3Reader:
 
         with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
             return list(pool.map(self.cat_file, paths, starts, ends))
+
+
+class _Watchdog:
+    """Shuts the socket of a request still running after ``seconds`` (headers and body included: a store
+    sending a byte a second never trips the socket's own timeout); :meth:`check` then raises RequestTimedOut."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._connection: http.client.HTTPConnection | None = None
+        self._expired = threading.Event()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, connection: http.client.HTTPConnection) -> None:
+        self._connection = connection
+
+    def _expire(self) -> None:
+        self._expired.set()
+        sock = self._connection.sock if self._connection is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def check(self) -> None:
+        if self._expired.is_set():
+            if self._connection is not None:
+                self._connection.close()
+            raise RequestTimedOut(self.seconds)
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 def _retryable_exception(error: BaseException) -> bool:

@@ -522,8 +522,16 @@ class _Server(ThreadingHTTPServer):
     owner: Any = None
 
 
-def _serve(handler: type[BaseHTTPRequestHandler], owner: Any) -> tuple[_Server, threading.Thread]:
-    server = _Server(("127.0.0.1", 0), handler)  # port 0: the kernel picks a free one
+class _QuietServer(_Server):
+    """A server whose clients hang up on purpose (a lie refused): a broken connection is no news."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+
+def _serve(handler: type[BaseHTTPRequestHandler], owner: Any, *, quiet: bool = False
+           ) -> tuple[_Server, threading.Thread]:
+    server = (_QuietServer if quiet else _Server)(("127.0.0.1", 0), handler)  # port 0: the kernel picks a free one
     server.owner = owner
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                               name=f"{type(owner).__name__}:{server.server_address[1]}")
@@ -1120,6 +1128,196 @@ class _RangeHandler(BaseHTTPRequestHandler):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# servers that lie
+
+
+LIE_MODES = ("ok", "huge", "other", "whole", "more", "trickle", "trickle-headers", "fail403", "fail500")
+HUGE_BODY = 3 << 30  # what ``huge`` claims (and would send) for any range: 3 GiB
+
+
+class LyingServer:
+    """A threaded http server that serves ``files`` ({name: bytes}) honestly to HEAD and lies to ranged GETs,
+    by the first folder of the path (one of :data:`LIE_MODES`):
+
+    ``ok``            206 with the range asked (a store that tells the truth)
+    ``huge``          206 naming the range asked, with ``Content-Length`` :data:`HUGE_BODY`, streaming zeros until
+                      the client hangs up (the 256 KiB range answered with 3 GiB)
+    ``other``         206 with the bytes one further on than asked (``Content-Range`` says so)
+    ``whole``         200 with the whole file, the range ignored
+    ``more``          206 naming the range asked, chunked (no length), the range's bytes then as many again
+    ``trickle``       206 headers at once, then the body a byte per ``trickle_s``
+    ``trickle-headers``  the status line, then the headers a byte per ``trickle_s``
+    ``fail403``/``fail500``  that status with a body of raw text (``RAW_TEXT``, as a store's error page may quote a
+                      signed URL), to every request
+
+    It answers path-style S3 requests the same way (``s3://<mode>/<name>`` with this server as the endpoint, any
+    credentials) and GCS's JSON and media paths (``gs://<mode>/<name>`` with ``endpoint_url`` this server,
+    ``token=anon``). ``bytes_sent`` counts the body bytes it managed to send, ``requests`` the requests.
+    """
+
+    RAW_TEXT = "RAW-STORE-TEXT https://store.example/x?X-Amz-Signature=0123456789abcdef"
+
+    def __init__(self, files: Mapping[str, bytes], *, trickle_s: float = 1.0) -> None:
+        self.files = dict(files)
+        self.trickle_s = trickle_s
+        self.bytes_sent = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._server, self._thread = _serve(_LyingHandler, self, quiet=True)
+        self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def url(self, mode: str, name: str, *, userinfo: str = "") -> str:
+        """The http URL of ``name`` served in ``mode`` (``userinfo``: ``user:password@`` put in it)."""
+        return f"http://{userinfo}127.0.0.1:{self._server.server_address[1]}/{mode}/{name}"
+
+    def sent(self, count: int) -> None:
+        with self._lock:
+            self.bytes_sent += count
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> LyingServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _LyingHandler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    @property
+    def owner(self) -> LyingServer:
+        return self.server.owner
+
+    def _where(self) -> tuple[str, str, bool]:
+        """(mode, file name, whether this is a GCS metadata request)."""
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])
+        metadata = False
+        for prefix, is_metadata in (("/download/storage/v1/b/", False), ("/storage/v1/b/", True)):
+            if path.startswith(prefix):  # /storage/v1/b/<bucket>/o/<name>, or /o: a listing (of nothing)
+                bucket, _, rest = path[len(prefix):].partition("/o")
+                return bucket, rest.lstrip("/"), is_metadata
+        mode, _, name = path.lstrip("/").partition("/")
+        return mode, name, metadata
+
+    def _plain(self, status: int, body: bytes, headers: Mapping[str, str] = {}) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _start(self) -> tuple[str, bytes | None, bool] | None:
+        with self.owner._lock:
+            self.owner.requests += 1
+        mode, name, metadata = self._where()
+        if mode in ("fail403", "fail500"):
+            status = int(mode[4:])
+            self._plain(status, f"{status} {self.owner.RAW_TEXT}\n".encode(), {"Content-Type": "text/plain"})
+            return None
+        data = self.owner.files.get(name)
+        if data is None or mode not in LIE_MODES:
+            self._plain(404, b"")
+            return None
+        return mode, data, metadata
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        found = self._start()
+        if found is not None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(found[1] or b"")))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        found = self._start()
+        if found is None:
+            return
+        mode, data, metadata = found
+        assert data is not None
+        if metadata:  # gcsfs's info
+            import json
+
+            name = self._where()[1]
+            body = json.dumps({"kind": "storage#object", "name": name, "bucket": mode, "size": str(len(data)),
+                               "generation": "1", "updated": "2026-01-01T00:00:00.000Z",
+                               "contentType": "application/octet-stream"}).encode()
+            self._plain(200, body, {"Content-Type": "application/json"})
+            return
+        wanted = parse_range(self.headers.get("Range"), len(data))
+        first, last = (0, len(data) - 1) if not isinstance(wanted, tuple) else wanted
+        try:
+            if mode == "ok" or mode == "whole":
+                if mode == "whole" or wanted is None:
+                    first, last = 0, len(data) - 1
+                    self.send_response(200)
+                else:
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                body = data[first:last + 1]
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self._send(body)
+            elif mode == "huge":
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                self.send_header("Content-Length", str(HUGE_BODY))
+                self.end_headers()
+                zeros = bytes(_CHUNK)
+                for _ in range(HUGE_BODY // _CHUNK):
+                    self._send(zeros)
+            elif mode == "other":
+                first, last = min(first + 1, len(data) - 1), min(last + 1, len(data) - 1)
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                body = data[first:last + 1]
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self._send(body)
+            elif mode == "more":
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for piece in (data[first:last + 1], data[first:last + 1]):
+                    self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                    self.owner.sent(len(piece))
+                self.wfile.write(b"0\r\n\r\n")
+            elif mode == "trickle":
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                self.send_header("Content-Length", str(last - first + 1))
+                self.end_headers()
+                self.wfile.flush()
+                for index in range(first, last + 1):
+                    time.sleep(self.owner.trickle_s)
+                    self._send(data[index:index + 1])
+            elif mode == "trickle-headers":
+                self.wfile.write(b"HTTP/1.1 206 Partial Content\r\n")
+                self.wfile.flush()
+                for byte in f"Content-Range: bytes {first}-{last}/{len(data)}\r\n" * 1000:
+                    time.sleep(self.owner.trickle_s)
+                    self.wfile.write(byte.encode())
+                    self.wfile.flush()
+        except (ConnectionError, socket.timeout, OSError):
+            self.close_connection = True
+
+    def _send(self, body: bytes) -> None:
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.owner.sent(len(body))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # fixtures
 
 
@@ -1174,7 +1372,8 @@ def http_server(tmp_path: Path) -> Iterator[RangeHTTPServer]:
 
 
 __all__ = [
-    "FaultProxy", "ObjectStoreUnavailable", "RangeHTTPServer", "Rule", "S3Endpoint", "SeaweedFS", "SeenRequest",
+    "FaultProxy", "HUGE_BODY", "LIE_MODES", "LyingServer", "ObjectStoreUnavailable", "RangeHTTPServer", "Rule",
+    "S3Endpoint", "SeaweedFS", "SeenRequest",
     "bucket", "find_weed", "free_port_pairs", "http_server", "main", "parse_range", "port_is_free",
     "s3_error_document", "s3_faults", "s3_operation", "seaweedfs", "skip_or_fail", "unique_bucket_name",
 ]

@@ -206,7 +206,7 @@ def test_a_bucket_in_another_aws_region_is_asked_again_there(monkeypatch: pytest
     reader = s3read.S3Reader(s3read.Credentials("AKIDEXAMPLE", "s", None), None, "us-east-1")
     asked: list[str] = []
 
-    def once(method: str, bucket: str, key: str, query: Any, headers: Any, region: str) -> Any:
+    def once(method: str, bucket: str, key: str, query: Any, headers: Any, region: str, span: Any = None) -> Any:
         asked.append(region)
         if region == "us-east-1":
             return 301, {"x-amz-bucket-region": "eu-central-1"}, b""

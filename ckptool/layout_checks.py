@@ -41,6 +41,7 @@ def read_ints(tensor: TensorRef) -> np.ndarray:
     import numpy as np
 
     unit = _INDEX_DTYPES[tensor.dtype.name]
+    values: np.ndarray
     span = tensor.contiguous_byte_range()
     if span is not None and isinstance(span.path, Path) and span.length:
         if os.path.getsize(span.path) < span.offset + span.length:

@@ -106,7 +106,7 @@ class LayoutTensor(OpaqueObject):
         cached = self.__dict__.get("_components")
         if cached is not None and cached[0] is self._args:
             return cached[1]
-        parts = [(role, PartRef.of(tensor, self)) for role, tensor in saved]
+        parts: list[tuple[str, TensorRef]] = [(role, PartRef.of(tensor, self)) for role, tensor in saved]
         self.__dict__["_components"] = (self._args, parts)
         return parts
 

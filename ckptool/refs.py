@@ -629,6 +629,7 @@ class PartRef(TensorRef):
     (:func:`check_wholes`)."""
 
     __slots__ = ("whole",)
+    whole: Any
     made = 0  # how many this process made: none, and no mapping needs looking through for them
 
     @classmethod

@@ -97,7 +97,7 @@ def weight_records(state_dict: Mapping[Any, Any]) -> list[WeightInfo]:
                 parts=[layouts.component_name(key, value, role) for role, _ in parts] if isinstance(key, str) else [],
                 qscheme=whole.qscheme() if hasattr(whole, "qscheme") else None))
         elif isinstance(value, OpaqueObject) and value.global_name == META_REBUILD:
-            dtype, size = value._args[0], value._args[1]
+            dtype, size = value.reduce_args()[:2]
             records.append(WeightInfo(name, "strided", BY_TORCH_NAME[dtype.name].name, list(size), 0, "meta"))
     return records
 

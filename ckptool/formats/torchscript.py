@@ -218,7 +218,7 @@ class _Classes:
         source = self._source(qualifier)
         found = source[1].get(name) if source is not None else None
         shown = _MANGLE.sub("", qualified.removeprefix("__torch__."))
-        if found is None:
+        if source is None or found is None:
             # a module whose class is not declared would silently lose its weights; torch cannot load it either
             raise InputError(f"TorchScript class {shown} is not declared in the archive's code/ "
                              f"({qualifier.replace('.', '/')}.py) — torch.jit.load refuses it too; the archive is "
@@ -272,7 +272,7 @@ class _Classes:
             raise InputError(f"TorchScript class {qualified} declares {kind} in over {human_size(MAX_LIST_BYTES)} "
                              "of text — refused", path=self.path)
         names: list[str] = []
-        position, end = _SPACE.match(text, 1).end(), len(text) - 1  # inside the brackets
+        position, end = _after_space(text, 1), len(text) - 1  # inside the brackets
         while position < end:
             token = _STRING.match(text, position)
             if token is None:
@@ -282,11 +282,11 @@ class _Classes:
             if len(names) > MAX_LIST_NAMES:
                 raise InputError(f"TorchScript class {qualified} declares over {MAX_LIST_NAMES} {kind} — refused",
                                  path=self.path)
-            position = _SPACE.match(text, token.end()).end()
+            position = _after_space(text, token.end())
             if position < end and text[position] != ",":
                 raise InputError(f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
                                  "names — the archive is corrupt", path=self.path)
-            position = _SPACE.match(text, position + 1).end() if position < end else position
+            position = _after_space(text, position + 1) if position < end else position
         return names
 
 
@@ -315,6 +315,11 @@ def torch_string(text: str) -> str | None:
             return None
     pieces.append(body[position:])
     return "".join(pieces)
+
+
+def _after_space(text: str, position: int) -> int:
+    match = _SPACE.match(text, position)  # (\s* matches anywhere, if only nothing)
+    return match.end() if match else position
 
 
 def _lines_from(text: str, position: int) -> Iterator[str]:

@@ -41,8 +41,12 @@ def exists_refusal(out: Any) -> OutputError:
                        + option("out", None), path=out)
 
 
-def is_input_refusal(out: Any) -> OutputError:
-    """The refusal of an output that is the input file, without ``in_place``."""
+def is_input_refusal(out: Any, *, in_place: bool = True) -> OutputError:
+    """The refusal of an output that is the input file, without ``in_place`` (offered only where it
+    can be given: a local file; a URL is never rewritten in place)."""
+    if not in_place:
+        return OutputError("is the input file; refusing to overwrite it — write elsewhere with "
+                           + option("out", None), path=out)
     return OutputError("is the input file; refusing to overwrite it — write elsewhere with "
                        + option("out", None) + ", or pass " + option("in_place"), path=out)
 

@@ -127,7 +127,7 @@ def _names_url() -> bool:
 
 class Location(click.ParamType):
     """A path argument or option: a local :class:`Path` as before, or a URL (``s3://``, ``gs://``,
-    ``https://``, any fsspec protocol) as a :class:`~ckptool.remote.RemotePath` — never normalized
+    ``https://``; others refused when used) as a :class:`~ckptool.remote.RemotePath` — never normalized
     into a path (``s3://b/k`` is not ``s3:/b/k``). ``file://`` names a local path."""
 
     name = "path"
@@ -149,7 +149,7 @@ class Location(click.ParamType):
             return text if self.keep_text else location(text)
         if self.keep_text:
             return text
-        return location(text) if text.lower().startswith("file://") else Path(text)
+        return location(text)  # file:// or local://: a local path, percent-decoded
 
 
 LOCATION = Location()

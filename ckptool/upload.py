@@ -14,7 +14,7 @@ uploaded:
   leaves neither object nor parts. A part is retried with backoff by the client (botocore's
   standard retries; s3fs retries SlowDown too). Where an abort cannot reach the store (it died),
   the next write to the same URL aborts the incomplete uploads of that key before it begins.
-- other fsspec protocols (``gs://``, ``memory://``, ...): the protocol's own file, opened without
+- ``gs://`` (and fsspec's in-process ``memory://``): the protocol's own file, opened without
   autocommit where the protocol holds the commit back (gcsfs) and committed at the end, elsewhere
   written to a temporary object beside the output and moved onto its name; the atomicity is the
   protocol's.
@@ -46,7 +46,8 @@ from typing import Any
 from . import progress
 from .atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
 from .errors import CkptError, InputError, OutputError, UsageError
-from .remote import STATS, RemotePath, remote_error
+from . import bounded
+from .remote import STATS, RemotePath, check_supported, remote_error
 from .suggest import option
 
 PART_SIZE = 8 * 1024 * 1024  # bytes per part (S3: at least 5 MiB but the last; at most 10,000 parts)
@@ -57,7 +58,7 @@ ABORT_BACKOFF_S = 0.5  # doubling between abort attempts
 STAGING_PREFIX = "ckptool-staging-"
 _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 _COMPOSITE = re.compile(r"^([0-9a-f]{32})-(\d+)$")
-S3_PROTOCOLS = ("s3", "s3a")
+S3_PROTOCOLS = ("s3", "s3a", "s3n")
 
 
 def _md5(data: bytes) -> Any:
@@ -121,17 +122,27 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
         OutputError: what exists without ``force``; the input; a bucket missing or refused.
     """
     if out.read_only:
-        raise UsageError(f"{out.protocol}:// is read-only — write the output to a local path, s3://, gs:// or "
-                         "another writable fsspec protocol", path=out)
+        raise UsageError(f"{out.protocol}:// is read-only — write the output to a local path, s3:// or gs://",
+                         path=out)
     if in_place:
         raise UsageError(option("in_place") + " rewrites a local file; a URL is written as a new object — drop "
                          + option("in_place") + " and name the output with " + option("out", None), path=out)
-    remote_inputs = [source for source in inputs if isinstance(source, RemotePath)]
+    check_supported(out, writing=True)
+    # compared by what they name (s3a://B/k/ is s3://b/k), before any request: no spelling of an input is written
+    remote_inputs = {source.identity for source in inputs if isinstance(source, RemotePath)}
+    if writes is None and out.identity in remote_inputs:
+        raise is_input_refusal(out, in_place=False)
+    if writes is not None:
+        if out.identity in remote_inputs:  # a sharded input's folder, by any spelling
+            raise OutputError("is the input folder; refusing to rewrite it — write elsewhere with "
+                              + option("out", None), path=out)
+        for name in [*writes, *removes]:
+            if (out / name).identity in remote_inputs:
+                raise OutputError(f"holds the input {out / name} as {name}, which this output would replace — "
+                                  "choose another " + option("out", None), path=out)
     _check_bucket(out)
     info = _info(out)
     if writes is None:
-        if out in remote_inputs:
-            raise is_input_refusal(out)
         if info is not None and info.get("type") == "directory":
             raise OutputError("is a folder (objects lie under it), where the output writes one object — choose "
                               "another " + option("out", None), path=out)
@@ -148,12 +159,24 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
     except InputError as e:
         raise OutputError(e.message, path=out) from e
     existing = [name for name in [*writes, *removes] if name in present]
-    for name in existing:
-        if out / name in remote_inputs:
-            raise OutputError(f"holds the input {out / name} as {name}, which this output would replace — "
-                              "choose another " + option("out", None), path=out)
     if existing and not force:
         raise folder_holds_refusal(out, writes, existing)
+
+
+def refuse_input(out: RemotePath, *, files: Sequence[Any] = (), folder: Any = None) -> None:
+    """Refuse an output that is an input by any spelling (:func:`ckptool.remote.identity`), before any
+    request is made for it: one of the input's ``files``, or its ``folder``.
+
+    Raises:
+        OutputError: ``out`` names an input.
+    """
+    named = out.identity
+    if any(isinstance(file, RemotePath) and file.identity == named for file in files):
+        raise is_input_refusal(out, in_place=False)
+    if isinstance(folder, RemotePath) and folder.identity == named:
+        raise (is_input_refusal(out, in_place=False) if folder in files else
+               OutputError("is the input folder; refusing to rewrite it — write elsewhere with "
+                           + option("out", None), path=out))
 
 
 def _info(out: RemotePath) -> dict[str, Any] | None:
@@ -172,7 +195,7 @@ def _check_bucket(out: RemotePath) -> None:
     bucket = key.split("/", 1)[0]
     try:
         STATS.add(requests=1)
-        fs.call_s3("head_bucket", Bucket=bucket)
+        bounded.call(fs, "call_s3", "head_bucket", Bucket=bucket)
     except Exception as e:
         error = remote_error(e, out, writing=True)
         if "(404)" in error.message:
@@ -233,13 +256,13 @@ class _S3Upload(_Upload):
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         STATS.add(requests=1)
-        return self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+        return bounded.call(self.fs, "call_s3", method, Bucket=self.bucket, Key=self.key, **kwargs)
 
     def _clear_stale(self) -> None:
         """Abort the incomplete uploads of this key an earlier write left (its abort could not reach the store)."""
         try:
             STATS.add(requests=1)
-            answer = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
+            answer = bounded.call(self.fs, "call_s3", "list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
         except Exception:
             return  # listing uploads may be refused: nothing to clear, as far as we can tell
         for upload in answer.get("Uploads", []):
@@ -335,7 +358,7 @@ def send_part(upload: _S3Upload, number: int, data: bytes) -> tuple[int, str, by
 
 
 class _StreamUpload(_Upload):
-    """Any other fsspec protocol. Where the protocol's file can hold back its commit (gcsfs's resumable
+    """gs:// (and memory://). Where the protocol's file can hold back its commit (gcsfs's resumable
     upload), it is written without autocommit and committed at the end; elsewhere the bytes go to a
     temporary object beside the output (``.ckptool-tmp-*``), moved onto the output's name at the end
     (a server-side copy on most stores). Either way its atomicity is the protocol's."""

@@ -175,7 +175,7 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
             for source in sources]
     by_output: dict[str, Path] = {}
     for source, target in jobs:
-        key = target.url if remote else os.path.normcase(os.path.abspath(target))  # type: ignore[attr-defined]
+        key = target.identity if remote else os.path.normcase(os.path.abspath(target))  # type: ignore[attr-defined]
         if key in by_output:
             other = by_output[key]
             if _same_path(other, source):
@@ -188,8 +188,8 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
 
 
 def _same_path(a: Path, b: Path) -> bool:
-    if not (isinstance(a, Path) and isinstance(b, Path)):
-        return a == b
+    if not (isinstance(a, Path) and isinstance(b, Path)):  # a URL: by what it names, whatever its spelling
+        return getattr(a, "identity", a) == getattr(b, "identity", b)
     if os.path.lexists(a) and os.path.lexists(b):
         return same_file(a, b)
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
@@ -285,7 +285,7 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     Args:
         checkpoint: what :func:`ckptool.load` returned, possibly transformed.
         out: a ``.pt``-like file, a ``.safetensors`` file, or a directory for sharded safetensors;
-            local, or a URL (``s3://``, ``gs://``, any writable fsspec protocol): written and checked
+            local, or a URL (``s3://``, ``gs://``): written and checked
             in a local staging folder, then uploaded (:mod:`ckptool.upload`).
         to: ``"pt"`` or ``"safetensors"`` to override the suffix.
         force: overwrite an existing output.
@@ -314,9 +314,14 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     url = destination if not isinstance(destination, Path) else None
     if url is not None:
         from . import upload
+        from .remote import check_supported
+
+        check_supported(url, writing=True)  # a protocol ckptool does not write: refused before any request
     out = cast(Path, destination)  # a RemotePath stands where a Path stands (name, suffix, /, is_dir)
-    target = target_format(out, to, max_shard_size)
     inputs = tuple(checkpoint.files) + (checkpoint.path,)
+    if url is not None:  # before the format is chosen: that may ask the store about the output
+        upload.refuse_input(url, files=checkpoint.files, folder=checkpoint.path)
+    target = target_format(out, to, max_shard_size)
     if not target.weights_only:
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
     else:  # weights only: one without them is refused (state_dict says so); every refusal comes

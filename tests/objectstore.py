@@ -26,6 +26,7 @@ SeaweedFS by hand (for a benchmark or a try) and prints its ``AWS_*`` settings a
 from __future__ import annotations
 
 import base64
+import contextlib
 import email.utils
 import functools
 import html
@@ -94,6 +95,50 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+@contextlib.contextmanager
+def held_ports(ports: Iterable[int]) -> Iterator[list[int]]:
+    """Listen on each of ``ports`` on 127.0.0.1 that is free, for the block (the ones held): a server that
+    would bind one of them fails as it would beside another server holding it."""
+    held: list[socket.socket] = []
+    try:
+        for port in ports:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind(("127.0.0.1", port))
+                listener.listen(1)
+            except OSError:
+                listener.close()  # taken already: by another server, which is the point
+                continue
+            held.append(listener)
+        yield [listener.getsockname()[1] for listener in held]
+    finally:
+        for listener in held:
+            listener.close()
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (Linux: its socket descriptors matched in /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def _ephemeral_low() -> int:
@@ -1373,9 +1418,9 @@ def http_server(tmp_path: Path) -> Iterator[RangeHTTPServer]:
 
 __all__ = [
     "FaultProxy", "HUGE_BODY", "LIE_MODES", "LyingServer", "ObjectStoreUnavailable", "RangeHTTPServer", "Rule",
-    "S3Endpoint", "SeaweedFS", "SeenRequest",
-    "bucket", "find_weed", "free_port_pairs", "http_server", "main", "parse_range", "port_is_free",
-    "s3_error_document", "s3_faults", "s3_operation", "seaweedfs", "skip_or_fail", "unique_bucket_name",
+    "S3Endpoint", "SeaweedFS", "SeenRequest", "bucket", "find_weed", "free_port_pairs", "held_ports", "http_server",
+    "listening_ports", "main", "parse_range", "port_is_free", "s3_error_document", "s3_faults", "s3_operation",
+    "seaweedfs", "skip_or_fail", "unique_bucket_name",
 ]
 
 

@@ -131,6 +131,30 @@ def test_free_port_pairs_leave_room_for_the_grpc_ports() -> None:
     assert all(port_is_free(port) and port_is_free(port + 10000) and port + 10000 < 65536 for port in ports)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the listening sockets from /proc")
+def test_the_server_listens_only_on_the_ports_it_chose(seaweedfs: SeaweedFS) -> None:
+    """Another SeaweedFS on the machine holds weed's default ports: every port this one opens is chosen."""
+    from objectstore import GRPC_OFFSET, listening_ports
+
+    seaweedfs.ensure_running()
+    assert seaweedfs.process is not None
+    chosen = set(seaweedfs.ports.values()) | {port + GRPC_OFFSET for port in seaweedfs.ports.values()}
+    opened = listening_ports(seaweedfs.process.pid)
+    assert seaweedfs.ports["s3"] in opened and opened <= chosen, sorted(opened - chosen)
+
+
+def test_held_ports_make_a_server_on_them_fail_to_bind() -> None:
+    import socket
+
+    from objectstore import free_port_pairs, held_ports
+
+    port = free_port_pairs(1)[0]
+    with held_ports([port]) as held:
+        assert held == [port]
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # fault proxy
 

@@ -2,8 +2,14 @@
 makes a bucket, and every ckptool line succeeds against it.
 
 Only what a shared machine forces is changed: the server's ports (free ones instead of the printed
-9334/8081/8889/8334), its data folder (under ``tmp_path``) and the free disk space it insists on. The block runs under ``bash -e`` in a
-folder holding ``.venv`` (this interpreter's) and ``fixtures``, as the repository's root does.
+9334/8081/8889/8334, each service's gRPC port beside it), its data folder (under ``tmp_path``) and the free
+disk space it insists on; and the wait for the store gives up when the server has exited (instead of
+waiting out the test's limit). The block runs under ``bash -e`` in a folder holding ``.venv`` (this
+interpreter's) and ``fixtures``, as the repository's root does.
+
+The printed command must choose or disable every port ``weed server -s3`` opens (another SeaweedFS on the
+machine holds the defaults): master, volume, filer and S3 are chosen (their gRPC ports follow, +10000), the
+Iceberg and Lance listeners (fixed 8181 and 9101) are off. The test runs while weed's default ports are held.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from objectstore import MIN_FREE_SPACE, find_weed, free_port_pairs
+from objectstore import GRPC_OFFSET, MIN_FREE_SPACE, find_weed, free_port_pairs, held_ports
 
 REPO = Path(__file__).resolve().parent.parent
 PRINTED_PORTS = ("9334", "8081", "8889", "8334")  # master, volume, filer, s3
+# what `weed server -s3` listens on unless told otherwise: another SeaweedFS on the machine holds these
+WEED_DEFAULT_PORTS = (9333, 19333, 8080, 18080, 8888, 18888, 8333, 18333, 8181, 9101)
 
 
 def readme_block() -> str:
@@ -35,6 +43,8 @@ def test_the_object_storage_walkthrough_runs_as_printed(fixtures_dir: Path, tmp_
     block = readme_block()
     for port in PRINTED_PORTS:
         assert f"port={port}" in block, f"the walkthrough no longer names port {port}: update this test"
+    for listener in ("-s3.port.iceberg=0", "-s3.port.lance=0"):  # fixed default ports otherwise
+        assert listener in block, f"the walkthrough's weed server must pass {listener}"
     work = tmp_path / "repo"
     work.mkdir()
     (work / ".venv").symlink_to(venv)
@@ -49,13 +59,17 @@ def test_the_object_storage_walkthrough_runs_as_printed(fixtures_dir: Path, tmp_
     script = script.replace("-s3 ", f"-volume.minFreeSpace={MIN_FREE_SPACE} -s3 ", 1)
     for name, port in (("master", ports[0]), ("volume", ports[1]), ("filer", ports[2])):
         script = script.replace(f"-{name}.port={port}", f"-{name}.port={port} -{name}.port.grpc={port + 10000}")
+    assert "do sleep 1; done" in script
+    script = script.replace("do sleep 1; done", "do kill -0 %1 || exit 7; sleep 1; done", 1)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = str(REPO)
     try:
-        completed = subprocess.run(["bash", "-e", "-c", script + "\nkill %1\n"], cwd=work, env=env,
-                                   capture_output=True, text=True, timeout=600)
+        with held_ports(WEED_DEFAULT_PORTS):  # as another SeaweedFS with its defaults would
+            completed = subprocess.run(["bash", "-e", "-c", script + "\nkill %1\n"], cwd=work, env=env,
+                                       capture_output=True, text=True, timeout=600)
     finally:
         subprocess.run(["pkill", "-9", "-f", f"weed server -dir={data}"], capture_output=True)
+        _remove_weed_sockets(ports)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:] + (
         (data / "weed.log").read_text()[-2000:] if (data / "weed.log").exists() else "")
     out = completed.stdout
@@ -63,3 +77,16 @@ def test_the_object_storage_walkthrough_runs_as_printed(fixtures_dir: Path, tmp_
     assert "identical: 8 tensors byte for byte" in out
     assert (work / "model.pt").stat().st_size > 500_000
     shutil.rmtree(data, ignore_errors=True)
+
+
+def _remove_weed_sockets(ports: list[int]) -> None:
+    """weed leaves a Unix socket per service in the temporary folder when killed; these are this run's."""
+    folder = Path(os.environ.get("TMPDIR") or "/tmp")
+    for port in ports:
+        for name in (f"seaweedfs-s3-{port}.sock", f"seaweedfs-filer-{port}.sock",
+                     *(f"seaweedfs-{service}-grpc-{port + GRPC_OFFSET}.sock"
+                       for service in ("master", "volume", "filer", "s3"))):
+            try:
+                (folder / name).unlink()
+            except OSError:
+                pass

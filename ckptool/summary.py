@@ -317,9 +317,10 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     elif gpu:
         hints.append(Hint(on_gpu, suggest.remap_to_cpu(path, allow_globals=checkpoint.allow_globals)))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
-    if fmt.torch_load_refuses:  # then its globals are its own metadata's (DCP's), read as inert records
+    # convert writes named weights: without them it refuses, so it is no fix (the hints below say what is there)
+    if checkpoint.has_weights and fmt.torch_load_refuses:  # its globals are its metadata's (DCP's), inert records
         hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
-    elif extra:
+    elif checkpoint.has_weights and extra:
         hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
                           suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
     if checkpoint.folder is not None:

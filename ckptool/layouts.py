@@ -7,7 +7,10 @@ tensor as its buffer, sizes, strides and offsets. The placeholders here keep tha
 (an :class:`~ckptool.pickles.OpaqueObject`, so the writer re-emits it and ``remap`` retags its
 components' storages) and say what it stands for (layout, dtype, shape). Nothing is built until
 :func:`materialize` is asked for values, which builds the tensor with torch from the component
-tensors and checks it as ``torch.load`` does (the sparse invariants), or refuses.
+tensors. What ``torch.load`` refuses (the sparse invariants, a nested piece's storage size) is
+refused first, from the index parts (:mod:`ckptool.layout_checks`), by whatever reads values:
+``Checkpoint.tensors`` lists the parts as :class:`~ckptool.refs.PartRef`, which
+:func:`ckptool.refs.check_wholes` checks, and a ``.pt`` write checks a record before re-emitting it.
 
 Quantized tensors (``_rebuild_qtensor``) are layout tensors too: :mod:`ckptool.quantized`.
 """

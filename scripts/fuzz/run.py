@@ -15,7 +15,8 @@ Steps, in order (``python scripts/fuzz/run.py [STEP ...]`` runs some; none: all 
              (FUZZ_FINDINGS, default build/fuzz-findings/) with what went wrong, and the step fails.
 
 Other steps: ``replay FILE...`` runs every oracle on the given files under the sanitized build; ``atheris``
-(when the atheris package is installed) runs the coverage-guided fuzz for FUZZ_SECONDS instead of ``fuzz``.
+(when the atheris package is installed) runs the coverage-guided fuzz for FUZZ_SECONDS instead of ``fuzz``;
+``selftest`` plants a difference, a crash in C and a hang in the worker and checks each is filed and fails.
 
 Environment: FUZZ_SECONDS, FUZZ_SEED (the worker's first random seed; default: from the clock),
 FUZZ_FINDINGS, FUZZ_HANG_SECONDS (one input this long is a hang; default 120), CC (default gcc).
@@ -192,17 +193,18 @@ def seed_folders(work: Path) -> list[Path]:
     return [folder for folder in folders if folder.is_dir()]
 
 
-def fuzz(seconds: float | None = None) -> None:
+def fuzz(seconds: float | None = None, *, findings: Path | None = None, hang: float | None = None,
+         folders: list[Path] | None = None, plant: str = "") -> None:
     """The worker, restarted after every crash or hang until the time is spent; then the verdict."""
     seconds = float(os.environ.get("FUZZ_SECONDS", "120")) if seconds is None else seconds
-    hang = float(os.environ.get("FUZZ_HANG_SECONDS", "120"))
+    hang = float(os.environ.get("FUZZ_HANG_SECONDS", "120")) if hang is None else hang
     seed = int(os.environ.get("FUZZ_SEED", str(int(time.time()))))
-    findings = findings_dir()
+    findings = findings_dir() if findings is None else findings
     findings.mkdir(parents=True, exist_ok=True)
     before = set(findings.iterdir())
     with tempfile.TemporaryDirectory(prefix="ckptool-fuzz-") as folder:
         work = Path(folder)
-        folders = seed_folders(work)
+        folders = seed_folders(work) if folders is None else folders
         deadline = time.monotonic() + seconds
         runs = 0
         while (left := deadline - time.monotonic()) > 5:
@@ -214,7 +216,8 @@ def fuzz(seconds: float | None = None) -> None:
                        "--findings", str(findings), "--current", str(current), *map(str, folders)]
             log = work / f"worker-{runs}.log"
             with open(log, "wb") as stderr:
-                process = subprocess.Popen(command, env=sanitized_env(), stderr=stderr, cwd=work)
+                process = subprocess.Popen(command, env={**sanitized_env(), "FUZZ_PLANT": plant}, stderr=stderr,
+                                           cwd=work)
                 rc = _watch(process, current, hang, left + hang)
             runs += 1
             if rc != 0:
@@ -264,6 +267,28 @@ def _record_death(rc: int, current: Path, log: Path, findings: Path, hang: float
     print(f"fuzz: {kind}: {findings / (name + suffix)} (see {name}.txt)", flush=True)
 
 
+def selftest() -> None:
+    """The driver files each kind of fault and fails: a planted difference, a crash in C under ASan, a hang."""
+    with tempfile.TemporaryDirectory(prefix="ckptool-fuzz-selftest-") as folder:
+        seeds = Path(folder) / "seeds"
+        shutil.copytree(REPO / "fixtures" / "wild", seeds)  # a few small seeds: the faults are planted anyway
+        for plant, kind in (("mismatch", "plant-"), ("crash", "crash-"), ("hang", "hang-")):
+            findings = Path(folder) / plant
+            try:
+                fuzz(25, findings=findings, hang=8, folders=[seeds], plant=plant)
+            except SystemExit as e:
+                filed = sorted(p.name for p in findings.iterdir())
+                if not any(name.startswith(kind) and name.endswith(".txt") for name in filed) or \
+                        not any(name.startswith(kind) and not name.endswith(".txt") for name in filed):
+                    raise SystemExit(f"fuzz: a planted {plant} was not filed as {kind}*: {filed}") from e
+                report = next(p for p in findings.iterdir() if p.name.startswith(kind) and p.suffix == ".txt")
+                if plant == "crash" and "AddressSanitizer" not in report.read_text():
+                    raise SystemExit(f"fuzz: the planted crash's report lacks ASan's: {report.read_text()[-2000:]}")
+                continue
+            raise SystemExit(f"fuzz: a planted {plant} did not fail the fuzz step")
+    print("fuzz: self-test passed (a planted difference, crash and hang were each filed and failed the step)")
+
+
 def replay(files: list[str]) -> None:
     completed = subprocess.run([sys.executable, str(HERE / "worker.py"), "--replay", *files], env=sanitized_env())
     if completed.returncode != 0:
@@ -299,7 +324,8 @@ def main(argv: list[str]) -> None:
     timings = []
     for step in steps:
         started = time.monotonic()
-        {"build": build, "canary": canary, "tests": tests, "fuzz": fuzz, "atheris": atheris_fuzz}[step]()
+        {"build": build, "canary": canary, "tests": tests, "fuzz": fuzz, "atheris": atheris_fuzz,
+         "selftest": selftest}[step]()
         timings.append(f"{step} {time.monotonic() - started:.0f} s")
     print(f"fuzz: done ({', '.join(timings)})")
 

@@ -66,6 +66,19 @@ def replay(files: list[str]) -> int:
     return 1 if failed else 0
 
 
+def planted(fault: str) -> list[str]:
+    """A fault of each kind the driver must file (``run.py selftest``): the third mutant's run crashes in C under
+    ASan, hangs, or differs."""
+    if fault == "crash":
+        import ctypes
+
+        ctypes.string_at(0)  # a read of address 0 in C: ASan's SEGV report, then the abort
+    if fault == "hang":
+        while True:
+            time.sleep(1)
+    return ["plant: a planted difference"] if fault == "mismatch" else []
+
+
 def signature(problem: str) -> str:
     """What makes two findings the same kind: the oracle and the start of its message, numbers left out."""
     head = problem.split(":", 2)
@@ -95,6 +108,7 @@ def loop(args: argparse.Namespace) -> None:
     findings, current = Path(args.findings), Path(args.current)
     work = Path(tempfile.mkdtemp(prefix="ckptool-fuzz-out-"))
     deadline = time.monotonic() + args.seconds
+    plant = os.environ.get("FUZZ_PLANT", "")
     counts: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     kept: Counter[str] = Counter()
@@ -122,6 +136,8 @@ def loop(args: argparse.Namespace) -> None:
             path.write_bytes(data)
             (current / "input.json").write_text(json.dumps(meta))  # written last: its time is the input's start
             problems, outcome = twins.check_report(path, work)
+            if plant and counts["mutants"] == 2:
+                problems += planted(plant)
             counts["mutants"] += 1
             counts[f"kind {kind}"] += 1
             outcomes[outcome] += 1

@@ -58,13 +58,10 @@ NESTED = """
             return ("made", x)
     """
 
-# what each protocol can hold: protocol 2's getattr spelling has no BUILD on an instance the guard reads
-CONTAINERS = {
-    2: '{"state_dict": {"w": torch.arange(3.0)}, "made": Outer.Made(4), "made2": Outer.Made(5), "cls": Outer.Inner, '
-       '"fn": Outer.make, "deep": Outer.Deep.Er}',
-    4: '{"state_dict": {"w": torch.arange(3.0)}, "inner": Outer.Inner(3), "made": Outer.Made(4), "cls": Outer.Inner, '
-       '"fn": Outer.make, "deep": Outer.Deep.Er(5)}',
-}
+# an instance built by NEWOBJ and BUILD, one rebuilt by calling its class, the class and a function as values
+CONTAINER = ('{"state_dict": {"w": torch.arange(3.0)}, "inner": Outer.Inner(3), "made": Outer.Made(4), '
+             '"made2": Outer.Made(5), "cls": Outer.Inner, "fn": Outer.make, "deep": Outer.Deep.Er(5), '
+             '"deep_cls": Outer.Deep.Er}')
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +81,7 @@ def _python(stand_ins: Path, script: str) -> str:
 
 def _saved(stand_ins: Path, folder: Path, protocol: int) -> Path:
     path = folder / f"nested_p{protocol}.pt"
-    _python(stand_ins, f"torch.save({CONTAINERS[protocol]}, {str(path)!r}, pickle_protocol={protocol})")
+    _python(stand_ins, f"torch.save({CONTAINER}, {str(path)!r}, pickle_protocol={protocol})")
     return path
 
 

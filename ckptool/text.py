@@ -23,7 +23,7 @@ def printable(text: object) -> str:
         >>> printable("conv\\x1b[2J.weight\\n")
         'conv\\\\x1b[2J.weight\\\\n'
     """
-    text = str(text)
+    text = text if type(text) is str else value_str(text)  # (an int past 4300 digits has no str)
     if text.isprintable():
         return text
     return "".join(char if char.isprintable() else _escape(char) for char in text)

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from ckptool import jsonout
 from ckptool.cli import main
-from ckptool.text import int_text, value_repr, value_str
+from ckptool.text import int_text, printable, value_repr, value_str
 from ckptool.tree import order_key
 
 torch = pytest.importorskip("torch")
@@ -161,5 +161,6 @@ def test_long_ints_as_text_and_json() -> None:
     assert int_text(-12) == "-12" and int_text(BIG) == BITS and int_text(-BIG).startswith("<negative int of")
     assert value_repr({"lr": BIG, (BIG, "a"): [BIG]}) == f"{{'lr': {BITS}, ({BITS}, 'a'): [{BITS}]}}"
     assert value_str((BIG, 1)) == f"({BITS}, 1)" and value_str(7) == "7"
+    assert printable(BIG) == BITS and printable(("\x1b", BIG)) == f"('\\x1b', {BITS})"
     document = json.loads(jsonout.dumps({"n": BIG, "m": 10**4299, "keys": {BIG: 1, 2: 3}, "f": math.inf}))
     assert document == {"n": BITS, "m": 10**4299, "keys": {BITS: 1, "2": 3}, "f": "inf"}

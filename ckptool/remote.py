@@ -198,7 +198,8 @@ class RemotePath:
 
     @property
     def parents(self) -> list[RemotePath]:
-        found, current = [], self.parent
+        found: list[RemotePath] = []
+        current = self.parent
         while current != (found[-1] if found else self):
             found.append(current)
             current = current.parent
@@ -404,6 +405,7 @@ def check_supported(path: RemotePath, *, writing: bool = False) -> str:
     from .errors import OutputError
     from .suggest import Metavar, option
 
+    kind: type[InputError] | type[OutputError]
     if writing:
         kind, does, step = OutputError, f"writes to {SUPPORTED_WRITTEN}", "write the output to one of them"
     else:

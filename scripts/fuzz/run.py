@@ -182,7 +182,8 @@ def findings_dir() -> Path:
 
 
 def seed_folders(work: Path) -> list[Path]:
-    """The fixtures, a fresh hostile corpus, and ../shared/corpus/ where it is."""
+    """The fixtures, a fresh hostile corpus, the committed findings, ../shared/corpus/ where it is, and the
+    coverage-guided fuzz's corpus where an atheris run left one (its inputs reach code the others do not)."""
     hostile = work / "hostile"
     subprocess.run([sys.executable, "-c", "import sys, warnings; sys.path.insert(0, 'tests'); import hostile; "
                     "warnings.simplefilter('ignore'); hostile.build_corpus(__import__('pathlib').Path(sys.argv[1]))",
@@ -190,6 +191,7 @@ def seed_folders(work: Path) -> list[Path]:
     folders = [REPO / "fixtures", hostile, REPO / "tests" / "data" / "fuzz"]
     if SHARED_CORPUS.is_dir():
         folders.append(SHARED_CORPUS)
+    folders.append(REPO / "build" / "fuzz-corpus")
     return [folder for folder in folders if folder.is_dir()]
 
 

@@ -402,10 +402,10 @@ class _StreamUpload(_Upload):
             self.temp = None
         self.completed = True
         self.fs.invalidate_cache(self.path)
-        info = self.fs.info(self.path)
+        info = bounded.call(self.fs, "info", self.path)
         if int(info.get("size") or 0) != self.size:
             with contextlib.suppress(Exception):
-                self.fs.rm_file(self.path)
+                bounded.call(self.fs, "rm_file", self.path)
             raise OutputError(f"the store holds {info.get('size')} bytes where {self.size} were uploaded — the "
                               "object was deleted; try again", path=self.remote)
 
@@ -416,7 +416,7 @@ class _StreamUpload(_Upload):
             if self.deferred:
                 self.handle.discard()
             elif self.temp is not None:
-                self.fs.rm_file(self.temp)
+                bounded.call(self.fs, "rm_file", self.temp)
         except FileNotFoundError:
             return None
         except Exception as e:
@@ -478,7 +478,7 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
                 current = last
                 fs, path = last.filesystem()
                 STATS.add(requests=1)
-                fs.rm_file(path)
+                bounded.call(fs, "rm_file", path)
             for upload in uploads:
                 current = upload.remote  # type: ignore[attr-defined]
                 upload.complete()
@@ -503,7 +503,7 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
         fs, path = stale.filesystem()
         try:
             STATS.add(requests=1)
-            fs.rm_file(path)
+            bounded.call(fs, "rm_file", path)
         except FileNotFoundError:
             pass
         except Exception as e:

@@ -187,6 +187,7 @@ class _Encoder:
         # flattened weights: id(tensor) -> its name in the file, for the tensors of the tree at weights_path
         self.tensor_names = tensor_names
         self.named: set[str] = set()
+        self._naming: list[str] = []  # named, in order: what a value dropped after naming them takes back
         self.placed = False
         self.values = 0
         self.open: set[int] = set()  # containers on the current path: a cycle would never end
@@ -226,7 +227,9 @@ class _Encoder:
         if isinstance(value, TensorRef):
             name = self.tensor_names.get(id(value)) if self.tensor_names is not None else None
             if name is not None:
-                self.named.add(name)
+                if name not in self.named:
+                    self.named.add(name)
+                    self._naming.append(name)
                 return {TAG: "tensor", "name": name}
             raise _Drop(f"a tensor ({value.dtype.torch_name} {list(value.shape)}) outside the weights", TENSOR_ADVICE)
         if isinstance(value, StorageRef):
@@ -294,9 +297,13 @@ class _Encoder:
         pairs: list[tuple[Any, Any]] = []
         dropped_tensors: list[Any] = []
         for key, item in dict.items(mapping):
+            named = len(self._naming)
             try:
                 pairs.append((key, self.node(item, path + (key,), depth + 1)))
             except _Drop as e:
+                # its tensors are not in the tree after all (a key inside it could not be carried)
+                self.named.difference_update(self._naming[named:])
+                del self._naming[named:]
                 if isinstance(item, TensorRef):
                     dropped_tensors.append(key)
                 else:

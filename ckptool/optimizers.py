@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import InputError
 from .refs import TensorRef
+from .text import value_str
 from .tree import iter_tensors
 
 STATE_KEY = "state"  # where per-parameter state lies; also how the weights option names an optimizer's tensors
@@ -76,7 +77,7 @@ def state_names(value: dict) -> list[str]:
     names: list[str] = []
     for per_parameter in dict.values(dict.get(value, "state")):
         if isinstance(per_parameter, dict):
-            names += [str(key) for key in per_parameter if str(key) not in names]
+            names += [value_str(key) for key in per_parameter if value_str(key) not in names]
     return names
 
 
@@ -91,7 +92,7 @@ def flatten(value: Any, *, path: Any = None) -> dict[str, TensorRef]:
     """
     flat: dict[str, TensorRef] = {}
     for place, tensor in iter_tensors(value):
-        name = ".".join(str(key) for key in place)
+        name = ".".join(map(value_str, place))  # (an int key past 4300 digits: named by its size)
         if name in flat:
             raise InputError(f"optimizer state holds two tensors named {name!r} (keys of different types) — "
                              "their names would not say where each goes back; keep the .pt", path=path)

@@ -164,3 +164,16 @@ def test_long_ints_as_text_and_json() -> None:
     assert printable(BIG) == BITS and printable(("\x1b", BIG)) == f"('\\x1b', {BITS})"
     document = json.loads(jsonout.dumps({"n": BIG, "m": 10**4299, "keys": {BIG: 1, 2: 3}, "f": math.inf}))
     assert document == {"n": BITS, "m": 10**4299, "keys": {BITS: 1, "2": 3}, "f": "inf"}
+
+
+def test_an_optimizer_state_keyed_by_a_long_int_converts_without_its_tree(tmp_path: Path) -> None:
+    # the weights are the optimizer's state: its tree cannot go along (a key past 4300 digits), its tensors do
+    source, out = tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors"
+    torch.save({"optimizer": {"state": {BIG: {"exp_avg": torch.ones(2)}, 1: {"exp_avg": torch.zeros(3)}},
+                              "param_groups": [{"params": [BIG, 1]}]}}, source)
+    result = run("convert", source, "--weights", "optimizer", "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert any("structure around the tensors not carried" in note
+               for note in json.loads(result.stdout)["converted"][0]["notes"])
+    listed = json.loads(run("inspect", out, "--json", "--tensors").stdout)["tensor_list"]
+    assert sorted(tensor["name"] for tensor in listed) == ["state.1.exp_avg", f"state.{BITS}.exp_avg"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -110,8 +111,6 @@ def _kind(fs: Any) -> str | None:
     """'http', 's3fs' or 'gcsfs' for the filesystems whose requests are bounded here, else None."""
     for module, name, kind in (("fsspec.implementations.http", "HTTPFileSystem", "http"),
                                ("s3fs.core", "S3FileSystem", "s3fs"), ("gcsfs.core", "GCSFileSystem", "gcsfs")):
-        import sys
-
         found = sys.modules.get(module)
         if found is not None and isinstance(fs, getattr(found, name)):
             return kind
@@ -119,8 +118,6 @@ def _kind(fs: Any) -> str | None:
 
 
 def _is_async(fs: Any) -> bool:
-    import sys
-
     asyn = sys.modules.get("fsspec.asyn")
     return asyn is not None and isinstance(fs, asyn.AsyncFileSystem) and not fs.asynchronous
 

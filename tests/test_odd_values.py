@@ -19,8 +19,12 @@ import math
 from collections import OrderedDict
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ckptool import jsonout
 from ckptool.cli import main
@@ -177,3 +181,67 @@ def test_an_optimizer_state_keyed_by_a_long_int_converts_without_its_tree(tmp_pa
                for note in json.loads(result.stdout)["converted"][0]["notes"])
     listed = json.loads(run("inspect", out, "--json", "--tensors").stdout)["tensor_list"]
     assert sorted(tensor["name"] for tensor in listed) == ["state.1.exp_avg", f"state.{BITS}.exp_avg"]
+
+
+class _Long:
+    """Where a long int goes: hypothesis writes what it draws with repr, which an int past 4300 digits has not."""
+
+    def __init__(self, sign: int) -> None:
+        self.sign = sign
+
+    def __repr__(self) -> str:
+        return "-BIG" if self.sign < 0 else "BIG"
+
+    def __hash__(self) -> int:
+        return self.sign
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Long) and other.sign == self.sign
+
+
+def _with_long_ints(value: Any) -> Any:
+    """``value`` with each :class:`_Long` (in a key too) made the int it stands for."""
+    if isinstance(value, _Long):
+        return value.sign * BIG
+    if isinstance(value, dict):
+        return type(value)((_with_long_ints(k), _with_long_ints(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return type(value)(map(_with_long_ints, value))
+    return value
+
+
+LONG = st.sampled_from([_Long(1), _Long(-1)])
+KEYS = st.one_of(st.sampled_from(["state_dict", "model", "a", "x.y", "", "module.w"]), st.integers(-3, 3), LONG,
+                 st.none(), st.floats(allow_nan=False, allow_infinity=False),
+                 st.tuples(st.integers(0, 2), st.one_of(st.just("a"), LONG)))
+
+
+@st.composite
+def odd_containers(draw: Any) -> Any:
+    """A container of weights beside values and keys of every kind, long ints and mixed keys anywhere."""
+    t = torch.arange(4.0)
+    leaves = st.one_of(st.integers(1, 4).map(lambda n: t[:n].clone()), LONG, st.integers(), st.text(max_size=4),
+                       st.none(), st.floats(allow_nan=False))
+    tree = st.recursive(leaves, lambda kids: st.one_of(
+        st.lists(kids, max_size=3), st.tuples(kids, kids), st.dictionaries(KEYS, kids, max_size=4),
+        st.builds(OrderedDict, st.dictionaries(st.text(max_size=3), kids, max_size=3))), max_leaves=10)
+    container = draw(st.dictionaries(KEYS, tree, max_size=4))
+    weights = {f"layer.{i}": torch.full((2,), float(i)) for i in range(draw(st.integers(0, 3)))}
+    if weights:
+        container[draw(KEYS)] = weights
+    return container
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(odd_containers())
+def test_drawn_containers_are_read_or_refused_in_one_line(tmp_path: Path, container: Any) -> None:
+    path = tmp_path / "drawn.pt"
+    torch.save(_with_long_ints(container), path)
+    for args in (["inspect"], ["inspect", "--json", "--tensors"], ["scan"], ["diff", path],
+                 ["convert", "-o", tmp_path / "out.pt", "--force"], ["convert", "-o", tmp_path / "out.safetensors", "--force"],
+                 ["verify", "--json"]):
+        result = run(args[0], path, *args[1:])
+        assert result.exit_code != 70, (args, result.stderr)
+        if result.exit_code not in (0, 1):
+            assert result.exit_code == 3 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)

@@ -99,8 +99,9 @@ def scan(report: ScanReport) -> None:
     verdict = report.verdict if report.verdict == "safe" else report.verdict.upper()
     echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
          f"{sum(report.opcodes.values())} opcodes)")
+    unsafe, dangerous = set(report.unsafe), set(report.dangerous)  # a flood of names is listed in linear time
     for name, count in report.globals.items():
-        mark = "  " if name not in report.unsafe else "!!" if name in report.dangerous else "! "
+        mark = "  " if name not in unsafe else "!!" if name in dangerous else "! "
         echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else "") + ("  (runs code)" if mark == "!!" else ""))
     for problem in report.problems:
         echo(f"  note: {problem}")

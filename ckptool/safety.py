@@ -81,6 +81,9 @@ def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
         for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
             opcodes[opcode.name] += 1
             name = opcode.name
+            if len(found) >= pickles.limits.MAX_GLOBALS:  # the guard refused it for that: the rest would only flood
+                error = f"names over {pickles.limits.MAX_GLOBALS} globals: the first ones are listed"
+                break
             if name in ("GLOBAL", "INST"):
                 found.append(str(arg).replace(" ", ".", 1))
             elif name == "STACK_GLOBAL":

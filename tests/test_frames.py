@@ -263,3 +263,17 @@ def test_a_memo_bomb_behind_a_frame_is_refused_in_bounded_memory(tmp_path: Path)
                               timeout=120, preexec_fn=cap)
         assert done.returncode == 3, done.stderr
         assert "past the end of its frame" in done.stderr and "Traceback" not in done.stderr
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(framed_pickles(), st.binary(max_size=8))
+def test_a_pickles_end_is_found_as_its_opcodes_lie(drawn: tuple, tail: bytes) -> None:
+    """scan cuts a refused pickle at its STOP without decoding it (frames.pickle_end): where pickletools,
+    which decodes every argument, finds it."""
+    data = drawn[0] + tail
+    try:
+        ends = [at + 1 for op, _, at in pickletools.genops(data) if op.name == "STOP"]
+    except Exception:  # noqa: BLE001 — an argument pickletools cannot decode: only the skip's bounds matter
+        assert 0 < frames.pickle_end(data) <= len(data)
+        return
+    assert frames.pickle_end(data) == ends[0]

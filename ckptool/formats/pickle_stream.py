@@ -2,17 +2,16 @@
 
 A legacy torch file is five pickles then raw bytes; a pickle may also hide another after its
 STOP. Each is cut at its end as the guard finds it (:func:`ckptool.pickles.read_pickle`), or,
-for one the guard refuses, from a bounded prefix as ``pickletools`` walks it.
+for one the guard refuses, from a bounded prefix as its opcodes lie (:func:`ckptool.pickles.frames.pickle_end`).
 """
 
 from __future__ import annotations
 
-import io
-import pickletools
 from typing import Any
 
 from .. import pickles
 from ..errors import InputError
+from ..pickles.frames import pickle_end
 from . import PICKLE_FIRST_BYTES
 
 _UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
@@ -33,19 +32,9 @@ def split_pickles(stream: Any, label: str, limit: int,
         except InputError:  # refused or malformed: list what its opcodes name anyway, from a bounded prefix
             stream.seek(start)
             data = stream.read(_UNCHECKED_PICKLE_BYTES)
-            data = data[: _pickle_end(data, 0)]
+            data = data[: pickle_end(data)]
             stream.seek(start + len(data))
         blobs.append((label if index == 0 else f"{label} (after STOP, pickle {index + 1})", data))
         if not data:
             break
     return blobs
-
-
-def _pickle_end(data: bytes, offset: int) -> int:
-    try:
-        for opcode, _, position in pickletools.genops(io.BytesIO(data[offset:])):
-            if opcode.name == "STOP":
-                return offset + position + 1
-    except Exception:
-        pass
-    return len(data)

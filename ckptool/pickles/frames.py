@@ -76,10 +76,45 @@ class _FileReader:
         self.used -= size  # the frame's opcodes are served from the buffer that holds it
 
 
+def pickle_end(data: bytes) -> int:
+    """Where the first pickle in ``data`` ends (just after its STOP), its opcodes read as they lie (each
+    argument skipped, none decoded); ``len(data)`` when it has no STOP there or an opcode is unknown."""
+    at, end = 0, len(data)
+    try:
+        while at < end:
+            code = data[at]
+            at += 1
+            if code == _STOP:
+                return at
+            if code in _FIXED:
+                at += _FIXED[code]
+            elif code == _FRAME:
+                at += 8
+            elif code in _LINES:
+                for _ in range(_LINES[code]):
+                    newline = data.find(b"\n", at)
+                    if newline < 0:
+                        return end
+                    at = newline + 1
+            elif code in _COUNTED or code in _COUNTED_INTO:
+                width = _COUNTED.get(code) or _COUNTED_INTO[code]
+                size = int.from_bytes(data[at:at + width], "little", signed=code in (0x8A, 0x8B, 0x54))
+                if size < 0:
+                    return end
+                at += width + size
+            elif code not in _NO_ARGUMENT:
+                return end
+    except IndexError:
+        pass
+    return end
+
+
 def file_reader_view(data: bytes) -> bytes | None:
     """The opcodes and arguments CPython's unpickler reads from ``data`` through ``io.BytesIO``, as one
     unframed pickle (up to its STOP, or as far as that reader would get); None when it reads ``data``
     as it lies, so the view adds nothing. Reads are bounded: no byte is served more than twice."""
+    if _FRAME not in data:  # no frame, no buffer to drop: the reader reads the bytes as they lie
+        return None
     reader = _FileReader(data)
     out = bytearray()
     try:

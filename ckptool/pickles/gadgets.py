@@ -243,9 +243,15 @@ def judge(name: str, table: frozenset[str], *, stdlib_rule: bool = True) -> bool
     return stdlib_rule and parts[0] in _STDLIB and not _inert_stdlib(name)
 
 
+_TABLE: frozenset[str] | None = None  # the census's table, read when a name is first judged
+
+
 def runs_code(name: str) -> bool:
     """Whether the global ``name`` (Python 3 spelling, ``module.qualified.name``) runs code or reaches the
     system under some reading of its dots: the module doc's four rules, with the census's table."""
-    from .gadget_table import NAMES
+    global _TABLE
+    if _TABLE is None:
+        from .gadget_table import NAMES
 
-    return judge(name, NAMES)
+        _TABLE = NAMES
+    return judge(name, _TABLE)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import textwrap
@@ -150,3 +151,32 @@ def test_a_flood_of_globals_is_refused_in_linear_time_and_bounded_memory() -> No
                                          "nothing was executed")}
     with pytest.raises(InputError, match="names over"):
         pickles.loads(flood, pickles.GlobalResolver(["*"]))
+
+
+def test_cpythons_unpickler_reads_through_python_so_a_signal_is_handled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C run declines a pickle, CPython's unpickler runs it in one C call that never checks for
+    signals; it fills its buffer through ``Interruptible.peek``, Python code, so a handler runs every 128 KiB."""
+    from ckptool.pickles import unpickle
+
+    calls = []
+    monkeypatch.setattr(unpickle, "FAST", False)
+    monkeypatch.setattr(unpickle.Interruptible, "peek", lambda self, size=0: calls.append(size) or
+                        self._blob[self.tell():self.tell() + max(size, 1)])
+    data = hostile.whole(b"](" + b"\x8b\x04\x00\x00\x00\x01\x02\x03\x04" * 40_000 + b"e")  # LONG4: not the C run's
+    assert pickles.loads(data, pickles.GlobalResolver()) == [0x04030201] * 40_000
+    assert len(calls) >= len(data) // (256 << 10) >= 1  # CPython prefetches 128 KiB at a time
+
+
+@pytest.mark.parametrize("module", ["builtins", "__builtin__"])
+def test_a_complex_dict_key_is_read_however_the_pickle_spells_complex(tmp_path: Path, module: str) -> None:
+    """torch.save writes ``__builtin__.complex``, ckptool's own rewrite ``builtins.complex``: both build a
+    complex number, a hashable key (the guard once took the second for an unhashable torch record)."""
+    key = hostile.call(hostile.glob(module, "complex"), b"G" + struct.pack(">d", 1.0), b"G" + struct.pack(">d", 2.0))
+    data = hostile.whole(b"}" + key + b"K\x01s")
+    assert walked(data) == {("passed", len(data), (f"{module}.complex",))}
+    assert pickles.loads(data, pickles.GlobalResolver()) == {complex(1, 2): 1}
+    path = tmp_path / "complex.pt"
+    torch.save({"w": torch.ones(2), "keys": {complex(1, 2): 1}}, path)
+    out = tmp_path / "out.pt"
+    ckptool.save(ckptool.load(path), out)
+    assert ckptool.load(out).container["keys"] == torch.load(out, weights_only=True)["keys"] == {complex(1, 2): 1}

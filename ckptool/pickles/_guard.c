@@ -30,7 +30,7 @@ enum { V_OPAQUE, V_INT, V_FLOAT, V_BIGLE, V_TUPLE, V_OBJ };
 /* flags of a global's or object's name (computed once, on first use); a tuple's ``flags`` is its depth instead */
 #define N_KNOWN 1u
 #define N_TORCH 2u  /* in TORCH_GLOBALS */
-#define N_CODECS 4u /* "_codecs.encode" */
+#define N_VALUE 4u  /* builds a hashable value: "_codecs.encode", "builtins.complex" (opcode_guard._VALUES) */
 #define N_ODICT 8u  /* "collections.OrderedDict" */
 
 /* 32 bytes: a 100k-tensor pickle makes ~600k of them */
@@ -457,7 +457,10 @@ static int name_flags(Walk *w, PyObject *name, uint8_t *flags) {
     int in = PySequence_Contains(w->torch_globals, name);
     if (in < 0) return G_ERROR;
     *flags = N_KNOWN | (in ? N_TORCH : 0);
-    if (PyUnicode_CompareWithASCIIString(name, "_codecs.encode") == 0) *flags |= N_CODECS;
+    if (PyUnicode_CompareWithASCIIString(name, "_codecs.encode") == 0 ||
+        PyUnicode_CompareWithASCIIString(name, "builtins.complex") == 0 ||
+        PyUnicode_CompareWithASCIIString(name, "__builtin__.complex") == 0)
+        *flags |= N_VALUE;
     if (PyUnicode_CompareWithASCIIString(name, "collections.OrderedDict") == 0) *flags |= N_ODICT;
     return G_OK;
 }
@@ -472,7 +475,7 @@ static Rec *made_by(Walk *w, Rec *callable) {
             if (name_flags(w, name, &callable->flags) < 0) return NULL;
         }
         flags = callable->flags;
-        hashable = (flags & N_CODECS) || !(flags & N_TORCH);
+        hashable = (flags & N_VALUE) || !(flags & N_TORCH);
     }
     return receiver(w, K_OBJECT, name, flags, hashable);
 }

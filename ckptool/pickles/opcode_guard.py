@@ -162,7 +162,7 @@ def _native_walk(data: bytes) -> PickleStats:
     """The C walk: the Python walk's results, its Truncated and its refusals' messages."""
     assert _native is not None
     result = _native.walk(data, limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES,
-                          limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING, limits.MAX_GLOBALS, TORCH_GLOBALS)
+                          limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING, limits.MAX_GLOBALS, _torch_names())
     if result is None:
         raise Truncated()
     if type(result) is str:
@@ -268,11 +268,34 @@ def _int_tuple(cache: dict, raw: bytes) -> tuple[Value, int, list[int], int] | N
     return shape
 
 
+# torch's globals that build a hashable value (bytes, a complex number): usable as a dict key like any value
+_VALUES = frozenset({"_codecs.encode", "builtins.complex", "__builtin__.complex"})
+_TORCH_NAMES: list[frozenset[str]] = []  # TORCH_GLOBALS as a pickle may spell them, once it is complete
+
+
+def _torch_names() -> frozenset[str]:
+    """``TORCH_GLOBALS``' names as a pickle may spell them: Python 3's, and protocol 2's (``__builtin__.set``),
+    which the resolver maps through pickle's compatibility table before looking them up."""
+    if not _TORCH_NAMES or len(_TORCH_NAMES[0]) < len(TORCH_GLOBALS):
+        import _compat_pickle
+
+        names = set(TORCH_GLOBALS)
+        for name in TORCH_GLOBALS:
+            module, _, attribute = name.rpartition(".")
+            old = _compat_pickle.REVERSE_NAME_MAPPING.get((module, attribute))
+            if old is not None:
+                names.add(".".join(old))
+            if module in _compat_pickle.REVERSE_IMPORT_MAPPING:
+                names.add(f"{_compat_pickle.REVERSE_IMPORT_MAPPING[module]}.{attribute}")
+        _TORCH_NAMES[:] = [frozenset(names)]
+    return _TORCH_NAMES[0]
+
+
 def _made_by(callable_: Value) -> Receiver:
     """The record of an object a callable builds (REDUCE, NEWOBJ, OBJ): it may receive items."""
     name = callable_.name if callable_.kind == "global" else None
     # a placeholder object hashes by identity; _codecs.encode gives bytes (salted hash)
-    return Receiver("object", name, name is not None and (name == "_codecs.encode" or name not in TORCH_GLOBALS))
+    return Receiver("object", name, name is not None and (name in _VALUES or name not in _torch_names()))
 
 
 def _text_name(raw: bytes | None) -> str | None:
@@ -739,7 +762,7 @@ class _Walk:
         self.add_name(full_name)
         if code == 0x69:
             self.pop_mark()
-            self.stack.append(Receiver("object", full_name, full_name not in TORCH_GLOBALS))
+            self.stack.append(Receiver("object", full_name, full_name not in _torch_names()))
             self.memory += _PLACEHOLDER_COST
         else:
             self.stack.append(Value("global", full_name, 1, True, OPAQUE))
@@ -780,7 +803,7 @@ class _Walk:
         self.stack.pop()
         target = self.stack[-1]
         if target.kind != "object" or target.name is None or \
-                (target.name in TORCH_GLOBALS and target.name != "collections.OrderedDict"):
+                (target.name in _torch_names() and target.name != "collections.OrderedDict"):
             shown = target.name if target.kind != "tuple" else None  # a tuple's name is getattr's, not its own
             raise refuse(f"sets state (BUILD) on {shown or 'a ' + target.kind}, which torch's loader never does")
         self.memory += 64

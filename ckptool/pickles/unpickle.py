@@ -152,7 +152,7 @@ def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[
             result = _fast_load(blob, resolver, persistent_load)
             if result is not NotImplemented:
                 return result
-        return RestrictedUnpickler(io.BytesIO(blob), resolver, persistent_load).load()
+        return RestrictedUnpickler(Interruptible(blob), resolver, persistent_load).load()
     except (RefusedGlobal, InputError):
         raise
     except RecursionError as e:
@@ -161,6 +161,21 @@ def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[
         raise InputError("pickle would need more memory than is available to read") from e
     except Exception as e:  # any malformed-pickle error from the C unpickler
         raise InputError(f"pickle is corrupt or truncated ({type(e).__name__}: {_short(e)})") from e
+
+
+class Interruptible(io.BytesIO):
+    """The pickle's bytes, with a ``peek`` in Python: CPython's unpickler then fills its buffer through it,
+    128 KiB at a time, and the interpreter runs a pending Ctrl-C's or SIGTERM's handler at each call (the
+    unpickler's own loop, in C, never checks). A pickle the guard passed reads alike with or without
+    ``peek`` (every opcode lies inside one frame or outside all: ``tests/test_frames.py``)."""
+
+    def __init__(self, blob: bytes) -> None:
+        super().__init__(blob)
+        self._blob = blob
+
+    def peek(self, size: int = 0) -> bytes:
+        at = self.tell()
+        return self._blob[at:at + max(size, 1)]
 
 
 def _fast_load(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None) -> Any:

@@ -110,7 +110,7 @@ def _meta_note(state_dict: Mapping[Any, Any]) -> list[str]:
         return []
     shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
     return [f"{len(names)} meta tensor(s), a shape and dtype without values: {shown} — torch.load gives them on the "
-            "meta device; not among the tensors counted above (--tensors lists them)"]
+            "meta device; not among the tensors counted above (the tensor listing shows them)"]
 
 
 @dataclass

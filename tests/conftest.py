@@ -72,8 +72,10 @@ def python_executable() -> str:
 # ``pytest -n 2 --dist loadfile`` (make test) the workers start on these and the many short files fill
 # in around them, instead of one worker taking a long file last while the other idles.
 LONGEST_FILES = (
-    "test_training_dcp.py", "test_fixtures.py", "test_bench.py", "test_hostile.py", "test_training.py",
-    "test_bounds.py", "test_dcp.py", "test_verify.py", "test_install.py", "test_gpu_recorded.py",
+    "test_fixtures.py", "test_hostile_bounded.py", "test_remote_write.py", "test_gadgets.py", "test_training_dcp.py",
+    "test_bench.py", "test_nested_rewrite.py", "test_emit_wild.py", "test_globals.py", "test_gpu_recorded.py",
+    "test_remote_bounds.py", "test_guard_native.py", "test_hostile.py", "test_training.py", "test_bounds.py",
+    "test_dcp.py", "test_verify.py", "test_install.py",
 )
 
 

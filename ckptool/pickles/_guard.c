@@ -488,6 +488,17 @@ static inline int depth_of(const Rec *r) {
     return r->kind == K_TUPLE ? (r->flags ? r->flags : 1) : 0;
 }
 
+/* a new record of a tuple whose values the guard cannot all know */
+static Rec *tuple_rec(Walk *w, int64_t nodes, int hashable, int depth) {
+    Rec *r = new_rec(w);
+    if (r == NULL) return NULL;
+    r->kind = K_TUPLE;
+    r->nodes = nodes;
+    r->hashable = (uint8_t)hashable;
+    r->flags = (uint8_t)depth;
+    return r;
+}
+
 /* the shared record of tuples of ``nodes`` values nesting ``depth`` deep that the guard cannot all know;
    cached for the shallow ones (all real pickles' tuples) */
 #define OPAQUE_DEPTHS 4
@@ -504,13 +515,8 @@ static Rec *opaque_tuple(Walk *w, int64_t nodes, int hashable, int depth) {
         slot = &w->opaque_tuples[((hashable ? OPAQUE_DEPTHS : 0) + depth) * OPAQUE_CACHE + nodes];
         if (*slot != NULL) return *slot;
     }
-    Rec *r = new_rec(w);
-    if (r == NULL) return NULL;
-    r->kind = K_TUPLE;
-    r->nodes = nodes;
-    r->hashable = (uint8_t)hashable;
-    r->flags = (uint8_t)depth;
-    if (slot != NULL) *slot = r;
+    Rec *r = tuple_rec(w, nodes, hashable, depth);
+    if (r != NULL && slot != NULL) *slot = r;
     return r;
 }
 
@@ -599,13 +605,8 @@ static Rec *new_tuple(Walk *w, Rec **items, Py_ssize_t count) {
         PyObject *nested = NULL;
         if (count == 2 && attribute_pair(w, items, &nested) != G_OK) return NULL;
         if (nested != NULL) {  /* a tuple like any other, knowing the name getattr would make of it */
-            Rec *r = new_rec(w);
-            if (r == NULL) return NULL;
-            r->kind = K_TUPLE;
-            r->nodes = nodes;
-            r->hashable = (uint8_t)hashable;
-            r->flags = (uint8_t)depth;
-            r->n.gname = nested;
+            Rec *r = tuple_rec(w, nodes, hashable, depth);
+            if (r != NULL) r->n.gname = nested;
             return r;
         }
         return opaque_tuple(w, nodes, hashable, depth);

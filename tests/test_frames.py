@@ -19,6 +19,7 @@ unpicklers report) are cut into frames at drawn offsets, and:
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import pickletools
 import struct
@@ -37,7 +38,7 @@ from ckptool.safety import static_globals
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402
 
-EXAMPLES = 400
+EXAMPLES = int(os.environ.get("CKPTOOL_FUZZ_EXAMPLES", "400"))
 
 
 def _walks() -> list:
@@ -156,6 +157,8 @@ def _cuts_an_opcode(starts: list[int], placed: list[tuple[int, int]]) -> bool:
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(framed_pickles())
 @example((b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x8c\x04abcdC\x02xy\x8c\x01zs.", [], []))
+@example((b"\x80\x04]cm\nn10\n\x94a\x8e\t\x00\x00\x00\x00\x00\x00\x00\x95\x1b\x00\x00\x00\x00\x00\x00\x00"
+          b"S\x00\x00\x00\x00\x00\x00\x00\x00ah\x00aK\x00ah\x00aK\x00aI0\na.", [], []))  # a frame header as bytes
 def test_the_guard_reads_what_every_unpickler_reads_or_refuses(drawn: tuple) -> None:
     data, starts, placed = drawn
     results = [outcome(walk, data) for walk in _walks()]
@@ -163,11 +166,14 @@ def test_the_guard_reads_what_every_unpickler_reads_or_refuses(drawn: tuple) -> 
     verdict = results[0]
     readers = {name: read(name, data) for name in ("c-bytesio", "c-peek", "python")}
     if verdict[0] == "passed":
-        values = {repr(result) for result, _ in readers.values()}
-        assert len(values) == 1, readers
-        for result, calls in readers.values():
-            assert result[0] == "value", readers
-            assert calls == list(verdict[3])  # the globals the walk lists are those looked up, in order
+        # every reader runs the same opcodes: the same value, or each fails (on an argument none of them takes,
+        # an unquoted STRING say: the guard leaves that to the unpickler, which refuses it however it reads)
+        outcomes = {repr(result) if result[0] == "value" else "error" for result, _ in readers.values()}
+        assert len(outcomes) == 1, readers
+        looked_up = {tuple(calls) for _, calls in readers.values()}
+        assert len(looked_up) == 1, readers
+        calls = list(looked_up.pop())  # the globals the walk lists are those looked up, in order
+        assert calls == list(verdict[3]) if outcomes != {"error"} else calls == list(verdict[3])[:len(calls)]
     else:
         python_result = readers["python"][0]
         assert verdict[0] == "Truncated" or "frame" in verdict[1] or python_result[0] == "error", (verdict, readers)
@@ -181,8 +187,8 @@ def test_the_guard_reads_what_every_unpickler_reads_or_refuses(drawn: tuple) -> 
         assert named[:len(c_calls)] == c_calls, (named, c_calls)
         if c_result[0] == "value":
             assert named == c_calls
-    elif verdict[0] == "passed":
-        assert c_calls == list(verdict[3])
+    elif verdict[0] == "passed":  # what the walk lists, as far as the reader got
+        assert c_calls == list(verdict[3])[:len(c_calls) if c_result[0] == "error" else None]
 
 
 def python_result_is_frame_error(result: tuple) -> bool:

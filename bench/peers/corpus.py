@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import stat
 import struct
@@ -42,7 +43,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PICKLESCAN_CORPUS = REPO.parent / "shared" / "corpus" / "picklescan"
+def _picklescan_corpus() -> Path:
+    """The public picklescan corpus: where the tests look for it (``CKPTOOL_PICKLESCAN_CORPUS``, its ``tests/``
+    folder), beside this checkout, or where this workplace keeps it (a fresh clone elsewhere finds it too)."""
+    configured = os.environ.get("CKPTOOL_PICKLESCAN_CORPUS")
+    candidates = [Path(configured).parent] if configured else []
+    candidates += [REPO.parent / "shared" / "corpus" / "picklescan", Path("/work/shared/corpus/picklescan")]
+    return next((candidate for candidate in candidates if candidate.is_dir()), candidates[0])
+
+
+PICKLESCAN_CORPUS = _picklescan_corpus()
 FIXTURES = REPO / "fixtures"
 STANDINS = FIXTURES / "standins"
 MALICIOUS, BENIGN, MALFORMED = "malicious", "benign", "malformed"

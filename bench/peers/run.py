@@ -110,13 +110,21 @@ def _api_grade(done: Finished, _: Path) -> dict:
     return {"grade": answer["grade"], "detail": _brief(f"{answer['raw']}; {answer['detail']}".strip("; "), 300)}
 
 
-def _modelscan_grade(done: Finished, scratch: Path) -> dict:
+def _report(done: Finished, scratch: Path) -> tuple[dict, dict | None]:
+    """The JSON report a scanner wrote to ``scratch/report.json`` and None, or ``{}`` and the error grade when
+    it wrote none."""
     if done.returncode is None:
-        return {"grade": ERROR, "detail": "timed out"}
+        return {}, {"grade": ERROR, "detail": "timed out"}
     report_path = scratch / "report.json"
     if not report_path.is_file():
-        return {"grade": ERROR, "detail": f"exit {done.returncode}, no report: {_brief(done.stdout + done.stderr)}"}
-    report = json.loads(report_path.read_text())
+        return {}, {"grade": ERROR, "detail": f"exit {done.returncode}, no report: {_brief(done.stdout + done.stderr)}"}
+    return json.loads(report_path.read_text()), None
+
+
+def _modelscan_grade(done: Finished, scratch: Path) -> dict:
+    report, failed = _report(done, scratch)
+    if failed is not None:
+        return failed
     issues = report.get("issues", [])
     severities = sorted({issue.get("severity", "") for issue in issues})
     errors = [_brief(str(error.get("description", error)), 120) for error in report.get("errors", [])]
@@ -141,12 +149,9 @@ def _modelscan_grade(done: Finished, scratch: Path) -> dict:
 
 
 def _modelaudit_grade(done: Finished, scratch: Path) -> dict:
-    if done.returncode is None:
-        return {"grade": ERROR, "detail": "timed out"}
-    report_path = scratch / "report.json"
-    if not report_path.is_file():
-        return {"grade": ERROR, "detail": f"exit {done.returncode}, no report: {_brief(done.stdout + done.stderr)}"}
-    report = json.loads(report_path.read_text())
+    report, failed = _report(done, scratch)
+    if failed is not None:
+        return failed
     issues = report.get("issues", [])
     by_severity = {level: [i for i in issues if i.get("severity") == level] for level in ("critical", "warning")}
     if by_severity["critical"]:

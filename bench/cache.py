@@ -26,7 +26,7 @@ def evict(paths: list[Path], method: str, python: str, env: dict[str, str]) -> N
             f.write("1")
         # drop_caches also evicts the interpreter, torch's shared libraries and ckptool's own files;
         # read those back so that only the checkpoint is cold
-        subprocess.run([python, "-c", "import torch, safetensors.torch, ckptool.cli"], env=env, cwd=REPO,
+        subprocess.run([python, "-c", "import torch, safetensors.torch, ckptool.cli.main"], env=env, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         subprocess.run(["sh", "-c", "cp --version; sync --version; cat --version"], stdout=subprocess.DEVNULL)
         return

@@ -51,7 +51,7 @@ def _seaweedfs() -> type:
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "ckptool-bench-remote"
 BUCKET = "bench"
-PART_MIB = 8  # ckptool's upload part size (ckptool.upload); the memory goal allows it on top of 64 MiB
+PART_MIB = 8  # ckptool's upload part size (ckptool.io.upload); the memory goal allows it on top of 64 MiB
 
 GET_SCRIPT = r'''
 import os, sys, s3fs

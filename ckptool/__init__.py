@@ -20,29 +20,29 @@ from typing import TYPE_CHECKING, Any
 # public name -> the module that defines it; imported on first use, so `ckptool inspect` pays
 # only for what it runs (start-up is part of every command's time)
 _EXPORTS = {
-    "Checkpoint": "checkpoint",
-    "CkptError": "errors",
-    "InputError": "errors",
-    "InternalError": "errors",
-    "OutputError": "errors",
-    "ResourceError": "errors",
-    "UnsafeCheckpointError": "errors",
-    "UnsupportedFormatError": "errors",
-    "DiffReport": "comparison",
-    "diff": "comparison",
-    "fingerprint": "digest",
-    "LoadMismatchError": "materialize",
-    "LoadReport": "materialize",
-    "load_into": "materialize",
-    "load": "reader",
-    "ScanReport": "safety",
-    "scan": "safety",
-    "Summary": "summary",
-    "inspect": "summary",
-    "VerifyReport": "verification",
-    "verify": "verification",
-    "SaveReport": "writer",
-    "save": "writer",
+    "Checkpoint": "model.checkpoint",
+    "CkptError": "base.errors",
+    "InputError": "base.errors",
+    "InternalError": "base.errors",
+    "OutputError": "base.errors",
+    "ResourceError": "base.errors",
+    "UnsafeCheckpointError": "base.errors",
+    "UnsupportedFormatError": "base.errors",
+    "DiffReport": "ops.diff",
+    "diff": "ops.diff",
+    "fingerprint": "tensors.digest",
+    "LoadMismatchError": "ops.load_into",
+    "LoadReport": "ops.load_into",
+    "load_into": "ops.load_into",
+    "load": "io.reader",
+    "ScanReport": "ops.scan",
+    "scan": "ops.scan",
+    "Summary": "ops.inspect",
+    "inspect": "ops.inspect",
+    "VerifyReport": "verification.verify",
+    "verify": "verification.verify",
+    "SaveReport": "io.writer",
+    "save": "io.writer",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
@@ -68,7 +68,7 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, raising only CkptError subclasses: an unexpected exception becomes InternalError."""
     import functools
 
-    from .errors import CkptError, InternalError, ResourceError
+    from ckptool.base.errors import CkptError, InternalError, ResourceError
 
     import inspect
 
@@ -101,16 +101,25 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs ("X as X": exported, as __all__ says)
-    from .checkpoint import Checkpoint as Checkpoint
-    from .comparison import DiffReport as DiffReport, diff as diff
-    from .digest import fingerprint as fingerprint
-    from .errors import (CkptError as CkptError, InputError as InputError, InternalError as InternalError,
-                         OutputError as OutputError, ResourceError as ResourceError,
-                         UnsafeCheckpointError as UnsafeCheckpointError,
-                         UnsupportedFormatError as UnsupportedFormatError)
-    from .materialize import LoadMismatchError as LoadMismatchError, LoadReport as LoadReport, load_into as load_into
-    from .reader import load as load
-    from .safety import ScanReport as ScanReport, scan as scan
-    from .summary import Summary as Summary, inspect as inspect
-    from .verification import VerifyReport as VerifyReport, verify as verify
-    from .writer import SaveReport as SaveReport, save as save
+    from ckptool.model.checkpoint import Checkpoint as Checkpoint
+    from ckptool.ops.diff import DiffReport as DiffReport, diff as diff
+    from ckptool.tensors.digest import fingerprint as fingerprint
+    from ckptool.base.errors import (
+        CkptError as CkptError,
+        InputError as InputError,
+        InternalError as InternalError,
+        OutputError as OutputError,
+        ResourceError as ResourceError,
+        UnsafeCheckpointError as UnsafeCheckpointError,
+        UnsupportedFormatError as UnsupportedFormatError,
+    )
+    from ckptool.ops.load_into import (
+        LoadMismatchError as LoadMismatchError,
+        LoadReport as LoadReport,
+        load_into as load_into,
+    )
+    from ckptool.io.reader import load as load
+    from ckptool.ops.scan import ScanReport as ScanReport, scan as scan
+    from ckptool.ops.inspect import Summary as Summary, inspect as inspect
+    from ckptool.verification.verify import VerifyReport as VerifyReport, verify as verify
+    from ckptool.io.writer import SaveReport as SaveReport, save as save

@@ -1,6 +1,6 @@
 """python -m ckptool"""
 
-from .cli import run
+from ckptool.cli.main import run
 
 if __name__ == "__main__":
     run()

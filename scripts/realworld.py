@@ -50,7 +50,7 @@ PIP_PLATFORM_ARGS = ["--python-version", "3.11", "--implementation", "cp", "--ab
 OMEGACONF_GLOBALS = ["--allow-global", "omegaconf.*", "--allow-global", "typing.Any",
                      "--allow-global", "collections.defaultdict", "--allow-global", "builtins.dict",
                      "--allow-global", "builtins.list", "--allow-global", "builtins.int"]
-# independent of ckptool.dtypes: the fingerprint is checked, not assumed
+# independent of ckptool.tensors.dtypes: the fingerprint is checked, not assumed
 DTYPE_NAMES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL"}

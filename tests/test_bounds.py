@@ -23,8 +23,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptool import refs
-from ckptool.cli import main
+from ckptool.tensors import refs
+from ckptool.cli.main import main
 from ckptool.formats import safetensors
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -232,7 +232,7 @@ def _views_of_one_storage(count: int, path: Path) -> Path:
 
 
 def test_a_tiny_max_shard_size_over_many_tensors_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import writer
+    from ckptool.io import writer
 
     monkeypatch.setattr(writer, "MAX_SHARDS", 50)  # the real bound is 10 000; 51 tensors stand for 10 001
     source = _views_of_one_storage(51, tmp_path / "many.pt")
@@ -320,7 +320,7 @@ def test_a_header_over_the_format_limit_is_refused_before_writing(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # a config that is not shared (so no pickle limit applies) but larger than any safetensors header may be;
     # the entries' own limit (far below, where such a config is left behind and named) raised past it
-    from ckptool import entries
+    from ckptool.formats import entries
 
     monkeypatch.setattr(entries, "MAX_ENTRIES_CHARS", 2 * safetensors.MAX_HEADER_BYTES)
     source = tmp_path / "big_config.pt"
@@ -390,7 +390,7 @@ def test_check_tree_counts_a_plain_tensor_as_a_leaf_and_enters_any_other(fixture
     from collections import OrderedDict
 
     import ckptool
-    from ckptool.errors import InputError
+    from ckptool.base.errors import InputError
     from ckptool.pickles import limits, unpickle
 
     monkeypatch.setattr(limits, "MAX_NESTING", 6)

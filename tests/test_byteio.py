@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptool import copying
-from ckptool.byteio import FileCache, read_exact, read_into
-from ckptool.errors import InputError
-from ckptool.refs import ByteRange
+from ckptool.files import copying
+from ckptool.files.byteio import FileCache, read_exact, read_into
+from ckptool.base.errors import InputError
+from ckptool.tensors.refs import ByteRange
 
 
 def _open_fds() -> int:

@@ -20,10 +20,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import ckptool
-from ckptool import cast
-from ckptool.cast import cast_weights
-from ckptool.cli import main
-from ckptool.errors import InputError
+from ckptool.model import cast
+from ckptool.model.cast import cast_weights
+from ckptool.cli.main import main
+from ckptool.base.errors import InputError
 
 NAMES = ("F64", "F32", "F16", "BF16")
 TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -220,7 +220,7 @@ def _aliases(folder: Path) -> dict[str, str]:
 
 _NO_TORCH = r"""
 import sys
-from ckptool.cli import main
+from ckptool.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
@@ -267,8 +267,8 @@ def test_a_refused_cast_leaves_nothing_behind(tmp_path: Path, output: str) -> No
 
 def test_cast_bytes_that_read_back_different_are_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the expected CRC of a cast tensor is summed as it is computed; the re-read behind the writer must match it
-    from ckptool import write_check
-    from ckptool.errors import FingerprintMismatchError
+    from ckptool.io import write_check
+    from ckptool.base.errors import FingerprintMismatchError
 
     source = tmp_path / "model.pt"
     torch.save({"w": torch.randn(3_000_000), "b": torch.randn(10)}, source)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,10 +98,10 @@ def test_refusal_names_the_global_to_allow_as_a_shell_word(tmp_path: Path, monke
 def test_library_refusals_name_options_as_the_caller_passes_them(fixtures_dir: Path, tmp_path: Path) -> None:
     """The API's error names keyword arguments; the CLI's line for the same error names flags."""
     import ckptool
-    from ckptool import operations
-    from ckptool.cast import cast_weights
-    from ckptool.keys import strip_prefix
-    from ckptool.suggest import flag
+    from ckptool.ops import rewrite as operations
+    from ckptool.model.cast import cast_weights
+    from ckptool.model.keys import strip_prefix
+    from ckptool.base.suggest import flag
 
     taken = tmp_path / "taken.pt"
     taken.write_bytes(b"keep me")
@@ -165,7 +165,7 @@ def test_write_commands_report_one_json_shape(fixtures_dir: Path, tmp_path: Path
 
 
 def test_exit_codes_are_listed_where_users_read_them() -> None:
-    from ckptool import exitcodes
+    from ckptool.base import exitcodes
 
     codes = {name: value for name, value in vars(exitcodes).items() if name.isupper() and isinstance(value, int)}
     assert codes == {"OK": 0, "PROBLEM": 1, "USAGE": 2, "INPUT": 3, "INTERNAL": 70, "INTERRUPTED": 130,

@@ -22,9 +22,9 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import ckptool
-from ckptool.cli import EXIT_CLOSED_PIPE, EXIT_INTERNAL, main
-from ckptool.errors import CkptError, InputError
-from ckptool.text import printable
+from ckptool.cli.main import EXIT_CLOSED_PIPE, EXIT_INTERNAL, main
+from ckptool.base.errors import CkptError, InputError
+from ckptool.base.text import printable
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402
@@ -190,7 +190,7 @@ def test_a_closed_pipe_ends_quietly(fixtures_dir: Path, subprocess_env: dict[str
 
 EXIT_PROBE = """
 import atexit, sys, threading
-from ckptool.cli import run
+from ckptool.cli.main import run
 atexit.register(lambda: print("exit handler ran", file=sys.stderr))
 if sys.argv[1] == "thread":  # another thread alive: the usual exit, which waits for it
     threading.Thread(target=lambda: (__import__("time").sleep(0.5), print("thread ended", file=sys.stderr))).start()
@@ -228,7 +228,8 @@ def test_a_command_holds_its_trees_to_its_exit_and_a_library_caller_frees_them(
     import weakref
     from collections import deque
 
-    from ckptool import gcpause, operations
+    from ckptool.base import gcpause
+    from ckptool.ops import rewrite as operations
 
     source = fixtures_dir / "dp_mlp_wrapped.pt"
     monkeypatch.setattr(gcpause, "_kept", deque(maxlen=4))
@@ -259,7 +260,7 @@ def test_a_bug_is_exit_70_in_one_line(fixtures_dir: Path, monkeypatch: pytest.Mo
     def broken(*args: object, **kwargs: object) -> None:
         raise TypeError(f"unsupported operand\n{NASTY}")
 
-    monkeypatch.setattr("ckptool.summary.inspect", broken)
+    monkeypatch.setattr("ckptool.ops.inspect.inspect", broken)
     result = run("inspect", fixtures_dir / "single_lenet.pt")
     assert result.exit_code == EXIT_INTERNAL == 70
     assert result.stderr.count("\n") == 1 and not controls(result.stderr)
@@ -268,7 +269,7 @@ def test_a_bug_is_exit_70_in_one_line(fixtures_dir: Path, monkeypatch: pytest.Mo
 
 def test_a_failed_read_back_names_the_output_not_its_temp_file(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import writer
+    from ckptool.io import writer
 
     source = tmp_path / "in.pt"
     torch.save({"w": torch.ones(3)}, source)
@@ -304,8 +305,8 @@ def test_entries_with_mixed_key_types_convert_to_safetensors(tmp_path: Path) -> 
 @pytest.mark.parametrize("function", ["load", "inspect", "scan", "diff", "load_into", "save", "fingerprint", "verify"])
 def test_the_public_api_raises_only_ckpt_errors_even_for_a_bug(function: str, fixtures_dir: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptool.refs
-    import ckptool.reader
+    import ckptool.tensors.refs
+    import ckptool.io.reader
 
     lenet = fixtures_dir / "single_lenet.pt"
     checkpoint = ckptool.load(lenet)
@@ -314,10 +315,10 @@ def test_the_public_api_raises_only_ckpt_errors_even_for_a_bug(function: str, fi
         raise KeyError("a key ckptool forgot")
 
     # a bug deep inside: reading a file's structure, or its bytes
-    monkeypatch.setattr(ckptool.reader, "_load", bug)
-    monkeypatch.setattr(ckptool.refs.ByteRange, "iter_chunks", bug)
-    monkeypatch.setattr(ckptool.refs.TensorRef, "iter_bytes", bug)
-    monkeypatch.setattr(ckptool.refs.TensorRef, "iter_reused", bug)
+    monkeypatch.setattr(ckptool.io.reader, "_load", bug)
+    monkeypatch.setattr(ckptool.tensors.refs.ByteRange, "iter_chunks", bug)
+    monkeypatch.setattr(ckptool.tensors.refs.TensorRef, "iter_bytes", bug)
+    monkeypatch.setattr(ckptool.tensors.refs.TensorRef, "iter_reused", bug)
     calls = {
         "load": lambda: ckptool.load(lenet),
         "inspect": lambda: ckptool.inspect(lenet),
@@ -348,7 +349,7 @@ def test_a_library_warning_does_not_reach_stderr(tmp_path: Path, subprocess_env:
     code = f"""
 import sys, warnings
 from ckptool import summary
-from ckptool.cli import main
+from ckptool.cli.main import main
 inspect = summary.inspect
 def warning_inspect(*args, **kwargs):
     warnings.warn("invalid value encountered in cast {NASTY!r}", RuntimeWarning)

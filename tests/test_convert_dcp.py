@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 SMALL = ["--train-size", "512", "--test-size", "128"]
 

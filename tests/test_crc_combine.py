@@ -1,4 +1,4 @@
-"""crc32_combine (ckptool.copying's pure-Python port of zlib's) and ZipWriter.add_pieces, which uses it.
+"""crc32_combine (ckptool.files.copying's pure-Python port of zlib's) and ZipWriter.add_pieces, which uses it.
 
 A member made of pieces whose CRCs are all known (DCP row shards, each a whole zip member of its
 own) gets its CRC combined and its bytes copied by the kernel; a piece without a CRC makes the
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptool import copying
-from ckptool.copying import crc32_combine, pieces_crc
+from ckptool.files import copying
+from ckptool.files.copying import crc32_combine, pieces_crc
 from ckptool.formats import zipio
 from ckptool.formats.zipio import ZipWriter
-from ckptool.refs import ByteRange
+from ckptool.tensors.refs import ByteRange
 
 # ------------------------------------------------------------------------------------------------ reference
 # An independent model of the same algebra, used only where zlib cannot be run (lengths of GiBs):
@@ -193,9 +193,9 @@ def test_a_piece_without_a_crc_makes_the_member_stream_and_sum(tmp_path: Path, m
 
 # ------------------------------------------------------------------------------------------------ crc.crc32
 def test_crc32_is_zlibs_on_every_kind_of_buffer() -> None:
-    """ckptool.crc.crc32 (ISA-L's where installed) gives zlib.crc32's value: lengths around SIMD block
+    """ckptool.files.crc.crc32 (ISA-L's where installed) gives zlib.crc32's value: lengths around SIMD block
     sizes, running start values, bytes, bytearray, memoryview slices at odd offsets, typed views."""
-    from ckptool import crc
+    from ckptool.files import crc
 
     rng = random.Random(7)
     data = bytearray(rng.randbytes(1 << 17))

@@ -31,8 +31,8 @@ import torch
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
-from ckptool.dtypes import BY_TORCH_NAME
+from ckptool.cli.main import main
+from ckptool.tensors.dtypes import BY_TORCH_NAME
 from ckptool.formats.zipio import pieces_crc
 from training_runs import TEARDOWN_ABORT
 

@@ -14,12 +14,12 @@ import safetensors.torch
 import torch
 from click.testing import CliRunner
 
-from ckptool.cli import main
-from ckptool.dtypes import by_name
+from ckptool.cli.main import main
+from ckptool.tensors.dtypes import by_name
 from training.models import LeNet
 
 # the module behind `ckptool.diff` (the function)
-diff_module = importlib.import_module("ckptool.comparison")
+diff_module = importlib.import_module("ckptool.ops.diff")
 diff = diff_module.diff
 
 
@@ -200,7 +200,7 @@ def test_one_flipped_bit_is_found_in_any_chunk_of_a_large_tensor(tmp_path: Path,
 
 
 def _raw_tensor(storage_data: Any = None, pieces: Any = None, count: int = 100) -> Any:
-    from ckptool.refs import StorageRef, TensorRef
+    from ckptool.tensors.refs import StorageRef, TensorRef
 
     f32 = by_name("F32")
     return TensorRef(storage=StorageRef(key="w", dtype=f32, numel=count, location="cpu", data=storage_data,
@@ -210,8 +210,8 @@ def _raw_tensor(storage_data: Any = None, pieces: Any = None, count: int = 100) 
 def test_a_tensor_in_pieces_is_compared_across_piece_and_chunk_boundaries(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """DCP row shards lie in several places: read end to end, boundaries not on chunk boundaries."""
-    from ckptool.errors import InputError
-    from ckptool.refs import ByteRange
+    from ckptool.base.errors import InputError
+    from ckptool.tensors.refs import ByteRange
 
     monkeypatch.setattr(diff_module, "CHUNK_SIZE", 64)  # 16 floats per chunk
     raw = np.arange(100, dtype="<f4").tobytes()
@@ -242,8 +242,8 @@ def test_a_tensor_in_pieces_is_compared_across_piece_and_chunk_boundaries(tmp_pa
 
 
 def test_a_file_cut_short_after_loading_is_an_input_error_naming_it(tmp_path: Path) -> None:
-    from ckptool.errors import InputError
-    from ckptool.reader import load
+    from ckptool.base.errors import InputError
+    from ckptool.io.reader import load
 
     values = torch.randn(diff_module.CHUNK_SIZE // 4 * 2 + 5)
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"

@@ -28,11 +28,11 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import ckptool
-from ckptool.cli import main
-from ckptool.layouts import LayoutTensor
-from ckptool.materialize import to_state_dict
+from ckptool.cli.main import main
+from ckptool.pickles.layouts import LayoutTensor
+from ckptool.ops.load_into import to_state_dict
 from ckptool.pickles import PARAMETER_DESCRIPTORS
-from ckptool.refs import TensorRef
+from ckptool.tensors.refs import TensorRef
 
 # of a suite's 60 examples, at least this many must be files both torch and ckptool read and compare (not
 # files one of them refuses), so that a change making most inputs refused cannot pass unnoticed

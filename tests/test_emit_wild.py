@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptool.cli import main
+from ckptool.cli.main import main
 from ckptool.pickles.allowlist import DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, python3_name
 
 # A stand-in for OmegaConf (not installed): classes built and pickled the way its configs are —

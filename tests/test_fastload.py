@@ -31,7 +31,7 @@ import torch
 
 import ckptool
 from ckptool import pickles
-from ckptool.errors import CkptError
+from ckptool.base.errors import CkptError
 from ckptool.formats import torch_zip, zipio
 from ckptool.pickles import unpickle
 
@@ -350,8 +350,8 @@ def test_a_big_endian_archive_keeps_the_python_loader(tmp_path: Path, monkeypatc
 
 
 def test_the_constructors_the_run_uses_build_what_the_classes_build(tmp_path: Path) -> None:
-    from ckptool import dtypes
-    from ckptool.refs import ByteRange, StorageRef, TensorRef
+    from ckptool.tensors import dtypes
+    from ckptool.tensors.refs import ByteRange, StorageRef, TensorRef
 
     f32 = dtypes.BY_NAME["F32"]
     byte_range = ByteRange(tmp_path, 64, 16, 7)
@@ -412,8 +412,8 @@ def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypat
     # entries the C path writes and entries it hands to save(): the same bytes either way, in one dict
     from collections import OrderedDict
 
-    from ckptool import dtypes
-    from ckptool.refs import ByteRange, StorageRef, TensorRef
+    from ckptool.tensors import dtypes
+    from ckptool.tensors.refs import ByteRange, StorageRef, TensorRef
 
     f32 = dtypes.BY_NAME["F32"]
     storage = StorageRef("s", f32, 1 << 40, "cuda:1", ByteRange(tmp_path, 0, 4 << 40), "torch.FloatStorage")
@@ -580,7 +580,7 @@ def test_whole_plain_in_c_decides_as_the_python_passes_do(tmp_path: Path) -> Non
     C pass declines (None) where the Python passes do — and never accepts what they decline."""
     import dataclasses
 
-    from ckptool import dtypes, refs
+    from ckptool.tensors import dtypes, refs
 
     views: list[list[refs.TensorRef]] = _fixture_tensors()
     rng = random.Random(20261127)
@@ -640,7 +640,7 @@ def test_the_census_in_c_counts_as_the_python_passes_do(tmp_path: Path) -> None:
     shapes of zero, one or many dimensions, dims near 2**63, dtypes apart and two dtype objects of one name,
     shared storages, bits; the same counts, or NotImplemented where the Python passes take what C does not
     (a list or bool or huge dim, a sum past 64 bits, another class)."""
-    from ckptool import dtypes, refs
+    from ckptool.tensors import dtypes, refs
 
     groups: list[list[Any]] = list(_fixture_tensors())
     rng = random.Random(5)
@@ -693,7 +693,7 @@ def _drawn_tree(rng: random.Random, plain: Any) -> Any:
     from collections import OrderedDict
 
     from ckptool.pickles.placeholders import OpaqueObject
-    from ckptool.refs import DeviceRef, SizeRef
+    from ckptool.tensors.refs import DeviceRef, SizeRef
 
     def atom() -> Any:
         return rng.choice([None, True, 7, 2.5, "", "x" * rng.choice([1, 40, 900]), b"\0" * rng.choice([0, 3, 700]),
@@ -775,7 +775,7 @@ def test_check_tree_in_c_judges_as_the_python_walk_does(fixtures_dir: Path) -> N
     from collections import Counter, OrderedDict
 
     from ckptool.pickles import _fastload, limits
-    from ckptool.refs import TensorRef
+    from ckptool.tensors.refs import TensorRef
 
     plain = next(iter(ckptool.load(fixtures_dir / "single_lenet.pt").tensors.values()))
     held = copy.copy(plain)  # a tensor that is one of its own parameter's arguments: a leaf below itself

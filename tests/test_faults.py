@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 TEMP_PREFIX = ".ckptool-tmp-"
 BIG_TENSORS, BIG_ELEMENTS = 8, 1_000_000  # 8 x 4 MB of float32: over the full-disk test's 8 MiB file limit
@@ -34,7 +34,7 @@ PAUSED_WRITER = """
 import signal, sys
 from pathlib import Path
 from ckptool import writer
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 marker = Path(sys.argv.pop(1))
 written = writer.OutputSums.written

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 TEMP_PREFIX = ".ckptool-tmp-"
 SECRET = "s3cr3t-bytes-that-must-never-be-shown"
@@ -317,8 +317,8 @@ class FailingRename:
 
 
 def test_atomic_directory_puts_the_old_folder_back_when_the_final_rename_fails(tmp_path: Path) -> None:
-    from ckptool.atomic import atomic_directory
-    from ckptool.errors import OutputError
+    from ckptool.files.atomic import atomic_directory
+    from ckptool.base.errors import OutputError
 
     out = tmp_path / "out"
     out.mkdir()
@@ -334,8 +334,8 @@ def test_atomic_directory_puts_the_old_folder_back_when_the_final_rename_fails(t
 
 @pytest.mark.parametrize("fail_at", ["model.safetensors.index.json", "model-00002-of-00002.safetensors"])
 def test_a_failed_move_into_a_folder_output_puts_everything_back(tmp_path: Path, fail_at: str) -> None:
-    from ckptool.atomic import update_directory
-    from ckptool.errors import OutputError
+    from ckptool.files.atomic import update_directory
+    from ckptool.base.errors import OutputError
 
     directory = model_folder(tmp_path / "model")
     before = folder_state(directory)
@@ -452,6 +452,6 @@ def test_fingerprint_goes_to_its_own_field_only(tmp_path: Path) -> None:
                 metadata = handle.metadata()
             assert metadata["ckptool.fingerprint"] == expected
             if source.name == "train.pt":
-                assert json.loads(metadata["ckptool.entries"])["container"]["note"] == OLD_PLACEHOLDER
+                assert json.loads(metadata["ckptool.formats.entries"])["container"]["note"] == OLD_PLACEHOLDER
             else:
                 assert metadata["mine"] == OLD_PLACEHOLDER

@@ -23,7 +23,7 @@ import torch
 
 from training.models import MODELS, build_model
 
-# independent of ckptool.dtypes on purpose: the manifest is checked, not assumed
+# independent of ckptool.tensors.dtypes on purpose: the manifest is checked, not assumed
 DTYPE_NAMES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 # fields that may differ between two regenerations: legacy pickles hold storage addresses as keys,
 # TorchScript archives a random serialization id and hash-ordered code

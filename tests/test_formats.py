@@ -87,9 +87,9 @@ import math
 from pathlib import Path
 
 from ckptool import dtypes
-from ckptool.errors import InputError
+from ckptool.base.errors import InputError
 from ckptool.formats import Contents, Format, ReadOptions
-from ckptool.refs import ByteRange, StorageRef, TensorRef, contiguous_stride
+from ckptool.tensors.refs import ByteRange, StorageRef, TensorRef, contiguous_stride
 
 MAGIC = b"TOYCKPT1\\n"
 
@@ -180,7 +180,7 @@ def test_the_safetensors_header_is_the_bytes_json_writes_for_it(in_c: bool, monk
     import math
     import random
 
-    from ckptool import dtypes
+    from ckptool.tensors import dtypes
     from ckptool.formats import safetensors
     from ckptool.pickles.unpickle import FAST
 
@@ -224,8 +224,8 @@ def test_the_safetensors_header_parsed_in_c_checks_each_field_as_the_entry_check
     strides, bytes) or declines, and it declines every header the entry check refuses."""
     import random
 
-    from ckptool import dtypes
-    from ckptool.errors import InputError
+    from ckptool.tensors import dtypes
+    from ckptool.base.errors import InputError
     from ckptool.formats import safetensors
     from ckptool.pickles.unpickle import FAST, _fastload
 
@@ -316,8 +316,8 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
     import math
     import random
 
-    from ckptool import dtypes
-    from ckptool.errors import InputError
+    from ckptool.tensors import dtypes
+    from ckptool.base.errors import InputError
     from ckptool.formats import safetensors
     from ckptool.pickles.unpickle import FAST, _fastload
 
@@ -407,7 +407,7 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
 
 def _drawn_entry(rng: Any, dtype_names: list[str], sizes: list[int]) -> tuple[str, list[int], int]:
     """A drawn safetensors header entry: its dtype's name, a shape of up to 3 of ``sizes``, its byte count."""
-    from ckptool import dtypes
+    from ckptool.tensors import dtypes
 
     dtype = rng.choice(dtype_names)
     shape = [rng.choice(sizes) for _ in range(rng.randint(0, 3))]

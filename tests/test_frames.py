@@ -30,10 +30,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ckptool.errors import InputError
+from ckptool.base.errors import InputError
 from ckptool.pickles import frames, opcode_guard
 from ckptool.pickles.opcode_guard import Truncated
-from ckptool.safety import static_globals
+from ckptool.ops.scan import static_globals
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402
@@ -236,7 +236,7 @@ def test_the_disguise_really_runs_under_a_file_reader(tmp_path: Path) -> None:
 
 def test_scan_names_a_call_a_frame_hides_and_every_command_refuses(tmp_path: Path) -> None:
     import ckptool
-    from ckptool.errors import CkptError
+    from ckptool.base.errors import CkptError
 
     path = tmp_path / "hidden.pt"
     path.write_bytes(hostile.make_zip(hostile.torch_members(_hidden_call(tmp_path / "canary"))))

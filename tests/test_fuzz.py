@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import ckptool
 from ckptool import pickles
-from ckptool.errors import CkptError, InputError, InternalError
+from ckptool.base.errors import CkptError, InputError, InternalError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402
@@ -189,7 +189,7 @@ PICKLE_PIECES = [
 @given(st.lists(st.sampled_from(PICKLE_PIECES), max_size=40), st.booleans())
 def test_random_opcode_streams_raise_only_input_errors(pieces: list[bytes], permissive: bool) -> None:
     """The guard and the restricted unpickler on opcode soup (as scan's dry run and a load see it)."""
-    from ckptool.refs import StorageRef
+    from ckptool.tensors.refs import StorageRef
 
     storages: dict[str, StorageRef] = {}
 

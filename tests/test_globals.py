@@ -20,8 +20,8 @@ import pytest
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
-from ckptool.materialize import to_state_dict
+from ckptool.cli.main import main
+from ckptool.ops.load_into import to_state_dict
 
 torch = pytest.importorskip("torch")
 hostile = pytest.importorskip("hostile")

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 from training.models import build_model
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,7 @@ def test_verify_runs_on_every_gpu_with_bit_identical_weights(fixtures_dir: Path)
 
 def test_torch_devices_passed_to_verify_run_on_the_gpu(fixtures_dir: Path) -> None:
     """The Device seam's real implementation: the weights go to cuda:0 and back bit-identical."""
-    from ckptool.devices import TorchDevice
+    from ckptool.model.devices import TorchDevice
 
     cuda = TorchDevice("cuda:0")
     assert cuda.move(torch.ones(2)).device == torch.device("cuda", 0)

@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_DIR = REPO / "fixtures" / "gpu"

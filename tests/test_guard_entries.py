@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ckptool.errors import InputError  # noqa: E402
+from ckptool.base.errors import InputError  # noqa: E402
 from ckptool.pickles import opcode_guard  # noqa: E402
 
 

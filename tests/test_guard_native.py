@@ -34,7 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptool.errors import InputError
+from ckptool.base.errors import InputError
 from ckptool.pickles import PickleStats, limits, opcode_guard
 from ckptool.pickles.opcode_guard import Truncated
 

@@ -26,8 +26,8 @@ from click.testing import CliRunner
 
 import ckptool
 from ckptool import pickles
-from ckptool.cli import main
-from ckptool.errors import CkptError, InputError
+from ckptool.cli.main import main
+from ckptool.base.errors import CkptError, InputError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402 — the corpus generator beside this file
@@ -185,8 +185,8 @@ def test_every_hostile_case_is_refused(corpus: Corpus, command: str, clean_env: 
 
 
 def test_library_raises_only_ckpt_errors(corpus: Corpus, clean_env: Path) -> None:
-    from ckptool.safety import scan
-    from ckptool.summary import inspect
+    from ckptool.ops.scan import scan
+    from ckptool.ops.inspect import inspect
 
     for case in corpus.cases:
         for function in (ckptool.load, ckptool.inspect, inspect):
@@ -369,7 +369,7 @@ def test_public_picklescan_corpus_is_refused_and_nothing_runs(corpus: Corpus, cl
 def test_public_corpus_benign_checkpoints_read_like_torch_reads_them(clean_env: Path, tmp_path: Path) -> None:
     import torch
 
-    from ckptool.safety import scan
+    from ckptool.ops.scan import scan
 
     for name in sorted(PICKLESCAN_BENIGN_CHECKPOINTS):
         path = PICKLESCAN / "data" / name

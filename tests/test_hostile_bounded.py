@@ -11,7 +11,7 @@ leave nothing in its output folder.
 
 The processes are forked from one server that imported ckptool once (a fresh interpreter per run
 would cost ~0.3 s of start-up each, over 2,500 runs); a child sets its limit, runs the console
-script's own entry point (``ckptool.cli.run``) with its stdout and stderr on files, and exits with
+script's own entry point (``ckptool.cli.main.run``) with its stdout and stderr on files, and exits with
 its code. The server reports each run's exit, time and peak resident memory (``wait4``).
 
 And: SIGTERM and Ctrl-C end a command in the middle of long work (a large pickle, a checkpoint of
@@ -48,7 +48,7 @@ import json, os, resource, shutil, sys, time
 from pathlib import Path
 
 import ckptool
-import ckptool.cli
+import ckptool.cli.main
 for name in ("reader", "writer", "safety", "summary", "comparison", "verification", "digest", "materialize"):
     __import__(f"ckptool.{name}")  # what every command imports: paid once, here
 
@@ -68,7 +68,7 @@ def child(run):
     sys.argv = ["ckptool", *run["args"]]
     code = 0
     try:
-        ckptool.cli.run()
+        ckptool.cli.main.run()
     except SystemExit as e:  # what the interpreter does with it at exit
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -287,7 +287,7 @@ owner, attribute, function = {"zip-directory": (zipio, "_native", "records"),
                               "unpickle-run": (unpickle, "_fastload", "load")}[stage]
 setattr(owner, attribute, Hooked(getattr(owner, attribute), function))
 sys.argv[0] = "ckptool"
-from ckptool.cli import run
+from ckptool.cli.main import run
 run()
 """
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptool import jsonout
-from ckptool.cli import main
+from ckptool.base import jsonout
+from ckptool.cli.main import main
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra: pip install -e '.[test]'")
 

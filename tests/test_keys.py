@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptool.errors import KeyCollisionError, NothingToDoError
-from ckptool.keys import add_prefix, detect_prefix, strip_prefix
+from ckptool.base.errors import KeyCollisionError, NothingToDoError
+from ckptool.model.keys import add_prefix, detect_prefix, strip_prefix
 
 
 @pytest.mark.parametrize(

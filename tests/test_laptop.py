@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 
 def run(*args: object) -> tuple[int, str, str]:

@@ -26,8 +26,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ckptool  # noqa: E402
-from ckptool.layout_checks import coo_problem  # noqa: E402
-from ckptool.materialize import to_state_dict  # noqa: E402
+from ckptool.pickles.layout_checks import coo_problem  # noqa: E402
+from ckptool.ops.load_into import to_state_dict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hypothesis import given, settings  # noqa: E402
@@ -298,7 +298,7 @@ def test_every_command_that_reads_values_refuses_them_in_one_line(tmp_path: Path
 
 def test_a_pt_rewrite_of_a_good_tensor_reads_its_indices_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check is made once per tensor, whichever commands ask."""
-    import ckptool.layout_checks as checks
+    import ckptool.pickles.layout_checks as checks
 
     calls: list[int] = []
     real = checks.coo_problem
@@ -317,7 +317,7 @@ def test_a_pt_rewrite_of_a_good_tensor_reads_its_indices_once(tmp_path: Path, mo
 
 def test_coo_problem_reads_big_indices_chunk_by_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bounds and order are checked a chunk of columns at a time, with the order carried across chunks."""
-    import ckptool.layout_checks as checks
+    import ckptool.pickles.layout_checks as checks
 
     monkeypatch.setattr(checks, "CHUNK", 3)
     indices = torch.arange(10).reshape(1, 10)

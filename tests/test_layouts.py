@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ckptool  # noqa: E402
-from ckptool.materialize import to_state_dict  # noqa: E402
+from ckptool.ops.load_into import to_state_dict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_differential import PT_REWRITES, rewrite, run  # noqa: E402
@@ -220,8 +220,8 @@ def test_a_views_span_and_contiguity_agree_with_torch_on_random_layouts() -> Non
     import math
     import random
 
-    from ckptool.dtypes import BY_TORCH_NAME
-    from ckptool.refs import StorageRef, TensorRef, contiguous_stride
+    from ckptool.tensors.dtypes import BY_TORCH_NAME
+    from ckptool.tensors.refs import StorageRef, TensorRef, contiguous_stride
 
     float32 = BY_TORCH_NAME["float32"]
     positions = torch.arange(10_000)  # element i of the storage holds i: a view's largest value is its last element
@@ -259,8 +259,8 @@ def test_inspect_lists_each_key_as_torch_s_state_dict_holds_it(tmp_path: Path) -
 
     import jsonschema
 
-    from ckptool import jsonout
-    from ckptool.dtypes import BY_TORCH_NAME
+    from ckptool.base import jsonout
+    from ckptool.tensors.dtypes import BY_TORCH_NAME
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ckptool
-from ckptool.materialize import LoadMismatchError
+from ckptool.ops.load_into import LoadMismatchError
 
 
 class Net(nn.Module):

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import ckptool
-from ckptool.errors import InputError
-from ckptool.materialize import (
+from ckptool.base.errors import InputError
+from ckptool.ops.load_into import (
     KeyRewrite,
     LoadMismatchError,
     best_rewrite,
@@ -22,7 +22,7 @@ from ckptool.materialize import (
     module_of,
     to_state_dict,
 )
-from ckptool.refs import ByteRange, StorageRef
+from ckptool.tensors.refs import ByteRange, StorageRef
 from training.models import LeNet, build_model
 
 
@@ -107,7 +107,7 @@ def test_mmap_and_read_give_the_same_bytes_and_unaligned_bytes_are_copied(tmp_pa
     values = torch.arange(10, dtype=torch.float32)
     path = tmp_path / "raw.bin"
     path.write_bytes(b"xyz" + values.numpy().tobytes())  # 3-byte offset: not float-aligned
-    storage = StorageRef(key="0", dtype=ckptool.dtypes.by_name("F32"), numel=10, location="cpu",
+    storage = StorageRef(key="0", dtype=ckptool.tensors.dtypes.by_name("F32"), numel=10, location="cpu",
                          data=ByteRange(path, 3, 40))
     for mmap in (True, False):
         untyped = materialize_storage(storage, mmap=mmap, alignment=4)
@@ -128,7 +128,7 @@ def test_mmap_copy_is_private(tmp_path: Path) -> None:
 def test_truncated_storage_is_an_input_error(tmp_path: Path) -> None:
     path = tmp_path / "short.bin"
     path.write_bytes(b"\0" * 16)
-    storage = StorageRef(key="7", dtype=ckptool.dtypes.by_name("F32"), numel=8, location="cpu",
+    storage = StorageRef(key="7", dtype=ckptool.tensors.dtypes.by_name("F32"), numel=8, location="cpu",
                          data=ByteRange(path, 0, 32))
     with pytest.raises(InputError, match="storage '7' ends after the end of the file"):
         materialize_storage(storage)
@@ -138,7 +138,7 @@ def test_import_ckptool_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, ckptool, ckptool.materialize, ckptool.models; print('torch' in sys.modules)"
+    code = "import sys, ckptool, ckptool.ops.load_into, ckptool.verification.models; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from ckptool import models
-from ckptool.errors import UsageError
-from ckptool.models import ENTRY_POINT_GROUP, parse_model_spec, register, registered_family
+from ckptool.verification import models
+from ckptool.base.errors import UsageError
+from ckptool.verification.models import ENTRY_POINT_GROUP, parse_model_spec, register, registered_family
 
 CKPTOOL = Path(__file__).resolve().parent.parent / "ckptool"
 
@@ -82,7 +82,7 @@ def write_distribution(site: Path, family: str) -> None:
         f"[{ENTRY_POINT_GROUP}]\n{family} = tiny_family:offer\n")
     (site / "tiny_family.py").write_text(
         "import torch\n"
-        "from ckptool.models import register\n"
+        "from ckptool.verification.models import register\n"
         "def offer():\n"
         f"    register({family!r}, {{'two': lambda: torch.nn.Linear(3, 2)}}, input_shape=(4, 3),\n"
         "             test_set=lambda size: (torch.ones(size, 3), torch.zeros(size, dtype=torch.long)))\n"

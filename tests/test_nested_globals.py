@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 torch = pytest.importorskip("torch")
 hostile = pytest.importorskip("hostile")

@@ -20,8 +20,8 @@ import pytest
 from click.testing import CliRunner
 
 import ckptool
-from ckptool.cli import main
-from ckptool.errors import FingerprintMismatchError
+from ckptool.cli.main import main
+from ckptool.base.errors import FingerprintMismatchError
 from ckptool.pickles import emit
 
 torch = pytest.importorskip("torch")

@@ -6,7 +6,7 @@ refuses them in one line.
   (``<int of N bits>``), leaves it out of ``inspect --json``'s values (no JSON reader takes it), leaves it
   out of safetensors metadata (named in a note) and writes it back into a ``.pt`` as pickle wrote it.
 - A dict mixing keys of kinds that do not compare (``{1: ..., "x": ...}``): ``max``/``sorted`` raised
-  ``TypeError: '>' not supported``; keys are now ordered by a total key (:func:`ckptool.tree.order_key`).
+  ``TypeError: '>' not supported``; keys are now ordered by a total key (:func:`ckptool.model.tree.order_key`).
 
 Files are real ``torch.save`` output; torch reads each with ``weights_only=False`` (its ``weights_only``
 loader takes no LONG4, so not the long ints), and a ``.pt`` rewrite must load as the same values.
@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptool import jsonout
-from ckptool.cli import main
-from ckptool.text import int_text, printable, value_repr, value_str
-from ckptool.tree import order_key
+from ckptool.base import jsonout
+from ckptool.cli.main import main
+from ckptool.base.text import int_text, printable, value_repr, value_str
+from ckptool.model.tree import order_key
 
 torch = pytest.importorskip("torch")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import ckptool
-from ckptool.errors import CkptError
+from ckptool.base.errors import CkptError
 
 pytest.importorskip("torch")  # the hostile suite's TorchScript and DCP cases are made with torch
 hostile = pytest.importorskip("hostile")

@@ -1,4 +1,4 @@
-"""Large tensors are written at their source's offset within a page (ckptool/placement.py), and nothing else changes.
+"""Large tensors are written at their source's offset within a page (ckptool/files/placement.py), and nothing else changes.
 
 The kernel copies page-cache page by page: a region placed at another offset within a page costs each page two
 partial writes. These tests read the written files' layouts themselves (zip local headers, the safetensors header)
@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from hypothesis import example, given, settings, strategies as st
 from safetensors.torch import load_file
 
-from ckptool import placement
-from ckptool.cli import main
-from ckptool.copying import SMALL_MEMBER
+from ckptool.files import placement
+from ckptool.cli.main import main
+from ckptool.files.copying import SMALL_MEMBER
 
 PAGE = placement.PAGE
 LARGE = SMALL_MEMBER // 4 + 4096  # float32 elements of a tensor over SMALL_MEMBER bytes

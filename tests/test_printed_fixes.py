@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
 
-from ckptool.cli import main  # noqa: E402
+from ckptool.cli.main import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"

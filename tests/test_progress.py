@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ckptool import progress
+from ckptool.base import progress
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")

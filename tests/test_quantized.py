@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ckptool  # noqa: E402
-from ckptool.materialize import to_state_dict  # noqa: E402
+from ckptool.ops.load_into import to_state_dict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hypothesis import given, settings  # noqa: E402

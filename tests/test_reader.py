@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptool
-from ckptool.summary import summarize
+from ckptool.ops.inspect import summarize
 
 MANIFEST = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "manifest.json").read_text())
 ENTRIES = MANIFEST["fixtures"] if isinstance(MANIFEST, dict) else MANIFEST
@@ -115,11 +115,11 @@ def test_tensor_values_walk_as_iter_tensors(fixtures_dir: Path) -> None:
     """tree.tensor_values (the fast walk that counts storages and devices) yields exactly the tensors
     iter_tensors yields, in its order: on every fixture's container and on a tree that shares
     containers, nests tuples and lists, and holds a cycle."""
-    from ckptool.refs import StorageRef, TensorRef
-    from ckptool.tree import iter_tensors, tensor_values
+    from ckptool.tensors.refs import StorageRef, TensorRef
+    from ckptool.model.tree import iter_tensors, tensor_values
 
     containers = [ckptool.load(fixtures_dir / entry["file"]).container for entry in CHECKPOINTS]
-    storage = StorageRef("0", ckptool.dtypes.BY_NAME["F32"], 16, "cpu")
+    storage = StorageRef("0", ckptool.tensors.dtypes.BY_NAME["F32"], 16, "cpu")
     t = [TensorRef(storage, storage.dtype, (2,), (1,), offset=2 * i) for i in range(6)]
     shared = {"x": t[1], "y": [t[2], (t[3], [])]}
     cycle: list = [t[4]]
@@ -138,7 +138,7 @@ def test_tensor_values_walk_as_iter_tensors(fixtures_dir: Path) -> None:
 GC_PROBE = """
 import contextlib, gc, io, sys
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 before = gc.get_freeze_count()  # a site hook or another package may freeze at start-up: only the read's share counts
 if sys.argv[2] == "cli":
     with contextlib.redirect_stdout(io.StringIO()):

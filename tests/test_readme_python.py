@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 so in one line; URLs ckptool does not read are refused in one line; no spelling of an input is ever written.
 
 The stores are real loopback servers (``objectstore.LyingServer``) reached through each reader ckptool has:
-fsspec's HTTP filesystem (``https://`` inputs), the light S3 reader (:mod:`ckptool.s3read`), s3fs (where the
+fsspec's HTTP filesystem (``https://`` inputs), the light S3 reader (:mod:`ckptool.files.s3read`), s3fs (where the
 light reader steps aside) and gcsfs. Object-store aliasing runs on SeaweedFS (``bucket``) and ``memory://``.
 """
 
@@ -25,9 +25,9 @@ pytest.importorskip("s3fs", reason="s3:// needs the remote extra")
 from click.testing import CliRunner  # noqa: E402
 from objectstore import LyingServer  # noqa: E402
 
-from ckptool import remote, s3read  # noqa: E402
-from ckptool.cli import main  # noqa: E402
-from ckptool.remote import identity  # noqa: E402
+from ckptool.files import remote, s3read  # noqa: E402
+from ckptool.cli.main import main  # noqa: E402
+from ckptool.files.remote import identity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
@@ -138,7 +138,7 @@ def test_headers_a_byte_at_a_time_time_out_too(reader: str, liar: LyingServer,
 
 
 def test_the_time_limit_is_the_documented_default_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import bounded
+    from ckptool.files import bounded
 
     monkeypatch.delenv(bounded.TIMEOUT_ENV, raising=False)
     assert bounded.request_timeout_s() == bounded.DEFAULT_TIMEOUT_S
@@ -161,7 +161,7 @@ def test_the_time_limit_is_the_documented_default_unless_set(monkeypatch: pytest
 ])
 def test_judge(status: int, content_range: str | None, length: int | None, start: int, end: int,
                expected: Any) -> None:
-    from ckptool.bounded import RangeRefused, judge
+    from ckptool.files.bounded import RangeRefused, judge
 
     if isinstance(expected, tuple):
         assert judge(status, content_range, length, start, end) == expected

@@ -28,8 +28,8 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 import ckptool  # noqa: E402
-from ckptool.cli import main  # noqa: E402
-from ckptool.remote import STATS  # noqa: E402
+from ckptool.cli.main import main  # noqa: E402
+from ckptool.files.remote import STATS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
@@ -318,7 +318,7 @@ def test_the_python_api_reads_urls(made, memory: str) -> None:
     assert ckptool.scan(url).safe
     assert ckptool.diff(url, local).identical
     assert ckptool.verify(url, against=local, devices="cpu").ok
-    from ckptool.materialize import to_state_dict
+    from ckptool.ops.load_into import to_state_dict
 
     got, want = to_state_dict(checkpoint.state_dict), torch.load(local, weights_only=True)["model"] \
         if "model" in torch.load(local, weights_only=True) else torch.load(local, weights_only=True)
@@ -508,9 +508,9 @@ def test_convert_of_a_big_pt_over_http_streams_every_byte_once(http, big_pt: Pat
 
 @pytest.mark.parametrize("name", ["../outside.distcp", "./../outside.distcp", "sub/../../outside.distcp"])
 def test_a_remote_folder_member_may_not_step_out_of_it(name: str) -> None:
-    from ckptool import inputs
-    from ckptool.errors import InputError
-    from ckptool.remote import RemotePath
+    from ckptool.files import inputs
+    from ckptool.base.errors import InputError
+    from ckptool.files.remote import RemotePath
 
     folder = RemotePath("memory://bucket/ckpt")
     with pytest.raises(InputError, match="outside the folder"):
@@ -535,14 +535,14 @@ def test_an_index_over_the_limit_is_refused_by_its_size_alone(http, tmp_path: Pa
 
 
 def test_local_commands_never_import_the_remote_layer() -> None:
-    """A local path costs nothing for URLs: ckptool.remote (and fsspec) stay unimported."""
-    code = ("import sys\nfrom click.testing import CliRunner\nfrom ckptool.cli import main\n"
+    """A local path costs nothing for URLs: ckptool.files.remote (and fsspec) stay unimported."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom ckptool.cli.main import main\n"
             f"for args in (['inspect', {str(FIXTURES / 'single_lenet.pt')!r}, '--fingerprint'],\n"
             f"             ['scan', {str(FIXTURES / 'legacy_mlp.pt')!r}],\n"
             f"             ['diff', {str(FIXTURES / 'mlp.safetensors')!r}, {str(FIXTURES / 'sharded')!r}]):\n"
             "    result = CliRunner().invoke(main, args)\n"
             "    assert result.exit_code in (0, 1), result.output\n"
-            "assert 'ckptool.remote' not in sys.modules and 'fsspec' not in sys.modules\n")
+            "assert 'ckptool.files.remote' not in sys.modules and 'fsspec' not in sys.modules\n")
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -20,9 +20,10 @@ fsspec = pytest.importorskip("fsspec")
 torch = pytest.importorskip("torch")
 
 import ckptool  # noqa: E402
-from ckptool import remote, upload  # noqa: E402
-from ckptool.errors import OutputError, UsageError  # noqa: E402
-from ckptool.writer import save  # noqa: E402
+from ckptool.files import remote
+from ckptool.io import upload  # noqa: E402
+from ckptool.base.errors import OutputError, UsageError  # noqa: E402
+from ckptool.io.writer import save  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"
@@ -165,8 +166,8 @@ def test_a_failed_upload_leaves_nothing_and_removes_the_staging_folder(memory_bu
 
 def test_a_check_that_fails_on_the_staged_file_uploads_nothing_and_names_the_url(
         memory_bucket: str, _fresh_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import write_check
-    from ckptool.errors import FingerprintMismatchError
+    from ckptool.io import write_check
+    from ckptool.base.errors import FingerprintMismatchError
 
     def mismatch(*args: Any, **kwargs: Any) -> int:
         raise FingerprintMismatchError("tensor 'x' reads back different from what was written — the output was "
@@ -198,7 +199,7 @@ def test_dry_run_to_a_url_writes_nothing(memory_bucket: str, _fresh_state: Path)
 
 
 def test_the_api_operations_take_url_outputs(memory_bucket: str) -> None:
-    from ckptool import operations
+    from ckptool.ops import rewrite as operations
 
     report = operations.strip(WRAPPED, f"{memory_bucket}/stripped.pt")
     assert report.details["renamed"] > 0 and str(report.target) == f"{memory_bucket}/stripped.pt"
@@ -208,7 +209,7 @@ def test_the_api_operations_take_url_outputs(memory_bucket: str) -> None:
 
 
 def test_a_many_input_convert_into_a_url_folder(memory_bucket: str) -> None:
-    from ckptool import operations
+    from ckptool.ops import rewrite as operations
 
     plan = operations.plan_convert([WRAPPED, GPU], out_dir=f"{memory_bucket}/many")
     report = operations.convert(plan, operations.ConvertOptions())
@@ -221,7 +222,7 @@ def test_a_many_input_convert_into_a_url_folder(memory_bucket: str) -> None:
 
 
 def test_a_dcp_folder_to_a_url_is_a_usage_error(memory_bucket: str) -> None:
-    from ckptool import operations
+    from ckptool.ops import rewrite as operations
 
     plan = operations.plan_convert([WRAPPED], out=f"{memory_bucket}/model.dcp", to="dcp")
     with pytest.raises(UsageError, match="local path only"):
@@ -237,7 +238,7 @@ def test_cli_an_https_output_is_a_usage_error_naming_no_credentials(tmp_path: Pa
 
 
 def test_the_upload_has_its_own_progress_after_the_write(memory_bucket: str) -> None:
-    from ckptool import progress
+    from ckptool.base import progress
 
     bars: list[dict[str, Any]] = []
 

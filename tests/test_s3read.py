@@ -1,4 +1,4 @@
-"""s3:// reads without s3fs (ckptool/s3read.py) against a real SeaweedFS that verifies SigV4 signatures.
+"""s3:// reads without s3fs (ckptool/files/s3read.py) against a real SeaweedFS that verifies SigV4 signatures.
 
 The light reader must give the bytes s3fs gives, the same one-line errors, retry throttling as botocore does,
 leave s3fs to do the work wherever it cannot reproduce botocore's credentials, and keep ``inspect`` free of
@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("s3fs", reason="s3:// needs the remote extra")
 
-from ckptool import remote, s3read  # noqa: E402
-from ckptool.errors import InputError  # noqa: E402
-from ckptool.remote import RemoteFile, RemotePath  # noqa: E402
+from ckptool.files import remote, s3read  # noqa: E402
+from ckptool.base.errors import InputError  # noqa: E402
+from ckptool.files.remote import RemoteFile, RemotePath  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODULE_RECORDER = Path(__file__).resolve().parent / "no_torch"

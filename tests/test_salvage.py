@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from torch import nn
 
 import ckptool
-from ckptool.cli import main
-from ckptool.materialize import to_state_dict
+from ckptool.cli.main import main
+from ckptool.ops.load_into import to_state_dict
 
 
 def run(*args: object) -> tuple[int, str, str]:
@@ -282,7 +282,7 @@ def test_bad_weights_path_is_one_line_naming_the_candidates(tmp_path: Path) -> N
 
 
 def test_weights_paths_with_dots_and_slashes(tmp_path: Path) -> None:
-    from ckptool.checkpoint import resolve_weights, spell_weights
+    from ckptool.model.checkpoint import resolve_weights, spell_weights
 
     tensor = torch.ones(1)
     path = tmp_path / "nested.pt"
@@ -331,7 +331,7 @@ def test_shared_submodules_listing_too_many_paths_are_refused(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """One submodule shared twice at each of 12 levels lists 4096 paths (torch walks them all too):
     the walk stops at the limit and says so, in one line."""
-    from ckptool import modules
+    from ckptool.model import modules
 
     node: nn.Module = nn.Linear(1, 1)
     for _ in range(12):

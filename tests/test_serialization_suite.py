@@ -42,12 +42,12 @@ from test_differential import (assert_agree, assert_same_tensor, ckptool_tensors
                                torch_parts, torch_tensors, values_of)
 
 import ckptool  # noqa: E402
-from ckptool.cli import main  # noqa: E402
-from ckptool.dtypes import BY_TORCH_NAME  # noqa: E402
-from ckptool.layouts import LayoutTensor  # noqa: E402
-from ckptool.materialize import to_state_dict  # noqa: E402
-from ckptool.refs import TensorRef  # noqa: E402
-from ckptool.tree import get_at  # noqa: E402
+from ckptool.cli.main import main  # noqa: E402
+from ckptool.tensors.dtypes import BY_TORCH_NAME  # noqa: E402
+from ckptool.pickles.layouts import LayoutTensor  # noqa: E402
+from ckptool.ops.load_into import to_state_dict  # noqa: E402
+from ckptool.tensors.refs import TensorRef  # noqa: E402
+from ckptool.model.tree import get_at  # noqa: E402
 
 READ, REFUSED, WRONG = "read", "refused", "wrong"
 # a safetensors output refused, naming them, for what the format cannot hold: a dtype it lacks, a meta

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import ckptool
-from ckptool.cli import main
-from ckptool.materialize import to_state_dict
+from ckptool.cli.main import main
+from ckptool.ops.load_into import to_state_dict
 
 INDEX = "pytorch_model.bin.index.json"
 

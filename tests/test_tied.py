@@ -14,7 +14,7 @@ from safetensors.torch import load_model
 from torch import nn
 
 import ckptool
-from ckptool.cli import main
+from ckptool.cli.main import main
 
 
 class TinyLM(nn.Module):

@@ -3,7 +3,7 @@
 Each command runs in a subprocess whose ``sitecustomize`` (tests/no_torch/) makes ``import torch``
 fail as on a machine without it, and records every import of torch that was even attempted: a
 command passes only if it did its work and never tried. What does need torch says how to install
-it, in one line (CLI) or a :class:`~ckptool.errors.MissingExtraError`, an ``ImportError`` (API).
+it, in one line (CLI) or a :class:`~ckptool.base.errors.MissingExtraError`, an ``ImportError`` (API).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def test_what_needs_torch_says_how_to_install_it(fixtures_dir: Path, tmp_path: P
 def test_the_api_raises_an_import_error_naming_the_extra(fixtures_dir: Path, tmp_path: Path) -> None:
     code = f"""
 import ckptool
-from ckptool.errors import MissingExtraError
-from ckptool.materialize import to_state_dict
+from ckptool.base.errors import MissingExtraError
+from ckptool.ops.load_into import to_state_dict
 checkpoint = ckptool.load({str(fixtures_dir / 'single_lenet.pt')!r})
 for call in (lambda: to_state_dict(checkpoint.tensors),
              lambda: ckptool.load_into(object(), checkpoint),
@@ -162,8 +162,8 @@ def test_every_float8_bit_pattern_decodes_as_torch_decodes_it() -> None:
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from ckptool.comparison import float8_table
-    from ckptool.dtypes import BY_NAME
+    from ckptool.ops.diff import float8_table
+    from ckptool.tensors.dtypes import BY_NAME
 
     for name in ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"):
         torch_dtype = getattr(torch, BY_NAME[name].torch_name, None)

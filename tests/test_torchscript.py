@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import ckptool
-from ckptool.cli import main
-from ckptool.materialize import to_state_dict
+from ckptool.cli.main import main
+from ckptool.ops.load_into import to_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -198,7 +198,7 @@ def test_verify_diff_and_load_into_accept_it(archives: dict[str, Path], tmp_path
     assert all(torch.equal(model.state_dict()[key], tensor) for key, tensor in reference.items())
     # the archive lists its non-persistent buffers (torch.jit.load does): a strict load into the eager
     # model refuses them, as model.load_state_dict(torch.jit.load(f).state_dict()) does
-    with pytest.raises(ckptool.errors.CkptError, match="blocks.0.scratch"):
+    with pytest.raises(ckptool.base.errors.CkptError, match="blocks.0.scratch"):
         ckptool.load_into(Net(), path)
     with pytest.raises(RuntimeError, match="blocks.0.scratch"):
         Net().load_state_dict(reference := _reference(path))

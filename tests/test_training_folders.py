@@ -27,9 +27,9 @@ from safetensors.torch import load_file
 from standins import TRANSFORMERS
 
 import ckptool
-from ckptool import jsonout
-from ckptool.cli import main
-from ckptool.materialize import to_state_dict
+from ckptool.base import jsonout
+from ckptool.cli.main import main
+from ckptool.ops.load_into import to_state_dict
 
 BUILD = """
     import json, os, random, sys
@@ -464,7 +464,7 @@ def test_weights_state_round_trip(tmp_path: Path, optimizer_class: type, options
             _, index, key = name.split(".")
             assert torch.equal(handle.get_tensor(name), saved["state"][int(index)][key])
     assert metadata["ckptool.fingerprint"] == fingerprint
-    assert '"param_groups"' in metadata["ckptool.entries"] and '"lr":0.01' in metadata["ckptool.entries"]
+    assert '"param_groups"' in metadata["ckptool.formats.entries"] and '"lr":0.01' in metadata["ckptool.formats.entries"]
 
     code, out, err = run("convert", tmp_path / "state.safetensors", "-o", tmp_path / "back.pt")
     assert code == 0, err

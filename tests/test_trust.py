@@ -23,7 +23,7 @@ import pytest
 
 import ckptool
 from ckptool import pickles
-from ckptool.errors import CkptError, InputError
+from ckptool.base.errors import CkptError, InputError
 from ckptool.pickles import limits, opcode_guard
 
 torch = pytest.importorskip("torch")

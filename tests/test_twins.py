@@ -27,11 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptool
-from ckptool import dtypes, pickles
-from ckptool.errors import CkptError, InputError
+from ckptool.tensors import dtypes
+from ckptool import pickles
+from ckptool.base.errors import CkptError, InputError
 from ckptool.formats import safetensors
 from ckptool.pickles import emit, unpickle
-from ckptool.writer import pt_container
+from ckptool.io.writer import pt_container
 
 torch = pytest.importorskip("torch")
 safe_open = pytest.importorskip("safetensors").safe_open

@@ -31,7 +31,7 @@ import ckptool
 from ckptool import (Checkpoint, CkptError, DiffReport, InputError, InternalError, LoadMismatchError, LoadReport,
                      OutputError, ResourceError, SaveReport, ScanReport, Summary, UnsafeCheckpointError,
                      UnsupportedFormatError, VerifyReport)
-from ckptool.remote import RemotePath
+from ckptool.files.remote import RemotePath
 
 
 def convert(path: Path, out: Path, model: Any) -> list[str]:

@@ -13,17 +13,17 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from ckptool import determinism
-from ckptool.cli import main
-from ckptool.devices import TorchDevice
-from ckptool.errors import UsageError
-from ckptool.model_checks import EVAL_BATCH
-from ckptool.models import parse_input_shape, parse_model_spec
+from ckptool.verification import determinism
+from ckptool.cli.main import main
+from ckptool.model.devices import TorchDevice
+from ckptool.base.errors import UsageError
+from ckptool.verification.model_checks import EVAL_BATCH
+from ckptool.verification.models import parse_input_shape, parse_model_spec
 from training.models import LeNet, build_model
 
 # the module behind `ckptool.verify` (the function)
-verify_module = importlib.import_module("ckptool.verification")
-devices_module = importlib.import_module("ckptool.devices")
+verify_module = importlib.import_module("ckptool.verification.verify")
+devices_module = importlib.import_module("ckptool.model.devices")
 
 FAKE_DEVICES = ["cpu", "cuda:0", "cuda:1"]
 
@@ -417,8 +417,8 @@ def test_weights_only_cpu_verify_streams_without_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "if 'torch' in sys.modules: sys.exit('torch was imported before ckptool (by site-packages)')\n"
-        "import ckptool, ckptool.devices\n"
-        "ckptool.devices._accelerator_possible = lambda: True  # as where a GPU driver is installed\n"
+        "import ckptool, ckptool.model.devices\n"
+        "ckptool.model.devices._accelerator_possible = lambda: True  # as where a GPU driver is installed\n"
         "r = ckptool.verify(sys.argv[1], devices='cpu', against=sys.argv[2], allow_nonfinite=True)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print(r.ok, sorted((k, v['nan'], v['inf']) for k, v in r.devices[0].nonfinite.items()))\n"
@@ -435,7 +435,7 @@ def test_against_counts_nan_and_inf_of_a_reading_it_once(tmp_path: Path, monkeyp
     (only in A, another shape), under the key A stores when a prefix is aligned."""
     import os
 
-    comparison = importlib.import_module("ckptool.comparison")
+    comparison = importlib.import_module("ckptool.ops.diff")
     per_chunk = comparison.CHUNK_SIZE // 4
     big = torch.randn(per_chunk * 2 + 77)  # two full chunks and a partial one
     big[5], big[per_chunk + 3], big[-1] = float("nan"), float("-inf"), float("inf")
@@ -508,8 +508,8 @@ def test_against_counts_nan_and_inf_of_a_reading_it_once(tmp_path: Path, monkeyp
 def test_against_names_a_truncated_checkpoint_before_its_truncated_reference(tmp_path: Path) -> None:
     """In the fused pass B may fail first; the error still names A when A is unreadable too (as when A
     was read whole before the diff)."""
-    from ckptool.errors import InputError
-    from ckptool.reader import load
+    from ckptool.base.errors import InputError
+    from ckptool.io.reader import load
 
     x, y = torch.randn(70_000), torch.randn(70_000)
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"

@@ -16,9 +16,11 @@ import pytest
 from click.testing import CliRunner
 
 import ckptool
-from ckptool import operations, refs, writer
-from ckptool.cli import main
-from ckptool.suggest import flag
+from ckptool.ops import rewrite as operations
+from ckptool.tensors import refs
+from ckptool.io import writer
+from ckptool.cli.main import main
+from ckptool.base.suggest import flag
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402 — the corpus generator beside this file
@@ -152,7 +154,7 @@ def test_each_refusal_names_keywords_through_the_api_and_flags_on_the_command_li
 
 
 def test_verify_failures_name_keywords_in_the_report_and_flags_on_the_command_line(tmp_path: Path) -> None:
-    from ckptool.verify_report import DeviceResult, VerifyReport, conclude
+    from ckptool.verification.report import DeviceResult, VerifyReport, conclude
 
     path = write(tmp_path / "nan.pt", {"w": torch.tensor([float("nan"), 1.0])})
     report = ckptool.verify(path, devices="cpu")

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 import ckptool
-from ckptool.errors import NothingToDoError, OutputError
-from ckptool.writer import save
+from ckptool.base.errors import NothingToDoError, OutputError
+from ckptool.io.writer import save
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -65,7 +65,7 @@ def test_strip_without_prefix_is_nothing_to_do(fixtures_dir: Path) -> None:
 
 
 def test_remap_cuda_to_cpu_loads_with_plain_torch_load(fixtures_dir: Path, tmp_path: Path) -> None:
-    from ckptool.devices import location_mapper
+    from ckptool.model.devices import location_mapper
 
     source = fixtures_dir / "gpu_cuda1_ddp_lenet.pt"
     if torch.cuda.device_count() < 2:  # a machine with a second GPU loads it as saved
@@ -87,7 +87,7 @@ def test_convert_round_trip_keeps_fingerprint(entry: dict, fixtures_dir: Path, t
     back = save(ckptool.load(tmp_path / "w.safetensors"), tmp_path / "w.pt", fingerprint=True)
     assert back.fingerprint == entry["fingerprint"]
     reloaded = torch.load(tmp_path / "w.pt", weights_only=True)
-    for key in source.layout:  # the container comes back around the weights (ckptool.entries)
+    for key in source.layout:  # the container comes back around the weights (ckptool.formats.entries)
         reloaded = reloaded[key]
     stock = load_file(tmp_path / "w.safetensors")
     aliases = set(st.aliases)
@@ -133,7 +133,7 @@ def test_sharded_output_matches_index_layout(fixtures_dir: Path, tmp_path: Path)
 
 
 def test_dtype_cast_touches_floats_only(fixtures_dir: Path, tmp_path: Path) -> None:
-    from ckptool.cast import cast_weights
+    from ckptool.model.cast import cast_weights
 
     source = ckptool.load(fixtures_dir / "views.pt")
     save(cast_weights(source, "bf16"), tmp_path / "bf16.safetensors")
@@ -176,7 +176,7 @@ def test_fingerprint_recorded_in_safetensors_metadata_only_when_asked(fixtures_d
     with safe_open(tmp_path / "plain.safetensors", "pt") as handle:
         metadata = handle.metadata()
     assert "ckptool.fingerprint" not in metadata
-    assert json.loads(metadata["ckptool.entries"])["container"]["epoch"] == 1
+    assert json.loads(metadata["ckptool.formats.entries"])["container"]["epoch"] == 1
     hashed = save(source, tmp_path / "hashed.safetensors", fingerprint=True)
     with safe_open(tmp_path / "hashed.safetensors", "pt") as handle:
         assert handle.metadata()["ckptool.fingerprint"] == hashed.fingerprint == ckptool.fingerprint(source.tensors)
@@ -188,8 +188,8 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
     """A copy that lands one wrong byte (a writer bug, a bad disk): the re-read check refuses and deletes it."""
     import os as os_
 
-    from ckptool import copying
-    from ckptool.errors import FingerprintMismatchError
+    from ckptool.files import copying
+    from ckptool.base.errors import FingerprintMismatchError
 
     real_copy = copying.copy_range  # every kernel copy (zip members, safetensors tensors) goes through it
     calls = {"n": 0}
@@ -234,7 +234,7 @@ def test_writeback_is_started_for_every_byte_written(fixtures_dir: Path, tmp_pat
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The early writeback covers the output's data end to end (no region left for the final fsync
     alone), and a platform without sync_file_range still writes correctly (fdatasync thread)."""
-    import ckptool.write_check as write_check
+    import ckptool.io.write_check as write_check
 
     kicks: list[tuple[int, int]] = []
     real = write_check.writeback_starter()
@@ -265,7 +265,7 @@ def test_a_wrong_crc_recorded_in_the_output_zip_is_caught(fixtures_dir: Path, tm
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Right bytes under a wrong recorded CRC still load in torch (it does not check), but fail a
     zip check later: the write check compares the CRC the output records with its bytes."""
-    from ckptool.errors import FingerprintMismatchError
+    from ckptool.base.errors import FingerprintMismatchError
     from ckptool.formats import zipio
 
     real_add_copy_columns = zipio.ZipWriter.add_copy_columns  # (add_copy and add_copies write through it)
@@ -289,9 +289,9 @@ def test_copies_in_steps_are_checked_from_the_trailing_sums(fixtures_dir: Path, 
     tensor's instead of reading the output a second time, and still catches a wrong byte."""
     import os
 
-    from ckptool import copying
-    from ckptool.errors import FingerprintMismatchError
-    from ckptool.refs import TensorRef
+    from ckptool.files import copying
+    from ckptool.base.errors import FingerprintMismatchError
+    from ckptool.tensors.refs import TensorRef
 
     monkeypatch.setattr(copying, "COPY_STEP", 1000)  # odd steps: CRCs combined across unaligned boundaries
     monkeypatch.setattr(copying, "SMALL_MEMBER", 0)  # every tensor through the kernel copy
@@ -338,7 +338,7 @@ def test_dtype_cast_includes_empty_tensors(tmp_path: Path, suffix: str) -> None:
     # a zero-element float tensor is a weight too: left in F32 it would make a bf16 output mixed
     from click.testing import CliRunner
 
-    from ckptool.cli import main
+    from ckptool.cli.main import main
 
     source = tmp_path / "empty.pt"
     torch.save({"empty": torch.empty(0, 3), "w": torch.ones(2), "steps": torch.zeros(0, dtype=torch.int64)}, source)
@@ -390,7 +390,7 @@ def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: P
     where it landed."""
     import random
 
-    from ckptool import copying
+    from ckptool.files import copying
 
     if in_c and copying._native_gather() is None:
         pytest.skip("the C extension (ckptool/formats/_zipfast.c) was not built here")
@@ -445,8 +445,8 @@ def test_copy_all_of_a_source_cut_short_says_the_file_ends(tmp_path: Path, in_c:
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A run of small pieces whose source file is cut short after it was read (the C reads hand it back to the
     Python run) is refused as a file that ends early, naming it; nothing is written of that run."""
-    from ckptool import copying
-    from ckptool.errors import InputError
+    from ckptool.files import copying
+    from ckptool.base.errors import InputError
 
     if in_c and copying._native_gather() is None:
         pytest.skip("the C extension (ckptool/formats/_zipfast.c) was not built here")

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ckptool.atomic import atomic_output
-from ckptool.errors import OutputError
+from ckptool.files.atomic import atomic_output
+from ckptool.base.errors import OutputError
 from training import TrainingError
 from training.options import DCP_METADATA, SAVE_FORMATS, check_dcp_output, is_dcp_directory  # noqa: F401  (re-exported)
 

@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ckptool.atomic import atomic_directory
-from ckptool.errors import OutputError
+from ckptool.files.atomic import atomic_directory
+from ckptool.base.errors import OutputError
 from training import TrainingError, UsageError
 from training.checkpoints import (
     DCP_EXTRA_KEY,
@@ -147,7 +147,7 @@ def save_dcp(state_dict: dict[str, Any], out: Path, *, is_main: bool, distribute
 
     Every rank of the process group must call this with its own share of ``state_dict``; values that
     are not sharded (plain tensors, ints, dicts) must be equal on every rank, because DCP keeps one copy.
-    Rank 0 holds the temp directory through :func:`ckptool.atomic.atomic_directory` (every file
+    Rank 0 holds the temp directory through :func:`ckptool.files.atomic.atomic_directory` (every file
     fsync'd, then one rename; an existing ``out`` is moved aside and put back if the rename fails).
 
     Args:

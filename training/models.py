@@ -102,7 +102,7 @@ def register_with_ckptool() -> None:
     this package; importing :mod:`training.models` calls it too. The test set is the synthetic one
     the runs evaluate on by default (``--seed 0``), so ``verify`` reports the accuracy a run logged.
     """
-    from ckptool.models import register
+    from ckptool.verification.models import register
 
     register("training", MODELS, input_shape=(1, *INPUT_SHAPE), test_set=_default_test_set)
 

@@ -2,7 +2,7 @@
 
 Each format module defines a :class:`Format`: how to recognise a file or folder (``sniff``), how
 to read it into :class:`Contents` (a container of lazy references; the reader builds the
-:class:`~ckptool.checkpoint.Checkpoint`), which pickles ``scan`` judges (``pickle_blobs``), and
+:class:`~ckptool.model.checkpoint.Checkpoint`), which pickles ``scan`` judges (``pickle_blobs``), and
 the facts other modules need about it (capabilities). :data:`REGISTRY` lists them in sniffing
 order. Adding a format is one new module here plus one line in :data:`REGISTRY`.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .. import pickles
+    from ckptool import pickles
 
 # Sniffing order: the first format whose ``sniff`` claims an input reads it: the zip magic before
 # a safetensors header before a JSON index before a legacy pickle stream (whose first byte is any
@@ -67,7 +67,7 @@ class Contents:
     # (a torch zip that holds TorchScript code): None, the claiming format itself
     format: str | None = None
     # where the weights lie in ``container`` when the format records it (a safetensors file's
-    # ckptool.entries); None: found as for any container (a weights-only format's: the container)
+    # ckptool.formats.entries); None: found as for any container (a weights-only format's: the container)
     layout: tuple[Any, ...] | None = None
     # the weights at ``layout`` are an optimizer's state dict, read by its tensors' key paths
     # (a safetensors file ckptool wrote from one)

@@ -27,14 +27,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import dtypes, inputs, pickles
-from ..byteio import FileCache
-from ..errors import InputError, UnsupportedFormatError, location
-from ..refs import StorageRef, TensorRef, contiguous_stride, human_size
-from . import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zipio
-from .dcp_metadata import (
-    METADATA_NAME, BytesEntry, Chunk, MetadataResolver, Storage, TensorEntry, corrupt,
-    parse_metadata, read_metadata_bytes,
+from ckptool.tensors import dtypes
+from ckptool.files import inputs
+from ckptool import pickles
+from ckptool.files.byteio import FileCache
+from ckptool.base.errors import InputError, UnsupportedFormatError, location
+from ckptool.tensors.refs import StorageRef, TensorRef, contiguous_stride, human_size
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zipio
+from ckptool.formats.dcp_metadata import (
+    METADATA_NAME,
+    BytesEntry,
+    Chunk,
+    MetadataResolver,
+    Storage,
+    TensorEntry,
+    corrupt,
+    parse_metadata,
+    read_metadata_bytes,
 )
 
 
@@ -329,8 +338,8 @@ def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tup
 
 
 def write(checkpoint: Any, out: Path, **options: Any) -> Any:
-    """``convert --to dcp``: the whole checkpoint through torch's own ``dcp.save`` (see :mod:`ckptool.dcp_write`)."""
-    from ..dcp_write import save_dcp
+    """``convert --to dcp``: the whole checkpoint through torch's own ``dcp.save`` (see :mod:`ckptool.ops.dcp_write`)."""
+    from ckptool.ops.dcp_write import save_dcp
 
     return save_dcp(checkpoint, out, **options)
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes, inputs, pickles
-from ..errors import InputError, UnsupportedFormatError
-from ..pickles.placeholders import refuse_build
-from ..refs import DTypeRef
+from ckptool.tensors import dtypes
+from ckptool.files import inputs
+from ckptool import pickles
+from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.pickles.placeholders import refuse_build
+from ckptool.tensors.refs import DTypeRef
 
 METADATA_NAME = ".metadata"
 

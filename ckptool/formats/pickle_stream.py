@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import pickles
-from ..errors import InputError
-from ..pickles.frames import pickle_end
-from . import PICKLE_FIRST_BYTES
+from ckptool import pickles
+from ckptool.base.errors import InputError
+from ckptool.pickles.frames import pickle_end
+from ckptool.formats import PICKLE_FIRST_BYTES
 
 _UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
 

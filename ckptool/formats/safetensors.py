@@ -9,7 +9,7 @@ other names in the metadata entry ``ckptool.aliases`` (JSON ``{alias: stored_nam
 reader re-ties them onto one storage. Stock readers see every stored tensor.
 
 The container a training checkpoint kept around its weights (epoch, configs, scheduler) rides in
-``ckptool.entries`` (:mod:`ckptool.entries`); the reader puts the weights back inside it.
+``ckptool.formats.entries`` (:mod:`ckptool.formats.entries`); the reader puts the weights back inside it.
 """
 
 from __future__ import annotations
@@ -28,21 +28,34 @@ from operator import mul
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import dtypes, inputs, placement, progress
-from ..copying import SMALL_MEMBER, DataOut
-from ..byteio import file_size as handle_size, read_capped
-from ..errors import InputError, OutputError, UnsupportedFormatError, UsageError
-from ..gcpause import paused
-from ..pickles.unpickle import FAST, _fastload, new
-from ..refs import _DTYPE_NAME, _ITEMSIZE, _OFFSET, _PATH, _SHAPE, ByteRange, StorageRef, TensorRef, contiguous_stride, shared_storages, \
-    whole_plain
-from ..suggest import option
-from . import Contents, Format, Pickles, ReadOptions
+from ckptool.tensors import dtypes
+from ckptool.files import inputs, placement
+from ckptool.base import progress
+from ckptool.files.copying import SMALL_MEMBER, DataOut
+from ckptool.files.byteio import file_size as handle_size, read_capped
+from ckptool.base.errors import InputError, OutputError, UnsupportedFormatError, UsageError
+from ckptool.base.gcpause import paused
+from ckptool.pickles.unpickle import FAST, _fastload, new
+from ckptool.tensors.refs import (
+    _DTYPE_NAME,
+    _ITEMSIZE,
+    _OFFSET,
+    _PATH,
+    _SHAPE,
+    ByteRange,
+    StorageRef,
+    TensorRef,
+    contiguous_stride,
+    shared_storages,
+    whole_plain,
+)
+from ckptool.base.suggest import option
+from ckptool.formats import Contents, Format, Pickles, ReadOptions
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
-ENTRIES_KEY = "ckptool.entries"  # the container around the weights, encoded by ckptool.entries
+ENTRIES_KEY = "ckptool.formats.entries"  # the container around the weights, encoded by ckptool.formats.entries
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
 # The dtypes the safetensors format defines (its Dtype enum) that ckptool knows. complex128 is not
@@ -94,7 +107,7 @@ def read_sharded(path: Path, options: ReadOptions) -> Contents:
 
 def _torch_index(path: Path, options: ReadOptions):  # noqa: ANN202 — the torch_sharded module, or None
     """The torch shard format when an index not named ``*.safetensors.index.json`` maps its weights to torch files."""
-    from . import torch_sharded
+    from ckptool.formats import torch_sharded
 
     if options.handle is None or path.name.endswith(".safetensors.index.json"):
         return None
@@ -108,12 +121,12 @@ def pickle_blobs_sharded(path: Path, options: ReadOptions) -> Pickles:
 
 
 def _contents(contents: SafetensorsContents, path: Path) -> Contents:
-    """The weights, inside the container ``ckptool.entries`` carries when a ckptool wrote one
-    (:mod:`ckptool.entries`); malformed entries refuse the file, as malformed aliases do."""
+    """The weights, inside the container ``ckptool.formats.entries`` carries when a ckptool wrote one
+    (:mod:`ckptool.formats.entries`); malformed entries refuse the file, as malformed aliases do."""
     raw = contents.metadata.get(ENTRIES_KEY)
     if raw is None:
         return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
-    from .. import entries
+    from ckptool.formats import entries
 
     try:
         decoded = entries.decode(raw, contents.tensors)
@@ -542,7 +555,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     def in_order(column: list) -> list:  # a column put in the file's order
         return list(map(column.__getitem__, index))
 
-    # large tensors each where the kernel copies whole pages (ckptool/placement.py)
+    # large tensors each where the kernel copies whole pages (ckptool/files/placement.py)
     placing = whole is not None and max(nbytes, default=0) > SMALL_MEMBER
     offsets_in_order = in_order(list(map(_OFFSET, whole[0]))) if whole is not None else []
     if placing:
@@ -557,7 +570,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     if placing:
         encoded += b" " * placement.header_padding(8 + len(encoded), offsets_in_order, nbytes_in_order)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
-        entries = len(metadata.get("ckptool.entries", ""))
+        entries = len(metadata.get("ckptool.formats.entries", ""))
         raise OutputError(f"the safetensors header would be {len(encoded)} bytes, over the format's "
                           f"{MAX_HEADER_BYTES}-byte limit ({entries} of them the container's other entries) — "
                           "write a .pt instead (" + option("to", "pt") + ")")

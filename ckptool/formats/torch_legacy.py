@@ -11,12 +11,21 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import pickles
-from ..byteio import file_size as handle_size, is_remote
-from ..errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
-from ..refs import ByteRange, StorageRef
-from . import PICKLE_FIRST_BYTES, Contents, Format, PickleBlob, Pickles, ReadOptions, describe, looks_like_text
-from .pickle_stream import split_pickles
+from ckptool import pickles
+from ckptool.files.byteio import file_size as handle_size, is_remote
+from ckptool.base.errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
+from ckptool.tensors.refs import ByteRange, StorageRef
+from ckptool.formats import (
+    PICKLE_FIRST_BYTES,
+    Contents,
+    Format,
+    PickleBlob,
+    Pickles,
+    ReadOptions,
+    describe,
+    looks_like_text,
+)
+from ckptool.formats.pickle_stream import split_pickles
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

@@ -20,12 +20,12 @@ import json
 import re
 from pathlib import Path
 
-from .. import inputs
-from ..byteio import read_capped
-from ..errors import InputError, UnsupportedFormatError
-from ..refs import TensorRef
-from . import Contents, Format, PickleBlob, Pickles, ReadOptions, safetensors, torch_legacy, torch_zip
-from . import sniff as sniff_file
+from ckptool.files import inputs
+from ckptool.files.byteio import read_capped
+from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.tensors.refs import TensorRef
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, safetensors, torch_legacy, torch_zip
+from ckptool.formats import sniff as sniff_file
 
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 _SHARD_SUFFIXES = (".bin", ".pt", ".pth")

@@ -15,11 +15,24 @@ from operator import itemgetter, mul
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import pickles, progress
-from ..errors import InputError, UnsupportedFormatError
-from ..refs import _CRC32, _DATA, _DERIVED, _ITEMSIZE, _NUMEL, _OFFSET, _PATH, _PIECES, _PRODUCER, ByteRange, \
-    LazyByteRange, StorageRef
-from . import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
+from ckptool import pickles
+from ckptool.base import progress
+from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.tensors.refs import (
+    _CRC32,
+    _DATA,
+    _DERIVED,
+    _ITEMSIZE,
+    _NUMEL,
+    _OFFSET,
+    _PATH,
+    _PIECES,
+    _PRODUCER,
+    ByteRange,
+    LazyByteRange,
+    StorageRef,
+)
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -58,7 +71,7 @@ def read(path: Path, options: ReadOptions) -> Contents:
         raise UnsupportedFormatError("is an empty zip archive, not a PyTorch checkpoint", path=path)
     top = archive_folder(path, members)
     if holds_code(members, top):  # TorchScript: its weights are read as its state_dict, its code never run
-        from . import torchscript  # here: its module, with its parsers, is for such an archive alone
+        from ckptool.formats import torchscript  # here: its module, with its parsers, is for such an archive alone
 
         contents = torchscript.read_archive(path, options, members, top,
                                             big_endian=_big_endian(path, handle, members, top))
@@ -295,7 +308,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
     read, labelled by their place in the directory (and the one a load reads marked as such).
     An archive with a ``constants.pkl`` is scanned as ``torchscript``.
     """
-    from . import pickle_stream  # here: pickletools, for a scan alone
+    from ckptool.formats import pickle_stream  # here: pickletools, for a scan alone
 
     handle = options.handle
     assert handle is not None

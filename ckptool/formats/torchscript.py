@@ -29,10 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import pickles
-from ..errors import InputError, UnsupportedFormatError
-from ..refs import StorageRef, TensorRef, human_size
-from . import Contents, Format, ReadOptions, zipio
+from ckptool import pickles
+from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.tensors.refs import StorageRef, TensorRef, human_size
+from ckptool.formats import Contents, Format, ReadOptions, zipio
 
 # A class's declaration is at most this long (a real one: a few KB; torchvision's largest, ~100 KB).
 MAX_CODE_BYTES = 16 << 20
@@ -136,7 +136,7 @@ _JIT_PICKLE: dict[str, Any] = {
 def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: str, *,
                  big_endian: bool) -> Contents:
     """The parameters and buffers of a TorchScript archive, as ``torch.jit.load(f).state_dict()`` gives them."""
-    from .torch_zip import storage_loader
+    from ckptool.formats.torch_zip import storage_loader
 
     handle = options.handle
     assert handle is not None

@@ -33,14 +33,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import inputs
-from ..byteio import is_remote
-from ..errors import InputError
-from . import Contents, Format, PickleBlob, Pickles, ReadOptions
-from . import sniff as sniff_input
+from ckptool.files import inputs
+from ckptool.files.byteio import is_remote
+from ckptool.base.errors import InputError
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions
+from ckptool.formats import sniff as sniff_input
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .. import pickles
+    from ckptool import pickles
 
 # The roles of the files beside the weights, and the names the frameworks give them.
 OPTIMIZER = "optimizer"
@@ -285,7 +285,7 @@ def _loaded_files(path: Path, layout: TrainingFolder) -> set[str]:
 
 def scan_resolver(resolver: pickles.GlobalResolver) -> pickles.GlobalResolver:
     """DCP's metadata classes count as read, as for a DCP folder: FSDP's weights are a DCP sub-folder."""
-    from .dcp import FORMAT as DCP
+    from ckptool.formats.dcp import FORMAT as DCP
 
     assert DCP.scan_resolver is not None
     return DCP.scan_resolver(resolver)

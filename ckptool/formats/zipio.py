@@ -6,7 +6,7 @@ needs on top — the exact offset of each member's bytes (so storages are copied
 located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
 case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,
 encryption) — and a writer that aligns member data to 64 bytes as torch does (so loaders can
-mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.copying`).
+mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.files.copying`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-# the copy engine and CRC combining live in ckptool.copying; these names are imported from here too
-from .. import placement
-from ..copying import SMALL_MEMBER, DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
-from ..byteio import file_size as handle_size, is_remote
-from ..crc import crc32
-from ..errors import InputError, OutputError
-from ..gcpause import paused
-from ..refs import ByteRange, Derived
+# the copy engine and CRC combining live in ckptool.files.copying; these names are imported from here too
+from ckptool.files import placement
+from ckptool.files.copying import SMALL_MEMBER, DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
+from ckptool.files.byteio import file_size as handle_size, is_remote
+from ckptool.files.crc import crc32
+from ckptool.base.errors import InputError, OutputError
+from ckptool.base.gcpause import paused
+from ckptool.tensors.refs import ByteRange, Derived
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -644,7 +644,7 @@ def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> 
 def _local_header(name: bytes, size: int, crc: int, position: int, residue: int | None = None) -> bytes:
     """The local header of a stored member whose header starts at ``position``: zip64 from 4 GiB, its data
     padded with torch's "FB" extra field to :data:`ALIGNMENT`, or to ``residue`` within a page where given
-    (:func:`ckptool.placement.zip_padding`)."""
+    (:func:`ckptool.files.placement.zip_padding`)."""
     zip64 = size >= 0xFFFFFFFF
     extra = struct.pack("<HHQQ", _ZIP64_ID, 16, size, size) if zip64 else b""
     start = position + _LOCAL_HEADER.size + len(name) + len(extra)
@@ -750,7 +750,7 @@ class ZipWriter:
         """:meth:`add_copies` of its columns (what a caller holding columns passes: no tuple per copy).
 
         A large member the kernel copies from a local file is placed at its source's offset within a page
-        (:func:`ckptool.placement.page_residue`): its own header, padded to that."""
+        (:func:`ckptool.files.placement.page_residue`): its own header, padded to that."""
         start = 0
         large = compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))) \
             if max(sizes, default=0) > SMALL_MEMBER else ()

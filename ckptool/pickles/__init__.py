@@ -1,7 +1,7 @@
 """Read and write checkpoint pickles without running them.
 
 :class:`RestrictedUnpickler` resolves every global through an allowlist (:class:`GlobalResolver`)
-and builds inert placeholders: tensors become :class:`~ckptool.refs.TensorRef`, storages come from
+and builds inert placeholders: tensors become :class:`~ckptool.tensors.refs.TensorRef`, storages come from
 the format reader, other allowed objects (``argparse.Namespace``, numpy scalars) become
 :class:`OpaqueObject` records. Nothing a pickle names is ever imported or called.
 
@@ -29,18 +29,35 @@ through the copy this package re-exports.
 
 from __future__ import annotations
 
-from . import limits
-from .allowlist import (ATTRIBUTE_LOOKUP, DEFAULT_EXTRA_GLOBALS, TORCH_GLOBALS, GlobalResolver, RefusedGlobal,
-                        is_pattern, may_convert, python3_name, runs_code)
-from .emit import dump
-from .frames import file_reader_view
-from .guard_cache import GuardCache, PickleStats
-from .opcode_guard import guard, guard_stats
-from .limits import (MAX_EXPANDED_NODES, MAX_EXPANDED_TEXT, MAX_HASH_COLLISIONS, MAX_KEY_NODES, MAX_NESTING,
-                     MAX_PICKLE_BYTES, MAX_UNPICKLED_BYTES, brief)
-from .placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef, opaque_type
-from .rebuilds import PARAMETER_DESCRIPTORS
-from .unpickle import RestrictedUnpickler, check_tree, loads, read_pickle
+from ckptool.pickles import limits
+from ckptool.pickles.allowlist import (
+    ATTRIBUTE_LOOKUP,
+    DEFAULT_EXTRA_GLOBALS,
+    TORCH_GLOBALS,
+    GlobalResolver,
+    RefusedGlobal,
+    is_pattern,
+    may_convert,
+    python3_name,
+    runs_code,
+)
+from ckptool.pickles.emit import dump
+from ckptool.pickles.frames import file_reader_view
+from ckptool.pickles.guard_cache import GuardCache, PickleStats
+from ckptool.pickles.opcode_guard import guard, guard_stats
+from ckptool.pickles.limits import (
+    MAX_EXPANDED_NODES,
+    MAX_EXPANDED_TEXT,
+    MAX_HASH_COLLISIONS,
+    MAX_KEY_NODES,
+    MAX_NESTING,
+    MAX_PICKLE_BYTES,
+    MAX_UNPICKLED_BYTES,
+    brief,
+)
+from ckptool.pickles.placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef, opaque_type
+from ckptool.pickles.rebuilds import PARAMETER_DESCRIPTORS
+from ckptool.pickles.unpickle import RestrictedUnpickler, check_tree, loads, read_pickle
 
 __all__ = [
     "ATTRIBUTE_LOOKUP",
@@ -53,6 +70,6 @@ __all__ = [
 ]
 
 # Sparse and nested tensors, quantized storages and the layouts they name: placeholders of their
-# rebuild calls, which ckptool.layouts (built on OpaqueObject) adds to TORCH_GLOBALS as it is
+# rebuild calls, which ckptool.pickles.layouts (built on OpaqueObject) adds to TORCH_GLOBALS as it is
 # imported — last, since it imports this package's names.
-from .. import layouts as _layouts  # noqa: E402, F401
+from ckptool.pickles import layouts as _layouts  # noqa: E402, F401

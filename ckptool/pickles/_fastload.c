@@ -1627,7 +1627,7 @@ done:
 
 PyDoc_STRVAR(whole_plain_doc,
 "whole_plain(views) -> (datas, nbytes) or None\n\n"
-"ckptool.refs.whole_plain in one pass: for a list of TensorRefs each of which is the usual tensor and all of\n"
+"ckptool.tensors.refs.whole_plain in one pass: for a list of TensorRefs each of which is the usual tensor and all of\n"
 "its storage's bytes (no offset, conjugate or negative bit, producer or pieces; its exact C-contiguous int\n"
 "strides; its bytes its data's length), each one's storage.data and byte count; else None.");
 

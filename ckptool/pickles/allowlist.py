@@ -15,19 +15,40 @@ import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import dtypes
-from . import gadgets
-from ..refs import DTypeRef
-from . import limits
-from .placeholders import (_OPAQUE_TYPES, OpaqueObject, StorageTypeRef, TypeRef, attribute_type, opaque_type,
-                           refuse_build)
-from .rebuilds import (_builtin_bytearray, _builtin_complex, _builtin_set, _codecs_encode, _counter, _ordered_dict,
-                       _rebuild_device_tensor_from_cpu_tensor, _rebuild_from_type_v2, _rebuild_meta_tensor_no_storage,
-                       _rebuild_parameter, _rebuild_parameter_with_state, _rebuild_tensor, _rebuild_tensor_v2,
-                       _rebuild_tensor_v3, _torch_device, _torch_size)
+from ckptool.tensors import dtypes
+from ckptool.pickles import gadgets
+from ckptool.tensors.refs import DTypeRef
+from ckptool.pickles import limits
+from ckptool.pickles.placeholders import (
+    _OPAQUE_TYPES,
+    OpaqueObject,
+    StorageTypeRef,
+    TypeRef,
+    attribute_type,
+    opaque_type,
+    refuse_build,
+)
+from ckptool.pickles.rebuilds import (
+    _builtin_bytearray,
+    _builtin_complex,
+    _builtin_set,
+    _codecs_encode,
+    _counter,
+    _ordered_dict,
+    _rebuild_device_tensor_from_cpu_tensor,
+    _rebuild_from_type_v2,
+    _rebuild_meta_tensor_no_storage,
+    _rebuild_parameter,
+    _rebuild_parameter_with_state,
+    _rebuild_tensor,
+    _rebuild_tensor_v2,
+    _rebuild_tensor_v3,
+    _torch_device,
+    _torch_size,
+)
 
 if TYPE_CHECKING:
-    from .guard_cache import GuardCache
+    from ckptool.pickles.guard_cache import GuardCache
 
 
 class RefusedGlobal(Exception):
@@ -88,7 +109,7 @@ def _build_torch_globals() -> dict[str, Any]:
 # Globals torch's own weights_only unpickler allows, mapped to inert placeholders.
 TORCH_GLOBALS: dict[str, Any] = _build_torch_globals()
 # Sparse and nested tensors, quantized storages and the layouts they name are added to
-# TORCH_GLOBALS by ckptool.layouts (built on OpaqueObject), imported at the end of ckptool.pickles.
+# TORCH_GLOBALS by ckptool.pickles.layouts (built on OpaqueObject), imported at the end of ckptool.pickles.
 
 # Data-only globals found in real checkpoints beyond torch's list: recorded, never constructed.
 # Each is a class whose construction (or, under a real pickle, its REDUCE/NEWOBJ and BUILD path)

@@ -22,13 +22,13 @@ import struct
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError
-from ..gcpause import paused
-from ..refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
-from .placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
+from ckptool.base.errors import InputError
+from ckptool.base.gcpause import paused
+from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
+from ckptool.pickles.placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
 
 if TYPE_CHECKING:
-    from .guard_cache import GuardCache
+    from ckptool.pickles.guard_cache import GuardCache
 
 _P = pickle
 _SHARED_TEXT = 64  # bytes from which a string is memoised (shorter ones cost less than a memo entry)
@@ -202,7 +202,7 @@ class _Emitter:
         """The global a function of torch's allowed set stands for (``collections.OrderedDict`` is read
         as a checking function), when the tree holds it as a value."""
         if self._callables is None:
-            from .allowlist import TORCH_GLOBALS  # complete once ckptool.pickles is imported
+            from ckptool.pickles.allowlist import TORCH_GLOBALS  # complete once ckptool.pickles is imported
 
             self._callables = {id(value): name for name, value in TORCH_GLOBALS.items()
                                if callable(value) and not isinstance(value, type)}
@@ -429,7 +429,7 @@ _TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
 # the C emitter of a dict's str keys and plain tensors (ckptool/pickles/_fastload.c), where it was built:
 # byte for byte what save() writes (tests/test_fastload.py); CKPTOOL_PURE_PYTHON_EMIT=1 writes in Python
 try:
-    from ._fastload import emit_items as _emit_items
+    from ckptool.pickles._fastload import emit_items as _emit_items
 except ImportError:  # not compiled (no C compiler at install)
     _emit_items = None
 if os.environ.get("CKPTOOL_PURE_PYTHON_EMIT", "") not in ("", "0"):

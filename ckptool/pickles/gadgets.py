@@ -251,7 +251,7 @@ def runs_code(name: str) -> bool:
     system under some reading of its dots: the module doc's four rules, with the census's table."""
     global _TABLE
     if _TABLE is None:
-        from .gadget_table import NAMES
+        from ckptool.pickles.gadget_table import NAMES
 
         _TABLE = NAMES
     return judge(name, _TABLE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-from ..errors import InputError
+from ckptool.base.errors import InputError
 
 # The ceiling on one pickle's size: real checkpoints' pickles are a few MB even with 100k tensors.
 MAX_PICKLE_BYTES = 1 << 30

@@ -21,11 +21,11 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InputError
-from . import limits
-from .allowlist import TORCH_GLOBALS
-from .guard_cache import GuardCache, PickleStats
-from .limits import refuse
+from ckptool.base.errors import InputError
+from ckptool.pickles import limits
+from ckptool.pickles.allowlist import TORCH_GLOBALS
+from ckptool.pickles.guard_cache import GuardCache, PickleStats
+from ckptool.pickles.limits import refuse
 
 
 class Truncated(InputError):
@@ -37,7 +37,7 @@ class Truncated(InputError):
 
 
 try:
-    from . import _guard as _native
+    from ckptool.pickles import _guard as _native
 except ImportError:  # not built (installed where no C compiler was): the Python walk
     _native = None  # type: ignore[assignment]
 

@@ -4,7 +4,7 @@ A pickle's globals never become the classes or functions they name: a storage cl
 :class:`StorageTypeRef`, ``torch.Tensor`` a :class:`TypeRef`, an allowed class ckptool does not
 model an :class:`OpaqueObject` recording how it was built, and ``collections.OrderedDict`` a
 :class:`StateDict` that refuses attributes hiding its contents. (Tensors, storages, dtypes, sizes
-and devices are the format-neutral records of :mod:`ckptool.refs`, which the safetensors and DCP
+and devices are the format-neutral records of :mod:`ckptool.tensors.refs`, which the safetensors and DCP
 readers build too; these types exist only because a pickle names them.)
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ..dtypes import DType
-from ..errors import InputError
-from .limits import brief
+from ckptool.tensors.dtypes import DType
+from ckptool.base.errors import InputError
+from ckptool.pickles.limits import brief
 
 
 def refuse_build(state: Any) -> None:

@@ -1,7 +1,7 @@
 """What the allowlisted callables do instead of running: check their arguments and build records.
 
 ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` becomes a
-:class:`~ckptool.refs.TensorRef` after every argument is checked to be what ``torch.save`` writes;
+:class:`~ckptool.tensors.refs.TensorRef` after every argument is checked to be what ``torch.save`` writes;
 ``collections.OrderedDict`` a :class:`~ckptool.pickles.placeholders.StateDict`; ``builtins.set``,
 ``torch.Size``, ``torch.device``... records or plain values. Anything else a rebuild is handed is
 refused. :mod:`ckptool.pickles.allowlist` maps the globals to these functions.
@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any
 
-from .. import dtypes
-from ..dtypes import DType
-from ..errors import InputError
-from ..refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported
-from . import limits
-from .limits import brief, refuse
-from .placeholders import OpaqueObject, StateDict, TypeRef, opaque_type
+from ckptool.tensors import dtypes
+from ckptool.tensors.dtypes import DType
+from ckptool.base.errors import InputError
+from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported
+from ckptool.pickles import limits
+from ckptool.pickles.limits import brief, refuse
+from ckptool.pickles.placeholders import OpaqueObject, StateDict, TypeRef, opaque_type
 
 
 _INT64_MAX = (1 << 63) - 1

@@ -15,21 +15,21 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InputError
-from ..gcpause import paused
-from ..refs import DeviceRef, StorageRef, TensorRef, human_size
-from . import limits, rebuilds
-from .allowlist import TORCH_GLOBALS, GlobalResolver, RefusedGlobal
-from .guard_cache import GuardCache
-from .opcode_guard import Truncated, guard, guard_stats
-from .limits import refuse
-from .placeholders import OpaqueObject, StateDict
+from ckptool.base.errors import InputError
+from ckptool.base.gcpause import paused
+from ckptool.tensors.refs import DeviceRef, StorageRef, TensorRef, human_size
+from ckptool.pickles import limits, rebuilds
+from ckptool.pickles.allowlist import TORCH_GLOBALS, GlobalResolver, RefusedGlobal
+from ckptool.pickles.guard_cache import GuardCache
+from ckptool.pickles.opcode_guard import Truncated, guard, guard_stats
+from ckptool.pickles.limits import refuse
+from ckptool.pickles.placeholders import OpaqueObject, StateDict
 
 
 # the C run of the unpickler over torch's usual opcodes (ckptool/pickles/_fastload.c), where it was built:
 # CKPTOOL_PURE_PYTHON_UNPICKLE=1 runs CPython's unpickler with the Python callbacks everywhere
 try:
-    from . import _fastload
+    from ckptool.pickles import _fastload
 except ImportError:  # not compiled (no C compiler at install): CPython's unpickler
     _fastload = None  # type: ignore[assignment]
 FAST = _fastload is not None and os.environ.get("CKPTOOL_PURE_PYTHON_UNPICKLE", "") in ("", "0")
@@ -41,7 +41,7 @@ def _register_constructors() -> None:
     (a ``__post_init__``, a default factory) is called instead."""
     import dataclasses
 
-    from ..refs import ByteRange
+    from ckptool.tensors.refs import ByteRange
 
     for cls in (TensorRef, StorageRef, ByteRange):
         fields = dataclasses.fields(cls)

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import ckptool
-from ckptool import copying, pickles
-from ckptool.errors import CkptError, InputError, InternalError
+from ckptool.files import copying
+from ckptool import pickles
+from ckptool.base.errors import CkptError, InputError, InternalError
 from ckptool.formats import safetensors, zipio
 from ckptool.pickles import emit, limits, opcode_guard, unpickle
 from ckptool.pickles.opcode_guard import Truncated

@@ -1,0 +1,1 @@
+"""Errors, exit codes, terminal-safe text, --json documents, progress: what every layer may use."""

@@ -1,0 +1,1 @@
+"""The ckptool command line: options, commands, and the text they print."""

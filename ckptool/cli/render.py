@@ -1,0 +1,265 @@
+"""The text the commands print: one renderer per report (the --json objects are the reports' own).
+
+Every line goes through :func:`echo`, which escapes whatever came from a file (see :mod:`ckptool.base.text`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ckptool.base.text import printable, value_repr
+
+if TYPE_CHECKING:
+    from ckptool.ops.diff import DiffReport
+    from ckptool.ops.rewrite import WriteReport
+    from ckptool.ops.scan import ScanReport
+    from ckptool.ops.inspect import Summary
+    from ckptool.verification.verify import VerifyReport
+
+
+def echo(text: str = "", *, err: bool = False) -> None:
+    """One line of text output; whatever came from a file is escaped, never sent to the terminal raw."""
+    click.echo(printable(text), err=err)
+
+
+def human_bytes(size: int) -> str:
+    """``size`` in bytes as inspect shows it (``516.3 KB``)."""
+    from ckptool.ops.inspect import _human_bytes as human
+
+    return human(size)
+
+
+def summary(summary: Summary) -> None:
+    """inspect's description of a checkpoint, then its problems and their fixes."""
+    echo(f"{summary.path}")
+    echo(f"  format         {summary.format}  ({human_bytes(summary.file_bytes)} on disk)")
+    folder = summary.training_folder
+    if folder is not None:
+        read = next((c["file"] for c in summary.candidates if c["chosen"]), None)
+        echo(f"  folder         {folder.kind}" + (f": weights from {read}" if read else ": no model weights"))
+    layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
+                                                          " -> ".join(value_repr(k) for k in summary.layout))
+    if summary.module_class is not None:
+        layout += f" (whole-model pickle: {summary.module_class}, {summary.tensors} tensors)"
+    echo(f"  weights at     {layout}")
+    if len(summary.candidates) > 1:  # more than one set of weights: each, and how to pick it
+        for candidate in summary.candidates[:20]:
+            what = candidate["kind"] + (f": {candidate['module_class']}" if candidate["module_class"] else "")
+            count = f"{candidate['tensors']} tensors" if candidate["tensors"] is not None else \
+                f"unreadable: {candidate.get('problem', '')}"
+            mark = "(chosen)" if candidate["chosen"] else f"--weights {shlex.quote(candidate['weights'])}"
+            echo(f"  weights set    {candidate['weights']}  ({what}, {count})  {mark}")
+        if len(summary.candidates) > 20:
+            echo(f"  weights set    ... and {len(summary.candidates) - 20} more (--json lists them)")
+    echo(f"  wrapper prefix {summary.prefix or '(none)'}")
+    dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
+    echo(f"  tensors        {summary.tensors}  ({summary.parameters:,} parameters, {human_bytes(summary.bytes)}; {dtypes})")
+    devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
+    echo(f"  saved devices  {devices}  (storages per location tag)")
+    if summary.tied:
+        echo(f"  shared storage {len(summary.tied)} group(s): " + "; ".join(" = ".join(g) for g in summary.tied[:5]))
+    for key, entry in summary.entries.items():
+        echo(f"  entry          {key}: {entry['summary']}")
+    if folder is not None:
+        if folder.step is not None:
+            echo(f"  step           {folder.step}  ({folder.step_from})")
+        for file in folder.files:
+            echo(f"  {file.role:<14} {file.file}: {file.summary}")
+    if summary.globals:
+        echo(f"  pickle globals {', '.join(summary.globals)}")
+    for key, value in summary.metadata.items():
+        shown = value if len(value) <= 70 else value[:67] + "..."
+        echo(f"  metadata       {key} = {shown}")
+    if summary.fingerprint:
+        echo(f"  fingerprint    {summary.fingerprint}")
+    for note in summary.notes:
+        echo(f"  note           {note}")
+    if summary.state_dict is not None:  # each key as torch's state dict holds it (a sparse tensor whole)
+        echo("")
+        width = max((len(t.name) for t in summary.state_dict), default=4)
+        dtype_width = max((len(t.dtype) for t in summary.state_dict), default=5)  # QUINT4X2 included
+        for tensor in summary.state_dict:
+            shape = "[" + ", ".join("*" if d is None else str(d) for d in tensor.shape) + "]"  # *: varies by piece
+            layout = "" if tensor.layout == "strided" else f"  {tensor.layout}" + \
+                (f" {tensor.qscheme}" if tensor.qscheme else "")
+            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<{dtype_width}} {shape:<20} {tensor.device}{layout}")
+    if summary.hints:
+        echo("")
+        for hint in summary.hints:
+            echo(f"  ! {hint.problem}")
+            echo(f"    fix: {hint.fix}")
+
+
+def scan(report: ScanReport) -> None:
+    """scan's verdict (safe, unknown or dangerous), its globals (each one outside the allowlist marked:
+    ``! `` unknown, ``!!`` dangerous) and its notes, closing with what the verdict means for loading."""
+    verdict = report.verdict if report.verdict == "safe" else report.verdict.upper()
+    echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
+         f"{sum(report.opcodes.values())} opcodes)")
+    unsafe, dangerous = set(report.unsafe), set(report.dangerous)  # a flood of names is listed in linear time
+    for name, count in report.globals.items():
+        mark = "  " if name not in unsafe else "!!" if name in dangerous else "! "
+        echo(f"  {mark}{name}" + (f" x{count}" if count > 1 else "") + ("  (runs code)" if mark == "!!" else ""))
+    for problem in report.problems:
+        echo(f"  note: {problem}")
+    if not report.unsafe:
+        return
+    unknown = len(report.unsafe) - len(report.dangerous)
+    if unknown:
+        # a framework's own classes: torch.load imports and builds them, so they need trust, not alarm
+        read = ("ckptool reads the file with them as inert placeholders" if report.readable else
+                "ckptool reads them as inert data only with --allow-global (if you trust the file)")
+        echo(f"  {unknown} unknown global(s) (! ) outside the allowlist, none known to run code: loading the file "
+             f"with torch would import or compile their code and run it, so trust it first; {read}")
+    if report.dangerous:
+        read = ("ckptool reads them as inert data only because you named them" if report.readable else
+                "ckptool refuses to load this file")
+        echo(f"  {len(report.dangerous)} dangerous global(s) (!!) known to run code or reach the system: "
+             f"do not torch.load this file; {read}")
+
+
+def write(report: WriteReport, headline: str) -> None:
+    """A write command's ``headline``, then what the check proved and the notes."""
+    if report.saved.dry_run:
+        echo(f"dry run, nothing written: {headline}")
+        for file in report.saved.files:
+            echo(f"  would write {file}")
+    else:
+        echo(headline)
+        echo(f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, "
+             "CRC32)")
+    if report.saved.fingerprint:
+        echo(f"  fingerprint {report.saved.fingerprint}")
+    for note in report.notes:
+        echo(f"  note: {note}")
+
+
+def _fmt_err(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _fmt_fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _key_groups(groups: dict[str, list[str]]) -> str:
+    shown = [f"{module} ({len(keys)})" for module, keys in list(groups.items())[:8]]
+    return ", ".join(shown) + (", ..." if len(groups) > 8 else "")
+
+
+def _diagnosis(diagnosis: dict[str, Any]) -> None:
+    echo(f"  load     FAILED: {diagnosis['problem']}")
+    echo(f"           fix: {diagnosis['fix']}")
+    for label, groups in (("missing", diagnosis["missing"]), ("unexpected", diagnosis["unexpected"])):
+        if groups:
+            count = sum(len(keys) for keys in groups.values())
+            echo(f"           {label} ({count} keys, by module): {_key_groups(groups)}")
+    for mismatch in diagnosis["mismatched"][:5]:
+        echo(f"           shape differs: {mismatch['key']} {mismatch['checkpoint_shape']} in the checkpoint, "
+             f"{mismatch['model_shape']} in the model")
+    after = diagnosis["after_rewrite"]
+    if diagnosis["rewrite"] and (after["missing"] or after["unexpected"] or after["mismatched"]):
+        echo(f"           after {diagnosis['rewrite']}: {after['matched']} of {diagnosis['model_keys']} keys fit")
+
+
+def verify(report: VerifyReport) -> None:
+    """verify's table: the load, each device's run, the comparison with --against, the verdict."""
+    head = f"verify {report.path} ({report.format})"
+    if report.model:
+        head += f" with {report.model} ({report.model_class})"
+        if report.input_shape:
+            head += f", input {'x'.join(map(str, report.input_shape))}"
+        if report.dtype:
+            head += f", {report.dtype} atol {report.atol:g} rtol {report.rtol:g}"
+    echo(head)
+    load = report.load
+    if not load.get("ok"):
+        _diagnosis(load["diagnosis"])
+    else:
+        keys = load.get("rewrite") or "keys as stored"
+        count = load.get("matched", load.get("tensors"))
+        echo(f"  load     ok — {count} tensors, {keys}")
+    if report.devices:
+        echo(f"  {'device':<9}{'result':<8}{'weights':<11}{'max abs err':<13}{'max rel err':<13}{'argmax':<8}accuracy")
+        for row in report.devices:
+            weights = "identical" if row.weights_identical else ("-" if row.error and not row.differing_weights
+                                                                  else "CHANGED")
+            echo(f"  {row.device:<9}{'ok' if row.ok else 'FAILED':<8}{weights:<11}{_fmt_err(row.max_abs_err):<13}"
+                 f"{_fmt_err(row.max_rel_err):<13}{_fmt_fraction(row.argmax_agreement):<8}"
+                 f"{_fmt_fraction(row.accuracy)}")
+            if row.differing_weights:
+                echo(f"           changed on {row.device}: {', '.join(row.differing_weights[:5])}")
+            if row.error:
+                echo(f"           error on {row.device}: {row.error}")
+            for name, counts in list(row.nonfinite.items())[:5]:
+                echo(f"           {name}: {counts['nan']} NaN, {counts['inf']} Inf")
+    against = report.against
+    if against is not None:
+        weights = against.diff
+        if weights.identical:
+            text = f"weights identical ({weights.byte_identical} of {weights.compared} tensors byte-identical)"
+        else:
+            text = (f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
+                    f"{len(weights.only_in_b)} only there")
+        if against.within_tolerance is not None:
+            text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + \
+                ("" if against.within_tolerance else " (beyond tolerance)")
+        echo(f"  against  {against.path} ({against.format}): {text}")
+        for change in weights.changed[:5]:
+            echo(f"           {change.name}: {' and '.join(change.kinds)}"
+                 + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else ""))
+        if against.error:
+            echo(f"           {against.error}")
+        for note in weights.notes:
+            echo(f"           note: {note}")
+    for note in report.notes:
+        echo(f"  note     {note}")
+    if report.ok:
+        where = ", ".join(row.device for row in report.devices)
+        echo(f"verified: ok on {where}" + (" and against " + report.against.path if report.against else ""))
+    else:
+        echo("verify FAILED")
+
+
+def diff(report: DiffReport) -> None:
+    """diff's two sides, each changed tensor, and the verdict."""
+    echo(f"A  {report.a} ({report.a_format}, {report.a_tensors} tensors)")
+    echo(f"B  {report.b} ({report.b_format}, {report.b_tensors} tensors)")
+    for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
+        if names:
+            echo(f"  {label:<10} {len(names)}: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+    for change in report.changed:
+        parts = []
+        if "dtype" in change.kinds:
+            parts.append(f"dtype {change.a_dtype} -> {change.b_dtype}")
+        if "shape" in change.kinds:
+            parts.append(f"shape {list(change.a_shape)} -> {list(change.b_shape)}")
+        if change.max_abs_diff is not None and change.differing:
+            parts.append(f"max abs diff {_fmt_err(change.max_abs_diff)} ({change.beyond_atol} of "
+                         f"{_numel(change.a_shape)} elements beyond atol {report.atol:g})")
+        echo(f"  changed    {change.name}: {'; '.join(parts)}")
+    if report.compared:
+        echo(f"  same       {report.byte_identical} of {report.compared} common tensors byte-identical"
+             + (f"; max abs diff {_fmt_err(report.max_abs_diff)}" if report.max_abs_diff else ""))
+    for note in report.notes:
+        echo(f"  note       {note}")
+    if report.identical:
+        echo(f"identical: {report.compared} tensors" + (" byte for byte" if report.byte_identical == report.compared
+                                                          else f" within atol {report.atol:g}"))
+    else:
+        echo(f"different: {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
+             f"{len(report.only_in_b)} only in B")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -1,0 +1,1 @@
+"""Files and URLs: opening inputs, exact reads, atomic outputs, the copy engine, CRC."""

@@ -1,0 +1,1 @@
+"""Reading any checkpoint, writing one atomically and checked by content, uploading outputs."""

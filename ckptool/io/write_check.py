@@ -1,0 +1,748 @@
+"""The content check every write passes before it is put in place.
+
+Before the copy starts, a thread works out what every tensor must read back as
+(:class:`TensorCheck`: name, dtype, shape, CRC32 of its bytes), taking the CRC a source zip
+already stores for a storage copied whole (:class:`Expectations`). While the bytes are copied,
+:class:`OutputSums` re-reads each region of the output right behind the writer and starts its
+writeback. When the write ends, the output is fsync'd in one thread while the main thread re-reads
+its structure through the reader and compares every tensor (:func:`verify_output`). A writer gets
+all of it from one context: :func:`checked_output` for a file, :func:`checked_folder` for a
+folder of shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from itertools import repeat
+from operator import add, itemgetter, sub
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ckptool.files.atomic import atomic_output, folder_output
+from ckptool.files.byteio import RANGE_CRCS, read_into
+from ckptool.files.copying import crc32_combine, pieces_crc
+from ckptool.base import progress
+from ckptool.files.crc import crc32
+from ckptool.base.errors import CkptError, FingerprintMismatchError
+from ckptool.base.gcpause import keep
+from ckptool.tensors.digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
+from ckptool.tensors.refs import (
+    _CRC32,
+    _DATA,
+    _DERIVED,
+    _DTYPE_NAME,
+    _OFFSET,
+    _PATH,
+    _SHAPE,
+    _STORAGE,
+    ByteRange,
+    TensorRef,
+    shared_storages,
+    whole_plain,
+)
+
+# reads an output back: its tensors as the reader finds them
+ReadBack = Callable[[Path], Mapping[str, TensorRef]]
+
+
+# What one tensor must read back as: (dtype name, shape, CRC32 of its C-order bytes, view). For a view that
+# expands its storage (stride 0, overlaps) written to a ``.pt`` — where the storage is copied raw, not
+# expanded — the CRC is that of the storage bytes it spans, and the view is its (offset, strides), which
+# must read back the same; else the view is None. A tuple: 100,000 of them are made and compared in C.
+TensorCheck = tuple
+
+
+@dataclass
+class Checks:
+    """Every tensor's :data:`TensorCheck`, by name.
+
+    ``recorded``: the names whose CRC is the one the source archive recorded, not one summed from its
+    bytes. torch never checks those (a file saved with CRCs off records 0; one written through
+    ``skip_data`` or patched later records stale ones), so a mismatch on a recorded CRC is settled by
+    summing the source's bytes.
+    """
+
+    values: dict[str, TensorCheck]
+    recorded: set[str]
+
+
+def describe(check: TensorCheck) -> str:
+    """A check for a message: ``float32 (4, 4) crc32 1a2b3c4d``."""
+    dtype, shape, crc, view = check
+    return f"{dtype} {tuple(shape)} crc32 {crc:08x}" + (f" view {view}" if view is not None else "")
+
+
+class StaleSourceCrc(Exception):
+    """The source archive recorded CRCs that are not its bytes', and a .pt output copied them."""
+
+
+def _stored_crc(tensor: TensorRef) -> int | None:
+    """The CRC a zip archive recorded for the tensor's bytes, when the tensor is its whole storage
+    (or, for a storage lying in pieces — DCP row shards — combined from the pieces' recorded CRCs)."""
+    data = tensor.plain_data()
+    if data is not None:  # the usual tensor (100,000 of them)
+        return _whole_crc(tensor, data)
+    if tensor.conj or tensor.neg:
+        return None  # the archive's CRC is of the stored bytes, not of the values
+    pieces = tensor.whole_pieces()
+    if pieces is not None:
+        return pieces_crc(pieces)
+    storage = tensor.storage
+    data = storage.data
+    if storage.producer is not None or data is None or data.crc32 is None or not tensor.is_contiguous():
+        return None
+    if tensor.offset != 0 or tensor.nbytes != data.length:
+        return None
+    return data.crc32
+
+
+def _whole_crc(tensor: TensorRef, data: ByteRange) -> int | None:
+    """The CRC recorded for ``data``, the usual tensor's storage bytes (:meth:`TensorRef.plain_data`), when the
+    tensor is all of them."""
+    return data.crc32 if tensor.offset == 0 and tensor.nbytes == data.length else None
+
+
+class OutputSums:
+    """CRC32s of the output's data regions, summed by a worker thread right behind the writer.
+
+    The writer reports each region once it is in the file; the worker reads it back (from the page
+    cache) while the next one is copied, so the re-read costs no extra pass after the copy.
+    Writeback starts as the data comes: every ``KICK_EVERY`` bytes are handed to the disk with
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` (Linux; it does not wait), so the final fsync has
+    little left to wait for — a durable write then costs about the copy, not the copy plus the
+    flush. Elsewhere a thread calls ``fdatasync`` every ``FLUSH_EVERY`` bytes instead.
+
+    One read-only descriptor of the output serves the re-read, the writeback and the flushes; it is
+    closed by :meth:`finish`. Where it cannot be opened nothing is summed: the check re-reads the
+    output itself.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
+        self._queue: queue.SimpleQueue[tuple[int, int] | list[tuple[int, int]] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._can_map = True
+        self._mapped: dict[int, mmap.mmap] = {}  # the mapping behind each piece handed out, by the piece
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            self._fd, self._error = -1, e
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._unflushed = 0
+        self._done = False
+        self._kick = writeback_starter() if self._fd >= 0 else None
+        self._kicked = self._end = 0
+        self._flusher: threading.Thread | None = None
+        self._flush_wanted = threading.Event()
+        if self._kick is None and self._fd >= 0:
+            self._flusher = threading.Thread(target=self._flush_loop, daemon=True)
+            self._flusher.start()
+
+    def written(self, offset: int, length: int) -> None:
+        self._queue.put((offset, length))
+        self._landed(offset + length, length)
+
+    def written_many(self, regions: list[tuple[int, int]], end: int, length: int) -> None:
+        """:meth:`written` for many regions at once (a batch of small tensors): one hand-over to the
+        worker, not one per region. ``regions`` is the worker's from now on; ``end`` is where the furthest
+        ends and ``length`` their bytes summed (kept by the caller as it reported them)."""
+        if not regions:
+            return
+        self._queue.put(regions)
+        self._landed(end, length)
+
+    def _landed(self, end: int, length: int) -> None:
+        """``length`` more bytes are in the file, up to ``end`` at most: start their writeback."""
+        progress.advance(length)
+        if self._kick is not None:
+            self._end = max(self._end, end)
+            if self._end - self._kicked >= KICK_EVERY:
+                self._start_writeback()
+            return
+        self._unflushed += length
+        if self._unflushed >= FLUSH_EVERY:
+            self._unflushed = 0
+            self._flush_wanted.set()
+
+    def _start_writeback(self) -> None:
+        if self._kick is not None and self._end > self._kicked:
+            # a failure here only loses the head start: the final fsync reports real errors
+            self._kick(self._fd, self._kicked, self._end - self._kicked, _SYNC_FILE_RANGE_WRITE)
+            self._kicked = self._end
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            if self._done:
+                return
+            try:
+                os.fdatasync(self._fd)
+            except OSError:  # the final fsync reports real errors
+                return
+
+    def _run(self) -> None:
+        view = memoryview(bytearray(CHUNK)) if self._fd >= 0 else None  # one buffer, reused: no allocation per read
+        pending = self._queue
+        ended = False
+        while not ended and (item := pending.get()) is not None:
+            # what else is queued was reported too (it is in the file): summed with it, small regions
+            # lying close together (a checkpoint's biases and norms) read back in one read
+            batch = item if type(item) is list else [item]
+            while len(batch) < _BATCH:
+                try:
+                    more = pending.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    ended = True
+                    break
+                if type(more) is list:
+                    batch.extend(more)
+                else:
+                    batch.append(more)
+            if self._error is not None or view is None:
+                continue
+            try:
+                self._sum(batch, view)
+            except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads itself
+                self._error = e
+
+    def _sum(self, regions: list[tuple[int, int]], view: memoryview) -> None:
+        """Sum each region; consecutive ones that fit in one buffer together are read in one read."""
+        i, count = 0, len(regions)
+        while i < count:
+            offset, length = regions[i]
+            end, j = offset + length, i + 1
+            while j < count and regions[j][0] >= end and regions[j][0] + regions[j][1] - offset <= CHUNK:
+                end = regions[j][0] + regions[j][1]
+                j += 1
+            if j == i + 1:
+                crc, done = 0, 0
+                while done < length:
+                    size = min(CHUNK, length - done)
+                    piece = self._bytes_at(offset + done, size, view)
+                    try:
+                        crc = crc32(piece, crc)
+                    finally:
+                        self._done_with(piece)
+                    done += size
+                self.sums[offset] = (length, crc)
+            else:  # many small regions of one window: their slices summed in C-speed passes
+                window = self._bytes_at(offset, end - offset, view)
+                try:
+                    starts, sizes = list(map(itemgetter(0), regions[i:j])), list(map(itemgetter(1), regions[i:j]))
+                    at = list(map(sub, starts, repeat(offset)))
+                    crcs = map(crc32, map(window.__getitem__, map(slice, at, map(add, at, sizes))))
+                    self.sums.update(zip(starts, zip(sizes, crcs)))
+                finally:
+                    self._done_with(window)
+            i = j
+
+    def _bytes_at(self, offset: int, length: int, view: memoryview) -> memoryview:
+        """``length`` (at most CHUNK) bytes of the output at ``offset``: from a read-only mapping of the
+        page cache where it is worth one (summed where they lie, not copied first: a 1 GiB write's
+        re-read costs ~0.2 s of CPU less), else read into ``view``. Hand it back to :meth:`_done_with`."""
+        if length >= MAP_FROM and self._can_map:
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            try:
+                mapped = mmap.mmap(self._fd, offset + length - start, prot=mmap.PROT_READ, offset=start)
+            except (OSError, ValueError, OverflowError):  # a file system that cannot map: read from now on
+                self._can_map = False
+            else:
+                whole = memoryview(mapped)
+                piece = whole[offset - start:offset - start + length]
+                whole.release()
+                self._mapped[id(piece)] = mapped
+                return piece
+        piece = view[:length]
+        read_into(self._fd, piece, offset, self.path)
+        return piece
+
+    def _done_with(self, piece: memoryview) -> None:
+        mapped = self._mapped.pop(id(piece), None)
+        if mapped is not None:
+            piece.release()
+            mapped.close()
+
+    def crc_of(self, offset: int, length: int) -> int | None:
+        """The CRC32 of ``length`` bytes at ``offset``, from the regions summed end to end; None unless
+        they cover exactly that span (a large copy is reported in steps: their CRCs are combined)."""
+        if length == 0:
+            return 0
+        crc, position, end = 0, offset, offset + length
+        while position < end:
+            region = self.sums.get(position)
+            if region is None or position + region[0] > end:
+                return None
+            crc = region[1] if position == offset else crc32_combine(crc, region[1], region[0])
+            position += region[0]
+        return crc
+
+    def finish(self) -> dict[int, tuple[int, int]]:
+        """Wait for every reported region to be summed (idempotent)."""
+        self._start_writeback()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._flusher is not None and self._flusher.is_alive():
+            self._done = True
+            self._flush_wanted.set()
+            self._flusher.join()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        return self.sums
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def writeback_starter() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` where there is one (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+CHUNK = 8 * 1024 * 1024
+MAP_FROM = 1 << 20  # regions (or windows of small ones) this large are summed from a mapping, not read
+_BATCH = 4096  # reported regions summed in one go at most
+FLUSH_EVERY = 128 * 1024 * 1024
+KICK_EVERY = 8 * 1024 * 1024
+
+
+def _span_crc(tensor: TensorRef) -> int:
+    """CRC32 of the storage bytes an expanding view spans (read once, never expanded)."""
+    start = tensor.offset * tensor.dtype.itemsize
+    if tensor.storage.producer is not None:  # computed bytes (a quantized tensor's converted parameter)
+        return crc32(bytes(tensor.storage.producer())[start:start + tensor.span_bytes()])
+    crc = 0
+    data = tensor.storage.byte_range()
+    for chunk in data.iter_reused(start, tensor.span_bytes()):
+        crc = crc32(chunk, crc)
+    return crc
+
+
+
+
+def _later(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` done once, when its result is first asked for (and raised again if it failed)."""
+    done: dict[str, Any] = {}
+
+    def join() -> Any:
+        if not done:
+            try:
+                done["value"] = work()
+            except BaseException as e:
+                done["error"] = e
+        if "error" in done:
+            raise done["error"]
+        return done["value"]
+
+    return join
+
+
+class Summed:
+    """The CRCs of byte ranges of the output that its re-read already summed (:class:`OutputSums`, by file)."""
+
+    def __init__(self, sums: Iterable[OutputSums]) -> None:
+        self.by_path = {str(output_sums.path): output_sums for output_sums in sums}
+
+    def __call__(self, path: str, offset: int, length: int) -> int | None:
+        """The CRC32 of ``length`` bytes of ``path`` at ``offset``, or None if they were not summed so."""
+        output_sums = self.by_path.get(path)
+        return output_sums.crc_of(offset, length) if output_sums is not None else None
+
+    def whole(self, datas: list[ByteRange], nbytes: list[int]) -> list[int | None]:
+        """``self(str(data.path), data.offset, n)`` for each data and byte count, without a call each where a
+        region was summed as it is (the usual tensor, written in one piece)."""
+        paths = list(map(_PATH, datas))
+        ids = list(map(id, paths))
+        files = {key: self.by_path.get(str(path)) for key, path in dict(zip(ids, paths)).items()}
+        offsets = list(map(_OFFSET, datas))
+        if len(files) == 1:
+            (output_sums,) = files.values()
+            if output_sums is None:
+                return [None] * len(datas)
+            regions = list(map(output_sums.sums.get, offsets))
+            if None not in regions and list(map(itemgetter(0), regions)) == nbytes:  # each summed as it is
+                return list(map(itemgetter(1), regions))
+            return [region[1] if region is not None and region[0] == length else output_sums.crc_of(offset, length)
+                    for region, offset, length in zip(regions, offsets, nbytes)]
+        return [files[key].crc_of(offset, length) if files[key] is not None else None  # type: ignore[union-attr]
+                for key, offset, length in zip(ids, offsets, nbytes)]
+
+
+_UNKNOWN: Any = object()
+
+
+def recorded_checks(tensors: Mapping[str, TensorRef]) -> Checks | None:
+    """:func:`tensor_checks` with ``trust_stored`` when every tensor is all of its storage and its archive
+    records that storage's CRC (the usual source: nothing to read); else None."""
+    return _whole_checks(list(tensors), list(tensors.values()), _UNKNOWN, trust_stored=True, known=None)
+
+
+def _whole_checks(names: list[str], views: list[TensorRef], whole: tuple[list[ByteRange], list[int]] | None,
+                  *, trust_stored: bool, known: Summed | None) -> Checks | None:
+    """The usual file's checks: every tensor all of its storage, each CRC known as a whole; else None."""
+    if whole is _UNKNOWN:
+        whole = whole_plain(views)
+    if whole is None:
+        return None
+    datas, nbytes = whole
+    crcs = list(map(_CRC32, datas)) if trust_stored else known.whole(datas, nbytes) if known is not None else None
+    if crcs is None or None in crcs:
+        return None
+    values = dict(zip(names, zip(map(_DTYPE_NAME, views), map(_SHAPE, views), crcs, repeat(None))))
+    return Checks(values, set(names) if trust_stored else set())
+
+
+def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known: Summed | None = None,
+                  views_raw: bool = False, whole: tuple[list[ByteRange], list[int]] | None = _UNKNOWN) -> Checks:
+    """The content of every tensor.
+
+    ``trust_stored`` takes a source archive's own CRCs where they apply; ``known`` gives CRCs of byte
+    ranges already summed (by :class:`OutputSums`). ``views_raw`` (a ``.pt`` output, whose storages
+    are copied as they are) checks an expanding view by the bytes it spans and its strides, so a
+    stride-0 view is never expanded to be summed. ``whole``: :func:`whole_plain` of the tensors, if the caller has it.
+    """
+    names = list(tensors)
+    views = list(tensors.values())
+    usual = _whole_checks(names, views, whole, trust_stored=trust_stored, known=known)
+    if usual is not None:
+        return usual
+    checks: dict[str, TensorCheck] = {}
+    recorded_names: set[str] = set()
+    by_storage: dict[tuple, int] = {}  # tied tensors are summed once
+    shared = shared_storages(views)  # ... and only views of one storage can be tied
+    remote_crcs = bool(RANGE_CRCS)
+    plain = not shared  # then each tensor is tried first as the usual one (below; it never expands: views_raw alike)
+    for name, tensor in tensors.items():
+        # the usual tensor: its CRC the one its zip member records (the whole storage), or the one the re-read
+        # summed; else the full path below
+        data = tensor.plain_data() if plain else None
+        if data is not None:
+            crc = _whole_crc(tensor, data) if trust_stored else None
+            if crc is not None:
+                checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
+                recorded_names.add(name)
+                continue
+            if known is not None:
+                crc = known(str(data.path), data.offset + tensor.offset * tensor.dtype.itemsize, tensor.nbytes)
+                if crc is not None:
+                    checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
+                    continue
+        # a conjugate or negative view of a storage holds other values than the plain view
+        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
+                    tensor.conj, tensor.neg) if id(tensor.storage) in shared else None
+        if views_raw and tensor.storage.pieces is None and tensor.expands():
+            crc = by_storage.get(identity) if identity is not None else None
+            if crc is None:
+                crc = _span_crc(tensor)
+                if identity is not None:
+                    by_storage[identity] = crc
+            checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, (tensor.offset, tensor.stride))
+            continue
+        crc = by_storage.get(identity) if identity is not None else None
+        if crc is None:
+            crc = _stored_crc(tensor) if trust_stored else None
+            if crc is not None:
+                recorded_names.add(name)
+        if crc is None and known:
+            span = tensor.contiguous_byte_range()
+            if span is not None:
+                crc = known(str(span.path), span.offset, span.length)
+        if crc is None and remote_crcs:  # a remote source's bytes, summed as the write streamed them
+            span = tensor.contiguous_byte_range()
+            if span is not None and not isinstance(span.path, Path):
+                crc = RANGE_CRCS.get((span.path, span.offset, span.length))
+        if crc is None:
+            crc = 0
+            for chunk in tensor.iter_reused():
+                crc = crc32(chunk, crc)
+        if identity is not None:
+            by_storage[identity] = crc
+        checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
+    return Checks(checks, recorded_names)
+
+
+def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]:
+    """The checks of computed tensors: the CRC their write summed as it produced them (computed now
+    for any the write did not produce in full)."""
+    checks = {}
+    for name, tensor in tensors.items():
+        derived = tensor.whole_derived()
+        crc = derived.crc32 if derived is not None else None
+        checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None) if crc is not None else \
+            tensor_checks({name: tensor}, trust_stored=False).values[name]
+    return checks
+
+
+def run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def join() -> Any:
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return join
+
+
+def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync: Callable[[], None],
+                  sums: Iterable[OutputSums] = (), *, views_raw: bool = False) -> int:
+    """Re-read ``written`` (while ``sync`` runs) and compare every tensor with ``expect``; returns how many.
+
+    The structure (names, dtypes, shapes, where the bytes lie) is re-read through the reader; the
+    bytes' CRCs come from ``sums`` where the worker already read that exact region back, else from
+    reading it now.
+
+    Raises:
+        FingerprintMismatchError: a tensor reads back different, or under a CRC its bytes do not have.
+        StaleSourceCrc: what differs is a CRC the source recorded and its bytes do not have.
+    """
+    recheck = expect.recheck
+    sync_join = run_in_thread(sync)
+    try:
+        summed = Summed(sums)
+        for output_sums in summed.by_path.values():
+            output_sums.finish()
+        written_tensors = read_back(written)
+        whole = whole_plain(list(written_tensors.values()))
+        actual = tensor_checks(written_tensors, trust_stored=False, known=summed, views_raw=views_raw,
+                               whole=whole).values
+    finally:
+        sync_join()
+    expected = expect.checks()
+    if actual.keys() != expected.values.keys():
+        missing = sorted(expected.values.keys() - actual.keys())
+        extra = sorted(actual.keys() - expected.values.keys())
+        raise FingerprintMismatchError(
+            f"the output reads back with other tensor names (missing {missing[:3]}, extra {extra[:3]}) — "
+            "it was deleted; nothing changed"
+        )
+    stale = []
+    if actual != expected.values:  # (one comparison in C: the usual write stops here)
+        for name, check in expected.values.items():
+            if actual[name] != check:
+                if name in expected.recorded and recheck is not None and recheck(name) == actual[name]:
+                    stale.append(name)  # the source's recorded CRC was stale; its bytes are what was written
+                    continue
+                raise FingerprintMismatchError(
+                    f"tensor {name!r} reads back different from what was written ({describe(actual[name])}, not "
+                    f"{describe(check)}) — the output was deleted; check the disk and try again"
+                )
+    # the CRC the output's zip records for a tensor must be that of its bytes (``actual`` is in the tensors' order)
+    recorded = _recorded_crcs(written_tensors, whole)
+    crcs = list(map(itemgetter(2), actual.values()))
+    if recorded is not None and recorded != crcs:  # (one comparison in C: the usual write stops here)
+        for name, crc, crc_summed in zip(written_tensors, recorded, crcs):
+            if crc is not None and crc != crc_summed:
+                if stale:
+                    raise StaleSourceCrc(stale)
+                raise FingerprintMismatchError(
+                    f"tensor {name!r}: the CRC recorded in the output's zip ({crc:08x}) is not that of the bytes "
+                    f"written ({crc_summed:08x}) — the output was deleted; nothing changed")
+    keep(written_tensors, actual, expected)  # read back and compared: dropped with the command
+    return len(actual)
+
+
+def _recorded_crcs(tensors: Mapping[str, TensorRef], whole: tuple[list[ByteRange], list[int]] | None
+                   ) -> list[int | None] | None:
+    """The CRC a zip archive records for each tensor that is all of its storage (:func:`_stored_crc`; None for any
+    other), in order; None when none records one (a safetensors file). ``whole``: :func:`whole_plain` of them."""
+    crcs = list(map(_CRC32, whole[0])) if whole is not None else list(map(_stored_crc, tensors.values()))
+    return None if crcs.count(None) == len(crcs) else crcs
+
+
+@dataclass
+class Expectations:
+    """Work started before the copy: the content check, and the sha256 fingerprint if asked.
+
+    ``checks`` and ``fingerprint`` wait for their threads and return (or raise) what they computed.
+    """
+
+    checks: Callable[[], Checks]
+    fingerprint: Callable[[], str | None]
+    wants_fingerprint: bool
+    recheck: Callable[[str], TensorCheck] | None = None  # a tensor's check summed from the source's bytes
+    threads: tuple[Callable[[], Any], ...] = ()  # what settle waits for (default: checks and fingerprint)
+
+    @classmethod
+    def start(cls, tensors: Mapping[str, TensorRef], *, fingerprint: bool, views_raw: bool) -> Expectations:
+        """Start working out what ``tensors`` must read back as (and their fingerprint, if asked) in threads.
+
+        Computed bytes (a cast) are not computed twice: the write's own pass sums them
+        (``Derived.crc32``), and their checks are taken from it once the write is done.
+        """
+        # computed bytes (a cast) lie in storages with a ``derived``; sources in ByteRanges' paths (tested in C)
+        computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None} \
+            if any(map(_DERIVED, map(_STORAGE, tensors.values()))) else {}
+        stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
+        RANGE_CRCS.clear()
+        paths = list(map(_PATH, filter(None, map(_DATA, map(_STORAGE, stored.values())))))
+        sources = dict(zip(map(id, paths), paths)).values()  # by identity: one Path object read from, not 100,000 hashes
+        lazy = not all(map(isinstance, sources, repeat(Path)))
+        if lazy:
+            # a remote source is summed after the write, from the CRCs its streaming recorded (not
+            # downloaded twice); what the write did not stream whole is read then
+            join = _later(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+        else:
+            # the usual source's checks are its recorded CRCs, made here at once (a thread would only take turns
+            # with this one for the interpreter); the others read bytes, beside the write
+            recorded = recorded_checks(stored)
+            join = (lambda: recorded) if recorded is not None else \
+                run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+
+        def checks() -> Checks:
+            result = join()
+            if computed:
+                result = Checks({**result.values, **_computed_checks(computed)}, result.recorded)
+            return result
+
+        digest = run_in_thread(lambda: weights_fingerprint(tensors, allow_expansion=True) if fingerprint else None)
+        return cls(
+            checks=checks,
+            fingerprint=digest,
+            wants_fingerprint=fingerprint,
+            recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw).values[name],
+            # not the computed tensors' checks: after a failed write they would cast again; nor a
+            # remote source's, which would download it
+            threads=(digest,) if lazy else (join, digest),
+        )
+
+    def settle(self) -> None:
+        """Wait for the threads, dropping what they raise: the write already failed or succeeded, and
+        its own error is the one to report."""
+        for join in self.threads or (self.checks, self.fingerprint):
+            try:
+                join()
+            except BaseException:
+                pass
+
+
+@dataclass
+class CheckedFile:
+    """The file a :func:`checked_output` body writes: tell ``on_data`` of each data region once it is in the file."""
+
+    handle: BinaryIO
+    on_data: Callable[[int, int], None]
+    checked: int = 0  # tensors compared, once the check has passed
+
+
+@contextlib.contextmanager
+def checked_output(out: Path, expect: Expectations, read_back: ReadBack, *,
+                   views_raw: bool = False) -> Iterator[CheckedFile]:
+    """An atomic output (:func:`ckptool.files.atomic.atomic_output`) put in place only once its content checks out.
+
+    The body writes through ``handle`` and reports its data regions to ``on_data`` (re-read and summed
+    right behind it). When the body ends, the file is fsync'd in one thread while it is read back
+    and every tensor compared with ``expect`` (:func:`verify_output`); only then does it replace
+    ``out``. A failure of the body or the check deletes it.
+    """
+    with atomic_output(out) as (handle, tmp):
+        sums = OutputSums(tmp)
+        output = CheckedFile(handle, sums.written)
+        try:
+            yield output
+            handle.flush()
+        except BaseException:
+            sums.finish()
+            raise
+        output.checked = verify_output(tmp, expect, read_back, lambda: os.fsync(handle.fileno()), [sums],
+                                       views_raw=views_raw)
+
+
+class CheckedFolder:
+    """The temp folder a :func:`checked_folder` body writes its files into, each summed as it is written
+    and fsync'd in the background once it is complete."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.sums: list[OutputSums] = []
+        self.checked = 0  # tensors compared, once the check has passed
+        self._syncs: list[Callable[[], Any]] = []
+
+    @contextlib.contextmanager
+    def file(self, name: str) -> Iterator[tuple[BinaryIO, OutputSums]]:
+        """A new file of the folder, and the sums that take its regions (``sums.written``)."""
+        # at most two files' re-read threads and buffers at a time, however many files there are: the
+        # previous one finishes its last regions while this one is written, instead of holding it up
+        if len(self.sums) >= 2:
+            self.sums[-2].finish()
+        with open(self.directory / name, "w+b") as handle:
+            sums = OutputSums(self.directory / name)  # its thread re-reads the file: created first
+            self.sums.append(sums)
+            try:
+                yield handle, sums
+                handle.flush()
+            except BaseException:
+                sums.finish()
+                raise
+            # its writeback started as it was written; waiting for it overlaps the next file's write
+            self._syncs.append(run_in_thread(lambda fd=os.dup(handle.fileno()): _fsync_close(fd)))
+
+    def sync(self) -> None:
+        """Wait for every file's fsync (the folder's own is the caller's)."""
+        for join in self._syncs:
+            join()
+        self._syncs.clear()
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def checked_folder(out: Path, expect: Expectations, read_back: ReadBack, *, last: str,
+                   remove: Iterable[str] = ()) -> Iterator[CheckedFolder]:
+    """A folder output (:func:`ckptool.files.atomic.folder_output`) put in place only once its content checks out.
+
+    The body writes its files with :meth:`CheckedFolder.file`, ``last`` (the index) among them; the
+    folder is then read back through ``last`` and every tensor compared with ``expect``
+    (``folder_output`` fsyncs the files as it moves them in). ``remove`` names the earlier set's
+    files to remove once the new set is in place.
+    """
+    with folder_output(out, last=last, remove=remove) as tmp_dir:
+        folder = CheckedFolder(tmp_dir)
+        try:
+            yield folder
+        except BaseException:
+            for sums in folder.sums:
+                sums.finish()
+            with contextlib.suppress(BaseException):
+                folder.sync()
+            raise
+        folder.checked = verify_output(tmp_dir / last, expect, read_back, folder.sync, folder.sums)
+

@@ -1,0 +1,1 @@
+"""The model of a checkpoint: container, weights, keys, modules, optimizers, casts, devices."""

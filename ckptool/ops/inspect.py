@@ -1,0 +1,531 @@
+"""inspect: what a checkpoint holds, as plain data (rendered by the CLI). Reads no tensor bytes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptool import formats
+from ckptool.pickles import layouts
+from ckptool.model import modules, optimizers
+from ckptool.base import suggest
+from ckptool.files.byteio import path_size, use_storage_options
+from ckptool.base.gcpause import keep
+from ckptool.model.checkpoint import Checkpoint, spell_weights
+from ckptool.base.errors import InputError
+from ckptool.base.jsonout import key_text
+from ckptool.pickles import OpaqueObject
+from ckptool.io.reader import load
+from ckptool.tensors.refs import DeviceRef, SizeRef, TensorRef, census, check_expansion, expansion, shared_storages
+from ckptool.base.text import value_repr, value_str
+from ckptool.model.tree import iter_tensors
+
+_WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
+
+
+@dataclass
+class Hint:
+    """A problem found in the checkpoint and the command that fixes it."""
+
+    problem: str
+    fix: str
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    device: str
+
+
+@dataclass
+class WeightInfo:
+    """One key of the weights as torch's state dict holds it: a dense tensor, a sparse, nested or
+    quantized tensor whole (``parts``: the names diff and the fingerprint give its parts), or a meta
+    tensor (device ``meta``: a shape and dtype, no values, no bytes).
+
+    ``layout`` is ``strided``, ``sparse_coo``, ``sparse_csr``, ``sparse_csc``, ``sparse_bsr``,
+    ``sparse_bsc``, ``nested`` or ``quantized`` (``qscheme`` then says which); ``shape`` is a sparse
+    tensor's size, and for a nested tensor the number of its pieces followed by ``None`` for each of
+    their dimensions (their sizes vary by piece and are not read); ``bytes`` sums its parts' bytes.
+    """
+
+    name: str
+    layout: str
+    dtype: str
+    shape: list[int | None]
+    bytes: int
+    device: str
+    parts: list[str] | None = None
+    qscheme: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for optional in ("parts", "qscheme"):
+            if data[optional] is None:
+                data.pop(optional)
+        return data
+
+
+META_REBUILD = "torch._utils._rebuild_meta_tensor_no_storage"
+
+
+def weight_records(state_dict: Mapping[Any, Any]) -> list[WeightInfo]:
+    """Every tensor among the weights by its key, in order, as torch's state dict holds it (no bytes read)."""
+    from ckptool.tensors.dtypes import BY_TORCH_NAME
+
+    records = []
+    items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
+    for key, value in items:
+        name = key if isinstance(key, str) else value_str(key)
+        if isinstance(value, TensorRef):
+            records.append(WeightInfo(name, "strided", value.dtype.name, list(value.shape), value.nbytes,
+                                      value.location))
+        elif isinstance(value, layouts.LayoutTensor):
+            parts = value.components()
+            whole = value
+            while isinstance(whole, layouts.WrappedLayoutTensor):
+                whole = whole.inner
+            shape: list[int | None] = [value.shape[0], *[None] * value.shape[1]] if value.layout == "nested" \
+                else list(value.shape)
+            records.append(WeightInfo(
+                name, value.layout, value.dtype.name, shape, sum(part.nbytes for _, part in parts),
+                parts[0][1].location if parts else "",
+                # (a key that is no string names no parts: Checkpoint.tensors leaves them out)
+                parts=[layouts.component_name(key, value, role) for role, _ in parts] if isinstance(key, str) else [],
+                qscheme=whole.qscheme() if hasattr(whole, "qscheme") else None))
+        elif isinstance(value, OpaqueObject) and value.global_name == META_REBUILD:
+            dtype, size = value.reduce_args()[:2]
+            records.append(WeightInfo(name, "strided", BY_TORCH_NAME[dtype.name].name, list(size), 0, "meta"))
+    return records
+
+
+def _meta_note(state_dict: Mapping[Any, Any]) -> list[str]:
+    """The meta tensors among the weights: listed nowhere else (they have no values to count)."""
+    items = dict.items(state_dict) if isinstance(state_dict, dict) else state_dict.items()
+    names = [key for key, value in items if isinstance(value, OpaqueObject) and value.global_name == META_REBUILD]
+    if not names:
+        return []
+    shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
+    return [f"{len(names)} meta tensor(s), a shape and dtype without values: {shown} — torch.load gives them on the "
+            "meta device; not among the tensors counted above (the tensor listing shows them)"]
+
+
+@dataclass
+class Summary:
+    """Everything ``ckptool inspect`` reports; ``asdict`` gives the --json object."""
+
+    path: str
+    format: str
+    layout: list[Any] | None
+    prefix: str
+    tensors: int
+    parameters: int
+    bytes: int
+    dtypes: dict[str, int]
+    saved_devices: dict[str, int]
+    tied: list[list[str]]
+    # each entry that is not the weights: {"type", "summary", "value" (when it is plain data), "global"}
+    entries: dict[str, dict[str, Any]]
+    globals: list[str]
+    file_bytes: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    hints: list[Hint] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    fingerprint: str | None = None
+    # with --tensors: every tensor as Checkpoint.tensors lists it (a sparse, nested or quantized one as its parts,
+    # the names diff and the fingerprint use), and every key of the weights as torch's state dict holds it
+    tensor_list: list[TensorInfo] | None = None
+    state_dict: list[WeightInfo] | None = None
+    # every set of weights the container holds: {"weights": PATH as the weights option takes it,
+    # "layout", "kind", "module_class", "tensors", "chosen"}; the chosen one is what the rest describes
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    module_class: str | None = None
+    # a training folder input: its kind, weights files, the step reached and every other file,
+    # each with a line saying what it holds (training_state.FolderState); None for any other input
+    training_folder: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.tensor_list is None:
+            data.pop("tensor_list")
+        if self.state_dict is None:
+            data.pop("state_dict")
+        else:
+            data["state_dict"] = [record.to_json() for record in self.state_dict]
+        if self.training_folder is None:
+            data.pop("training_folder")
+        if self.fingerprint is None:
+            data.pop("fingerprint")
+        return data
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{size} B"
+
+
+def describe_entry(value: Any) -> str:
+    """A one-line description of a container entry that is not the weights."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        text = value_repr(value)  # (an int past 4300 digits: its size, not a ValueError)
+        return text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, TensorRef):
+        return f"tensor {value.dtype.name}{list(value.shape)}"
+    if isinstance(value, DeviceRef):
+        return f"device {value}"
+    if isinstance(value, SizeRef):
+        return f"torch.Size({list(value)})"
+    if modules.is_module(value):  # a second pickled model (an EMA copy): its weights as state_dict() lists them
+        try:
+            return f"whole-model pickle {value.global_name}, {len(modules.state_dict(value))} tensors"
+        except InputError:
+            return f"whole-model pickle {value.global_name}, unreadable"
+    tensors = list(iter_tensors(value))
+    if is_optimizer_state(value):
+        return describe_optimizer_state(value)
+    if tensors:
+        return f"{type(value).__name__} with {len(tensors)} tensors, {_human_bytes(sum(t.nbytes for _, t in tensors))}"
+    if isinstance(value, OpaqueObject):
+        return f"{value.global_name} object"
+    if isinstance(value, dict):
+        text = value_repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in dict.values(value)) \
+            else ""
+        return text if text and len(text) <= 80 else f"dict with {len(value)} entries"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+# an entry's value is given in full (JSON) up to this many values and this depth; past that, its summary only
+ENTRY_VALUES, ENTRY_DEPTH = 10_000, 32
+
+
+class _NotPlain(Exception):
+    """An entry (or a part of it) that is not plain data JSON carries exactly."""
+
+
+def entry_type(value: Any) -> str:
+    """What an entry is, as inspect's JSON names it (``int``, ``dict``, ``tensor``, ``optimizer_state``...)."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (bytes, "bytes"),
+                       (TensorRef, "tensor"), (DeviceRef, "device"), (SizeRef, "size")):
+        if isinstance(value, kind):
+            return name
+    if modules.is_module(value):
+        return "module"
+    if is_optimizer_state(value):
+        return "optimizer_state"
+    if isinstance(value, OpaqueObject):
+        return "object"
+    for kind, name in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (set | frozenset, "set")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _plain_value(value: Any, budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > ENTRY_DEPTH:
+        raise _NotPlain
+    if value is None or isinstance(value, bool | int | str):
+        if isinstance(value, str):
+            budget[0] -= len(value) // 64
+        elif isinstance(value, int) and value.bit_length() > 14_000 and key_text(value)[0] == "<":  # past 4300 digits
+            raise _NotPlain
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # strict JSON: "inf", "-inf", "nan"
+    if isinstance(value, dict) and not isinstance(value, OpaqueObject):
+        items = dict.items(value)
+        if not all(k is None or isinstance(k, str | float | bool) or (isinstance(k, int) and key_text(k)[0] != "<")
+                   for k, _ in items):
+            raise _NotPlain
+        return {key_text(k): _plain_value(v, budget, depth + 1) for k, v in items}
+    if isinstance(value, list | tuple) and not isinstance(value, OpaqueObject):
+        return [_plain_value(v, budget, depth + 1) for v in value]
+    raise _NotPlain
+
+
+def entry_record(value: Any) -> dict[str, Any]:
+    """One entry as inspect reports it: ``type``, a one-line ``summary``, its ``value`` as JSON when it is
+    plain data (numbers, strings, lists, dicts of them; a tensor, an object or a huge value has none),
+    and ``global`` for a pickled object or module."""
+    record: dict[str, Any] = {"type": entry_type(value), "summary": describe_entry(value)}
+    global_name = getattr(value, "global_name", None) if isinstance(value, OpaqueObject) or modules.is_module(value) \
+        else None
+    if isinstance(global_name, str):
+        record["global"] = global_name
+    try:
+        record["value"] = _plain_value(value, [ENTRY_VALUES], 0)
+    except _NotPlain:
+        pass
+    return record
+
+
+is_optimizer_state = optimizers.is_optimizer_state
+
+
+def describe_optimizer_state(value: dict) -> str:
+    """``optimizer state: 2 params over 1 parameter group, 6 tensors (AdamW: step, exp_avg,
+    exp_avg_sq), 104 B`` — what an optimizer's own state_dict holds: the optimizer it came from as
+    far as its names tell (:func:`ckptool.model.optimizers.optimizer_kind`; else ``per parameter``) and
+    torch's per-parameter keys."""
+    state = dict.get(value, "state")
+    groups = len(dict.get(value, "param_groups"))
+    tensors = [tensor for _, tensor in iter_tensors(value)]
+    names = optimizers.state_names(value)
+    kind = optimizers.optimizer_kind(value)
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    kinds = f" ({kind or 'per parameter'}: {shown})" if names else f" ({kind})" if kind else ""
+    return (f"optimizer state: {len(state)} params over {groups} parameter group{'s' if groups != 1 else ''}, "
+            f"{len(tensors)} tensors{kinds}, {_human_bytes(sum(t.nbytes for t in tensors))}")
+
+
+def tied_groups(tensors: dict[str, TensorRef]) -> list[list[str]]:
+    """Groups (≥2) of weight names that share one storage."""
+    groups: dict[int, list[str]] = {}
+    shared = shared_storages(tensors.values())
+    if not shared:
+        return []
+    for name, tensor in tensors.items():
+        if id(tensor.storage) in shared:
+            groups.setdefault(id(tensor.storage), []).append(name)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
+
+
+def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
+    path = checkpoint.path  # as given: the commands run from where inspect was run
+    fmt = formats.for_name(checkpoint.format)
+    hints: list[Hint] = []
+    gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
+    on_gpu = f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU"
+    if summary.prefix:
+        wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
+        carry = f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys'
+        # both at once: one write fixes both (two commands in turn would leave two half-fixed files)
+        hints.append(Hint(carry + (f"; {on_gpu}" if gpu else ""),
+                          suggest.strip(path, format_=checkpoint.format, allow_globals=checkpoint.allow_globals,
+                                        to_cpu=bool(gpu))))
+    elif gpu:
+        hints.append(Hint(on_gpu, suggest.remap_to_cpu(path, allow_globals=checkpoint.allow_globals)))
+    extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
+    # convert writes named weights: without them it refuses, so it is no fix (the hints below say what is there)
+    if checkpoint.has_weights and fmt.torch_load_refuses:  # its globals are its metadata's (DCP's), inert records
+        hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
+    elif checkpoint.has_weights and extra:
+        hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
+                          suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
+    if checkpoint.folder is not None:
+        hints += _folder_hints(checkpoint, summary)
+    elif checkpoint.layout is None and is_optimizer_state(checkpoint.container):
+        hints.append(Hint("no model weights: this file is " + describe_optimizer_state(checkpoint.container) + "; "
+                          "the model's weights are saved beside it (e.g. model.safetensors, pytorch_model.bin) — "
+                          "keep this file for resuming training; its tensors as safetensors:",
+                          suggest.optimizer_to_safetensors(path, allow_globals=checkpoint.allow_globals)))
+    elif checkpoint.layout is None:
+        from ckptool.ops.training_state import describe_content
+
+        what = describe_content(checkpoint.container)
+        if what is not None:  # a training run's other part (a scheduler's, the rng's state)
+            hints.append(Hint(f"no model weights: this file is a training run's {what}",
+                              "keep it for resuming training; the model's weights are saved beside it "
+                              "(e.g. model.safetensors, pytorch_model.bin)"))
+        else:
+            hints.append(Hint("no weights found (no mapping of names to tensors)",
+                              "check that this is a model checkpoint"))
+    return hints
+
+
+def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
+    """A training folder's: files that need trust to be described, or name code-running globals;
+    no model weights at all."""
+    hints: list[Hint] = []
+    state = summary.training_folder
+    folder = checkpoint.path
+    for file in state.files if state is not None else []:
+        if file.dangerous:
+            hints.append(Hint(f"{file.file} names globals known to run code ({', '.join(file.dangerous[:4])}): "
+                              "torch.load of it would run them — do not resume from this folder unless you trust "
+                              "where it came from", suggest.command("scan", folder)))
+        elif file.needs:
+            shown = ", ".join(file.needs[:3]) + (", ..." if len(file.needs) > 3 else "")
+            # one pattern per package (a pattern never allows a code-running global)
+            allowed = [*checkpoint.allow_globals, *dict.fromkeys(f"{name.split('.', 1)[0]}.*" for name in file.needs)]
+            hints.append(Hint(f"{file.file} pickles {shown} (another package's classes; torch.load would import "
+                              "and run them): the weights read without them; to see what it holds, if you trust it",
+                              suggest.command("inspect", folder, allow_globals=allowed)))
+    if checkpoint.layout is None:
+        from ckptool.formats.training_folder import OPTIMIZER  # a folder's roles: imported where a folder is read
+
+        optimizer = [file for file in state.files if file.role == OPTIMIZER] if state is not None else []
+        if optimizer:
+            hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
+                              "index); the optimizer's tensors as safetensors:",
+                              suggest.optimizer_to_safetensors(folder, folder=True, allow_globals=checkpoint.allow_globals)))
+        else:
+            hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
+                              "index)", "the weights are saved elsewhere (save_model / save_pretrained)"))
+    return hints
+
+
+def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str, Any]]:
+    """A training folder's sets of weights: each model's file, then each optimizer's state."""
+    from ckptool.io.reader import load_member
+
+    folder = checkpoint.folder
+    found: list[dict[str, Any]] = []
+    for file in folder.weights:
+        entry: dict[str, Any] = {"weights": file.name, "layout": [], "kind": "state dict", "module_class": None,
+                                 "tensors": None, "chosen": file.name == folder.read and not checkpoint.flattened,
+                                 "file": file.name}
+        try:
+            if entry["chosen"]:
+                entry["tensors"] = len(checkpoint.tensors)
+            else:
+                entry["tensors"] = len(load_member(folder.directory, file.name,
+                                                   allow_globals=checkpoint.allow_globals).tensors)
+        except InputError as e:
+            entry["problem"] = e.message
+        found.append(entry)
+    state = summary.training_folder
+    described = {file.file: file for file in state.files} if state is not None else {}
+    from ckptool.formats.training_folder import OPTIMIZER
+
+    for number, file in enumerate(folder.of_role(OPTIMIZER)):
+        said = described.get(file.name)
+        entry = {"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
+                 "kind": "optimizer state", "module_class": None,
+                 "tensors": said.details.get("tensors") if said is not None else None,
+                 "chosen": file.name == folder.read and checkpoint.flattened, "file": file.name}
+        if entry["tensors"] is None and said is not None:
+            entry["problem"] = said.problem or said.summary
+        found.append(entry)
+    return found
+
+
+def weight_candidates(checkpoint: Checkpoint, chosen_tensors: int | None = None) -> list[dict[str, Any]]:
+    """Every set of weights in the container, the chosen one marked (a state dict's tensors counted,
+    a pickled module's read as its state dict; one that cannot be read has ``tensors`` None and a ``problem``).
+    ``chosen_tensors``: the chosen set's count, where the caller has listed its tensors."""
+    if formats.for_name(checkpoint.format).weights_only:
+        return []
+    found: list[dict[str, Any]] = []
+    for weight_set in checkpoint.weight_sets():
+        entry: dict[str, Any] = {"weights": spell_weights(checkpoint.container, weight_set.layout),
+                                 "layout": list(weight_set.layout), "kind": weight_set.kind,
+                                 "module_class": weight_set.module_class, "tensors": None,
+                                 "chosen": weight_set.layout == checkpoint.layout}
+        try:
+            if entry["chosen"] and chosen_tensors is not None:
+                entry["tensors"] = chosen_tensors
+            else:
+                chosen = checkpoint if entry["chosen"] else checkpoint.select_weights(weight_set.layout)
+                entry["tensors"] = len(chosen.tensors)
+        except InputError as e:
+            entry["problem"] = e.message
+        found.append(entry)
+    return found
+
+
+def _loose_tensors_note(checkpoint: Checkpoint) -> list[str]:
+    """What a file without a mapping of names to weights holds instead (a bare tensor, a list...)."""
+    try:
+        loose = checkpoint.tensors_by_place()
+    except InputError:
+        return []
+    shown = ", ".join(repr(name) for name in list(loose)[:3]) + (", ..." if len(loose) > 3 else "")
+    return [f"{len(loose)} tensor(s) outside any mapping of names, by place: {shown} — diff compares them "
+            "by place"]
+
+
+def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False,
+              allow_expansion: bool = False) -> Summary:
+    """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
+    tensors = checkpoint.tensors if checkpoint.has_weights else {}
+    counted = census(list(tensors.values()))  # one C pass where built (100,000 tensors: ~10 ms)
+    file_bytes = 0
+    for file in checkpoint.files:
+        try:
+            file_bytes += path_size(file, learnt=True)
+        except (OSError, InputError):
+            pass
+    summary = Summary(
+        path=str(checkpoint.path),
+        format=checkpoint.format,
+        layout=list(checkpoint.layout) if checkpoint.layout is not None else None,
+        prefix=checkpoint.prefix_among(tensors),
+        tensors=len(tensors),
+        parameters=counted.parameters,
+        bytes=counted.nbytes,
+        dtypes=dict(sorted(counted.dtypes.items())),
+        # a format without location tags (safetensors) loads everything where the reader asks
+        saved_devices=dict(sorted(checkpoint.saved_devices().items()))
+        if formats.for_name(checkpoint.format).has_location_tags else {},
+        tied=tied_groups(tensors) if counted.shared else [],
+        entries={value_str(k): entry_record(v) for k, v in checkpoint.entries().items()},
+        globals=sorted(checkpoint.globals),
+        file_bytes=file_bytes,
+        metadata=dict(checkpoint.metadata),
+        notes=list(checkpoint.notes),
+    )
+    summary.module_class = checkpoint.module_class
+    if checkpoint.folder is not None:
+        from ckptool.ops.training_state import describe_folder
+
+        summary.training_folder = describe_folder(checkpoint.folder, checkpoint.allow_globals)
+        summary.candidates = folder_candidates(checkpoint, summary)
+    else:
+        summary.candidates = weight_candidates(checkpoint, len(tensors))
+    with_bits = [name for name, t in tensors.items() if t.conj or t.neg] if counted.bits else []
+    if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
+        summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
+                             f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
+                             "conjugated/negated, as torch.load gives them")
+    summary.notes += layouts.describe_all(checkpoint.state_dict if checkpoint.has_weights else {})
+    summary.notes += _meta_note(checkpoint.state_dict if checkpoint.has_weights else {})
+    if not checkpoint.has_weights:
+        summary.notes += _loose_tensors_note(checkpoint)
+    summary.hints = _hints(checkpoint, summary)
+    measured = expansion(tensors, shared=counted.shared)
+    if measured.expanding:
+        name, view_bytes, span = measured.expanding[0]
+        summary.notes.append(f"{len(measured.expanding)} tensor view(s) expand their storage (stride 0 or overlapping): "
+                             f"{_human_bytes(measured.stored)} stored, {_human_bytes(measured.logical)} in full "
+                             f"(largest {name!r}: {_human_bytes(span)} viewed as {_human_bytes(view_bytes)})")
+    if with_fingerprint:
+        check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="hash")
+        from ckptool.tensors.digest import fingerprint  # here: hashlib is 5-13 ms of a command that does not hash
+
+        summary.fingerprint = fingerprint(tensors, allow_expansion=True)
+    if with_tensors:
+        summary.tensor_list = [TensorInfo(name if isinstance(name, str) else value_str(name), t.dtype.name,
+                                          list(t.shape), t.nbytes, t.location) for name, t in tensors.items()]
+        summary.state_dict = weight_records(checkpoint.state_dict if checkpoint.has_weights else {})
+    return summary
+
+
+def inspect(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (), fingerprint: bool = False,
+            tensors: bool = False, allow_expansion: bool = False, weights: str | None = None,
+            storage_options: Mapping[str, Any] | None = None) -> Summary:
+    """Describe any checkpoint without running its code or reading its tensor bytes.
+
+    Example:
+        >>> s = ckptool.inspect("ddp.pt")        # doctest: +SKIP
+        >>> s.format, s.layout, s.prefix, s.saved_devices   # doctest: +SKIP
+        ('torch-zip', ['model'], 'module.', {'cpu': 10})
+    """
+    use_storage_options(storage_options)
+    checkpoint = load(path, allow_globals=allow_globals, weights=weights)
+    keep(checkpoint)
+    return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

@@ -1,0 +1,675 @@
+"""Real torch tensors from lazy references, and loading them into a model ("load anywhere in one line").
+
+Everything else in ckptool works on :class:`~ckptool.tensors.refs.TensorRef` without torch; this module is
+where bytes become tensors. One torch storage is built per saved :class:`~ckptool.tensors.refs.StorageRef`
+(memory-mapped copy-on-write where the bytes are aligned), and every tensor is a view of it, so
+tied tensors stay tied and views stay views. torch is imported inside the functions: importing
+this module costs nothing.
+
+:func:`load_into` fits a checkpoint's keys to a model: it tries the key rewrites a training run
+makes necessary (strip ``module.``/``_orig_mod.``/``model.``, add the prefix the model's own keys
+carry), keeps the one that matches most keys with equal shapes, and loads strictly. When nothing
+fits it raises :class:`LoadMismatchError` with a :class:`LoadDiagnosis` — what is missing,
+unexpected or of another shape, grouped by module, the likely cause, and the command that fixes it —
+instead of torch's wall of keys.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptool.base import suggest
+from ckptool.files.byteio import use_storage_options
+from ckptool.model.checkpoint import Checkpoint
+from ckptool.tensors.dtypes import DType
+from ckptool.base.errors import CkptError, InputError
+from ckptool.model.keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
+from ckptool.io.reader import load
+from ckptool.tensors.refs import StorageRef, TensorRef, check_wholes
+from ckptool.base.torch_import import import_torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
+    import torch
+    from torch import nn
+
+WRAPPER_NAMES = {
+    DDP_PREFIX: "DataParallel/DDP",
+    COMPILE_PREFIX: "torch.compile",
+    LIGHTNING_PREFIX: "Lightning",
+}
+# a module path deeper than this is grouped under its first components ("layer1.0.conv1" -> "layer1.0")
+GROUP_DEPTH = 2
+# below this share of the model's keys found with the right shape, the checkpoint is another architecture
+ARCHITECTURE_THRESHOLD = 0.5
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch dtype for a ckptool :class:`~ckptool.tensors.dtypes.DType` (``F32`` -> ``torch.float32``)."""
+    import torch
+
+    try:
+        return getattr(torch, dtype.torch_name)
+    except AttributeError:
+        raise InputError(f"dtype {dtype.name} ({dtype.torch_name}) is not supported by this torch "
+                         f"{torch.__version__} — upgrade torch to load it") from None
+
+
+def _storage_alignment(storage: StorageRef, tensors: Iterable[TensorRef]) -> int:
+    return max([storage.dtype.itemsize, *(tensor.dtype.itemsize for tensor in tensors)])
+
+
+def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: int = 1) -> torch.UntypedStorage:
+    """One saved storage as a torch ``UntypedStorage`` on CPU, reading only its bytes.
+
+    With ``mmap`` (and bytes that lie at an ``alignment``-aligned file offset) the storage maps the
+    file copy-on-write: no read happens until a page is touched, and writes stay private. Otherwise
+    the bytes are read into a fresh buffer.
+
+    Raises:
+        InputError: the file is shorter than the storage's bytes.
+    """
+    import numpy as np
+    import torch
+
+    if storage.producer is not None:  # computed bytes: a cast, or DCP chunks assembled
+        produced = storage.producer()
+        raw = produced if isinstance(produced, bytearray) else bytearray(produced)
+        return torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if raw else torch.UntypedStorage(0)
+    span = storage.byte_range()
+    if span.length == 0:
+        return torch.UntypedStorage(0)
+    if not isinstance(span.path, Path):  # a URL: its bytes fetched by ranges (parallel for a big one)
+        buffer = torch.empty(span.length, dtype=torch.uint8)
+        view, filled = memoryview(buffer.numpy()), 0
+        for chunk in span.iter_chunks():
+            view[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return buffer.untyped_storage()
+    try:
+        file_size = os.path.getsize(span.path)
+    except OSError as e:
+        raise InputError(f"cannot be read ({e.strerror}) — check the path", path=span.path) from e
+    if span.offset + span.length > file_size:
+        raise InputError.truncated(span.path, f"storage {storage.key!r} ends after the end of the file")
+    if mmap and span.offset % max(alignment, 1) == 0:
+        mapped = np.memmap(span.path, dtype=np.uint8, mode="c", offset=span.offset, shape=(span.length,))
+        return torch.from_numpy(mapped).untyped_storage()
+    buffer = torch.empty(span.length, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
+    with open(span.path, "rb") as handle:
+        handle.seek(span.offset)
+        filled = handle.readinto(view)
+    if filled != span.length:
+        raise InputError.truncated(span.path)
+    return buffer.untyped_storage()
+
+
+def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dict[str, torch.Tensor]:
+    """Materialize lazy tensors as real CPU tensors, keeping ties and views.
+
+    Each saved storage becomes one torch storage; each tensor is a view of it with its saved
+    offset, shape and stride, and its conjugate/negative bits (as ``torch.load`` sets them). Tensors that shared a storage on disk share it here
+    (``a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()``). Only the storages the
+    given tensors use are read. Sparse and nested tensors (:mod:`ckptool.pickles.layouts`) are built with
+    torch from their components and checked as ``torch.load`` checks them. Other non-tensor values
+    are left out.
+
+    Args:
+        tensors: name -> :class:`~ckptool.tensors.refs.TensorRef`, e.g. ``Checkpoint.tensors``.
+        mmap: map aligned bytes copy-on-write instead of reading them (memory stays in the page cache).
+
+    Example:
+        >>> state_dict = to_state_dict(ckptool.load("tied.pt").tensors)        # doctest: +SKIP
+        >>> state_dict["embed.weight"].data_ptr() == state_dict["head.weight"].data_ptr()   # doctest: +SKIP
+        True
+    """
+    import_torch("materializing tensors")  # where it is missing: the install step, not a bare ImportError
+    import torch
+
+    from ckptool.pickles import layouts
+
+    refs = {name: tensor for name, tensor in tensors.items() if isinstance(tensor, TensorRef)}
+    # what torch.load refuses is refused before a byte of values is read: the sparse and nested tensors
+    # given whole, and those whose parts are given (as Checkpoint.tensors lists them)
+    check_wholes(refs)
+    layout_values = layouts.layout_tensors(tensors)
+    for name, value in layout_values.items():
+        value.check(name=str(name))
+    # sparse and nested tensors: their components are materialized with the rest (sharing storages)
+    refs.update({f"{name}\0{role}": part for name, value in layout_values.items() for role, part in value.components()})
+    users: dict[int, list[TensorRef]] = {}
+    for tensor in refs.values():
+        users.setdefault(id(tensor.storage), []).append(tensor)
+    storages: dict[int, torch.UntypedStorage] = {}
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, tensor in refs.items():
+        key = id(tensor.storage)
+        if key not in storages:
+            storages[key] = materialize_storage(tensor.storage, mmap=mmap,
+                                                alignment=_storage_alignment(tensor.storage, users[key]))
+        dtype = torch_dtype(tensor.dtype)
+        try:
+            state_dict[name] = torch.empty(0, dtype=dtype).set_(storages[key], tensor.offset, tensor.shape,
+                                                                 tensor.stride)
+        except RuntimeError as e:
+            raise InputError(f"tensor {name!r} does not fit its storage ({e}) — the file is corrupt",
+                             path=tensor.storage.byte_range().path) from e
+        if tensor.conj or tensor.neg:
+            # the bits torch's _rebuild_tensor_v2 sets from the same metadata: a lazy conjugate or
+            # negative view, exactly as torch.load returns it (copies and load_state_dict resolve it)
+            bits = {key: True for key, value in (("conj", tensor.conj), ("neg", tensor.neg)) if value}
+            torch._C._set_tensor_metadata(state_dict[name], bits)
+    if not layout_values:
+        return state_dict
+    for name, value in layout_values.items():
+        parts = {role: state_dict.pop(f"{name}\0{role}") for role, _ in value.components()}
+        state_dict[name] = value.build(parts)
+    return {name: state_dict[name] for name in tensors if name in state_dict}
+
+
+# ---------------------------------------------------------------------------------------------- key fitting
+
+
+@dataclass(frozen=True)
+class KeyRewrite:
+    """Strip ``strip`` from the keys that carry it, then put ``add`` in front of every key."""
+
+    strip: str = ""
+    add: str = ""
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.strip and not self.add
+
+    def apply(self, key: str) -> str:
+        if self.strip and key.startswith(self.strip):
+            key = key[len(self.strip):]
+        return self.add + key
+
+    def describe(self) -> str:
+        """``strip "module."``, ``add "module."``, both, or ``keys as stored``."""
+        parts = []
+        if self.strip:
+            parts.append(f'strip "{self.strip}"')
+        if self.add:
+            parts.append(f'add "{self.add}"')
+        return " and ".join(parts) or "keys as stored"
+
+
+@dataclass
+class ShapeMismatch:
+    """A key both sides have, with different shapes."""
+
+    key: str
+    checkpoint_shape: tuple[int, ...]
+    model_shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "checkpoint_shape": list(self.checkpoint_shape), "model_shape": list(self.model_shape)}
+
+
+@dataclass
+class KeyMatch:
+    """How a checkpoint's keys, rewritten by ``rewrite``, meet a model's keys."""
+
+    rewrite: KeyRewrite
+    matched: int
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[ShapeMismatch]
+
+    @property
+    def fits(self) -> bool:
+        return not self.missing and not self.unexpected and not self.mismatched
+
+
+def match_keys(checkpoint_shapes: Mapping[str, tuple[int, ...]], model_shapes: Mapping[str, tuple[int, ...]],
+               rewrite: KeyRewrite = KeyRewrite()) -> KeyMatch | None:
+    """Compare keys after ``rewrite``; None if the rewrite maps two checkpoint keys onto one."""
+    renamed: dict[str, tuple[int, ...]] = {}
+    for key, shape in checkpoint_shapes.items():
+        new_key = rewrite.apply(key)
+        if new_key in renamed:
+            return None
+        renamed[new_key] = shape
+    missing = [key for key in model_shapes if key not in renamed]
+    unexpected = [key for key in renamed if key not in model_shapes]
+    mismatched = [ShapeMismatch(key, renamed[key], model_shapes[key])
+                  for key in model_shapes if key in renamed and tuple(renamed[key]) != tuple(model_shapes[key])]
+    matched = sum(1 for key in model_shapes if key in renamed) - len(mismatched)
+    return KeyMatch(rewrite, matched, missing, unexpected, mismatched)
+
+
+def _stack_parts(stack: str) -> list[str]:
+    """``"module._orig_mod."`` -> ``["module.", "module._orig_mod."]``."""
+    parts, current = [], ""
+    for piece in stack.split(".")[:-1]:
+        current += piece + "."
+        parts.append(current)
+    return parts
+
+
+def candidate_rewrites(checkpoint_prefix: str, model_prefix: str) -> list[KeyRewrite]:
+    """The rewrites worth trying, simplest first (the order breaks ties)."""
+    strips = ["", checkpoint_prefix, *_stack_parts(checkpoint_prefix), *WRAPPER_PREFIXES]
+    adds = ["", model_prefix, *_stack_parts(model_prefix), DDP_PREFIX]
+    seen: list[KeyRewrite] = []
+    for add in adds:
+        for strip in strips:
+            rewrite = KeyRewrite(strip, add)
+            if rewrite not in seen:
+                seen.append(rewrite)
+    return sorted(seen, key=lambda r: (bool(r.strip) + bool(r.add)))
+
+
+def best_rewrite(checkpoint_shapes: Mapping[str, tuple[int, ...]], model_shapes: Mapping[str, tuple[int, ...]],
+                 *, checkpoint_prefix: str = "") -> KeyMatch:
+    """The rewrite that makes most of the model's keys present with equal shapes.
+
+    Example:
+        >>> best_rewrite({"module.fc.weight": (2, 3)}, {"fc.weight": (2, 3)}).rewrite.describe()
+        'strip "module."'
+    """
+    model_prefix = detect_prefix(model_shapes, lightning=True)
+    best: KeyMatch | None = None
+    for rewrite in candidate_rewrites(checkpoint_prefix, model_prefix):
+        match = match_keys(checkpoint_shapes, model_shapes, rewrite)
+        if match is None:
+            continue
+        score = (match.matched, -len(match.mismatched), -len(match.unexpected))
+        if best is None or score > (best.matched, -len(best.mismatched), -len(best.unexpected)):
+            best = match
+    assert best is not None  # the identity rewrite never collides (keys of a dict are unique)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- diagnosis
+
+
+def module_of(key: str, depth: int = GROUP_DEPTH) -> str:
+    """The module a key belongs to, cut to ``depth`` components: ``layer1.0.conv1.weight`` -> ``layer1.0``."""
+    parts = key.split(".")[:-1]
+    return ".".join(parts[:depth]) or "(top level)"
+
+
+def group_by_module(keys: Iterable[str]) -> dict[str, list[str]]:
+    """Keys grouped by :func:`module_of`, in first-seen order."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(module_of(key), []).append(key)
+    return groups
+
+
+def _wrappers(stack: str) -> str:
+    return " + ".join(WRAPPER_NAMES.get(part, part) for part in (p + "." for p in stack.rstrip(".").split(".")))
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str,
+                allow_globals: Sequence[str] = ()) -> str:
+    """The ckptool command(s) that apply ``rewrite`` to the file at ``path`` (read with ``allow_globals``)."""
+    suffix = suggest.weights_suffix(format_)
+    commands = []
+    source = path
+    if rewrite.strip:
+        target = suggest.sibling(path, "stripped", suffix)
+        commands.append(suggest.command("strip", source, out=target,
+                                        prefix=rewrite.strip if rewrite.strip != checkpoint_prefix else None,
+                                        allow_globals=list(allow_globals)))
+        source = target
+    if rewrite.add:
+        commands.append(suggest.command("add-prefix", source, out=suggest.sibling(path, "prefixed", suffix),
+                                        prefix=rewrite.add, allow_globals=list(allow_globals)))
+    return suggest.each(commands)
+
+
+@dataclass
+class LoadDiagnosis:
+    """Why a checkpoint does not load into a model, and what fixes it.
+
+    Attributes:
+        path: the checkpoint.
+        model: the model's class name (``LeNet``, ``DataParallel(LeNet)``).
+        cause: ``prefix`` (a wrapper stack on one side), ``head`` (only the last layer's shape differs),
+            ``architecture`` (another network), ``partial`` (some keys missing or extra).
+        problem: one sentence saying what is wrong.
+        fix: the next step — a command where one exists.
+        rewrite: the key rewrite that fits best (``KeyRewrite()`` if none helps).
+        missing / unexpected / mismatched: as seen with the keys as stored.
+        fitted_*: the same after ``rewrite``.
+    """
+
+    path: Path
+    model: str
+    cause: str
+    problem: str
+    fix: str
+    rewrite: KeyRewrite
+    model_keys: int
+    matched: int
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[ShapeMismatch]
+    fitted_matched: int
+    fitted_missing: list[str]
+    fitted_unexpected: list[str]
+    fitted_mismatched: list[ShapeMismatch]
+
+    @property
+    def message(self) -> str:
+        """One line: the problem and the next step."""
+        return f"{self.problem} — {self.fix}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "model": self.model,
+            "cause": self.cause,
+            "problem": self.problem,
+            "fix": self.fix,
+            "rewrite": None if self.rewrite.is_identity else self.rewrite.describe(),
+            "model_keys": self.model_keys,
+            "matched": self.matched,
+            "missing": group_by_module(self.missing),
+            "unexpected": group_by_module(self.unexpected),
+            "mismatched": [m.to_json() for m in self.mismatched],
+            "after_rewrite": {
+                "matched": self.fitted_matched,
+                "missing": group_by_module(self.fitted_missing),
+                "unexpected": group_by_module(self.fitted_unexpected),
+                "mismatched": [m.to_json() for m in self.fitted_mismatched],
+            },
+        }
+
+
+class LoadMismatchError(CkptError):
+    """The checkpoint's weights do not fit the model; ``diagnosis`` says why and what fixes it."""
+
+    exit_code = 1
+
+    def __init__(self, diagnosis: LoadDiagnosis) -> None:
+        super().__init__(diagnosis.message, path=diagnosis.path)
+        self.diagnosis = diagnosis
+
+
+def model_name(model: nn.Module) -> str:
+    """``LeNet``; a wrapper shows what it wraps: ``DataParallel(LeNet)``."""
+    inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+    name = type(model).__name__
+    if inner is not None and hasattr(inner, "state_dict") and inner is not model:
+        return f"{name}({model_name(inner)})"
+    return name
+
+
+def _last_layer(model_keys: list[str]) -> str:
+    return module_of(model_keys[-1], depth=64) if model_keys else ""
+
+
+def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_stored: KeyMatch, fitted: KeyMatch,
+             *, checkpoint_prefix: str, model_prefix: str, allow_globals: Sequence[str] = ()) -> LoadDiagnosis:
+    """Name the cause of a mismatch and the next step (pure: keys and shapes in, diagnosis out)."""
+    rewrite = fitted.rewrite
+    sentences: list[str] = []
+    fixes: list[str] = []
+    cause = "partial"
+    keys_fit = not fitted.missing and not fitted.unexpected
+    if not rewrite.is_identity and fitted.matched + len(fitted.mismatched) > as_stored.matched + len(as_stored.mismatched):
+        cause = "prefix"
+        model_side = f'{model}\'s keys start with "{model_prefix}"' if model_prefix else f"{model}'s keys have no prefix"
+        if rewrite.strip and not rewrite.add:
+            sentences.append(f'every weight key carries "{rewrite.strip}" ({_wrappers(rewrite.strip)}) but {model_side}')
+        elif rewrite.add and not rewrite.strip:
+            sentences.append(f'{model}\'s keys start with "{rewrite.add}" ({_wrappers(rewrite.add)}) but the weight keys '
+                             "do not carry it")
+        else:
+            sentences.append(f'the weight keys carry "{rewrite.strip}" but {model}\'s keys start with "{rewrite.add}"')
+        fixes.append("run: " + fix_command(path, rewrite, checkpoint_prefix=checkpoint_prefix, format_=format_,
+                                            allow_globals=allow_globals))
+    total = len(model_keys)
+    if keys_fit and fitted.mismatched:
+        last = _last_layer(model_keys)
+        if all(module_of(m.key, depth=64) == last for m in fitted.mismatched):
+            head = fitted.mismatched[0]
+            classes = head.checkpoint_shape[0] if head.checkpoint_shape else "?"
+            cause = "head" if cause == "partial" else cause
+            sentences.append(f"the classifier head differs: {head.key} is {_shape(head.checkpoint_shape)} in the "
+                             f"checkpoint but {_shape(head.model_shape)} in {model}")
+            fixes.append(f"build the model with a {classes}-class head (e.g. num_classes={classes})")
+        else:
+            cause = "architecture" if cause == "partial" else cause
+            modules = ", ".join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))
+            sentences.append(f"holds a different architecture than {model}: {len(fitted.mismatched)} of its {total} "
+                             f"tensors have other shapes in the checkpoint ({modules})")
+            fixes.append("pass the model this checkpoint was trained with")
+    elif not keys_fit:
+        if fitted.matched < ARCHITECTURE_THRESHOLD * total or len(fitted.mismatched) > 1:
+            cause = "architecture" if cause == "partial" else cause
+            missing = ", ".join(group_by_module(fitted.missing)) or "none"
+            extra = ", ".join(group_by_module(fitted.unexpected)) or "none"
+            sentences.append(f"holds a different architecture than {model}: {fitted.matched} of its {total} tensors "
+                             f"found with the right shape (missing: {missing}; unexpected: {extra}"
+                             + (f"; other shapes: {', '.join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))}"
+                                if fitted.mismatched else "") + ")")
+            fixes.append("pass the model this checkpoint was trained with")
+        else:
+            parts = []
+            if fitted.missing:
+                parts.append(f"{len(fitted.missing)} of {model}'s keys are missing "
+                             f"({', '.join(fitted.missing[:3])}{', ...' if len(fitted.missing) > 3 else ''})")
+            if fitted.unexpected:
+                parts.append(f"{len(fitted.unexpected)} keys are unexpected "
+                             f"({', '.join(fitted.unexpected[:3])}{', ...' if len(fitted.unexpected) > 3 else ''})")
+            if fitted.mismatched:
+                parts.append(f"{fitted.mismatched[0].key} is {_shape(fitted.mismatched[0].checkpoint_shape)} in the "
+                             f"checkpoint but {_shape(fitted.mismatched[0].model_shape)} in {model}")
+            sentences.append("; ".join(parts))
+            fixes.append("check that the checkpoint was saved from this version of the model")
+    if not sentences:  # only reachable if the rewrite alone fits but was not applied
+        sentences.append(f"the keys fit {model} only after a rewrite ({rewrite.describe()})")
+    problem = "; then ".join(sentences) if cause == "prefix" and len(sentences) > 1 else "; ".join(sentences)
+    fix = ", then ".join(fixes) if fixes else "check that the checkpoint belongs to this model"
+    return LoadDiagnosis(
+        path=path, model=model, cause=cause, problem=problem, fix=fix, rewrite=rewrite, model_keys=total,
+        matched=as_stored.matched, missing=as_stored.missing, unexpected=as_stored.unexpected,
+        mismatched=as_stored.mismatched, fitted_matched=fitted.matched, fitted_missing=fitted.missing,
+        fitted_unexpected=fitted.unexpected, fitted_mismatched=fitted.mismatched,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- load_into
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_into` did.
+
+    Attributes:
+        rewrite: the key rewrite applied (``KeyRewrite()`` when the keys fit as stored).
+        matched: keys loaded; missing / unexpected / mismatched stay 0 after a strict load.
+        casts: ``{"F16->F32": n}`` — tensors whose dtype the model's parameters converted.
+        device: where the model's weights are (where it was, unless a device was asked for).
+        skipped: checkpoint keys the ``filter_fn`` left out (after the key rewrite).
+        missing_keys / unexpected_keys / mismatched_keys: with ``strict=False``, the model's keys
+            not loaded, the checkpoint's keys the model lacks, and those whose shapes differ
+            (left out of the load).
+    """
+
+    path: Path
+    format: str
+    layout: tuple[Any, ...]
+    model: str
+    device: str
+    rewrite: KeyRewrite
+    matched: int
+    missing: int = 0
+    unexpected: int = 0
+    mismatched: int = 0
+    casts: dict[str, int] = field(default_factory=dict)
+    tied: int = 0
+    skipped: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "path": str(self.path),
+            "format": self.format,
+            "layout": list(self.layout),
+            "model": self.model,
+            "device": self.device,
+            "rewrite": None if self.rewrite.is_identity else self.rewrite.describe(),
+            "matched": self.matched,
+            "missing": self.missing,
+            "unexpected": self.unexpected,
+            "mismatched": self.mismatched,
+            "casts": dict(self.casts),
+        }
+
+
+def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str],
+          weights: str | None = None) -> Checkpoint:
+    if isinstance(path, Checkpoint):
+        return path if weights is None else path.select_weights(weights)
+    return load(path, allow_globals=allow_globals, weights=weights)
+
+
+def _model_device(model: nn.Module) -> str:
+    """Where the model's weights are: its first parameter's (or buffer's) device; ``cpu`` for none."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return str(tensor.device)
+    return "cpu"
+
+
+def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str | None = None,
+              strict: bool = True, filter_fn: Callable[[dict[str, torch.Tensor], nn.Module],
+                                                       dict[str, torch.Tensor]] | None = None,
+              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None,
+              storage_options: Mapping[str, Any] | None = None) -> LoadReport:
+    """Load any checkpoint's weights into ``model``, fixing wrapper prefixes on the way.
+
+    Reads the file without running its code, finds the weights inside any training container,
+    picks the key rewrite that fits ``model`` (strip ``module.``/``_orig_mod.``/``model.``, or add the
+    prefix a wrapped model expects), then calls ``model.load_state_dict``: the values are copied
+    into the model's own tensors, on the device they are on.
+
+    Args:
+        model: the network to fill (bare, or wrapped in DataParallel/DDP/torch.compile).
+        path: any checkpoint ckptool reads, or an already loaded :class:`~ckptool.Checkpoint`.
+        fix: apply the best rewrite; with ``fix=False`` the keys must fit as stored, otherwise the
+            error names the fix.
+        device: move the model there first (``"cpu"``, ``"cuda:0"``...); by default it stays where it is.
+        strict: every key must fit (the default); with ``False`` the keys that fit by name and shape
+            are loaded and the report lists the rest (``missing_keys``, ``unexpected_keys``,
+            ``mismatched_keys``).
+        filter_fn: ``filter_fn(state_dict, model) -> state_dict``, as timm's ``load_checkpoint`` takes
+            it: called on the rewritten state dict before the load; the keys it drops are reported
+            as ``skipped`` (with ``strict=True`` the model's keys it drops must be none).
+        allow_globals: extra pickle globals to accept by name.
+        weights: which set of weights to load (``"state_dict_ema"``, ``"ema"``; see :func:`ckptool.load`).
+
+    Raises:
+        LoadMismatchError: the keys or shapes do not fit (exit code 1); ``.diagnosis`` has the detail.
+        InputError: the checkpoint is unreadable or holds no weights.
+        MissingExtraError: torch is not installed (an ``ImportError``: ``pip install 'ckptool[torch]'``).
+
+    Example:
+        >>> report = ckptool.load_into(LeNet(), "ddp.pt")    # doctest: +SKIP
+        >>> report.rewrite.describe(), report.matched       # doctest: +SKIP
+        ('strip "module."', 8)
+        >>> ckptool.load_into(net, "ema.pt", strict=False,  # doctest: +SKIP
+        ...                   filter_fn=lambda sd, m: {k: v for k, v in sd.items() if not k.startswith("head.")})
+    """
+    import_torch("loading into a model")
+    use_storage_options(storage_options)
+    checkpoint = _open(path, allow_globals, weights)
+    tensors = checkpoint.tensors
+    if not tensors:
+        raise InputError("holds no weight tensors to load", path=checkpoint.path)
+    model_state = model.state_dict()
+    model_shapes = {key: tuple(value.shape) for key, value in model_state.items() if hasattr(value, "shape")}
+    checkpoint_shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+    best = best_rewrite(checkpoint_shapes, model_shapes, checkpoint_prefix=checkpoint.prefix)
+    as_stored = match_keys(checkpoint_shapes, model_shapes)
+    assert as_stored is not None  # the identity rewrite cannot collide
+    chosen = best if fix else as_stored
+    name = model_name(model)
+    if strict and filter_fn is None and not chosen.fits:
+        raise LoadMismatchError(diagnose(
+            checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
+            checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
+            allow_globals=checkpoint.allow_globals,
+        ))
+    rewrite = chosen.rewrite
+    state_dict = to_state_dict({rewrite.apply(key): tensor for key, tensor in tensors.items()})
+    skipped: list[str] = []
+    if filter_fn is not None:
+        filtered = filter_fn(state_dict, model)
+        skipped = [key for key in state_dict if key not in filtered]
+        state_dict = dict(filtered)
+    fits = {key: value for key, value in state_dict.items()
+            if key in model_shapes and tuple(value.shape) == model_shapes[key]}
+    missing = [key for key in model_shapes if key not in fits]
+    unexpected = [key for key in state_dict if key not in model_shapes]
+    mismatched = [key for key in state_dict if key in model_shapes and key not in fits]
+    if strict and (missing or unexpected or mismatched):  # what filter_fn left does not fit the model
+        raise LoadMismatchError(diagnose(
+            checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
+            checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
+            allow_globals=checkpoint.allow_globals,
+        ) if not chosen.fits else _filtered_diagnosis(checkpoint, name, chosen, missing, unexpected, skipped))
+    casts = Counter(f"{dtype_name(value)}->{dtype_name(model_state[key])}"
+                    for key, value in fits.items() if value.dtype != model_state[key].dtype)
+    if device is not None:
+        model.to(device)
+    try:
+        model.load_state_dict(fits, strict=strict)
+    except RuntimeError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CkptError(f"load_state_dict failed after the keys matched ({first_line}) — "
+                        "the model's load hooks reject these weights", path=checkpoint.path) from e
+    storages = Counter(id(tensor.storage) for tensor in tensors.values())
+    return LoadReport(
+        path=checkpoint.path, format=checkpoint.format, layout=tuple(checkpoint.layout or ()), model=name,
+        device=str(device) if device is not None else _model_device(model), rewrite=rewrite, matched=len(fits),
+        missing=len(missing), unexpected=len(unexpected), mismatched=len(mismatched),
+        casts=dict(casts),
+        tied=sum(count - 1 for count in storages.values() if count > 1), skipped=skipped, missing_keys=missing,
+        unexpected_keys=unexpected, mismatched_keys=mismatched,
+    )
+
+
+def _filtered_diagnosis(checkpoint: Checkpoint, model: str, chosen: Any, missing: list[str], unexpected: list[str],
+                        skipped: list[str]) -> LoadDiagnosis:
+    """The keys fit before ``filter_fn`` and not after it: say what it took away."""
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    problem = (f"filter_fn left {len(missing)} of {model}'s keys without weights ({shown})" if missing else
+               f"filter_fn returned {len(unexpected)} keys {model} does not have ({', '.join(unexpected[:3])})")
+    return LoadDiagnosis(
+        path=checkpoint.path, model=model, cause="partial", problem=problem,
+        fix="load with strict=False to keep the model's own values for them", rewrite=chosen.rewrite,
+        model_keys=chosen.matched + len(chosen.missing), matched=chosen.matched - len(missing),
+        missing=missing, unexpected=unexpected, mismatched=[], fitted_matched=chosen.matched - len(missing),
+        fitted_missing=missing, fitted_unexpected=unexpected, fitted_mismatched=[],
+    )
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    from ckptool.tensors.dtypes import BY_TORCH_NAME
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    known = BY_TORCH_NAME.get(name)
+    return known.name if known is not None else name

@@ -1,0 +1,1 @@
+"""Lazy tensor references and the bytes behind them; dtypes; the content fingerprint."""

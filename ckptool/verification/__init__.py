@@ -1,0 +1,1 @@
+"""verify: weights load, and evaluate identically on CPU and every device."""

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "deep_equal_keys.pt":
                 rows.append({"case": name, "command": "scan (Python walk)",
                              **run(args.checkout, ["scan", str(path)], args.timeout,
-                                   {"CKPTOOL_PURE_PYTHON_GUARD": "1"})})
+                                   {"CKPTOOL_PURE_PYTHON": "1"})})
     print("| case | command | exit | peak MB | s | says |")
     print("|---|---|---|---|---|---|")
     for row in rows:

@@ -874,7 +874,7 @@ def _formats_cases(directory: Path, canary_dir: Path) -> list[Case]:
 
 
 def _carry_cases(directory: Path) -> list[Case]:
-    """safetensors files whose ckptool.formats.entries metadata (the container around the weights) is hostile:
+    """safetensors files whose ckptool.entries metadata (the container around the weights) is hostile:
     a global the encoding never carries, nesting past any stack, a hash-collision flood, too many values."""
     weights = {"weight": f32([1], 0, 4)}
 
@@ -893,7 +893,7 @@ def _carry_cases(directory: Path) -> list[Case]:
     cases = []
     for name, value in made.items():
         path = directory / "files" / f"{name}.safetensors"
-        path.write_bytes(safetensors_file({"__metadata__": {"ckptool.formats.entries": value}, **weights}, FOUR_FLOATS[:4]))
+        path.write_bytes(safetensors_file({"__metadata__": {"ckptool.entries": value}, **weights}, FOUR_FLOATS[:4]))
     return cases
 
 

@@ -11,7 +11,7 @@ import pytest
 from ckptool.files import copying
 from ckptool.files.byteio import FileCache, read_exact, read_into
 from ckptool.base.errors import InputError
-from ckptool.tensors.refs import ByteRange
+from ckptool.files.ranges import ByteRange
 
 
 def _open_fds() -> int:

@@ -348,7 +348,7 @@ def test_a_library_warning_does_not_reach_stderr(tmp_path: Path, subprocess_env:
     torch.save({"w": torch.ones(2)}, path)
     code = f"""
 import sys, warnings
-from ckptool import summary
+from ckptool.ops import inspect as summary
 from ckptool.cli.main import main
 inspect = summary.inspect
 def warning_inspect(*args, **kwargs):

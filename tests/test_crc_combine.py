@@ -18,7 +18,7 @@ from ckptool.files import copying
 from ckptool.files.copying import crc32_combine, pieces_crc
 from ckptool.formats import zipio
 from ckptool.formats.zipio import ZipWriter
-from ckptool.tensors.refs import ByteRange
+from ckptool.files.ranges import ByteRange
 
 # ------------------------------------------------------------------------------------------------ reference
 # An independent model of the same algebra, used only where zlib cannot be run (lengths of GiBs):
@@ -221,7 +221,7 @@ def test_crc32_uses_isal_where_installed_and_zlib_when_told() -> None:
     import sys
 
     pytest.importorskip("isal", reason="isal has no wheel for this platform: zlib's CRC is used")
-    code = "from ckptool import crc; print(crc.IMPLEMENTATION, crc.crc32.__module__)"
+    code = "from ckptool.files import crc; print(crc.IMPLEMENTATION, crc.crc32.__module__)"
     env = {k: v for k, v in __import__("os").environ.items() if k != "CKPTOOL_CRC"}
     used = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert used.split()[0] == "isal" and "isal" in used.split()[1]

@@ -211,7 +211,7 @@ def test_a_tensor_in_pieces_is_compared_across_piece_and_chunk_boundaries(tmp_pa
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """DCP row shards lie in several places: read end to end, boundaries not on chunk boundaries."""
     from ckptool.base.errors import InputError
-    from ckptool.tensors.refs import ByteRange
+    from ckptool.files.ranges import ByteRange
 
     monkeypatch.setattr(diff_module, "CHUNK_SIZE", 64)  # 16 floats per chunk
     raw = np.arange(100, dtype="<f4").tobytes()

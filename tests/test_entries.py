@@ -1,4 +1,4 @@
-"""safetensors outputs carry the container around the weights (ckptool.formats.entries) and name what they cannot.
+"""safetensors outputs carry the container around the weights (ckptool.entries) and name what they cannot.
 
 Every file is made with torch.save in tmp_path; round trips are compared with torch's own
 ``torch.load(weights_only=True)`` of the original, and every safetensors output is opened with the
@@ -109,7 +109,7 @@ def test_nested_config_and_special_values_round_trip_through_safetensors(tmp_pat
             metadata = handle.metadata()
             assert sorted(handle.keys())
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-        assert ("ckptool.formats.entries" in metadata) == (index == 0)  # the first shard only
+        assert ("ckptool.entries" in metadata) == (index == 0)  # the first shard only
     back = tmp_path / "back.pt"
     report = convert(middle, back)
     assert any("restored the container" in note and "model.state_dict" in note for note in report["notes"])
@@ -241,15 +241,15 @@ def test_rewriting_safetensors_keeps_the_entries(tmp_path: Path) -> None:
 def test_older_entries_still_read_and_are_named_when_left_behind(tmp_path: Path) -> None:
     # what ckptool wrote before the encoding had a version: top-level JSON entries, no weights place
     old = tmp_path / "old.safetensors"
-    save_file(dict(linear_weights()), old, metadata={"format": "pt", "ckptool.formats.entries": '{"epoch":3,"lr":0.1}'})
+    save_file(dict(linear_weights()), old, metadata={"format": "pt", "ckptool.entries": '{"epoch":3,"lr":0.1}'})
     assert invoke("inspect", old).exit_code == 0
     checkpoint = ckptool.load(old)
     assert checkpoint.layout == () and set(checkpoint.tensors) == {"weight", "bias"}
     notes = convert(old, tmp_path / "back.pt")["notes"]
-    assert any("entries epoch, lr from metadata ckptool.formats.entries not carried" in note for note in notes), notes
+    assert any("entries epoch, lr from metadata ckptool.entries not carried" in note for note in notes), notes
     convert(old, tmp_path / "again.safetensors")
     with safe_open(tmp_path / "again.safetensors", "pt") as handle:
-        assert handle.metadata()["ckptool.formats.entries"] == '{"epoch":3,"lr":0.1}'
+        assert handle.metadata()["ckptool.entries"] == '{"epoch":3,"lr":0.1}'
 
 
 def test_nest_is_refused_for_a_file_carrying_its_container(tmp_path: Path) -> None:
@@ -297,12 +297,12 @@ MALFORMED = {
 def test_malformed_entries_are_refused_in_one_line(tmp_path: Path, case: str) -> None:
     text, expected = MALFORMED[case]
     path = tmp_path / "hostile.safetensors"
-    save_file(dict(linear_weights()), path, metadata={"ckptool.formats.entries": text})
+    save_file(dict(linear_weights()), path, metadata={"ckptool.entries": text})
     for command in (["inspect", path], ["convert", path, "-o", tmp_path / "out.pt"]):
         result = invoke(*command)
         assert result.exit_code == 3, (case, result.output)
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and str(path) in lines[0] and "ckptool.formats.entries" in lines[0], lines
+        assert len(lines) == 1 and str(path) in lines[0] and "ckptool.entries" in lines[0], lines
         assert expected in lines[0], lines
     assert not (tmp_path / "out.pt").exists()
 
@@ -315,9 +315,9 @@ def test_entries_over_the_size_limit_are_refused_on_read_and_never_written(tmp_p
     notes = convert(source, tmp_path / "w.safetensors")["notes"]
     assert len(notes) == 1 and "over the 1000 limit) not carried" in notes[0]
     with safe_open(tmp_path / "w.safetensors", "pt") as handle:
-        assert "ckptool.formats.entries" not in handle.metadata()
+        assert "ckptool.entries" not in handle.metadata()
     save_file(dict(linear_weights()), tmp_path / "long.safetensors",
-              metadata={"ckptool.formats.entries": json.dumps({"log": ["x" * 100] * 50})})
+              metadata={"ckptool.entries": json.dumps({"log": ["x" * 100] * 50})})
     result = invoke("inspect", tmp_path / "long.safetensors")
     assert result.exit_code == 3 and "over the 1000 limit" in result.stderr
 

@@ -1,6 +1,6 @@
-"""The C run of the unpickler (``ckptool/pickles/_fastload.c``) gives exactly what CPython's unpickler gives.
+"""The C run of the unpickler (``ckptool/native/_fastload.c``) gives exactly what CPython's unpickler gives.
 
-CPython's unpickler with the Python callbacks is the reference (``CKPTOOL_PURE_PYTHON_UNPICKLE=1``, or
+CPython's unpickler with the Python callbacks is the reference (``CKPTOOL_PURE_PYTHON=1``, or
 ``unpickle.FAST`` off). On every input here both read the same file or pickle and must agree on the
 whole result: the object tree, compared node by node with its sharing (which objects are one object),
 every field of every tensor, storage and byte range, the globals the resolver saw and refused; or on
@@ -32,7 +32,7 @@ import torch
 import ckptool
 from ckptool import pickles
 from ckptool.base.errors import CkptError
-from ckptool.formats import torch_zip, zipio
+from ckptool.formats import torch_zip, zip_storages, zipio
 from ckptool.pickles import unpickle
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,7 +40,7 @@ import hostile  # noqa: E402 — the corpus generator beside this file
 import serialization_cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(unpickle._fastload is None, reason="the C run is not built: `make venv` compiles "
-                                                                  "ckptool/pickles/_fastload.c")
+                                                                  "ckptool/native/_fastload.c")
 
 ROOT = Path(__file__).resolve().parent.parent
 PICKLESCAN = Path(os.environ.get("CKPTOOL_PICKLESCAN_CORPUS", "/work/shared/corpus/picklescan/tests"))
@@ -164,7 +164,7 @@ def loads(path: Path, blob: bytes, fast: bool, counts: bool = True) -> tuple:
             members = zipio.read_members(path, handle)
         top = torch_zip.archive_folder(path, members)
         storages: dict = {}
-        loader = torch_zip.storage_loader(path, members, top, storages)
+        loader = zip_storages.storage_loader(path, members, top, storages)
         resolver = pickles.GlobalResolver()
         try:
             if counts:
@@ -232,7 +232,7 @@ def test_containers_of_every_taken_opcode_read_alike(tmp_path: Path) -> None:
 
 
 def test_the_run_is_what_reads_by_default() -> None:
-    assert unpickle.FAST == (os.environ.get("CKPTOOL_PURE_PYTHON_UNPICKLE", "") in ("", "0"))
+    assert unpickle.FAST == (os.environ.get("CKPTOOL_PURE_PYTHON", "") in ("", "0"))
     # the opcodes it takes, by the guard's counts: those of torch's state dicts and training containers
     for code in b"\x80}](X\x8cqrhjKMJ\x8aG\x88\x89Nt\x85\x86\x87cRQsuaeb.":
         assert code not in unpickle._FAST_NOT_TAKEN
@@ -351,7 +351,8 @@ def test_a_big_endian_archive_keeps_the_python_loader(tmp_path: Path, monkeypatc
 
 def test_the_constructors_the_run_uses_build_what_the_classes_build(tmp_path: Path) -> None:
     from ckptool.tensors import dtypes
-    from ckptool.tensors.refs import ByteRange, StorageRef, TensorRef
+    from ckptool.tensors.refs import StorageRef, TensorRef
+    from ckptool.files.ranges import ByteRange
 
     f32 = dtypes.BY_NAME["F32"]
     byte_range = ByteRange(tmp_path, 64, 16, 7)
@@ -413,7 +414,8 @@ def test_the_c_emitter_takes_every_kind_of_entry_alike(tmp_path: Path, monkeypat
     from collections import OrderedDict
 
     from ckptool.tensors import dtypes
-    from ckptool.tensors.refs import ByteRange, StorageRef, TensorRef
+    from ckptool.tensors.refs import StorageRef, TensorRef
+    from ckptool.files.ranges import ByteRange
 
     f32 = dtypes.BY_NAME["F32"]
     storage = StorageRef("s", f32, 1 << 40, "cuda:1", ByteRange(tmp_path, 0, 4 << 40), "torch.FloatStorage")
@@ -774,7 +776,8 @@ def test_check_tree_in_c_judges_as_the_python_walk_does(fixtures_dir: Path) -> N
     import copy
     from collections import Counter, OrderedDict
 
-    from ckptool.pickles import _fastload, limits
+    from ckptool.native import _fastload
+    from ckptool.pickles import limits
     from ckptool.tensors.refs import TensorRef
 
     plain = next(iter(ckptool.load(fixtures_dir / "single_lenet.pt").tensors.values()))

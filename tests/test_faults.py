@@ -33,11 +33,11 @@ BIG_TENSORS, BIG_ELEMENTS = 8, 1_000_000  # 8 x 4 MB of float32: over the full-d
 PAUSED_WRITER = """
 import signal, sys
 from pathlib import Path
-from ckptool import writer
+from ckptool.io import write_check
 from ckptool.cli.main import main
 
 marker = Path(sys.argv.pop(1))
-written = writer.OutputSums.written
+written = write_check.OutputSums.written
 
 def written_then_wait(self, offset, length):
     written(self, offset, length)
@@ -46,7 +46,7 @@ def written_then_wait(self, offset, length):
         while True:  # a signal ends this: KeyboardInterrupt, the SIGTERM handler, or SIGKILL
             signal.pause()
 
-writer.OutputSums.written = written_then_wait
+write_check.OutputSums.written = written_then_wait
 sys.argv[0] = "ckptool"
 main()
 """

@@ -452,6 +452,6 @@ def test_fingerprint_goes_to_its_own_field_only(tmp_path: Path) -> None:
                 metadata = handle.metadata()
             assert metadata["ckptool.fingerprint"] == expected
             if source.name == "train.pt":
-                assert json.loads(metadata["ckptool.formats.entries"])["container"]["note"] == OLD_PLACEHOLDER
+                assert json.loads(metadata["ckptool.entries"])["container"]["note"] == OLD_PLACEHOLDER
             else:
                 assert metadata["mine"] == OLD_PLACEHOLDER

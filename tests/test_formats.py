@@ -86,10 +86,11 @@ import json
 import math
 from pathlib import Path
 
-from ckptool import dtypes
+from ckptool.tensors import dtypes
 from ckptool.base.errors import InputError
 from ckptool.formats import Contents, Format, ReadOptions
-from ckptool.tensors.refs import ByteRange, StorageRef, TensorRef, contiguous_stride
+from ckptool.tensors.refs import StorageRef, TensorRef, contiguous_stride
+from ckptool.files.ranges import ByteRange
 
 MAGIC = b"TOYCKPT1\\n"
 
@@ -185,7 +186,7 @@ def test_the_safetensors_header_is_the_bytes_json_writes_for_it(in_c: bool, monk
     from ckptool.pickles.unpickle import FAST
 
     if in_c and not FAST:
-        pytest.skip("the C extension (ckptool/pickles/_fastload.c) was not built here")
+        pytest.skip("the C extension (ckptool/native/_fastload.c) was not built here")
     monkeypatch.setattr(safetensors, "PURE_PYTHON_HEADER", not in_c)
     written_in_c = 0
     rng = random.Random(20261127)
@@ -230,7 +231,7 @@ def test_the_safetensors_header_parsed_in_c_checks_each_field_as_the_entry_check
     from ckptool.pickles.unpickle import FAST, _fastload
 
     if not FAST:
-        pytest.skip("the C extension (ckptool/pickles/_fastload.c) was not built here")
+        pytest.skip("the C extension (ckptool/native/_fastload.c) was not built here")
     rng = random.Random(20261127)
     path = Path("x.safetensors")
     names = [name for name in sorted(safetensors.FORMAT_DTYPES) if name in dtypes.BY_NAME]
@@ -322,7 +323,7 @@ def test_the_safetensors_header_parsed_in_c_is_the_one_json_and_the_entry_checks
     from ckptool.pickles.unpickle import FAST, _fastload
 
     if not FAST:
-        pytest.skip("the C extension (ckptool/pickles/_fastload.c) was not built here")
+        pytest.skip("the C extension (ckptool/native/_fastload.c) was not built here")
     rng = random.Random(20261127)
     path = Path("x.safetensors")
     names = sorted(safetensors._DTYPES)

@@ -1,4 +1,4 @@
-"""The opcode guard's C walk (``ckptool/pickles/_guard.c``) gives exactly what its Python walk gives.
+"""The opcode guard's C walk (``ckptool/native/_guard.c``) gives exactly what its Python walk gives.
 
 The Python walk (``opcode_guard._Walk``) is the reference. On every input here both walk the same
 bytes, and must agree on the pickle's length, its 256 opcode counts and the globals it names, or
@@ -8,7 +8,7 @@ pickle the hostile corpus and the bounds tests build (their own builders, import
 small real pickles and many cuts of large ones; single-byte mutations of torch's own pickles;
 hypothesis opcode streams from a grammar of every opcode the guard reads, valid and malformed,
 under the real limits and under low ones; each limit reached on purpose. Then: nothing leaks over
-thousands of walks, and ``CKPTOOL_PURE_PYTHON_GUARD=1`` selects the Python walk.
+thousands of walks, and ``CKPTOOL_PURE_PYTHON=1`` selects the Python walk.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import hostile  # noqa: E402 — the corpus generator beside this file
 
 pytestmark = pytest.mark.skipif(
     opcode_guard._native is None,
-    reason="the native guard is not built: `make venv` (pip install -e .) compiles ckptool/pickles/_guard.c; "
+    reason="the native guard is not built: `make venv` (pip install -e .) compiles ckptool/native/_guard.c; "
            "in place: python -c 'from setuptools import setup; setup()' build_ext --inplace")
 
 PICKLESCAN = Path(os.environ.get("CKPTOOL_PICKLESCAN_CORPUS", "/work/shared/corpus/picklescan/tests"))
@@ -718,10 +718,10 @@ def test_the_environment_variable_selects_the_python_walk(repo_root: Path) -> No
     probe = ("from ckptool.pickles import opcode_guard as g; calls = []; run = g._Walk.run; "
              "g._Walk.run = lambda self: calls.append(1) or run(self); g.guard(b'N.'); print(g.NATIVE, bool(calls))")
     for value, expected in (("1", "False True"), ("0", "True False"), (None, "True False")):
-        environment = {k: v for k, v in os.environ.items() if k != "CKPTOOL_PURE_PYTHON_GUARD"}
+        environment = {k: v for k, v in os.environ.items() if k != "CKPTOOL_PURE_PYTHON"}
         environment["PYTHONPATH"] = str(repo_root)
         if value is not None:
-            environment["CKPTOOL_PURE_PYTHON_GUARD"] = value
+            environment["CKPTOOL_PURE_PYTHON"] = value
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=environment,
                                 timeout=120)
         assert result.stdout.split() == expected.split(), (value, result.stdout, result.stderr)

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import ckptool
 import ckptool.cli.main
-for name in ("reader", "writer", "safety", "summary", "comparison", "verification", "digest", "materialize"):
+for name in ("io.reader", "io.writer", "ops.scan", "ops.inspect", "ops.diff", "verification.verify", "tensors.digest",
+             "ops.load_into"):
     __import__(f"ckptool.{name}")  # what every command imports: paid once, here
 
 plan = json.loads(Path(sys.argv[1]).read_text())

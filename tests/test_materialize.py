@@ -22,7 +22,8 @@ from ckptool.ops.load_into import (
     module_of,
     to_state_dict,
 )
-from ckptool.tensors.refs import ByteRange, StorageRef
+from ckptool.tensors.refs import StorageRef
+from ckptool.files.ranges import ByteRange
 from training.models import LeNet, build_model
 
 

@@ -94,7 +94,7 @@ def test_drop_rename_and_weights_only_against_torch(fixtures_dir: Path, tmp_path
     from safetensors import safe_open
 
     with safe_open(str(st), "pt") as reader:
-        assert "ckptool.formats.entries" not in (reader.metadata() or {})
+        assert "ckptool.entries" not in (reader.metadata() or {})
 
 
 def test_drop_and_rename_refuse_what_would_be_a_mistake(fixtures_dir: Path, tmp_path: Path) -> None:

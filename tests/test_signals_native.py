@@ -90,7 +90,7 @@ def _attempts(run: Callable[[], Any], handler: Callable[[int, Any], None], total
     return False
 
 
-@pytest.mark.skipif(fastload is None, reason="the C extension (ckptool/pickles/_fastload.c) was not built here")
+@pytest.mark.skipif(fastload is None, reason="the C extension (ckptool/native/_fastload.c) was not built here")
 def test_the_c_unpickler_ends_on_a_signal_part_way() -> None:
     # a persistent id gives the run a list of ours; three million APPENDs of None go into it
     count = 3_000_000
@@ -105,7 +105,7 @@ def test_the_c_unpickler_ends_on_a_signal_part_way() -> None:
     assert _interrupted_part_way(run, lambda: len(target), count)
 
 
-@pytest.mark.skipif(zipfast is None, reason="the C extension (ckptool/formats/_zipfast.c) was not built here")
+@pytest.mark.skipif(zipfast is None, reason="the C extension (ckptool/native/_zipfast.c) was not built here")
 def test_the_c_zip_loops_end_on_a_signal_part_way() -> None:
     # one record, met 400,000 times: each Member made holds its name once more
     count = 400_000

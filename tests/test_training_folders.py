@@ -464,7 +464,7 @@ def test_weights_state_round_trip(tmp_path: Path, optimizer_class: type, options
             _, index, key = name.split(".")
             assert torch.equal(handle.get_tensor(name), saved["state"][int(index)][key])
     assert metadata["ckptool.fingerprint"] == fingerprint
-    assert '"param_groups"' in metadata["ckptool.formats.entries"] and '"lr":0.01' in metadata["ckptool.formats.entries"]
+    assert '"param_groups"' in metadata["ckptool.entries"] and '"lr":0.01' in metadata["ckptool.entries"]
 
     code, out, err = run("convert", tmp_path / "state.safetensors", "-o", tmp_path / "back.pt")
     assert code == 0, err

@@ -7,7 +7,7 @@
   second ``__metadata__``, a field twice, ``-0``), and reads the same names and metadata where both read.
 - A ``.pt`` written from a safetensors file or a torch.save'd container: the same pickle bytes and the
   same storages whichever parse read the header, whichever unpickler read the pickle and whichever
-  emitter wrote it (``CKPTOOL_PURE_PYTHON_HEADER``, ``_UNPICKLE``, ``_EMIT``), and the same file bytes but
+  emitter wrote it (``PURE_PYTHON_HEADER``, ``unpickle.FAST``, the emitter's ``_emit_items``), and the same file bytes but
   its random serialization id: which tuple objects the reader shares between tensors does not show.
 """
 
@@ -38,7 +38,7 @@ torch = pytest.importorskip("torch")
 safe_open = pytest.importorskip("safetensors").safe_open
 
 pytestmark = pytest.mark.skipif(unpickle._fastload is None or emit._emit_items is None,
-                                reason="the C extension (ckptool/pickles/_fastload.c) was not built here")
+                                reason="the C extension (ckptool/native/_fastload.c) was not built here")
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

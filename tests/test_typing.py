@@ -31,6 +31,7 @@ import ckptool
 from ckptool import (Checkpoint, CkptError, DiffReport, InputError, InternalError, LoadMismatchError, LoadReport,
                      OutputError, ResourceError, SaveReport, ScanReport, Summary, UnsafeCheckpointError,
                      UnsupportedFormatError, VerifyReport)
+from ckptool.base.errors import Location
 from ckptool.files.remote import RemotePath
 
 
@@ -62,8 +63,9 @@ def refused(path: Path) -> int:
         names: list[str] = error.globals
         return len(names)
     except (InputError, UnsupportedFormatError, OutputError, ResourceError, InternalError) as error:
-        where: Path | RemotePath | None = error.path  # a URL input's errors name the URL
-        return 3 if where is None else 4
+        where: Location | None = error.path  # a local Path, or a URL input's RemotePath
+        url: RemotePath | None = where if isinstance(where, RemotePath) else None
+        return 3 if where is None else 4 if url is None else 5
     except CkptError as error:
         return error.exit_code
     return 0

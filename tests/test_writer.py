@@ -87,7 +87,7 @@ def test_convert_round_trip_keeps_fingerprint(entry: dict, fixtures_dir: Path, t
     back = save(ckptool.load(tmp_path / "w.safetensors"), tmp_path / "w.pt", fingerprint=True)
     assert back.fingerprint == entry["fingerprint"]
     reloaded = torch.load(tmp_path / "w.pt", weights_only=True)
-    for key in source.layout:  # the container comes back around the weights (ckptool.formats.entries)
+    for key in source.layout:  # the container comes back around the weights (ckptool.entries)
         reloaded = reloaded[key]
     stock = load_file(tmp_path / "w.safetensors")
     aliases = set(st.aliases)
@@ -176,7 +176,7 @@ def test_fingerprint_recorded_in_safetensors_metadata_only_when_asked(fixtures_d
     with safe_open(tmp_path / "plain.safetensors", "pt") as handle:
         metadata = handle.metadata()
     assert "ckptool.fingerprint" not in metadata
-    assert json.loads(metadata["ckptool.formats.entries"])["container"]["epoch"] == 1
+    assert json.loads(metadata["ckptool.entries"])["container"]["epoch"] == 1
     hashed = save(source, tmp_path / "hashed.safetensors", fingerprint=True)
     with safe_open(tmp_path / "hashed.safetensors", "pt") as handle:
         assert handle.metadata()["ckptool.fingerprint"] == hashed.fingerprint == ckptool.fingerprint(source.tensors)
@@ -393,7 +393,7 @@ def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: P
     from ckptool.files import copying
 
     if in_c and copying._native_gather() is None:
-        pytest.skip("the C extension (ckptool/formats/_zipfast.c) was not built here")
+        pytest.skip("the C extension (ckptool/native/_zipfast.c) was not built here")
     if not in_c:
         monkeypatch.setattr(copying, "_GATHER", None)
     if report_every is not None:  # runs cut often
@@ -449,7 +449,7 @@ def test_copy_all_of_a_source_cut_short_says_the_file_ends(tmp_path: Path, in_c:
     from ckptool.base.errors import InputError
 
     if in_c and copying._native_gather() is None:
-        pytest.skip("the C extension (ckptool/formats/_zipfast.c) was not built here")
+        pytest.skip("the C extension (ckptool/native/_zipfast.c) was not built here")
     if not in_c:
         monkeypatch.setattr(copying, "_GATHER", None)
     source = tmp_path / "src.bin"

@@ -1,4 +1,4 @@
-"""The C loops of ``ckptool.formats._zipfast`` give exactly what zipio's Python loops give.
+"""The C loops of ``ckptool.native._zipfast`` give exactly what zipio's Python loops give.
 
 Each C function is checked against its Python reference (``zipio._records_py``, ``_local_headers_py``,
 ``_members_py``, ``_fold_py``, ``_spans_py``) on the same input, and whole archives are read both
@@ -10,7 +10,7 @@ archives, over 65,535 members, crafted extra fields and names, and seeded random
 truncations of real central directories and archives.
 
 Skipped where the extension is not built (``python -c "from setuptools import setup; setup()" build_ext
---inplace``); ``CKPTOOL_PURE_PYTHON_ZIP=1`` does not skip these (they call both loops themselves).
+--inplace``); ``CKPTOOL_PURE_PYTHON=1`` does not skip these (they call both loops themselves).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hostile  # noqa: E402 — the corpus generator beside this file
 
 try:
-    native: Any = importlib.import_module("ckptool.formats._zipfast")
+    native: Any = importlib.import_module("ckptool.native._zipfast")
 except ImportError:
     native = None
 
-needs_native = pytest.mark.skipif(native is None, reason="ckptool.formats._zipfast is not built (no C compiler "
+needs_native = pytest.mark.skipif(native is None, reason="ckptool.native._zipfast is not built (no C compiler "
                                   "when installed; build it with: python -c \"from setuptools import setup; "
                                   "setup()\" build_ext --inplace)")
 REPO = Path(__file__).resolve().parent.parent
@@ -268,7 +268,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def test_pure_python_is_forced_by_the_environment() -> None:
-    environment = dict(os.environ, CKPTOOL_PURE_PYTHON_ZIP="1", PYTHONPATH=str(REPO))
+    environment = dict(os.environ, CKPTOOL_PURE_PYTHON="1", PYTHONPATH=str(REPO))
     code = "from ckptool.formats import zipio; print(zipio.NATIVE, zipio._native)"
     out = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "None"]
@@ -276,11 +276,11 @@ def test_pure_python_is_forced_by_the_environment() -> None:
 
 @needs_native
 def test_the_native_loops_are_used_when_built() -> None:
-    environment = {key: value for key, value in os.environ.items() if key != "CKPTOOL_PURE_PYTHON_ZIP"}
+    environment = {key: value for key, value in os.environ.items() if key != "CKPTOOL_PURE_PYTHON"}
     environment["PYTHONPATH"] = str(REPO)
     code = "from ckptool.formats import zipio; print(zipio.NATIVE, zipio._native.__name__)"
     out = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "ckptool.formats._zipfast"]
+    assert out.stdout.split() == ["True", "ckptool.native._zipfast"]
 
 
 @needs_native

@@ -13,23 +13,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckptool.base import exitcodes
 from ckptool.base.suggest import Option, Wording, keyword
-from ckptool.base.text import printable
-
-if TYPE_CHECKING:
-    from ckptool.files.remote import RemotePath
+from ckptool.base.text import printable, shown_url
 
 
-def location(path: Path | str | RemotePath) -> Path | RemotePath:
-    """A local path, or a URL as a :class:`~ckptool.files.remote.RemotePath` (imported only for a URL)."""
-    if isinstance(path, Path) or (isinstance(path, str) and "://" not in path):
-        return Path(path)
-    from ckptool.files.remote import location as to_location
+class Location(Protocol):
+    """Where an error happened: a local :class:`~pathlib.Path`, or a URL as the
+    ``ckptool.files.remote.RemotePath`` the input was decided to be where the user named it. Either has a
+    ``name``, and its ``str()`` carries no credentials."""
 
-    return to_location(path)
+    @property
+    def name(self) -> str: ...
+
+
+class _UrlText(str):
+    """A URL an error was given as text, kept as a message may print it (without credentials)."""
+
+    @property
+    def name(self) -> str:
+        return self.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def _located(path: str | Location) -> Location:
+    """``path`` as the error keeps it: text becomes a local :class:`Path`, or a URL's text without credentials."""
+    if isinstance(path, str):
+        return _UrlText(shown_url(path)) if "://" in path else Path(path)
+    return path
 
 
 class CkptError(Exception):
@@ -37,8 +49,8 @@ class CkptError(Exception):
 
     exit_code = exitcodes.INPUT
 
-    def __init__(self, message: str | Wording, *, path: Path | str | RemotePath | None = None) -> None:
-        self.path = location(path) if path is not None else None  # a URL stays a URL (printed without credentials)
+    def __init__(self, message: str | Wording, *, path: str | Location | None = None) -> None:
+        self.path = _located(path) if path is not None else None  # a URL stays a URL (printed without credentials)
         self.wording = message if isinstance(message, Wording) else None
         self.message = str(message)  # an option it names spelled as the API's keyword argument
         super().__init__(self.render(keyword))
@@ -53,7 +65,7 @@ class InputError(CkptError):
     """The input cannot be read: missing, unreadable, truncated, corrupt or not a checkpoint."""
 
     @classmethod
-    def truncated(cls, path: Path | str | RemotePath | None,
+    def truncated(cls, path: str | Location | None,
                   cause: str = "tensor bytes end before the data they promise") -> InputError:
         """The file ends before bytes it promises: ``<path>: file is truncated: <cause> — <next step>``."""
         return cls(f"file is truncated: {cause} — re-save or re-download the checkpoint", path=path)

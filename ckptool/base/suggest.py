@@ -195,17 +195,14 @@ def _where(path: Any) -> Any:
         return path
     if isinstance(path, str) and "://" not in path:
         return Path(path)
-    from ckptool.files.remote import RemotePath, is_url, location
-
-    if isinstance(path, RemotePath):
-        return path
-    return location(path) if is_url(path) else Path(path)
+    return path  # a URL, decided where the user named it (``ckptool.files.remote.RemotePath``)
 
 
 def stem(path: Path | str) -> str:
     """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
     ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
-    name = _where(path).name
+    name = path.split("?")[0].rstrip("/").rsplit("/", 1)[-1] if isinstance(path, str) and "://" in path \
+        else _where(path).name
     lowered = name.lower()
     for suffix in CHECKPOINT_SUFFIXES:
         if lowered.endswith(suffix):
@@ -221,19 +218,13 @@ def sibling(path: Path, tag: str, suffix: str) -> Path:
     return path.with_name(f"{name}.{tag}{suffix}" if tag else f"{name}{suffix}")
 
 
-def weights_suffix(format_: str) -> str:
-    """The suffix a rewrite keeps for an input of ``format_`` (a rewrite keeps the input's format)."""
-    from ckptool import formats  # imported when used: errors, which formats' readers raise, use this module
-
-    return formats.for_name(format_).default_suffix
-
-
-def strip(path: Path, *, format_: str, prefix: str | None = None, allow_globals: Sequence[str] = (),
+def strip(path: Path, *, suffix: str, prefix: str | None = None, allow_globals: Sequence[str] = (),
           to_cpu: bool = False) -> str:
-    """The strip command for ``path``, writing beside it (``--prefix`` only when not the detected stack);
+    """The strip command for ``path``, writing beside it with ``suffix`` (a rewrite keeps the input's format:
+    its format's ``default_suffix``; ``--prefix`` only when not the detected stack);
     ``allow_globals``: the entries ``path`` was read with, carried by the command; ``to_cpu``: the same
     write also moves every saved storage tag to the CPU (one command from a GPU cluster's file to a laptop's)."""
-    out = sibling(_where(path), "cpu" if to_cpu else "stripped", weights_suffix(format_))
+    out = sibling(_where(path), "cpu" if to_cpu else "stripped", suffix)
     return command("strip", _where(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
                    allow_globals=list(allow_globals))
 

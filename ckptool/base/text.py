@@ -8,7 +8,9 @@ through :func:`printable`; JSON output is exact instead (``json.dumps`` escapes 
 
 from __future__ import annotations
 
+import re
 import reprlib
+import urllib.parse
 
 
 def printable(text: object) -> str:
@@ -107,3 +109,24 @@ def value_str(value: object) -> str:
         return str(value)
     except ValueError:
         return int_text(value) if isinstance(value, int) else _LONG_INTS.repr(value)
+
+
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@]*@")  # user:password@ after any scheme's ://
+
+
+def shown_url(url: str) -> str:
+    """``url`` as a message may print it: without user:password (a chained URL's inner ones too), and
+    with a query (a presigned URL's signature is a credential) shown as ``?...``."""
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        host = parsed.hostname or ""
+        if parsed.port is not None:
+            host += f":{parsed.port}"
+    except ValueError:  # not host:port (a chained URL's "a::b"): shown as written, less any credentials
+        host = ""
+    if not host:  # s3://user@bucket is not a thing, but never print it
+        host = parsed.netloc.rsplit("@", 1)[-1]
+    shown = f"{parsed.scheme}://{host}{parsed.path}"
+    if parsed.query:
+        shown += "?..."
+    return _USERINFO.sub(r"\1", shown)

@@ -119,7 +119,7 @@ def _emit_json(command: str, data: dict[str, Any]) -> None:
 
 
 _URL_NAMED = "ckptool.url_named"
-_REMOTE = __name__.rsplit(".", 1)[0] + ".remote"
+_REMOTE = "ckptool.files.remote"  # looked up in sys.modules: imported only when a URL is in play
 
 
 def _names_url() -> bool:

@@ -27,7 +27,7 @@ def echo(text: str = "", *, err: bool = False) -> None:
 
 def human_bytes(size: int) -> str:
     """``size`` in bytes as inspect shows it (``516.3 KB``)."""
-    from ckptool.ops.inspect import _human_bytes as human
+    from ckptool.model.describe import human_bytes as human
 
     return human(size)
 

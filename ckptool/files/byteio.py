@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 Opened = TypeVar("Opened")
 Source = Union[int, "RemoteFile"]  # a local descriptor, or a remote file read by ranges
-_REMOTE = __name__.rsplit(".", 1)[0] + ".remote"
+_REMOTE = "ckptool.files.remote"  # looked up in sys.modules: imported only when a URL is in play
 
 
 def is_remote(value: object) -> bool:

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptool.files.byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
+from ckptool import native
 from ckptool.files.crc import crc32
 from ckptool.base.errors import InputError
-from ckptool.tensors.refs import ByteRange
+from ckptool.files.ranges import ByteRange
 
 SMALL_MEMBER = 1 << 20  # copied pieces up to this size are read and written through the buffer
 READ_AHEAD = 256 << 10  # small pieces read in order come from windows of this many bytes
@@ -36,14 +37,11 @@ _GATHER: Any = _UNSET
 
 
 def _native_gather() -> Callable[..., Any] | None:
-    """The C reads of a run of small pieces (``formats/_zipfast.c``'s ``gather``), where built and not turned off by
-    ``CKPTOOL_PURE_PYTHON_ZIP=1``; :meth:`DataOut._copy_run`'s Python windows are its reference, and the fallback.
-    (Found on first use: the zip module imports this one.)"""
+    """The C reads of a run of small pieces (``native/_zipfast.c``'s ``gather``), where built;
+    :meth:`DataOut._copy_run`'s Python windows are its reference, and the fallback."""
     global _GATHER
     if _GATHER is _UNSET:
-        from ckptool.formats import zipio
-
-        _GATHER = getattr(zipio._native, "gather", None)
+        _GATHER = getattr(native.load("_zipfast"), "gather", None)
     return _GATHER
 
 

@@ -31,6 +31,16 @@ if TYPE_CHECKING:
     from ckptool.files.remote import RemoteFile, RemotePath
 
 
+
+def location(path: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
+    """What the user named, decided once at the edge: a local :class:`Path`, or a URL as a
+    :class:`~ckptool.files.remote.RemotePath` (``ckptool.files.remote`` is imported only for a URL)."""
+    if isinstance(path, Path) or (isinstance(path, str) and "://" not in path):
+        return Path(path)
+    from ckptool.files.remote import location as remote_location
+
+    return remote_location(path)
+
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"

@@ -40,6 +40,7 @@ from typing import Any
 
 from ckptool.files import bounded
 from ckptool.base.errors import InputError, MissingExtraError
+from ckptool.base.text import shown_url
 
 INSTALL = "pip install 'ckptool[remote]'"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -54,7 +55,6 @@ PACKAGE_FOR = {"s3": "s3fs", "s3a": "s3fs", "s3n": "s3fs", "gs": "gcsfs", "gcs":
 S3_NAMES = frozenset({"s3", "s3a", "s3n"})
 _BUCKETED = frozenset({"s3", "gs", "memory"})  # a URL's "host" is the first folder (bucket) of one path
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@]*@")  # user:password@ after any scheme's ://
 
 
 def is_url(value: object) -> bool:
@@ -131,19 +131,7 @@ class RemotePath:
             raise ValueError(f"not a URL: {url!r}")
         self.protocol = match.group(1).lower()
         self._url = url.rstrip("/") if url.count("/") > 3 or not url.endswith("://") else url
-        parsed = urllib.parse.urlsplit(self._url)
-        try:
-            host = parsed.hostname or ""
-            if parsed.port is not None:
-                host += f":{parsed.port}"
-        except ValueError:  # not host:port (a chained URL's "a::b"): shown as written, less any credentials
-            host = ""
-        if not host:  # s3://user@bucket is not a thing, but never print it
-            host = parsed.netloc.rsplit("@", 1)[-1]
-        shown = f"{parsed.scheme}://{host}{parsed.path}"
-        if parsed.query:
-            shown += "?..."  # a presigned URL's signature is a credential
-        self._shown = _USERINFO.sub(r"\1", shown)  # a chained URL's inner ones too
+        self._shown = shown_url(self._url)
 
     # -- what it is called ------------------------------------------------------------------
     @property
@@ -357,7 +345,7 @@ def _forget_remote_files() -> None:
     """The byte-I/O layer's shared windows and range CRCs go when a command starts or the options change."""
     import sys
 
-    byteio = sys.modules.get(__name__.rsplit(".", 1)[0] + ".byteio")
+    byteio = sys.modules.get("ckptool.files.byteio")
     if byteio is not None:
         byteio.forget_remote()
 

@@ -128,9 +128,8 @@ class Format:
             convert), or None.
         in_place_refused: why a rewrite may not replace an input of this format (``--in-place``):
             the input is more than the rewrite writes back; None: it may.
-        write: for a format ckptool's own writer does not write (DCP, through torch's own saver):
-            ``write(checkpoint, out, *, force, fingerprint, allow_expansion, dry_run) -> SaveReport``,
-            which checks what it wrote as every write is checked; None: the writer writes it.
+        own_saver: a format ckptool's own writer does not write: torch's own saver writes it
+            (DCP: ``ckptool.ops.dcp_write``), and what it wrote is checked as every write is.
     """
 
     name: str
@@ -150,7 +149,7 @@ class Format:
     rewrite_note: str | None = None
     torch_load_refuses: str | None = None
     in_place_refused: str | None = None
-    write: Callable[..., Any] | None = None
+    own_saver: bool = False
 
     def scan_pickles(self, path: Path, options: ReadOptions) -> Pickles:
         """The pickles scan judges in ``path`` (none for a format without ``pickle_blobs``)."""

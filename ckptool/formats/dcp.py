@@ -31,9 +31,10 @@ from ckptool.tensors import dtypes
 from ckptool.files import inputs
 from ckptool import pickles
 from ckptool.files.byteio import FileCache
-from ckptool.base.errors import InputError, UnsupportedFormatError, location
+from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.files.inputs import location
 from ckptool.tensors.refs import StorageRef, TensorRef, contiguous_stride, human_size
-from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zipio
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zip_storages, zipio
 from ckptool.formats.dcp_metadata import (
     METADATA_NAME,
     BytesEntry,
@@ -131,7 +132,7 @@ def _read_archive(files: _Files, storage: Storage, resolver: pickles.GlobalResol
     where = location(f"{storage.file}@{storage.offset}")
     data = _pickle_bytes(window, members, top, where)
     storages: dict[str, StorageRef] = {}
-    persistent_load = torch_zip.storage_loader(directory, members, top, storages, data_file=storage.file,
+    persistent_load = zip_storages.storage_loader(directory, members, top, storages, data_file=storage.file,
                                                base_offset=storage.offset, context=f"DCP entry {what}: ")
     return pickles.loads(data, resolver, persistent_load)
 
@@ -337,15 +338,8 @@ def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tup
     return blobs
 
 
-def write(checkpoint: Any, out: Path, **options: Any) -> Any:
-    """``convert --to dcp``: the whole checkpoint through torch's own ``dcp.save`` (see :mod:`ckptool.ops.dcp_write`)."""
-    from ckptool.ops.dcp_write import save_dcp
-
-    return save_dcp(checkpoint, out, **options)
-
-
 FORMAT = Format(
     name="dcp", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=MetadataResolver, target="dcp",
-    write=write,
+    own_saver=True,
     torch_load_refuses="a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
 )

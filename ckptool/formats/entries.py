@@ -3,7 +3,7 @@
 A safetensors file holds tensors and a string-to-string metadata map. A training checkpoint holds
 more: an epoch, a config (nested beside the weights, with tuples, ``inf``, int-keyed dicts,
 numpy values, ``torch.device``), a scheduler, an optimizer. :func:`encode` writes the whole
-container except the weights subtree as the metadata value ``ckptool.formats.entries``; :func:`decode`
+container except the weights subtree as the metadata value ``ckptool.entries``; :func:`decode`
 reads it back, and the safetensors reader puts the weights at the place the encoding marks, so
 ``pt -> safetensors -> pt`` gives back the container's entries as torch loads them.
 
@@ -83,7 +83,7 @@ from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, Tenso
 from ckptool.tensors import dtypes
 from ckptool.base.text import value_str
 
-ENTRIES_KEY = "ckptool.formats.entries"
+ENTRIES_KEY = "ckptool.entries"
 VERSION = 1
 TAG = "$ckptool"
 
@@ -92,7 +92,7 @@ TAG = "$ckptool"
 # re-read accepts them without any --allow-global; no other global is ever decoded.
 CARRIED_GLOBALS = frozenset(DEFAULT_EXTRA_GLOBALS)
 
-# Limits a reader enforces on ckptool.formats.entries (and a writer keeps to, so that every file it writes
+# Limits a reader enforces on ckptool.entries (and a writer keeps to, so that every file it writes
 # reads back): configs, schedulers and metrics are kilobytes; these leave room for far more.
 MAX_ENTRIES_CHARS = 16 << 20
 MAX_DEPTH = 100
@@ -106,7 +106,7 @@ TENSOR_ADVICE = "safetensors holds the weights only; keep the .pt for it"
 
 
 class EntriesError(InputError):
-    """The ``ckptool.formats.entries`` metadata of a safetensors file is malformed or over a limit."""
+    """The ``ckptool.entries`` metadata of a safetensors file is malformed or over a limit."""
 
 
 @dataclass
@@ -363,7 +363,7 @@ class _Encoder:
 
 def encode(container: Any, weights_path: tuple[Any, ...], *,
            tensor_names: dict[int, str] | None = None) -> tuple[str | None, list[str]]:
-    """The container minus the weights at ``weights_path``, as the ``ckptool.formats.entries`` value.
+    """The container minus the weights at ``weights_path``, as the ``ckptool.entries`` value.
 
     ``tensor_names``: the weights are flattened (an optimizer's state dict, see
     :func:`ckptool.model.optimizers.flatten`): ``id(tensor) -> name`` of each of its tensors; the tree at
@@ -594,7 +594,7 @@ def _check_collisions(keys: list[Any]) -> None:
 
 
 def decode(json_text: str, tensors: dict[str, Any] | None = None) -> Decoded:
-    """Read a ``ckptool.formats.entries`` value: the container with :data:`WEIGHTS` where the weights go.
+    """Read a ``ckptool.entries`` value: the container with :data:`WEIGHTS` where the weights go.
 
     Metadata from a ckptool before version 1 (a JSON object of top-level entries, which records no
     place for the weights) is read as those entries, with ``layout`` None. Flattened weights (a
@@ -641,7 +641,7 @@ def restore(decoded: Decoded, weights: dict) -> Any:
 
 def restored_notes(layout: tuple[Any, ...] | None, metadata: dict[str, str], *, flattened: bool = False) -> list[str]:
     """What a .pt output written from a safetensors input says about the container: restored from
-    ``ckptool.formats.entries`` (weights at ``layout``; an optimizer's state built again around its tensors
+    ``ckptool.entries`` (weights at ``layout``; an optimizer's state built again around its tensors
     when ``flattened``), or an older ckptool's entries it could not place."""
     if flattened:
         return [f"restored the optimizer state carried in metadata {ENTRIES_KEY} around its tensors"

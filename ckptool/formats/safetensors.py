@@ -9,13 +9,12 @@ other names in the metadata entry ``ckptool.aliases`` (JSON ``{alias: stored_nam
 reader re-ties them onto one storage. Stock readers see every stored tensor.
 
 The container a training checkpoint kept around its weights (epoch, configs, scheduler) rides in
-``ckptool.formats.entries`` (:mod:`ckptool.formats.entries`); the reader puts the weights back inside it.
+``ckptool.entries`` (:mod:`ckptool.formats.entries`); the reader puts the weights back inside it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import math
@@ -50,13 +49,13 @@ from ckptool.tensors.refs import (
     whole_plain,
 )
 from ckptool.base.suggest import option
+from ckptool.formats.hf_index import INDEX_NAME as INDEX_NAME, find_index
 from ckptool.formats import Contents, Format, Pickles, ReadOptions
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
 ALIASES_KEY = "ckptool.aliases"
-ENTRIES_KEY = "ckptool.formats.entries"  # the container around the weights, encoded by ckptool.formats.entries
-INDEX_NAME = "model.safetensors.index.json"
+ENTRIES_KEY = "ckptool.entries"  # the container around the weights, encoded by ckptool.formats.entries
 _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
 # The dtypes the safetensors format defines (its Dtype enum) that ckptool knows. complex128 is not
 # one: the safetensors library refuses a header naming "C128" ("unknown variant"), so ckptool
@@ -121,7 +120,7 @@ def pickle_blobs_sharded(path: Path, options: ReadOptions) -> Pickles:
 
 
 def _contents(contents: SafetensorsContents, path: Path) -> Contents:
-    """The weights, inside the container ``ckptool.formats.entries`` carries when a ckptool wrote one
+    """The weights, inside the container ``ckptool.entries`` carries when a ckptool wrote one
     (:mod:`ckptool.formats.entries`); malformed entries refuse the file, as malformed aliases do."""
     raw = contents.metadata.get(ENTRIES_KEY)
     if raw is None:
@@ -219,8 +218,9 @@ def _refuse_surrogates(header: dict, path: Path) -> None:
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _DTYPES = {name: dtypes.BY_NAME[name] for name in FORMAT_DTYPES if name in dtypes.BY_NAME}  # what a header may name
 _HEADER_CONSTANTS = (ByteRange, StorageRef, TensorRef, _DTYPES, contiguous_stride, "cpu", json.loads)  # the C parse's
-# CKPTOOL_PURE_PYTHON_HEADER=1 reads every header with json and the entry checks (the C parse's reference)
-PURE_PYTHON_HEADER = os.environ.get("CKPTOOL_PURE_PYTHON_HEADER", "") not in ("", "0")
+# True: every header is read with json and the entry checks, and written in Python (the C passes' reference;
+# the tests turn it on)
+PURE_PYTHON_HEADER = False
 
 
 def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
@@ -400,22 +400,6 @@ def shards_named_in(raw: bytes) -> list[str] | None:
     return sorted({name for name in weight_map.values() if isinstance(name, str) and SHARD_FILE.match(name)})
 
 
-def find_index(directory: Path) -> Path | None:
-    """The sharded index inside ``directory``, or its single safetensors file."""
-    indexes = sorted(directory.glob("*.safetensors.index.json"))
-    if len(indexes) == 1:
-        return indexes[0]
-    if len(indexes) > 1:
-        preferred = directory / INDEX_NAME
-        if preferred in indexes:
-            return preferred
-        raise InputError(f"holds {len(indexes)} safetensors indexes — name the one to read", path=directory)
-    singles = sorted(directory.glob("*.safetensors"))
-    if len(singles) == 1:
-        return singles[0]
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # writing
 
@@ -520,7 +504,7 @@ def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[
     Written from columns (100,000 entries): in C where built (``_fastload.encode_header``: names that need no
     escape copied, others escaped by json's own ASCII encoder; a shape of other than ints declines to Python);
     else names escaped by json's ASCII encoder, each dtype's and shape's text made once by ``json.dumps``, the
-    entries formatted by one ``str.format`` mapped over them. ``CKPTOOL_PURE_PYTHON_HEADER=1`` writes in Python.
+    entries formatted by one ``str.format`` mapped over them. ``PURE_PYTHON_HEADER`` writes in Python.
     """
     parts = ['"__metadata__":' + json.dumps(_unicode_metadata(metadata), separators=(",", ":"))] if metadata else []
     if FAST and not PURE_PYTHON_HEADER:  # in one C pass (100,000 entries: 0.04-0.07 s, not 0.2-0.27)
@@ -570,7 +554,7 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     if placing:
         encoded += b" " * placement.header_padding(8 + len(encoded), offsets_in_order, nbytes_in_order)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
-        entries = len(metadata.get("ckptool.formats.entries", ""))
+        entries = len(metadata.get("ckptool.entries", ""))
         raise OutputError(f"the safetensors header would be {len(encoded)} bytes, over the format's "
                           f"{MAX_HEADER_BYTES}-byte limit ({entries} of them the container's other entries) — "
                           "write a .pt instead (" + option("to", "pt") + ")")

@@ -14,7 +14,8 @@ from typing import Any, BinaryIO
 from ckptool import pickles
 from ckptool.files.byteio import file_size as handle_size, is_remote
 from ckptool.base.errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
-from ckptool.tensors.refs import ByteRange, StorageRef
+from ckptool.tensors.refs import StorageRef
+from ckptool.files.ranges import ByteRange
 from ckptool.formats import (
     PICKLE_FIRST_BYTES,
     Contents,

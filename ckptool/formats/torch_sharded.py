@@ -24,13 +24,14 @@ from ckptool.files import inputs
 from ckptool.files.byteio import read_capped
 from ckptool.base.errors import InputError, UnsupportedFormatError
 from ckptool.tensors.refs import TensorRef
-from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, safetensors, torch_legacy, torch_zip
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_legacy, torch_zip
+from ckptool.formats.hf_index import find_index as safetensors_index
 from ckptool.formats import sniff as sniff_file
 
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 _SHARD_SUFFIXES = (".bin", ".pt", ".pth")
 INDEX_NAME = "pytorch_model.bin.index.json"  # transformers' WEIGHTS_INDEX_NAME
-MAX_INDEX_BYTES = safetensors.MAX_HEADER_BYTES  # an index of any real model is far smaller
+MAX_INDEX_BYTES = 100_000_000  # as a safetensors header's limit; an index of any real model is far smaller
 _SHARD_NAME = re.compile(r"^[^/\\\x00]+$")
 
 
@@ -47,7 +48,7 @@ def sniff(head: bytes | None, path: Path) -> bool:
 
 def find_index(directory: Path) -> Path | None:
     """The ``*.bin.index.json`` of a folder that holds no safetensors weights, or None."""
-    if safetensors.find_index(directory) is not None:
+    if safetensors_index(directory) is not None:
         return None
     indexes = sorted(path for path in directory.iterdir() if path.name.lower().endswith(INDEX_SUFFIXES))
     if len(indexes) > 1:

@@ -136,7 +136,7 @@ _JIT_PICKLE: dict[str, Any] = {
 def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: str, *,
                  big_endian: bool) -> Contents:
     """The parameters and buffers of a TorchScript archive, as ``torch.jit.load(f).state_dict()`` gives them."""
-    from ckptool.formats.torch_zip import storage_loader
+    from ckptool.formats.zip_storages import storage_loader
 
     handle = options.handle
     assert handle is not None

@@ -11,8 +11,6 @@ mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.files.
 
 from __future__ import annotations
 
-import importlib
-import os
 import struct
 import weakref
 import zipfile
@@ -26,13 +24,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.files.copying; these names are imported from here too
+from ckptool import native
 from ckptool.files import placement
 from ckptool.files.copying import SMALL_MEMBER, DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
 from ckptool.files.byteio import file_size as handle_size, is_remote
 from ckptool.files.crc import crc32
 from ckptool.base.errors import InputError, OutputError
 from ckptool.base.gcpause import paused
-from ckptool.tensors.refs import ByteRange, Derived
+from ckptool.tensors.refs import Derived
+from ckptool.files.ranges import ByteRange
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -73,18 +73,9 @@ class Listing:
     headers: LocalHeaders | None = None  # a remote archive's: its members are placed when first read
 
 
-def _load_native() -> Any:
-    """The per-record loops in C (``_zipfast.c``), where built and not turned off by
-    ``CKPTOOL_PURE_PYTHON_ZIP=1``; the Python loops here are their reference, and the fallback."""
-    if os.environ.get("CKPTOOL_PURE_PYTHON_ZIP", "") not in ("", "0"):
-        return None
-    try:
-        return importlib.import_module(f"{__package__}._zipfast")
-    except ImportError:
-        return None
-
-
-_native: Any = _load_native()
+# the per-record loops in C (ckptool/native/_zipfast.c), where built; the Python loops here are their
+# reference, and the fallback
+_native: Any = native.load("_zipfast")
 NATIVE = _native is not None  # whether the directory and local headers are read by the C loops
 
 

@@ -7,12 +7,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ckptool.pickles.refusal import refusal
 from ckptool import formats, pickles
 from ckptool.files import inputs
 from ckptool.model import modules
 from ckptool.files.byteio import forget_windows, use_storage_options
 from ckptool.model.checkpoint import Checkpoint, find_layout
-from ckptool.base.errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError, location
+from ckptool.base.errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from ckptool.files.inputs import location
 from ckptool.base.suggest import Metavar
 from ckptool.base.suggest import option as suggest_option
 from ckptool.model.tree import get_at
@@ -71,8 +73,6 @@ def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
             return _select_in_folder(checkpoint, weights, resolver)
         return checkpoint.select_weights(weights)
     except pickles.RefusedGlobal as e:
-        from ckptool.ops.scan import refusal
-
         raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
     except CkptError as e:
         if e.path is None:
@@ -142,8 +142,6 @@ def load_member(folder: Path, name: str, *, allow_globals: tuple[str, ...] | lis
         contents = training_folder.read_member(folder, name, formats.ReadOptions(None, b"", resolver))
         return _checkpoint(path, formats.for_name(contents.format or ""), contents, resolver)
     except pickles.RefusedGlobal as e:
-        from ckptool.ops.scan import refusal
-
         raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
     except CkptError as e:
         if e.path is None or Path(e.path) == folder:

@@ -32,7 +32,8 @@ from ckptool.pickles import layouts
 from ckptool.base import progress, suggest
 from ckptool.files.atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
 from ckptool.model.checkpoint import Checkpoint
-from ckptool.base.errors import CkptError, FingerprintMismatchError, OutputError, UsageError, location
+from ckptool.base.errors import CkptError, FingerprintMismatchError, OutputError, UsageError
+from ckptool.files.inputs import location
 from ckptool.tensors.digest import PREFIX
 from ckptool.formats import safetensors, torch_zip
 from ckptool.base.gcpause import paused
@@ -201,12 +202,12 @@ def _same_path(a: Path, b: Path) -> bool:
 
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input
-    (inside the container its ``ckptool.formats.entries`` carried, when it carried one)."""
+    (inside the container its ``ckptool.entries`` carried, when it carried one)."""
     if checkpoint.whole_model and not checkpoint.keep_modules:
         # a pickled nn.Module: its weights as a plain state dict, none of its classes
         return checkpoint.state_dict
     if formats.for_name(checkpoint.format).weights_only:
-        if checkpoint.layout or checkpoint.flattened:  # the container ckptool.formats.entries carried, around the weights
+        if checkpoint.layout or checkpoint.flattened:  # the container ckptool.entries carried, around the weights
             if nest:
                 raise UsageError(suggest.option("nest", None) + " applies to safetensors input holding weights "
                                  "alone; this file carries its container (the weights at "
@@ -260,7 +261,7 @@ def _json_entries(checkpoint: Checkpoint, notes: list[str] | None = None) -> str
 def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool,
                          notes: list[str] | None = None) -> dict[str, str]:
     """The metadata of a safetensors output: the input's own (ckptool's keys rewritten), the
-    container's other entries (``ckptool.formats.entries``; what they cannot carry is added to ``notes``)
+    container's other entries (``ckptool.entries``; what they cannot carry is added to ``notes``)
     and the fingerprint's slot, first."""
     metadata = {k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptool.")}
     metadata.setdefault("format", "pt")
@@ -268,9 +269,9 @@ def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool,
     entries = _json_entries(checkpoint, notes)
     if entries is None and checkpoint.layout == ():
         # an older ckptool's entries, which record no place for the weights: kept as they came
-        entries = checkpoint.metadata.get("ckptool.formats.entries")
+        entries = checkpoint.metadata.get("ckptool.entries")
     if entries is not None:
-        metadata["ckptool.formats.entries"] = entries
+        metadata["ckptool.entries"] = entries
     if with_fingerprint:
         # patched in once the hash is known (the header keeps its length); first in the header, so
         # its place is known exactly and no value of the user's is ever mistaken for it
@@ -576,7 +577,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint, notes=dropped)
     # the container's entries go into the first shard only (the reader merges every shard's metadata):
     # a large config copied into thousands of headers would multiply it
-    entries = metadata.pop("ckptool.formats.entries", None)
+    entries = metadata.pop("ckptool.entries", None)
     weight_map: dict[str, str] = {}
     files: list[Path] = []
     # shards and index are written into a temp folder, checked, then moved in: the index last
@@ -589,7 +590,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
             shard_aliases = {a: t for a, t in plan.aliases.items() if t in shard_tensors}
             shard_metadata = dict(metadata)
             if index == 0 and entries is not None:
-                shard_metadata["ckptool.formats.entries"] = entries
+                shard_metadata["ckptool.entries"] = entries
             if shard_aliases:
                 shard_metadata[safetensors.ALIASES_KEY] = json.dumps(shard_aliases, sort_keys=True)
             with folder.file(name) as (handle, shard_sums):

@@ -275,7 +275,7 @@ class Checkpoint:
             by the default rule; a ``.pt`` rewrite is read back at the same place.
         flattened: the "weights" are an optimizer's state dict at ``layout``, its tensors named by
             key path (``state.0.exp_avg``; :func:`ckptool.model.optimizers.flatten`); a safetensors
-            output carries the rest of it in ``ckptool.formats.entries``.
+            output carries the rest of it in ``ckptool.entries``.
         folder: for a training folder input (a transformers ``checkpoint-N/``, an accelerate
             ``save_state`` folder), what the folder holds besides the weights read
             (:class:`ckptool.formats.training_folder.TrainingFolder`); None otherwise.

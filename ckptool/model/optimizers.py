@@ -5,7 +5,7 @@ An optimizer's state dict is ``{"state": {param_index: {name: tensor or value}},
 ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``, the scalar ``step``) can be written to
 safetensors like weights: :func:`flatten` names each by its key path (``state.0.exp_avg``); the
 rest (parameter groups, non-tensor per-parameter values, the integer keys) rides in
-``ckptool.formats.entries`` so that a ``.pt`` written back holds the same dict torch's
+``ckptool.entries`` so that a ``.pt`` written back holds the same dict torch's
 ``Optimizer.load_state_dict`` takes.
 """
 

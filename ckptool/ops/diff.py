@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptool import formats
 from ckptool.base import progress, suggest
 from ckptool.files.byteio import FileCache, Source, is_remote, read_exact, read_into, use_storage_options
 from ckptool.model.checkpoint import Checkpoint
 from ckptool.tensors.dtypes import BIT_PATTERNS, DType
 from ckptool.model.keys import detect_prefix
 from ckptool.io.reader import load
-from ckptool.tensors.refs import ByteRange, TensorRef, check_expansion
+from ckptool.tensors.refs import TensorRef, check_expansion
+from ckptool.files.ranges import ByteRange
 
 # Bytes per side per comparison step. Small enough that both sides stay in L2 while they are compared
 # (and checked for NaN/Inf): with 8 MiB pieces every byte went through memory twice and diff took ~2x
@@ -356,7 +358,7 @@ def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef
 
 
 def _strip_command(checkpoint: Checkpoint, prefix: str) -> str:
-    return suggest.strip(checkpoint.path, format_=checkpoint.format,
+    return suggest.strip(checkpoint.path, suffix=formats.for_name(checkpoint.format).default_suffix,
                          prefix=None if prefix == checkpoint.prefix else prefix, allow_globals=checkpoint.allow_globals)
 
 

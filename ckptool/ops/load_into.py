@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptool import formats
 from ckptool.base import suggest
 from ckptool.files.byteio import use_storage_options
 from ckptool.model.checkpoint import Checkpoint
@@ -320,7 +321,7 @@ def _shape(shape: tuple[int, ...]) -> str:
 def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str,
                 allow_globals: Sequence[str] = ()) -> str:
     """The ckptool command(s) that apply ``rewrite`` to the file at ``path`` (read with ``allow_globals``)."""
-    suffix = suggest.weights_suffix(format_)
+    suffix = formats.for_name(format_).default_suffix
     commands = []
     source = path
     if rewrite.strip:

@@ -20,7 +20,8 @@ from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptool.base.errors import CkptError, UsageError, location
+from ckptool.base.errors import CkptError, UsageError
+from ckptool.files.inputs import location
 from ckptool.base.gcpause import keep
 from ckptool.base import suggest
 from ckptool.base.suggest import Metavar, option
@@ -296,7 +297,7 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     from ckptool.io.writer import save, target_format
 
     own_writer = formats.for_target(options.to) if options.to is not None else None
-    if (own_writer is None or own_writer.write is None) and isinstance(target, Path):
+    if (own_writer is None or not own_writer.own_saver) and isinstance(target, Path):
         target_format(target, options.to, max_shard_bytes)  # a name no format claims: refused before the input is read
     checkpoint = loaded = load(source, allow_globals=options.allow_globals, weights=options.weights)
     notes: list[str] = []
@@ -310,13 +311,15 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
         checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
                                   allow_expansion=options.allow_expansion)
         notes.append(f"cast floating weights to {options.dtype}")
-    if own_writer is not None and own_writer.write is not None:  # DCP: written by torch's own saver
+    if own_writer is not None and own_writer.own_saver:  # DCP: written by torch's own saver
+        from ckptool.ops.dcp_write import save_dcp
+
         if not isinstance(target, Path):
             raise UsageError(f"a {own_writer.name} folder is written to a local path only — write it locally, then "
                              "upload the folder", path=target)
         if max_shard_bytes is not None:
             raise UsageError(option("max_shard_size", None) + f" applies to safetensors output, not {own_writer.name}")
-        saved = own_writer.write(checkpoint, target, force=options.force, fingerprint=options.fingerprint,
+        saved = save_dcp(checkpoint, target, force=options.force, fingerprint=options.fingerprint,
                                  allow_expansion=options.allow_expansion, dry_run=options.dry_run)
     else:
         saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,

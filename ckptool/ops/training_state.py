@@ -60,7 +60,7 @@ class FolderState:
 
 
 def _human_bytes(size: int) -> str:
-    from ckptool.ops.inspect import _human_bytes as human
+    from ckptool.model.describe import human_bytes as human
 
     return human(size)
 
@@ -95,7 +95,7 @@ def describe_optimizer(container: Any) -> tuple[str, dict[str, Any]]:
     lrs = [group.get("lr") for group in groups if isinstance(group, dict)]
     if lrs and all(isinstance(lr, float | int) and not isinstance(lr, bool) for lr in lrs):
         details["lr"] = lrs
-    from ckptool.ops.inspect import describe_optimizer_state
+    from ckptool.model.describe import describe_optimizer_state
 
     return describe_optimizer_state(container), details
 
@@ -148,7 +148,7 @@ def describe_args(container: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _generic(container: Any) -> str:
-    from ckptool.ops.inspect import describe_entry
+    from ckptool.model.describe import describe_entry
 
     return describe_entry(container)
 

@@ -68,8 +68,3 @@ __all__ = [
     "may_convert", "opaque_type",
     "python3_name", "read_pickle", "runs_code",
 ]
-
-# Sparse and nested tensors, quantized storages and the layouts they name: placeholders of their
-# rebuild calls, which ckptool.pickles.layouts (built on OpaqueObject) adds to TORCH_GLOBALS as it is
-# imported — last, since it imports this package's names.
-from ckptool.pickles import layouts as _layouts  # noqa: E402, F401

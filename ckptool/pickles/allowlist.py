@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptool.tensors import dtypes
-from ckptool.pickles import gadgets
+from ckptool.pickles import gadgets, layouts, quantized
 from ckptool.tensors.refs import DTypeRef
 from ckptool.pickles import limits
 from ckptool.pickles.placeholders import (
@@ -106,10 +106,11 @@ def _build_torch_globals() -> dict[str, Any]:
     return table
 
 
-# Globals torch's own weights_only unpickler allows, mapped to inert placeholders.
-TORCH_GLOBALS: dict[str, Any] = _build_torch_globals()
-# Sparse and nested tensors, quantized storages and the layouts they name are added to
-# TORCH_GLOBALS by ckptool.pickles.layouts (built on OpaqueObject), imported at the end of ckptool.pickles.
+# Globals torch's own weights_only unpickler allows, mapped to inert placeholders: the plain tensors' table, then
+# sparse and nested tensors and the layouts they name (whose parameter rebuilds take a layout tensor too), and
+# quantized tensors, storages and their schemes.
+TORCH_GLOBALS: dict[str, Any] = {**_build_torch_globals(), **layouts.GLOBALS, **layouts.WRAPPED_REBUILDS,
+                                 **quantized.GLOBALS}
 
 # Data-only globals found in real checkpoints beyond torch's list: recorded, never constructed.
 # Each is a class whose construction (or, under a real pickle, its REDUCE/NEWOBJ and BUILD path)

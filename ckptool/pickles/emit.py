@@ -16,12 +16,12 @@ read did not resolve.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.gcpause import paused
 from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
@@ -426,14 +426,9 @@ _ORDERED_DICT_KEY = "collections\nOrderedDict"
 _TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
 
 
-# the C emitter of a dict's str keys and plain tensors (ckptool/pickles/_fastload.c), where it was built:
-# byte for byte what save() writes (tests/test_fastload.py); CKPTOOL_PURE_PYTHON_EMIT=1 writes in Python
-try:
-    from ckptool.pickles._fastload import emit_items as _emit_items
-except ImportError:  # not compiled (no C compiler at install)
-    _emit_items = None
-if os.environ.get("CKPTOOL_PURE_PYTHON_EMIT", "") not in ("", "0"):
-    _emit_items = None
+# the C emitter of a dict's str keys and plain tensors (ckptool/native/_fastload.c), where it was built:
+# byte for byte what save() writes (tests/test_fastload.py); else Python
+_emit_items = getattr(native.load("_fastload"), "emit_items", None)
 _EMIT_CONSTANTS = (TensorRef, StorageRef, OrderedDict, StateDict, _REBUILD_V2, _REBUILD_V2_KEY, _ORDERED_DICT_KEY)
 
 _OP_INDEX = struct.Struct("<BI").pack

@@ -23,8 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool.pickles import layout_checks
 from ckptool.base.errors import InputError
-from ckptool.pickles import TORCH_GLOBALS, OpaqueObject, TypeRef, brief
+from ckptool.pickles.limits import brief
+from ckptool.pickles.placeholders import OpaqueObject, TypeRef
 from ckptool.pickles.rebuilds import _check_parameter_state
+from ckptool.pickles.rebuilds import _rebuild_from_type_v2 as _plain_from_type_v2
+from ckptool.pickles.rebuilds import _rebuild_parameter as _plain_parameter
+from ckptool.pickles.rebuilds import _rebuild_parameter_with_state as _plain_parameter_with_state
 from ckptool.tensors.refs import PartRef, TensorRef
 
 if TYPE_CHECKING:
@@ -267,12 +271,12 @@ class NestedTensor(LayoutTensor):
             raise layout_checks.refuse("nested", str(e).splitlines()[0][:160]) from e
 
 
+# torch's weights_only unpickler allows all three (ckptool.pickles.allowlist builds TORCH_GLOBALS from this table)
 GLOBALS: dict[str, Any] = {
     "torch.serialization._get_layout": Layout,
     "torch._utils._rebuild_sparse_tensor": SparseTensor,
     "torch._utils._rebuild_nested_tensor": NestedTensor,
 }
-TORCH_GLOBALS.update(GLOBALS)  # torch's weights_only unpickler allows all three
 
 
 def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:
@@ -334,9 +338,6 @@ def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
                           "torch first (tensor.to_dense(), tensor.dequantize())", path=out)
 
 
-# Quantized tensors: their placeholders build on LayoutTensor above and add torch's globals for them.
-from ckptool.pickles import quantized as _quantized  # noqa: E402, F401
-
 
 class WrappedLayoutTensor(LayoutTensor):
     """A sparse, nested or quantized tensor wrapped as torch.save wraps a tensor: in ``nn.Parameter``
@@ -393,13 +394,11 @@ def _wrapper(name: str) -> type:
 _ParameterOfLayout = _wrapper("torch._utils._rebuild_parameter")
 _ParameterWithStateOfLayout = _wrapper("torch._utils._rebuild_parameter_with_state")
 _LayoutWithAttributes = _wrapper("torch._tensor._rebuild_from_type_v2")
-_PLAIN_REBUILDS = {name: TORCH_GLOBALS[name] for name in (
-    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2")}
 
 
 def _rebuild_parameter(data: Any, *args: Any) -> Any:
     if not isinstance(data, LayoutTensor):
-        return _PLAIN_REBUILDS["torch._utils._rebuild_parameter"](data, *args)
+        return _plain_parameter(data, *args)
     if len(args) != 2 or not isinstance(args[0], bool):
         raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks) — the file is corrupt")
     return _ParameterOfLayout(data, *args)
@@ -407,7 +406,7 @@ def _rebuild_parameter(data: Any, *args: Any) -> Any:
 
 def _rebuild_parameter_with_state(data: Any, *args: Any) -> Any:
     if not isinstance(data, LayoutTensor):
-        return _PLAIN_REBUILDS["torch._utils._rebuild_parameter_with_state"](data, *args)
+        return _plain_parameter_with_state(data, *args)
     if len(args) != 3 or not isinstance(args[0], bool):
         raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks, state) — the file is "
                          "corrupt")
@@ -420,9 +419,11 @@ _LAYOUT_REBUILDS = {"torch._utils._rebuild_sparse_tensor", "torch._utils._rebuil
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    name = next((name for name in _LAYOUT_REBUILDS if func is TORCH_GLOBALS.get(name)), None)
+    # a layout tensor's placeholder class: what the allowlist gave for one of its rebuild functions
+    name = func._global if isinstance(func, type) and issubclass(func, LayoutTensor) \
+        and func._global in _LAYOUT_REBUILDS else None
     if name is None:
-        return _PLAIN_REBUILDS["torch._tensor._rebuild_from_type_v2"](func, new_type, args, state)
+        return _plain_from_type_v2(func, new_type, args, state)
     if not isinstance(new_type, TypeRef) or f"{new_type.module}.{new_type.name}" != "torch.Tensor":
         raise InputError(f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor "
                          "only — refused")
@@ -433,8 +434,12 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
     return _LayoutWithAttributes(TypeRef(module, function), new_type, func(*args), state)
 
 
-for _name, _function in (("torch._utils._rebuild_parameter", _rebuild_parameter),
-                         ("torch._utils._rebuild_parameter_with_state", _rebuild_parameter_with_state),
-                         ("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2)):
+# the plain rebuilds of parameters and tensors with attributes, taking a layout tensor too: these replace
+# ckptool.pickles.rebuilds' entries in TORCH_GLOBALS
+WRAPPED_REBUILDS: dict[str, Any] = {
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter_with_state,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+}
+for _function in WRAPPED_REBUILDS.values():
     _function.__setstate__ = _refuse_build  # type: ignore[attr-defined]
-    TORCH_GLOBALS[_name] = _function

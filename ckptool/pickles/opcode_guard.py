@@ -9,18 +9,18 @@ what each value is (:class:`Value`), and refuses those pickles; it never builds 
 
 Two walks do that, alike to the byte: :class:`_Walk` here, the reference, and its C twin
 (``_guard.c``, an optional extension built with the package), ~40 times faster, used when it was
-built (:data:`NATIVE`) unless ``CKPTOOL_PURE_PYTHON_GUARD=1`` asks for this module's walk.
+built (:data:`NATIVE`) unless ``CKPTOOL_PURE_PYTHON=1`` asks for this module's walk.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import re
 import struct
 from collections.abc import Callable
 from typing import Any
 
+from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.pickles import limits
 from ckptool.pickles.allowlist import TORCH_GLOBALS
@@ -36,13 +36,9 @@ class Truncated(InputError):
         super().__init__(message, path=path)  # type: ignore[arg-type]
 
 
-try:
-    from ckptool.pickles import _guard as _native
-except ImportError:  # not built (installed where no C compiler was): the Python walk
-    _native = None  # type: ignore[assignment]
-
+_native: Any = native.load("_guard")
 # whether guard_stats walks in C (tests/test_guard_native.py holds the two walks to the same results)
-NATIVE = _native is not None and os.environ.get("CKPTOOL_PURE_PYTHON_GUARD", "") in ("", "0")
+NATIVE = _native is not None
 _NATIVE_LIMIT = 1 << 62  # the C walk's range for each limit (a test may set any): past it, the Python walk
 _NATIVE_MAX_NESTING = 255  # a C tuple record holds its depth in a byte
 

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 from ckptool.tensors.dtypes import BY_NAME, DType
 from ckptool.base.errors import InputError, UsageError
 from ckptool.pickles.layouts import LayoutTensor
-from ckptool.pickles import TORCH_GLOBALS, StorageTypeRef, brief
-from ckptool.tensors.refs import DTypeRef, StorageRef, TensorRef, contiguous_stride
+from ckptool.pickles.limits import brief
+from ckptool.pickles.placeholders import StorageTypeRef
+from ckptool.tensors.refs import DTypeRef, StorageRef, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -446,7 +447,8 @@ class _QuantizedStorageType(StorageTypeRef):
     __slots__ = ()
 
 
-TORCH_GLOBALS.update({  # torch's weights_only unpickler allows each of these
+# torch's weights_only unpickler allows each of these (ckptool.pickles.allowlist builds TORCH_GLOBALS from this table)
+GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_qtensor": QuantizedTensor,
     **{f"torch.{q.dtype.storage_class}": _QuantizedStorageType("torch", q.dtype.storage_class, q.dtype)
        for q in QUANTIZED_TYPES.values()},
@@ -454,4 +456,4 @@ TORCH_GLOBALS.update({  # torch's weights_only unpickler allows each of these
     **{f"torch.{scheme}": DTypeRef("torch", scheme)  # recorded as the global it is, like a dtype
        for scheme in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
                       FLOAT_QPARAMS)},
-})
+}

@@ -10,11 +10,11 @@ tree when copied).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from collections.abc import Callable
 from typing import Any
 
+from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.gcpause import paused
 from ckptool.tensors.refs import DeviceRef, StorageRef, TensorRef, human_size
@@ -26,13 +26,10 @@ from ckptool.pickles.limits import refuse
 from ckptool.pickles.placeholders import OpaqueObject, StateDict
 
 
-# the C run of the unpickler over torch's usual opcodes (ckptool/pickles/_fastload.c), where it was built:
-# CKPTOOL_PURE_PYTHON_UNPICKLE=1 runs CPython's unpickler with the Python callbacks everywhere
-try:
-    from ckptool.pickles import _fastload
-except ImportError:  # not compiled (no C compiler at install): CPython's unpickler
-    _fastload = None  # type: ignore[assignment]
-FAST = _fastload is not None and os.environ.get("CKPTOOL_PURE_PYTHON_UNPICKLE", "") in ("", "0")
+# the C run of the unpickler over torch's usual opcodes (ckptool/native/_fastload.c), where it was built;
+# else CPython's unpickler with the Python callbacks
+_fastload: Any = native.load("_fastload")
+FAST = _fastload is not None
 
 
 def _register_constructors() -> None:
@@ -41,7 +38,7 @@ def _register_constructors() -> None:
     (a ``__post_init__``, a default factory) is called instead."""
     import dataclasses
 
-    from ckptool.tensors.refs import ByteRange
+    from ckptool.files.ranges import ByteRange
 
     for cls in (TensorRef, StorageRef, ByteRange):
         fields = dataclasses.fields(cls)

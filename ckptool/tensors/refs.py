@@ -23,9 +23,13 @@ from typing import Any, NamedTuple, Protocol
 from ckptool.tensors.dtypes import DType
 from ckptool.base.errors import InputError
 from ckptool.base.suggest import option
+from ckptool.files.ranges import CHUNK_SIZE, ByteRange
+from ckptool import native
 
-CHUNK_SIZE = 8 * 1024 * 1024
 _INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "< 2^63" limit
+
+# the C passes over many tensors (ckptool/native/_fastload.c), where built
+_fastload: Any = native.load("_fastload")
 
 
 def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -40,79 +44,6 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(running)
         running *= size
     return tuple(reversed(stride))
-
-
-@dataclass(slots=True)
-class ByteRange:
-    """``length`` bytes of ``path`` starting at ``offset``; ``crc32`` when the container recorded one."""
-
-    path: Path
-    offset: int
-    length: int
-    crc32: int | None = None
-
-    def iter_chunks(self, start: int = 0, size: int | None = None, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
-        """Stream ``size`` bytes at ``start`` in chunks (bounded memory; a URL's fetched a chunk ahead)."""
-        from ckptool.files.byteio import iter_range
-
-        size = self.length - start if size is None else size
-        if start < 0 or size < 0 or start + size > self.length:
-            raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
-        if size == 0:
-            return
-        yield from iter_range(self.path, self.offset + start, size, chunk_size)
-
-    def iter_reused(self, start: int = 0, size: int | None = None,
-                    chunk_size: int = CHUNK_SIZE) -> Iterator[bytearray]:
-        """Like :meth:`iter_chunks`, reading into one reused buffer: each chunk is valid only until
-        the next is requested. For consumers that hash or compare a chunk and drop it — fresh 8 MB
-        allocations per chunk cost more page faults than the read itself."""
-        size = self.length - start if size is None else size
-        if start < 0 or size < 0 or start + size > self.length:
-            raise InputError(f"read of {size} bytes at {start} is outside a {self.length}-byte range", path=self.path)
-        if size == 0:
-            return
-        if not isinstance(self.path, Path):  # a URL: its chunks, fetched one ahead (each a fresh buffer)
-            for chunk in self.iter_chunks(start, size, chunk_size):
-                yield bytearray(chunk)
-            return
-        from ckptool.files.byteio import read_into
-
-        buffer = bytearray(min(chunk_size, size))
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # no file object: small ranges are many
-        try:
-            position, remaining = self.offset + start, size
-            while remaining:
-                if remaining < len(buffer):
-                    buffer = bytearray(remaining)
-                read_into(fd, memoryview(buffer), position, self.path)
-                position += len(buffer)
-                remaining -= len(buffer)
-                yield buffer
-        finally:
-            os.close(fd)
-
-
-class LazyByteRange(ByteRange):
-    """A :class:`ByteRange` whose offset is worked out when first asked for (a remote zip member's
-    data offset, which needs its local header): ``resolve()`` returns it, or raises why it cannot."""
-
-    def __init__(self, path: Path, offset: int | None, length: int, crc32: int | None = None, *,
-                 resolve: Callable[[], int] | None = None) -> None:
-        self._resolve = resolve
-        self._offset = offset
-        self.path, self.length, self.crc32 = path, length, crc32
-
-    @property  # type: ignore[override]
-    def offset(self) -> int:
-        if self._offset is None:
-            assert self._resolve is not None
-            self._offset = self._resolve()
-        return self._offset
-
-    @offset.setter
-    def offset(self, value: int) -> None:
-        self._offset = value
 
 
 class Derived(Protocol):
@@ -551,11 +482,9 @@ def whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | N
     """When every one of ``views`` is the usual tensor (:meth:`TensorRef.plain_data`) and all of its storage's
     bytes: each one's ``plain_data()`` and byte count, in order. Else None (the per-tensor paths decide).
 
-    One pass in C where the extension was built (ckptool/pickles/_fastload.c), else C-speed passes over the columns
+    One pass in C where the extension was built (ckptool/native/_fastload.c), else C-speed passes over the columns
     (100,000 tensors), no call per tensor."""
-    from ckptool.pickles.unpickle import FAST, _fastload
-
-    if FAST:
+    if _fastload is not None:
         return _fastload.whole_plain(views)
     return _whole_plain(views)
 
@@ -588,9 +517,7 @@ class Census(NamedTuple):
 def census(views: list[TensorRef]) -> Census:
     """The :class:`Census` of ``views``: one pass in C where the extension was built (100,000 tensors: ~10 ms,
     against ~80 ms of the passes of :func:`_census`, its reference), else those passes."""
-    from ckptool.pickles.unpickle import FAST, _fastload
-
-    if FAST:
+    if _fastload is not None:
         found = _fastload.census(views, TensorRef)
         if found is not NotImplemented:
             return Census(*found)

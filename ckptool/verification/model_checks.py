@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptool.model.devices import Device
 from ckptool.verification.models import TestSet
-from ckptool.verification.report import DeviceResult, error_line
+from ckptool.verification.report import Comparison, DeviceResult, error_line
 from ckptool.verification.weight_checks import DEVICE_ERRORS, bits_equal
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
@@ -42,22 +42,6 @@ def flatten_outputs(output: Any, name: str = "output") -> dict[str, torch.Tensor
         for index, value in enumerate(output):
             flat.update(flatten_outputs(value, f"{name}[{index}]"))
     return flat
-
-
-@dataclass
-class Comparison:
-    """Outputs of one run against the reference."""
-
-    max_abs_err: float = 0.0
-    max_rel_err: float = 0.0
-    within: bool = True
-    agree: int = 0
-    rows: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def argmax_agreement(self) -> float | None:
-        return self.agree / self.rows if self.rows else None
 
 
 def compare_outputs(outputs: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *, atol: float,

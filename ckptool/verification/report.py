@@ -6,13 +6,26 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool.ops.diff import DiffReport, json_float
 from ckptool.base.suggest import Metavar, Option, Wording, keyword, option
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ckptool.verification.model_checks import Comparison
+
+@dataclass
+class Comparison:
+    """Outputs of one run against the reference."""
+
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    within: bool = True
+    agree: int = 0
+    rows: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def argmax_agreement(self) -> float | None:
+        return self.agree / self.rows if self.rows else None
 
 
 @dataclass(kw_only=True)

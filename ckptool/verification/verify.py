@@ -35,11 +35,9 @@ from ckptool.base.errors import UsageError
 from ckptool.ops.load_into import LoadMismatchError, LoadReport, load_into, model_name, to_state_dict
 from ckptool.verification.model_checks import (
     DEFAULT_TOLERANCES,
-    Comparison,
     Reference,
     check_device_with_model,
     compare_outputs,
-    flatten_outputs,
     make_inputs,
     model_dtype,
     run_model,
@@ -51,7 +49,6 @@ from ckptool.base.suggest import Metavar, option, typed
 from ckptool.base.torch_import import import_torch
 from ckptool.verification.report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
 from ckptool.verification.weight_checks import (
-    bits_equal,
     check_cpu_weights,
     check_cpu_weights_against,
     check_device_weights,

@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BUILD = REPO / "build" / "fuzz"
-EXTENSIONS = ("ckptool/pickles/_guard.c", "ckptool/pickles/_fastload.c", "ckptool/formats/_zipfast.c")
+EXTENSIONS = ("ckptool/native/_guard.c", "ckptool/native/_fastload.c", "ckptool/native/_zipfast.c")
 COPIED = ("ckptool", "tests")  # the tests are copied too: conftest.py puts its own parent first on sys.path
 NOT_LINKED = {"build", ".git", ".venv", "ckptool", "tests", "demo-out", ".pytest_cache", ".hypothesis"}
 SANITIZE = ("-fsanitize=address,undefined", "-fsanitize=float-cast-overflow", "-fno-sanitize-recover=all")
@@ -81,14 +81,14 @@ def sanitized_env(python_path: Path = BUILD) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
     })
     environment.pop("CKPTOOL_DEBUG", None)
-    for name in [key for key in environment if key.startswith("CKPTOOL_PURE_PYTHON_")]:
+    for name in [key for key in environment if key.startswith("CKPTOOL_PURE_PYTHON")]:
         del environment[name]  # the fuzz switches each twin itself
     return environment
 
 
 def plain_env() -> dict[str, str]:
     """The checkout's own build, every twin switched by the fuzz itself."""
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("CKPTOOL_PURE_PYTHON_")}
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("CKPTOOL_PURE_PYTHON")}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     environment.pop("CKPTOOL_DEBUG", None)
     return environment

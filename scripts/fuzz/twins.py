@@ -3,11 +3,11 @@
 Every C extension of ckptool is the exact twin of a Python reference (README, "How it is fast"):
 
     twin        C                                   Python reference             switched by
-    guard       pickles/_guard.c  (the walk)        opcode_guard._python_walk    opcode_guard.NATIVE
-    unpickle    pickles/_fastload.c (run, tree)     CPython's unpickler          unpickle.FAST
-    header      pickles/_fastload.c parse_header    json + _each_tensor          safetensors.PURE_PYTHON_HEADER
-    emit        pickles/_fastload.c emit_items      emit.py's dict emitter       emit._emit_items
-    zip         formats/_zipfast.c                  zipio's *_py loops           zipio._native, copying._GATHER
+    guard       ckptool/native/_guard.c  (the walk)        opcode_guard._python_walk    opcode_guard.NATIVE
+    unpickle    ckptool/native/_fastload.c (run, tree)     CPython's unpickler          unpickle.FAST
+    header      ckptool/native/_fastload.c parse_header    json + _each_tensor          safetensors.PURE_PYTHON_HEADER
+    emit        ckptool/native/_fastload.c emit_items      emit.py's dict emitter       emit._emit_items
+    zip         ckptool/native/_zipfast.c                  zipio's *_py loops           zipio._native, copying._GATHER
 
 :func:`check` runs one input file through all of them: the guard's two walks over every pickle in it,
 zipio's loops both ways over its bytes, ``ckptool.load`` with every twin in C and with each in Python

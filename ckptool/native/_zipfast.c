@@ -1,7 +1,7 @@
 /* The per-record loops of ckptool.formats.zipio, in C.
  *
  * Each function here is the exact equivalent of a Python loop in zipio.py, which stays the
- * reference (and the fallback where this module is not built, or CKPTOOL_PURE_PYTHON_ZIP=1):
+ * reference (and the fallback where this module is not built, or CKPTOOL_PURE_PYTHON=1):
  *
  *   records        _records_py        the central directory's records (zipfile's reading of them)
  *   local_headers  _local_headers_py  each local header's name + extra length, read a window at a time

@@ -7,7 +7,7 @@ DEMO := demo-out
 # tests/conftest.py hands the longest files out first
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test fuzz bench fixtures realworld frameworks clean
+.PHONY: venv demo test lint fuzz bench fixtures realworld frameworks clean
 
 # the editable install also compiles the C twins of the opcode guard and the zip directory loops in place
 # (optional extensions: without a compiler Python runs them), so a change to their sources installs again
@@ -27,6 +27,12 @@ demo: venv
 test: venv
 	$(PY) -m compileall -q ckptool training  # up-to-date .pyc: the tests start hundreds of processes
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# ruff (lint and format) over the package, as configured in pyproject.toml; the import contract is a test
+# (tests/test_architecture.py)
+lint: venv
+	$(VENV)/bin/ruff check ckptool
+	$(VENV)/bin/ruff format --check ckptool
 
 # the C extensions rebuilt with ASan and UBSan into build/fuzz/ (the in-place ones untouched), proven live on a
 # planted fault, then held to their Python twins: the differential tests, and FUZZ_SECONDS (default 120) of

@@ -67,10 +67,9 @@ def __getattr__(name: str) -> Any:
 def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, raising only CkptError subclasses: an unexpected exception becomes InternalError."""
     import functools
+    import inspect
 
     from ckptool.base.errors import CkptError, InternalError, ResourceError
-
-    import inspect
 
     signature = inspect.signature(function)
 
@@ -85,13 +84,18 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
         except CkptError:
             raise
         except MemoryError as e:  # the machine's limit, not a bug: said as such
-            raise ResourceError(f"ran out of memory in ckptool.{function.__name__} — nothing was written; "
-                                "free memory or run it on a larger machine") from e
+            raise ResourceError(
+                f"ran out of memory in ckptool.{function.__name__} — nothing was written; "
+                "free memory or run it on a larger machine"
+            ) from e
         except Exception as e:  # not the input's fault as far as ckptool can tell: a bug, said as one
             first = args[0] if args else None
             path = first if isinstance(first, str | os.PathLike) else None
-            raise InternalError(f"internal error in ckptool.{function.__name__}: {type(e).__name__}: {e} — a bug "
-                                "in ckptool, not a verdict on the input; please report it", path=path) from e
+            raise InternalError(
+                f"internal error in ckptool.{function.__name__}: {type(e).__name__}: {e} — a bug "
+                "in ckptool, not a verdict on the input; please report it",
+                path=path,
+            ) from e
 
     return call
 
@@ -101,25 +105,46 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs ("X as X": exported, as __all__ says)
-    from ckptool.model.checkpoint import Checkpoint as Checkpoint
-    from ckptool.ops.diff import DiffReport as DiffReport, diff as diff
-    from ckptool.tensors.digest import fingerprint as fingerprint
     from ckptool.base.errors import (
         CkptError as CkptError,
+    )
+    from ckptool.base.errors import (
         InputError as InputError,
+    )
+    from ckptool.base.errors import (
         InternalError as InternalError,
+    )
+    from ckptool.base.errors import (
         OutputError as OutputError,
+    )
+    from ckptool.base.errors import (
         ResourceError as ResourceError,
+    )
+    from ckptool.base.errors import (
         UnsafeCheckpointError as UnsafeCheckpointError,
+    )
+    from ckptool.base.errors import (
         UnsupportedFormatError as UnsupportedFormatError,
     )
+    from ckptool.io.reader import load as load
+    from ckptool.io.writer import SaveReport as SaveReport
+    from ckptool.io.writer import save as save
+    from ckptool.model.checkpoint import Checkpoint as Checkpoint
+    from ckptool.ops.diff import DiffReport as DiffReport
+    from ckptool.ops.diff import diff as diff
+    from ckptool.ops.inspect import Summary as Summary
+    from ckptool.ops.inspect import inspect as inspect
     from ckptool.ops.load_into import (
         LoadMismatchError as LoadMismatchError,
+    )
+    from ckptool.ops.load_into import (
         LoadReport as LoadReport,
+    )
+    from ckptool.ops.load_into import (
         load_into as load_into,
     )
-    from ckptool.io.reader import load as load
-    from ckptool.ops.scan import ScanReport as ScanReport, scan as scan
-    from ckptool.ops.inspect import Summary as Summary, inspect as inspect
-    from ckptool.verification.verify import VerifyReport as VerifyReport, verify as verify
-    from ckptool.io.writer import SaveReport as SaveReport, save as save
+    from ckptool.ops.scan import ScanReport as ScanReport
+    from ckptool.ops.scan import scan as scan
+    from ckptool.tensors.digest import fingerprint as fingerprint
+    from ckptool.verification.verify import VerifyReport as VerifyReport
+    from ckptool.verification.verify import verify as verify

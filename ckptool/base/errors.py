@@ -65,8 +65,9 @@ class InputError(CkptError):
     """The input cannot be read: missing, unreadable, truncated, corrupt or not a checkpoint."""
 
     @classmethod
-    def truncated(cls, path: str | Location | None,
-                  cause: str = "tensor bytes end before the data they promise") -> InputError:
+    def truncated(
+        cls, path: str | Location | None, cause: str = "tensor bytes end before the data they promise"
+    ) -> InputError:
         """The file ends before bytes it promises: ``<path>: file is truncated: <cause> — <next step>``."""
         return cls(f"file is truncated: {cause} — re-save or re-download the checkpoint", path=path)
 
@@ -74,8 +75,9 @@ class InputError(CkptError):
 class UnsafeCheckpointError(InputError):
     """The pickle references a global outside the allowlist; nothing was executed."""
 
-    def __init__(self, message: str | Wording, *, path: Path | str | None = None,
-                 globals_: list[str] | None = None) -> None:
+    def __init__(
+        self, message: str | Wording, *, path: Path | str | None = None, globals_: list[str] | None = None
+    ) -> None:
         super().__init__(message, path=path)
         self.globals = list(globals_ or [])
 

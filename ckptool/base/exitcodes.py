@@ -19,8 +19,14 @@ CLOSED_PIPE = 128 + signal.SIGPIPE  # what a shell reports for git or cat killed
 
 
 # what the help text says of each code a command exits with on its own (signals end it with the others)
-HELP = {OK: "ok", PROBLEM: "a check found a problem", USAGE: "usage", INPUT: "unreadable/unsafe input",
-        INTERNAL: "internal error (a bug: report it)", CLOSED_PIPE: "output pipe closed early (quiet, as git)"}
+HELP = {
+    OK: "ok",
+    PROBLEM: "a check found a problem",
+    USAGE: "usage",
+    INPUT: "unreadable/unsafe input",
+    INTERNAL: "internal error (a bug: report it)",
+    CLOSED_PIPE: "output pipe closed early (quiet, as git)",
+}
 
 
 def help_text() -> str:

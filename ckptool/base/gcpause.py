@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-
 _freezing = False  # set by a process whose results live to its end (the CLI): see freeze_results
 
 

@@ -31,8 +31,16 @@ from ckptool.base.text import int_text
 VERSION = 1
 
 # the document kind of each command's --json object
-KINDS = {"inspect": "inspect", "scan": "scan", "strip": "write", "add-prefix": "write", "remap": "write",
-         "convert": "convert", "verify": "verify", "diff": "diff"}
+KINDS = {
+    "inspect": "inspect",
+    "scan": "scan",
+    "strip": "write",
+    "add-prefix": "write",
+    "remap": "write",
+    "convert": "convert",
+    "verify": "verify",
+    "diff": "diff",
+}
 
 # an error's "type", most specific class first (the CLI's own failures add "interrupted", "memory", "internal")
 ERROR_TYPES: list[tuple[type[errors.CkptError], str]] = [
@@ -70,19 +78,24 @@ def error_type(error: BaseException) -> str:
 def error_object(error: errors.CkptError, describe: Callable[[errors.CkptError], str] = str) -> dict[str, Any]:
     """``{"type", "message", "path", "exit_code"}`` (and ``globals`` for a refused pickle) of one error;
     ``describe`` gives the message (the CLI spells the options it asks for as flags)."""
-    found: dict[str, Any] = {"type": error_type(error), "message": describe(error),
-                             "path": str(error.path) if error.path is not None else None,
-                             "exit_code": error.exit_code}
+    found: dict[str, Any] = {
+        "type": error_type(error),
+        "message": describe(error),
+        "path": str(error.path) if error.path is not None else None,
+        "exit_code": error.exit_code,
+    }
     if isinstance(error, errors.UnsafeCheckpointError) and error.globals:
         found["globals"] = list(error.globals)
     return found
 
 
-def error_document(type_: str, message: str, *, path: str | None = None,
-                   exit_code: int = exitcodes.INPUT, **extra: Any) -> dict[str, Any]:
+def error_document(
+    type_: str, message: str, *, path: str | None = None, exit_code: int = exitcodes.INPUT, **extra: Any
+) -> dict[str, Any]:
     """The ``error`` document for a failure that is not a :class:`~ckptool.base.errors.CkptError`."""
-    return document("error", {"error": {"type": type_, "message": message, "path": path, "exit_code": exit_code,
-                                        **extra}})
+    return document(
+        "error", {"error": {"type": type_, "message": message, "path": path, "exit_code": exit_code, **extra}}
+    )
 
 
 def plain(value: Any) -> Any:

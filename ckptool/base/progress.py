@@ -131,9 +131,18 @@ def terminal_bars(stream: TextIO) -> BarFactory:
 
         shown = printable(description)  # a file's name may carry control characters
         if len(shown) > DESCRIPTION_WIDTH:
-            shown = "..." + shown[-(DESCRIPTION_WIDTH - 3):]
-        bar: Bar = tqdm(total=total, desc=shown, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
-                        delay=delay(), leave=False, dynamic_ncols=True)
+            shown = "..." + shown[-(DESCRIPTION_WIDTH - 3) :]
+        bar: Bar = tqdm(
+            total=total,
+            desc=shown,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=stream,
+            delay=delay(),
+            leave=False,
+            dynamic_ncols=True,
+        )
         return bar
 
     return make

@@ -4,7 +4,8 @@ A command line (``ckptool strip /data/ddp.pt -o /data/ddp.stripped.pt``) names e
 absolute path and quotes every path and value with :func:`shlex.quote`, so a suggestion pasted into
 a POSIX shell, in any folder, runs the command it shows, whatever the file is called. A command for
 a file the caller read with ``allow_globals`` (``--allow-global 'omegaconf.*'``) carries the same
-entries, since the command reads that file again. An option a refusal asks for (``force``, ``allow_globals``, ``in_place``) is an
+entries, since the command reads that file again. An option a refusal asks for (``force``,
+``allow_globals``, ``in_place``) is an
 :class:`Option` inside the error's :class:`Wording`: the command line spells it as its flag
 (``--allow-global NAME``), the Python API as the keyword argument (``allow_globals=['NAME']``), so
 no library message names a flag an API caller cannot pass.
@@ -30,8 +31,15 @@ from typing import Any
 PROGRAM = "ckptool"
 
 # keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
-_FLAGS = {"out": "-o", "allow_globals": "--allow-global", "to_device": "--to", "mapping": "--map",
-          "model_spec": "--model", "model_args": "--model-arg", "storage_options": "--storage-option"}
+_FLAGS = {
+    "out": "-o",
+    "allow_globals": "--allow-global",
+    "to_device": "--to",
+    "mapping": "--map",
+    "model_spec": "--model",
+    "model_args": "--model-arg",
+    "storage_options": "--storage-option",
+}
 # keyword argument -> the flag that gives it a list, where the switch and the list are two flags
 # (``allow_nonfinite=True`` is --allow-nonfinite, ``allow_nonfinite=['*.mask']`` --allow-nonfinite-key)
 _LIST_FLAGS = {"allow_nonfinite": "--allow-nonfinite-key"}
@@ -172,8 +180,11 @@ def command(name: str, *arguments: Path | str, **options: Any) -> str:
         'ckptool remap gpu.pt -o gpu.cpu.pt --to cpu'
     """
     words = [PROGRAM, name, *(quote(_placed(argument)) for argument in arguments)]
-    words += [flag(Option(key, _placed(value))) for key, value in options.items()
-              if value is not None and value is not False and not (isinstance(value, list | tuple) and not value)]
+    words += [
+        flag(Option(key, _placed(value)))
+        for key, value in options.items()
+        if value is not None and value is not False and not (isinstance(value, list | tuple) and not value)
+    ]
     return " ".join(words)
 
 
@@ -185,8 +196,17 @@ def _placed(value: Any) -> Any:
 
 # what stem() takes off a name, longest first: a version or a date in the name stays
 # (chgnet_0.3.0.pth.tar -> chgnet_0.3.0), and so does a suffix that is not a checkpoint's
-CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".pth.tar", ".safetensors", ".ckpt", ".pth", ".bin", ".pt",
-                       ".tar", ".dcp")
+CHECKPOINT_SUFFIXES = (
+    ".safetensors.index.json",
+    ".pth.tar",
+    ".safetensors",
+    ".ckpt",
+    ".pth",
+    ".bin",
+    ".pt",
+    ".tar",
+    ".dcp",
+)
 
 
 def _where(path: Any) -> Any:
@@ -201,8 +221,11 @@ def _where(path: Any) -> Any:
 def stem(path: Path | str) -> str:
     """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
     ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
-    name = path.split("?")[0].rstrip("/").rsplit("/", 1)[-1] if isinstance(path, str) and "://" in path \
+    name = (
+        path.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+        if isinstance(path, str) and "://" in path
         else _where(path).name
+    )
     lowered = name.lower()
     for suffix in CHECKPOINT_SUFFIXES:
         if lowered.endswith(suffix):
@@ -218,27 +241,31 @@ def sibling(path: Path, tag: str, suffix: str) -> Path:
     return path.with_name(f"{name}.{tag}{suffix}" if tag else f"{name}{suffix}")
 
 
-def strip(path: Path, *, suffix: str, prefix: str | None = None, allow_globals: Sequence[str] = (),
-          to_cpu: bool = False) -> str:
+def strip(
+    path: Path, *, suffix: str, prefix: str | None = None, allow_globals: Sequence[str] = (), to_cpu: bool = False
+) -> str:
     """The strip command for ``path``, writing beside it with ``suffix`` (a rewrite keeps the input's format:
     its format's ``default_suffix``; ``--prefix`` only when not the detected stack);
     ``allow_globals``: the entries ``path`` was read with, carried by the command; ``to_cpu``: the same
     write also moves every saved storage tag to the CPU (one command from a GPU cluster's file to a laptop's)."""
     out = sibling(_where(path), "cpu" if to_cpu else "stripped", suffix)
-    return command("strip", _where(path), out=out, prefix=prefix, to="cpu" if to_cpu else None,
-                   allow_globals=list(allow_globals))
+    return command(
+        "strip", _where(path), out=out, prefix=prefix, to="cpu" if to_cpu else None, allow_globals=list(allow_globals)
+    )
 
 
 def remap_to_cpu(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The remap command that moves every saved storage tag of ``path`` to the CPU."""
-    return command("remap", _where(path), out=sibling(_where(path), "cpu", ".pt"), to="cpu",
-                   allow_globals=list(allow_globals))
+    return command(
+        "remap", _where(path), out=sibling(_where(path), "cpu", ".pt"), to="cpu", allow_globals=list(allow_globals)
+    )
 
 
 def to_safetensors(path: Path, *, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes ``path``'s weights as safetensors beside it."""
-    return command("convert", _where(path), out=sibling(_where(path), "", ".safetensors"),
-                   allow_globals=list(allow_globals))
+    return command(
+        "convert", _where(path), out=sibling(_where(path), "", ".safetensors"), allow_globals=list(allow_globals)
+    )
 
 
 def each(commands: Sequence[str]) -> str:
@@ -249,5 +276,10 @@ def each(commands: Sequence[str]) -> str:
 def optimizer_to_safetensors(path: Path, *, folder: bool = False, allow_globals: Sequence[str] = ()) -> str:
     """The convert command that writes the optimizer state in ``path`` (an optimizer file, or a
     training ``folder``) as safetensors beside it, its tensors named ``state.<param>.<name>``."""
-    return command("convert", _where(path), out=sibling(_where(path), "optimizer" if folder else "", ".safetensors"),
-                   weights="state", allow_globals=list(allow_globals))
+    return command(
+        "convert",
+        _where(path),
+        out=sibling(_where(path), "optimizer" if folder else "", ".safetensors"),
+        weights="state",
+        allow_globals=list(allow_globals),
+    )

@@ -29,9 +29,9 @@ import click
 
 from ckptool import __version__
 from ckptool.base import exitcodes, gcpause, jsonout
-from ckptool.cli import render
 from ckptool.base.errors import CkptError, InternalError
 from ckptool.base.suggest import flag
+from ckptool.cli import render
 
 EXIT_INTERNAL, EXIT_CLOSED_PIPE = exitcodes.INTERNAL, exitcodes.CLOSED_PIPE  # the names tests import
 
@@ -97,8 +97,10 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
             if os.environ.get("CKPTOOL_DEBUG"):
                 raise
-            message = (f"{type(e).__name__}: {e} — a bug in ckptool, not a problem with the input; rerun with "
-                       "CKPTOOL_DEBUG=1 and report it")
+            message = (
+                f"{type(e).__name__}: {e} — a bug in ckptool, not a problem with the input; rerun with "
+                "CKPTOOL_DEBUG=1 and report it"
+            )
             _fail_json(as_json, "internal", message, exitcodes.INTERNAL)
             render.echo(f"ckptool: internal error: {message}", err=True)
             sys.exit(exitcodes.INTERNAL)
@@ -161,9 +163,14 @@ def storage_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--storage-option KEY=VALUE`` (repeatable): fsspec options for every URL of the command; and
     the request and byte counts (``--json``'s ``io``) start at zero for the command."""
 
-    @click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
-                  help="An fsspec option for URLs (repeatable): endpoint_url=http://127.0.0.1:8333, anon=true, "
-                       "client_kwargs.region_name=eu-west-1. Credentials come from the environment, never printed.")
+    @click.option(
+        "--storage-option",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="An fsspec option for URLs (repeatable): endpoint_url=http://127.0.0.1:8333, anon=true, "
+        "client_kwargs.region_name=eu-west-1. Credentials come from the environment, never printed.",
+    )
     @functools.wraps(command)
     def wrapper(*args: Any, storage_option: tuple[str, ...], **kwargs: Any) -> Any:
         if storage_option or _REMOTE in sys.modules:  # ckptool.files.remote is imported only when URLs are in play
@@ -181,34 +188,45 @@ def storage_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 allow_global_option = click.option(
-    "--allow-global", "allow_globals", multiple=True, metavar="NAME|PATTERN",
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="NAME|PATTERN",
     help="Accept pickle globals by name (mylib.Config) or shell pattern on the dotted name ('omegaconf.*', "
-         "'*' for all) (repeatable); each is read as an inert record, never imported. Torch's own globals keep "
-         "their checks; a pattern never accepts a global known to run code (os.system): name it exactly.",
+    "'*' for all) (repeatable); each is read as an inert record, never imported. Torch's own globals keep "
+    "their checks; a pattern never accepts a global known to run code (os.system): name it exactly.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
 weights_option = click.option(
-    "--weights", default=None, metavar="PATH",
+    "--weights",
+    default=None,
+    metavar="PATH",
     help="Which set of weights to take when the file holds several (inspect lists them): keys joined by . or / "
-         "(state_dict_ema, model.ema, ema); a key holding dots is matched whole. Default: the live weights.",
+    "(state_dict_ema, model.ema, ema); a key holding dots is matched whole. Default: the live weights.",
 )
 force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-in_place_option = click.option("--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file).")
+in_place_option = click.option(
+    "--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file)."
+)
 allow_expansion_option = click.option(
-    "--allow-expansion", is_flag=True,
+    "--allow-expansion",
+    is_flag=True,
     help="Materialize tensor views that expand their stored bytes (stride 0, overlaps) more than 4x in full.",
 )
 dry_run_option = click.option(
-    "--dry-run", is_flag=True,
-    help="Make every check and refusal of the write, then stop: say what would be written; write nothing.")
+    "--dry-run",
+    is_flag=True,
+    help="Make every check and refusal of the write, then stop: say what would be written; write nothing.",
+)
 
 
 def shows_progress(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--quiet``, and a byte progress bar on stderr for the command's long work (past about a second)
     when stderr is a terminal, unless ``--json`` or ``--quiet``: nothing in a pipe or a log."""
 
-    @click.option("-q", "--quiet", is_flag=True,
-                  help="No progress bar (it shows only on a terminal, for work past a second).")
+    @click.option(
+        "-q", "--quiet", is_flag=True, help="No progress bar (it shows only on a terminal, for work past a second)."
+    )
     @functools.wraps(command)
     def wrapper(*args: Any, quiet: bool, **kwargs: Any) -> Any:
         from ckptool.base import progress
@@ -222,7 +240,9 @@ def shows_progress(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 fingerprint_write_option = click.option(
-    "--fingerprint", "with_fingerprint", is_flag=True,
+    "--fingerprint",
+    "with_fingerprint",
+    is_flag=True,
     help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
 )
 
@@ -243,10 +263,13 @@ class _Group(click.Group):
             raise
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-             help="Make any PyTorch checkpoint portable, and prove it.\n\nReads .pt/.pth/.bin/.ckpt (zip or "
-                  "legacy), safetensors (single or sharded) without running pickle code. Exit codes: "
-                  f"{exitcodes.help_text()}.")
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    help="Make any PyTorch checkpoint portable, and prove it.\n\nReads .pt/.pth/.bin/.ckpt (zip or "
+    "legacy), safetensors (single or sharded) without running pickle code. Exit codes: "
+    f"{exitcodes.help_text()}.",
+)
 @click.version_option(__version__, prog_name="ckptool")
 def main() -> None:
     """The ckptool command group (its help text lists the exit codes from :mod:`ckptool.base.exitcodes`)."""
@@ -306,16 +329,27 @@ def _terminate(signum: int, frame: Any) -> None:
 @click.argument("ckpt", type=LOCATION)
 @json_option
 @click.option("--tensors", "list_tensors", is_flag=True, help="List every weight tensor.")
-@click.option("--fingerprint", "with_fingerprint", is_flag=True,
-              help="Also hash the weights (reads every byte; the same value in any format).")
+@click.option(
+    "--fingerprint",
+    "with_fingerprint",
+    is_flag=True,
+    help="Also hash the weights (reads every byte; the same value in any format).",
+)
 @allow_global_option
 @allow_expansion_option
 @weights_option
 @shows_progress
 @storage_options
 @handle_errors
-def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: bool, allow_globals: tuple[str, ...],
-            allow_expansion: bool, weights: str | None) -> None:
+def inspect(
+    ckpt: Path,
+    as_json: bool,
+    list_tensors: bool,
+    with_fingerprint: bool,
+    allow_globals: tuple[str, ...],
+    allow_expansion: bool,
+    weights: str | None,
+) -> None:
     """Describe a checkpoint: format, where the weights are, wrapper prefix, devices, entries.
 
     Reads no tensor bytes (unless --fingerprint) and runs no pickle code.
@@ -324,8 +358,14 @@ def inspect(ckpt: Path, as_json: bool, list_tensors: bool, with_fingerprint: boo
     """
     from ckptool.ops.inspect import inspect as inspect_
 
-    summary = inspect_(ckpt, allow_globals=allow_globals, fingerprint=with_fingerprint, tensors=list_tensors,
-                       allow_expansion=allow_expansion, weights=weights)
+    summary = inspect_(
+        ckpt,
+        allow_globals=allow_globals,
+        fingerprint=with_fingerprint,
+        tensors=list_tensors,
+        allow_expansion=allow_expansion,
+        weights=weights,
+    )
     if as_json:
         _emit_json("inspect", summary.to_json())
     else:
@@ -363,14 +403,25 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 
 
 def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed([
-        click.argument("ckpt", type=LOCATION),
-        click.option("-o", "--out", type=LOCATION,
-                     help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
-                          "another suffix keeps the input's)."),
-        force_option, in_place_option, json_option, allow_global_option, fingerprint_write_option, weights_option,
-        dry_run_option,
-    ]):
+    for option in reversed(
+        [
+            click.argument("ckpt", type=LOCATION),
+            click.option(
+                "-o",
+                "--out",
+                type=LOCATION,
+                help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
+                "another suffix keeps the input's).",
+            ),
+            force_option,
+            in_place_option,
+            json_option,
+            allow_global_option,
+            fingerprint_write_option,
+            weights_option,
+            dry_run_option,
+        ]
+    ):
         command = option(command)
     return command
 
@@ -378,15 +429,31 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @main.command()
 @_rewrite_options
 @click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
-@click.option("--to", "to_device", default=None, metavar="DEVICE",
-              help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.")
+@click.option(
+    "--to",
+    "to_device",
+    default=None,
+    metavar="DEVICE",
+    help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.",
+)
 @click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
 @shows_progress
 @storage_options
 @handle_errors
-def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, dry_run: bool, prefix: str | None, to_device: str | None,
-          mapping: tuple[str, ...]) -> None:
+def strip(
+    ckpt: Path,
+    out: Path | None,
+    force: bool,
+    in_place: bool,
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    with_fingerprint: bool,
+    weights: str | None,
+    dry_run: bool,
+    prefix: str | None,
+    to_device: str | None,
+    mapping: tuple[str, ...],
+) -> None:
     """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
 
     By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
@@ -396,17 +463,29 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     """
     from ckptool.ops import rewrite as operations
 
-    report = operations.strip(ckpt, out, prefix=prefix, force=force, in_place=in_place, allow_globals=allow_globals,
-                              fingerprint=with_fingerprint, weights=weights, to_device=to_device, mapping=mapping,
-                              dry_run=dry_run)
+    report = operations.strip(
+        ckpt,
+        out,
+        prefix=prefix,
+        force=force,
+        in_place=in_place,
+        allow_globals=allow_globals,
+        fingerprint=with_fingerprint,
+        weights=weights,
+        to_device=to_device,
+        mapping=mapping,
+        dry_run=dry_run,
+    )
     if as_json:
         _emit_json("strip", report.to_json())
     else:
         details = report.details
-        moved = (f"; devices {details['devices_before']} -> {details['devices_after']}"
-                 if "devices_after" in details else "")
-        render.write(report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> '
-                              f'{report.target}{moved}')
+        moved = (
+            f"; devices {details['devices_before']} -> {details['devices_after']}" if "devices_after" in details else ""
+        )
+        render.write(
+            report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> {report.target}{moved}'
+        )
 
 
 @main.command("add-prefix")
@@ -415,18 +494,35 @@ def strip(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @shows_progress
 @storage_options
 @handle_errors
-def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool,
-               allow_globals: tuple[str, ...], with_fingerprint: bool, weights: str | None, dry_run: bool,
-               prefix: str) -> None:
+def add_prefix(
+    ckpt: Path,
+    out: Path | None,
+    force: bool,
+    in_place: bool,
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    with_fingerprint: bool,
+    weights: str | None,
+    dry_run: bool,
+    prefix: str,
+) -> None:
     """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
 
     Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
     """
     from ckptool.ops import rewrite as operations
 
-    report = operations.add_prefix(ckpt, out, prefix=prefix, force=force, in_place=in_place,
-                                   allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights,
-                                   dry_run=dry_run)
+    report = operations.add_prefix(
+        ckpt,
+        out,
+        prefix=prefix,
+        force=force,
+        in_place=in_place,
+        allow_globals=allow_globals,
+        fingerprint=with_fingerprint,
+        weights=weights,
+        dry_run=dry_run,
+    )
     if as_json:
         _emit_json("add-prefix", report.to_json())
     else:
@@ -435,14 +531,28 @@ def add_prefix(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_jso
 
 @main.command()
 @_rewrite_options
-@click.option("--to", "to_device", default=None, metavar="DEVICE", help="Send every storage to DEVICE (cpu, cuda:0...).")
-@click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable).")
+@click.option(
+    "--to", "to_device", default=None, metavar="DEVICE", help="Send every storage to DEVICE (cpu, cuda:0...)."
+)
+@click.option(
+    "--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable)."
+)
 @shows_progress
 @storage_options
 @handle_errors
-def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bool, allow_globals: tuple[str, ...],
-          with_fingerprint: bool, weights: str | None, dry_run: bool, to_device: str | None,
-          mapping: tuple[str, ...]) -> None:
+def remap(
+    ckpt: Path,
+    out: Path | None,
+    force: bool,
+    in_place: bool,
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    with_fingerprint: bool,
+    weights: str | None,
+    dry_run: bool,
+    to_device: str | None,
+    mapping: tuple[str, ...],
+) -> None:
     """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
 
     Tensors are not moved: only the tags torch.load restores them onto change.
@@ -451,14 +561,26 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
     """
     from ckptool.ops import rewrite as operations
 
-    report = operations.remap(ckpt, out, to_device=to_device, mapping=mapping, force=force, in_place=in_place,
-                              allow_globals=allow_globals, fingerprint=with_fingerprint, weights=weights,
-                              dry_run=dry_run)
+    report = operations.remap(
+        ckpt,
+        out,
+        to_device=to_device,
+        mapping=mapping,
+        force=force,
+        in_place=in_place,
+        allow_globals=allow_globals,
+        fingerprint=with_fingerprint,
+        weights=weights,
+        dry_run=dry_run,
+    )
     if as_json:
         _emit_json("remap", report.to_json())
     else:
-        render.write(report, f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
-                              f"{report.details['devices_after']}")
+        render.write(
+            report,
+            f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
+            f"{report.details['devices_after']}",
+        )
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -466,29 +588,57 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 
 @main.command()
 @click.argument("ckpts", nargs=-1, required=True, type=LOCATION)
-@click.option("-o", "--out", type=Location(keep_text=True),  # a str: a trailing "/" says "a folder"
-              help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.")
-@click.option("--out-dir", type=LOCATION,
-              help="Convert many inputs into this directory (name kept, suffix from --to).")
-@click.option("--to", "to_format", type=click.Choice(["safetensors", "pt", "dcp"]), default=None,
-              help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "
-                   "torch.distributed.checkpoint folder of the whole checkpoint, for dcp.load (needs torch).")
+@click.option(
+    "-o",
+    "--out",
+    type=Location(keep_text=True),  # a str: a trailing "/" says "a folder"
+    help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.",
+)
+@click.option("--out-dir", type=LOCATION, help="Convert many inputs into this directory (name kept, suffix from --to).")
+@click.option(
+    "--to",
+    "to_format",
+    type=click.Choice(["safetensors", "pt", "dcp"]),
+    default=None,
+    help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "
+    "torch.distributed.checkpoint folder of the whole checkpoint, for dcp.load (needs torch).",
+)
 @click.option("--strip", "strip_wrappers", is_flag=True, help="Also strip the detected wrapper prefix from the keys.")
 @click.option("--max-shard-size", default=None, metavar="SIZE", help="Shard safetensors output, e.g. 5GB or 500MB.")
 @click.option("--duplicate-tied", is_flag=True, help="Store tied tensors as full copies (for readers without aliases).")
-@click.option("--nest", type=click.Choice(["model", "state_dict"]), default=None,
-              help="For .pt output from safetensors: wrap the weights as {NEST: weights}.")
-@click.option("--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched).")
-@click.option("--allow-overflow", is_flag=True,
-              help="With --dtype: accept a cast that turns finite values into Inf/NaN (refused by default).")
-@click.option("--drop", multiple=True, metavar="PATTERN",
-              help="Leave out weight keys ('head.*', '*.num_batches_tracked') and top-level entries ('optimizer') a "
-                   "shell pattern matches whole (repeatable).")
-@click.option("--rename", multiple=True, metavar="REGEX=REPL",
-              help=r"Rewrite weight keys with a regex, as re.sub does: '^backbone\.=' or 'blocks\.(\d+)=layers.\1' "
-                   "(repeatable, applied in order).")
-@click.option("--weights-only", is_flag=True,
-              help="Write the weights alone (a bare state dict): no optimizer, epoch or config around them.")
+@click.option(
+    "--nest",
+    type=click.Choice(["model", "state_dict"]),
+    default=None,
+    help="For .pt output from safetensors: wrap the weights as {NEST: weights}.",
+)
+@click.option(
+    "--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched)."
+)
+@click.option(
+    "--allow-overflow",
+    is_flag=True,
+    help="With --dtype: accept a cast that turns finite values into Inf/NaN (refused by default).",
+)
+@click.option(
+    "--drop",
+    multiple=True,
+    metavar="PATTERN",
+    help="Leave out weight keys ('head.*', '*.num_batches_tracked') and top-level entries ('optimizer') a "
+    "shell pattern matches whole (repeatable).",
+)
+@click.option(
+    "--rename",
+    multiple=True,
+    metavar="REGEX=REPL",
+    help=r"Rewrite weight keys with a regex, as re.sub does: '^backbone\.=' or 'blocks\.(\d+)=layers.\1' "
+    "(repeatable, applied in order).",
+)
+@click.option(
+    "--weights-only",
+    is_flag=True,
+    help="Write the weights alone (a bare state dict): no optimizer, epoch or config around them.",
+)
 @allow_expansion_option
 @force_option
 @json_option
@@ -499,11 +649,28 @@ def remap(ckpt: Path, out: Path | None, force: bool, in_place: bool, as_json: bo
 @shows_progress
 @storage_options
 @handle_errors
-def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_format: str | None,
-            strip_wrappers: bool, max_shard_size: str | None, duplicate_tied: bool, nest: str | None,
-            dtype: str | None, allow_overflow: bool, drop: tuple[str, ...], rename: tuple[str, ...],
-            weights_only: bool, allow_expansion: bool, force: bool, as_json: bool, allow_globals: tuple[str, ...],
-            with_fingerprint: bool, weights: str | None, dry_run: bool) -> None:
+def convert(
+    ckpts: tuple[Path, ...],
+    out: str | None,
+    out_dir: Path | None,
+    to_format: str | None,
+    strip_wrappers: bool,
+    max_shard_size: str | None,
+    duplicate_tied: bool,
+    nest: str | None,
+    dtype: str | None,
+    allow_overflow: bool,
+    drop: tuple[str, ...],
+    rename: tuple[str, ...],
+    weights_only: bool,
+    allow_expansion: bool,
+    force: bool,
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    with_fingerprint: bool,
+    weights: str | None,
+    dry_run: bool,
+) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
 
     Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
@@ -515,17 +682,32 @@ def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_f
 
     plan = operations.plan_convert(ckpts, out=out, out_dir=out_dir, to=to_format, max_shard_size=max_shard_size)
     options = operations.ConvertOptions(
-        to=to_format, strip=strip_wrappers, duplicate_tied=duplicate_tied, nest=nest, dtype=dtype,
-        allow_overflow=allow_overflow, allow_expansion=allow_expansion, force=force, allow_globals=allow_globals,
-        fingerprint=with_fingerprint, weights=weights, dry_run=dry_run, drop=drop, rename=rename,
-        weights_only=weights_only)
+        to=to_format,
+        strip=strip_wrappers,
+        duplicate_tied=duplicate_tied,
+        nest=nest,
+        dtype=dtype,
+        allow_overflow=allow_overflow,
+        allow_expansion=allow_expansion,
+        force=force,
+        allow_globals=allow_globals,
+        fingerprint=with_fingerprint,
+        weights=weights,
+        dry_run=dry_run,
+        drop=drop,
+        rename=rename,
+        weights_only=weights_only,
+    )
     report = operations.convert(plan, options)  # each output's bar, on a terminal (shows_progress)
     if as_json:
         _emit_json("convert", report.to_json(_error_text))
     else:
         for result in report.converted:
-            render.write(result, f"{result.input} -> {result.saved.path} ({result.saved.format}, "
-                                  f"{result.saved.tensors} tensors, {render.human_bytes(result.saved.bytes)})")
+            render.write(
+                result,
+                f"{result.input} -> {result.saved.path} ({result.saved.format}, "
+                f"{result.saved.tensors} tensors, {render.human_bytes(result.saved.bytes)})",
+            )
     for failure in report.failed:
         render.echo(f"ckptool: error: {_error_text(failure)}", err=True)
     if report.failed:
@@ -538,22 +720,51 @@ def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_f
 
 @main.command()
 @click.argument("ckpt", type=LOCATION)
-@click.option("--model", "model_spec", default=None, metavar="SPEC",
-              help="torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory — the "
-                   "last imports and runs YOUR code on purpose (never the checkpoint's).")
-@click.option("--model-arg", "model_args", multiple=True, metavar="K=V",
-              help="Keyword argument for the model builder, e.g. num_classes=10 (repeatable).")
-@click.option("--devices", default="all", show_default=True, metavar="all|cpu,cuda:0,...",
-              help="Devices to evaluate on; the CPU run is always the reference.")
-@click.option("--against", type=LOCATION, default=None, metavar="OTHER",
-              help="A second checkpoint (any format) that must hold the same weights (and outputs, with --model).")
-@click.option("--input-shape", default=None, metavar="1,3,224,224",
-              help="Shape of the seeded input (default: 1,1,28,28 for training:, 1,3,224,224 for torchvision:).")
+@click.option(
+    "--model",
+    "model_spec",
+    default=None,
+    metavar="SPEC",
+    help="torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory — the "
+    "last imports and runs YOUR code on purpose (never the checkpoint's).",
+)
+@click.option(
+    "--model-arg",
+    "model_args",
+    multiple=True,
+    metavar="K=V",
+    help="Keyword argument for the model builder, e.g. num_classes=10 (repeatable).",
+)
+@click.option(
+    "--devices",
+    default="all",
+    show_default=True,
+    metavar="all|cpu,cuda:0,...",
+    help="Devices to evaluate on; the CPU run is always the reference.",
+)
+@click.option(
+    "--against",
+    type=LOCATION,
+    default=None,
+    metavar="OTHER",
+    help="A second checkpoint (any format) that must hold the same weights (and outputs, with --model).",
+)
+@click.option(
+    "--input-shape",
+    default=None,
+    metavar="1,3,224,224",
+    help="Shape of the seeded input (default: 1,1,28,28 for training:, 1,3,224,224 for torchvision:).",
+)
 @click.option("--atol", type=float, default=None, help="Absolute output tolerance (default by dtype: fp32 1e-5).")
 @click.option("--rtol", type=float, default=None, help="Relative output tolerance (default by dtype: fp32 1e-4).")
 @click.option("--allow-nonfinite", is_flag=True, help="Weights holding NaN or Inf do not fail the check.")
-@click.option("--allow-nonfinite-key", "nonfinite_keys", multiple=True, metavar="PATTERN",
-              help="Weights whose key matches this shell pattern may hold NaN/Inf, e.g. '*.mask' (repeatable).")
+@click.option(
+    "--allow-nonfinite-key",
+    "nonfinite_keys",
+    multiple=True,
+    metavar="PATTERN",
+    help="Weights whose key matches this shell pattern may hold NaN/Inf, e.g. '*.mask' (repeatable).",
+)
 @json_option
 @allow_global_option
 @allow_expansion_option
@@ -562,10 +773,23 @@ def convert(ckpts: tuple[Path, ...], out: str | None, out_dir: Path | None, to_f
 @shows_progress
 @storage_options
 @handle_errors
-def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devices: str, against: Path | None,
-           input_shape: str | None, atol: float | None, rtol: float | None, allow_nonfinite: bool,
-           nonfinite_keys: tuple[str, ...], as_json: bool, allow_globals: tuple[str, ...],
-           allow_expansion: bool, weights: str | None, against_weights: str | None) -> None:
+def verify(
+    ckpt: Path,
+    model_spec: str | None,
+    model_args: tuple[str, ...],
+    devices: str,
+    against: Path | None,
+    input_shape: str | None,
+    atol: float | None,
+    rtol: float | None,
+    allow_nonfinite: bool,
+    nonfinite_keys: tuple[str, ...],
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    allow_expansion: bool,
+    weights: str | None,
+    against_weights: str | None,
+) -> None:
     """Prove the weights load strictly and evaluate identically on CPU and every device.
 
     With --model: strict load (a wrong prefix or architecture is diagnosed with its fix), then
@@ -579,10 +803,21 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
     """
     from ckptool.verification.verify import verify as verify_
 
-    report = verify_(ckpt, model_spec=model_spec, model_args=model_args, devices=devices, against=against,
-                     input_shape=input_shape, atol=atol, rtol=rtol, allow_globals=allow_globals,
-                     allow_expansion=allow_expansion, allow_nonfinite=allow_nonfinite or nonfinite_keys,
-                     weights=weights, against_weights=against_weights)
+    report = verify_(
+        ckpt,
+        model_spec=model_spec,
+        model_args=model_args,
+        devices=devices,
+        against=against,
+        input_shape=input_shape,
+        atol=atol,
+        rtol=rtol,
+        allow_globals=allow_globals,
+        allow_expansion=allow_expansion,
+        allow_nonfinite=allow_nonfinite or nonfinite_keys,
+        weights=weights,
+        against_weights=against_weights,
+    )
     if as_json:
         _emit_json("verify", report.to_json(flag))
     else:
@@ -595,8 +830,13 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 @main.command()
 @click.argument("a", type=LOCATION)
 @click.argument("b", type=LOCATION)
-@click.option("--atol", type=float, default=0.0, show_default=True,
-              help="Value differences up to this are not changes (0: exact; floats count -0.0 as 0.0, NaN as NaN).")
+@click.option(
+    "--atol",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Value differences up to this are not changes (0: exact; floats count -0.0 as 0.0, NaN as NaN).",
+)
 @json_option
 @allow_global_option
 @allow_expansion_option
@@ -605,8 +845,16 @@ def verify(ckpt: Path, model_spec: str | None, model_args: tuple[str, ...], devi
 @shows_progress
 @storage_options
 @handle_errors
-def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str, ...], allow_expansion: bool,
-         weights: str | None, weights_b: str | None) -> None:
+def diff(
+    a: Path,
+    b: Path,
+    atol: float,
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    allow_expansion: bool,
+    weights: str | None,
+    weights_b: str | None,
+) -> None:
     """Compare the weights of two checkpoints in any formats: keys, dtypes, shapes, values.
 
     Keys are compared as stored (a module. prefix on one side is named, with the strip command).
@@ -617,8 +865,15 @@ def diff(a: Path, b: Path, atol: float, as_json: bool, allow_globals: tuple[str,
     """
     from ckptool.ops.diff import diff as diff_
 
-    report = diff_(a, b, atol=atol, allow_globals=allow_globals, allow_expansion=allow_expansion, weights_a=weights,
-                   weights_b=weights_b)
+    report = diff_(
+        a,
+        b,
+        atol=atol,
+        allow_globals=allow_globals,
+        allow_expansion=allow_expansion,
+        weights_a=weights,
+        weights_b=weights_b,
+    )
     if as_json:
         _emit_json("diff", report.to_json())
     else:

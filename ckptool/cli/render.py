@@ -14,9 +14,9 @@ from ckptool.base.text import printable, value_repr
 
 if TYPE_CHECKING:
     from ckptool.ops.diff import DiffReport
+    from ckptool.ops.inspect import Summary
     from ckptool.ops.rewrite import WriteReport
     from ckptool.ops.scan import ScanReport
-    from ckptool.ops.inspect import Summary
     from ckptool.verification.verify import VerifyReport
 
 
@@ -40,23 +40,32 @@ def summary(summary: Summary) -> None:
     if folder is not None:
         read = next((c["file"] for c in summary.candidates if c["chosen"]), None)
         echo(f"  folder         {folder.kind}" + (f": weights from {read}" if read else ": no model weights"))
-    layout = "(top level)" if summary.layout == [] else ("none found" if summary.layout is None else
-                                                          " -> ".join(value_repr(k) for k in summary.layout))
+    layout = (
+        "(top level)"
+        if summary.layout == []
+        else ("none found" if summary.layout is None else " -> ".join(value_repr(k) for k in summary.layout))
+    )
     if summary.module_class is not None:
         layout += f" (whole-model pickle: {summary.module_class}, {summary.tensors} tensors)"
     echo(f"  weights at     {layout}")
     if len(summary.candidates) > 1:  # more than one set of weights: each, and how to pick it
         for candidate in summary.candidates[:20]:
             what = candidate["kind"] + (f": {candidate['module_class']}" if candidate["module_class"] else "")
-            count = f"{candidate['tensors']} tensors" if candidate["tensors"] is not None else \
-                f"unreadable: {candidate.get('problem', '')}"
+            count = (
+                f"{candidate['tensors']} tensors"
+                if candidate["tensors"] is not None
+                else f"unreadable: {candidate.get('problem', '')}"
+            )
             mark = "(chosen)" if candidate["chosen"] else f"--weights {shlex.quote(candidate['weights'])}"
             echo(f"  weights set    {candidate['weights']}  ({what}, {count})  {mark}")
         if len(summary.candidates) > 20:
             echo(f"  weights set    ... and {len(summary.candidates) - 20} more (--json lists them)")
     echo(f"  wrapper prefix {summary.prefix or '(none)'}")
     dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
-    echo(f"  tensors        {summary.tensors}  ({summary.parameters:,} parameters, {human_bytes(summary.bytes)}; {dtypes})")
+    echo(
+        f"  tensors        {summary.tensors}  "
+        f"({summary.parameters:,} parameters, {human_bytes(summary.bytes)}; {dtypes})"
+    )
     devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
     echo(f"  saved devices  {devices}  (storages per location tag)")
     if summary.tied:
@@ -83,8 +92,11 @@ def summary(summary: Summary) -> None:
         dtype_width = max((len(t.dtype) for t in summary.state_dict), default=5)  # QUINT4X2 included
         for tensor in summary.state_dict:
             shape = "[" + ", ".join("*" if d is None else str(d) for d in tensor.shape) + "]"  # *: varies by piece
-            layout = "" if tensor.layout == "strided" else f"  {tensor.layout}" + \
-                (f" {tensor.qscheme}" if tensor.qscheme else "")
+            layout = (
+                ""
+                if tensor.layout == "strided"
+                else f"  {tensor.layout}" + (f" {tensor.qscheme}" if tensor.qscheme else "")
+            )
             echo(f"  {tensor.name:<{width}}  {tensor.dtype:<{dtype_width}} {shape:<20} {tensor.device}{layout}")
     if summary.hints:
         echo("")
@@ -97,8 +109,10 @@ def scan(report: ScanReport) -> None:
     """scan's verdict (safe, unknown or dangerous), its globals (each one outside the allowlist marked:
     ``! `` unknown, ``!!`` dangerous) and its notes, closing with what the verdict means for loading."""
     verdict = report.verdict if report.verdict == "safe" else report.verdict.upper()
-    echo(f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
-         f"{sum(report.opcodes.values())} opcodes)")
+    echo(
+        f"{report.path}: {verdict} ({report.format}; {len(report.pickles)} pickle(s), "
+        f"{sum(report.opcodes.values())} opcodes)"
+    )
     unsafe, dangerous = set(report.unsafe), set(report.dangerous)  # a flood of names is listed in linear time
     for name, count in report.globals.items():
         mark = "  " if name not in unsafe else "!!" if name in dangerous else "! "
@@ -110,15 +124,25 @@ def scan(report: ScanReport) -> None:
     unknown = len(report.unsafe) - len(report.dangerous)
     if unknown:
         # a framework's own classes: torch.load imports and builds them, so they need trust, not alarm
-        read = ("ckptool reads the file with them as inert placeholders" if report.readable else
-                "ckptool reads them as inert data only with --allow-global (if you trust the file)")
-        echo(f"  {unknown} unknown global(s) (! ) outside the allowlist, none known to run code: loading the file "
-             f"with torch would import or compile their code and run it, so trust it first; {read}")
+        read = (
+            "ckptool reads the file with them as inert placeholders"
+            if report.readable
+            else "ckptool reads them as inert data only with --allow-global (if you trust the file)"
+        )
+        echo(
+            f"  {unknown} unknown global(s) (! ) outside the allowlist, none known to run code: loading the file "
+            f"with torch would import or compile their code and run it, so trust it first; {read}"
+        )
     if report.dangerous:
-        read = ("ckptool reads them as inert data only because you named them" if report.readable else
-                "ckptool refuses to load this file")
-        echo(f"  {len(report.dangerous)} dangerous global(s) (!!) known to run code or reach the system: "
-             f"do not torch.load this file; {read}")
+        read = (
+            "ckptool reads them as inert data only because you named them"
+            if report.readable
+            else "ckptool refuses to load this file"
+        )
+        echo(
+            f"  {len(report.dangerous)} dangerous global(s) (!!) known to run code or reach the system: "
+            f"do not torch.load this file; {read}"
+        )
 
 
 def write(report: WriteReport, headline: str) -> None:
@@ -129,8 +153,10 @@ def write(report: WriteReport, headline: str) -> None:
             echo(f"  would write {file}")
     else:
         echo(headline)
-        echo(f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, "
-             "CRC32)")
+        echo(
+            f"  checked: all {report.saved.checked} tensors re-read from the output, identical (names, dtypes, shapes, "
+            "CRC32)"
+        )
     if report.saved.fingerprint:
         echo(f"  fingerprint {report.saved.fingerprint}")
     for note in report.notes:
@@ -162,8 +188,10 @@ def _diagnosis(diagnosis: dict[str, Any]) -> None:
             count = sum(len(keys) for keys in groups.values())
             echo(f"           {label} ({count} keys, by module): {_key_groups(groups)}")
     for mismatch in diagnosis["mismatched"][:5]:
-        echo(f"           shape differs: {mismatch['key']} {mismatch['checkpoint_shape']} in the checkpoint, "
-             f"{mismatch['model_shape']} in the model")
+        echo(
+            f"           shape differs: {mismatch['key']} {mismatch['checkpoint_shape']} in the checkpoint, "
+            f"{mismatch['model_shape']} in the model"
+        )
     after = diagnosis["after_rewrite"]
     if diagnosis["rewrite"] and (after["missing"] or after["unexpected"] or after["mismatched"]):
         echo(f"           after {diagnosis['rewrite']}: {after['matched']} of {diagnosis['model_keys']} keys fit")
@@ -189,11 +217,16 @@ def verify(report: VerifyReport) -> None:
     if report.devices:
         echo(f"  {'device':<9}{'result':<8}{'weights':<11}{'max abs err':<13}{'max rel err':<13}{'argmax':<8}accuracy")
         for row in report.devices:
-            weights = "identical" if row.weights_identical else ("-" if row.error and not row.differing_weights
-                                                                  else "CHANGED")
-            echo(f"  {row.device:<9}{'ok' if row.ok else 'FAILED':<8}{weights:<11}{_fmt_err(row.max_abs_err):<13}"
-                 f"{_fmt_err(row.max_rel_err):<13}{_fmt_fraction(row.argmax_agreement):<8}"
-                 f"{_fmt_fraction(row.accuracy)}")
+            weights = (
+                "identical"
+                if row.weights_identical
+                else ("-" if row.error and not row.differing_weights else "CHANGED")
+            )
+            echo(
+                f"  {row.device:<9}{'ok' if row.ok else 'FAILED':<8}{weights:<11}{_fmt_err(row.max_abs_err):<13}"
+                f"{_fmt_err(row.max_rel_err):<13}{_fmt_fraction(row.argmax_agreement):<8}"
+                f"{_fmt_fraction(row.accuracy)}"
+            )
             if row.differing_weights:
                 echo(f"           changed on {row.device}: {', '.join(row.differing_weights[:5])}")
             if row.error:
@@ -206,15 +239,20 @@ def verify(report: VerifyReport) -> None:
         if weights.identical:
             text = f"weights identical ({weights.byte_identical} of {weights.compared} tensors byte-identical)"
         else:
-            text = (f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
-                    f"{len(weights.only_in_b)} only there")
+            text = (
+                f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
+                f"{len(weights.only_in_b)} only there"
+            )
         if against.within_tolerance is not None:
-            text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + \
-                ("" if against.within_tolerance else " (beyond tolerance)")
+            text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + (
+                "" if against.within_tolerance else " (beyond tolerance)"
+            )
         echo(f"  against  {against.path} ({against.format}): {text}")
         for change in weights.changed[:5]:
-            echo(f"           {change.name}: {' and '.join(change.kinds)}"
-                 + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else ""))
+            echo(
+                f"           {change.name}: {' and '.join(change.kinds)}"
+                + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else "")
+            )
         if against.error:
             echo(f"           {against.error}")
         for note in weights.notes:
@@ -242,20 +280,28 @@ def diff(report: DiffReport) -> None:
         if "shape" in change.kinds:
             parts.append(f"shape {list(change.a_shape)} -> {list(change.b_shape)}")
         if change.max_abs_diff is not None and change.differing:
-            parts.append(f"max abs diff {_fmt_err(change.max_abs_diff)} ({change.beyond_atol} of "
-                         f"{_numel(change.a_shape)} elements beyond atol {report.atol:g})")
+            parts.append(
+                f"max abs diff {_fmt_err(change.max_abs_diff)} ({change.beyond_atol} of "
+                f"{_numel(change.a_shape)} elements beyond atol {report.atol:g})"
+            )
         echo(f"  changed    {change.name}: {'; '.join(parts)}")
     if report.compared:
-        echo(f"  same       {report.byte_identical} of {report.compared} common tensors byte-identical"
-             + (f"; max abs diff {_fmt_err(report.max_abs_diff)}" if report.max_abs_diff else ""))
+        echo(
+            f"  same       {report.byte_identical} of {report.compared} common tensors byte-identical"
+            + (f"; max abs diff {_fmt_err(report.max_abs_diff)}" if report.max_abs_diff else "")
+        )
     for note in report.notes:
         echo(f"  note       {note}")
     if report.identical:
-        echo(f"identical: {report.compared} tensors" + (" byte for byte" if report.byte_identical == report.compared
-                                                          else f" within atol {report.atol:g}"))
+        echo(
+            f"identical: {report.compared} tensors"
+            + (" byte for byte" if report.byte_identical == report.compared else f" within atol {report.atol:g}")
+        )
     else:
-        echo(f"different: {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
-             f"{len(report.only_in_b)} only in B")
+        echo(
+            f"different: {len(report.changed)} changed, {len(report.only_in_a)} only in A, "
+            f"{len(report.only_in_b)} only in B"
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

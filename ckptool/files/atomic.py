@@ -37,27 +37,38 @@ def same_file(a: Path, b: Path) -> bool:
 
 def exists_refusal(out: Any) -> OutputError:
     """The refusal of an output that exists, without ``force`` (a local path or a URL)."""
-    return OutputError("already exists — pass " + option("force") + " to overwrite it, or choose another "
-                       + option("out", None), path=out)
+    return OutputError(
+        "already exists — pass " + option("force") + " to overwrite it, or choose another " + option("out", None),
+        path=out,
+    )
 
 
 def is_input_refusal(out: Any, *, in_place: bool = True) -> OutputError:
     """The refusal of an output that is the input file, without ``in_place`` (offered only where it
     can be given: a local file; a URL is never rewritten in place)."""
     if not in_place:
-        return OutputError("is the input file; refusing to overwrite it — write elsewhere with "
-                           + option("out", None), path=out)
-    return OutputError("is the input file; refusing to overwrite it — write elsewhere with "
-                       + option("out", None) + ", or pass " + option("in_place"), path=out)
+        return OutputError(
+            "is the input file; refusing to overwrite it — write elsewhere with " + option("out", None), path=out
+        )
+    return OutputError(
+        "is the input file; refusing to overwrite it — write elsewhere with "
+        + option("out", None)
+        + ", or pass "
+        + option("in_place"),
+        path=out,
+    )
 
 
 def folder_holds_refusal(out: Any, writes: list[str], existing: list[str]) -> OutputError:
     """The refusal of a folder output holding ``existing`` files of the set it ``writes``, without ``force``."""
     # the last file written (an index) names the earlier set best
     shown = writes[-1] if writes and writes[-1] in existing else existing[0]
-    return OutputError(f"already holds {shown}{' and more of its files' if len(existing) > 1 else ''} "
-                       "— pass " + option("force") + " to replace the earlier set (only its shards and index; "
-                       "nothing else in the folder is touched), or choose another " + option("out", None), path=out)
+    return OutputError(
+        f"already holds {shown}{' and more of its files' if len(existing) > 1 else ''} "
+        "— pass " + option("force") + " to replace the earlier set (only its shards and index; "
+        "nothing else in the folder is touched), or choose another " + option("out", None),
+        path=out,
+    )
 
 
 def _local(inputs: tuple[Path, ...]) -> tuple[Path, ...]:
@@ -82,8 +93,11 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
         root = out.resolve()
         for source in inputs:
             if root in Path(source).resolve().parents:
-                raise OutputError(f"is a directory holding the input {source} — replacing it would delete the input; "
-                                  "choose another " + option("out", None), path=out)
+                raise OutputError(
+                    f"is a directory holding the input {source} — replacing it would delete the input; "
+                    "choose another " + option("out", None),
+                    path=out,
+                )
     if out.exists() and not force:
         raise exists_refusal(out)
     parent = out.parent if str(out.parent) else Path(".")
@@ -91,8 +105,15 @@ def check_output(out: Path, *, inputs: tuple[Path, ...] = (), force: bool = Fals
         raise OutputError(f"directory {parent} does not exist — create it first", path=out)
 
 
-def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inputs: tuple[Path, ...] = (),
-                        force: bool = False, in_place: bool = False) -> None:
+def check_folder_output(
+    out: Path,
+    *,
+    writes: list[str],
+    removes: list[str],
+    inputs: tuple[Path, ...] = (),
+    force: bool = False,
+    in_place: bool = False,
+) -> None:
     """Refuse a folder output that would replace an input or an earlier set without ``force``.
 
     A folder output replaces only the files it ``writes`` and ``removes`` (its shards and index,
@@ -109,8 +130,13 @@ def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inp
         return
     output_is_input = any(same_file(out, source) for source in inputs if os.path.lexists(source))
     if output_is_input and not in_place:
-        raise OutputError("is the input folder; refusing to rewrite it — write elsewhere with " + option("out", None)
-                          + ", or pass " + option("in_place"), path=out)
+        raise OutputError(
+            "is the input folder; refusing to rewrite it — write elsewhere with "
+            + option("out", None)
+            + ", or pass "
+            + option("in_place"),
+            path=out,
+        )
     if in_place and not output_is_input:
         raise OutputError(_NOT_THE_INPUT, path=out)
     existing = []
@@ -119,12 +145,18 @@ def check_folder_output(out: Path, *, writes: list[str], removes: list[str], inp
         if not os.path.lexists(path):
             continue
         if path.is_dir() and not path.is_symlink():
-            raise OutputError(f"{name} in it is a directory, where the output writes a file — move it away, or "
-                              "choose another " + option("out", None), path=out)
+            raise OutputError(
+                f"{name} in it is a directory, where the output writes a file — move it away, or "
+                "choose another " + option("out", None),
+                path=out,
+            )
         for source in inputs:
             if not in_place and os.path.lexists(source) and same_file(path, source):
-                raise OutputError(f"holds the input {source} as {name}, which this output would replace — "
-                                  "choose another " + option("out", None), path=out)
+                raise OutputError(
+                    f"holds the input {source} as {name}, which this output would replace — "
+                    "choose another " + option("out", None),
+                    path=out,
+                )
         existing.append(name)
     if existing and not force and not in_place:  # --in-place is the ask to replace the input's own set
         raise folder_holds_refusal(out, writes, existing)
@@ -175,8 +207,9 @@ def atomic_output(out: Path) -> Iterator[tuple[BinaryIO, Path]]:
 
 
 @contextlib.contextmanager
-def _removed_on_failure(out: Path, tmp: Path, remove: Callable[[Path], None], *,
-                        keep: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+def _removed_on_failure(
+    out: Path, tmp: Path, remove: Callable[[Path], None], *, keep: tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
     """``remove(tmp)`` if the block fails — unless by one of ``keep`` (whose handler needs what ``tmp``
     holds). An OS error becomes an OutputError naming ``out``."""
     try:
@@ -278,8 +311,9 @@ def atomic_directory(out: Path, *, rename: Rename = os.replace) -> Iterator[Path
 
 
 @contextlib.contextmanager
-def update_directory(out: Path, *, last: str, remove: Iterable[str] = (), rename: Rename = os.replace
-                     ) -> Iterator[Path]:
+def update_directory(
+    out: Path, *, last: str, remove: Iterable[str] = (), rename: Rename = os.replace
+) -> Iterator[Path]:
     """Yield a temp folder inside the existing folder ``out``; on success move what was written
     there into ``out``, replacing only files of the same names, then remove the files ``remove``
     names. Nothing else in ``out`` is touched.
@@ -346,13 +380,17 @@ def _move_in(staging: Path, out: Path, names: list[str], last: str, previous: Pa
             except OSError:
                 stuck.append(name)
         if stuck:
-            raise _PartlyUndone(f"the write failed ({e}) and {len(stuck)} earlier file(s) could not be put back "
-                                f"({', '.join(stuck[:3])})", e) from e
+            raise _PartlyUndone(
+                f"the write failed ({e}) and {len(stuck)} earlier file(s) could not be put back "
+                f"({', '.join(stuck[:3])})",
+                e,
+            ) from e
         raise
 
 
-def folder_output(out: Path, *, last: str, remove: Iterable[str] = (), rename: Rename = os.replace
-                  ) -> contextlib.AbstractContextManager[Path]:
+def folder_output(
+    out: Path, *, last: str, remove: Iterable[str] = (), rename: Rename = os.replace
+) -> contextlib.AbstractContextManager[Path]:
     """Where a folder output is written: into an existing folder file by file
     (:func:`update_directory`), or as a new folder in one rename (:func:`atomic_directory`)."""
     if out.is_dir():

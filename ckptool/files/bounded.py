@@ -61,8 +61,7 @@ class RangeRefused(Exception):
     never the server's text)."""
 
 
-def judge(status: int, content_range: str | None, content_length: int | None, start: int, end: int
-          ) -> tuple[int, bool]:
+def judge(status: int, content_range: str | None, content_length: int | None, start: int, end: int) -> tuple[int, bool]:
     """What to read of a 2xx answer to a GET of bytes ``[start, end)``: (the body bytes to read, whether
     a body going on past them is refused). Nothing of the body is read before this.
 
@@ -109,8 +108,11 @@ async def read_body(read: Callable[[int], Awaitable[bytes]], length: int, refuse
 
 def _kind(fs: Any) -> str | None:
     """'http', 's3fs' or 'gcsfs' for the filesystems whose requests are bounded here, else None."""
-    for module, name, kind in (("fsspec.implementations.http", "HTTPFileSystem", "http"),
-                               ("s3fs.core", "S3FileSystem", "s3fs"), ("gcsfs.core", "GCSFileSystem", "gcsfs")):
+    for module, name, kind in (
+        ("fsspec.implementations.http", "HTTPFileSystem", "http"),
+        ("s3fs.core", "S3FileSystem", "s3fs"),
+        ("gcsfs.core", "GCSFileSystem", "gcsfs"),
+    ):
         found = sys.modules.get(module)
         if found is not None and isinstance(fs, getattr(found, name)):
             return kind
@@ -212,8 +214,9 @@ async def _http_range(fs: Any, url: str, start: int, end: int) -> bytes:
             fs._raise_not_found_for_status(answer, url)  # FileNotFoundError, or aiohttp's error with the status
         if answer.status == 416:
             return b""
-        length, refuse_more = judge(answer.status, answer.headers.get("Content-Range"), _length(answer.headers),
-                                    start, end)
+        length, refuse_more = judge(
+            answer.status, answer.headers.get("Content-Range"), _length(answer.headers), start, end
+        )
         return await read_body(answer.content.read, length, refuse_more)
 
 
@@ -223,8 +226,9 @@ async def _s3fs_range(fs: Any, path: str, start: int, end: int) -> bytes:
     extra = {"VersionId": version} if version else {}
 
     async def once() -> bytes:
-        answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                   **extra, **fs.req_kw)
+        answer = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra, **fs.req_kw
+        )
         body = answer["Body"]
         try:
             status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode") or 200)
@@ -253,8 +257,9 @@ async def _gcs_range(fs: Any, path: str, start: int, end: int) -> bytes:
                     return b""
                 text = await read_body(answer.content.read, ERROR_BODY_LIMIT, False)
                 validate_response(answer.status, text, path)
-            length, refuse_more = judge(answer.status, answer.headers.get("Content-Range"), _length(answer.headers),
-                                        start, end)
+            length, refuse_more = judge(
+                answer.status, answer.headers.get("Content-Range"), _length(answer.headers), start, end
+            )
             return await read_body(answer.content.read, length, refuse_more)
 
     try:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar, Union
 
-from ckptool.files.crc import crc32
 from ckptool.base.errors import InputError
+from ckptool.files.crc import crc32
 
 if TYPE_CHECKING:
     from ckptool.files.remote import RemoteFile, RemotePath
@@ -139,7 +139,6 @@ def forget_remote() -> None:
     RANGE_CRCS.clear()
 
 
-
 def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int) -> Iterator[bytes]:
     """``size`` bytes of ``path`` at ``offset`` in chunks. A URL's small range comes from a window
     shared by the ranges around it (one request for many small tensors), a big one in chunks fetched
@@ -166,7 +165,7 @@ def iter_range(path: Path | RemotePath, offset: int, size: int, chunk_size: int)
                 yield fetched
                 continue
             for start in range(0, len(fetched), chunk_size):
-                yield fetched[start:start + chunk_size]
+                yield fetched[start : start + chunk_size]
         RANGE_CRCS[(path, offset, size)] = crc  # type: ignore[index]
         return
     with open(path, "rb", buffering=0) as handle:  # type: ignore[arg-type]
@@ -191,9 +190,13 @@ class FileCache(Generic[Opened]):
     never keep what :meth:`get` returned across a yield — another reader may have closed it meanwhile.
     """
 
-    def __init__(self, opener: Callable[[Path], Opened] = open_source,  # type: ignore[assignment]
-                 closer: Callable[[Opened], Any] = close_source,  # type: ignore[assignment]
-                 *, limit: int | None = 32) -> None:
+    def __init__(
+        self,
+        opener: Callable[[Path], Opened] = open_source,  # type: ignore[assignment]
+        closer: Callable[[Opened], Any] = close_source,  # type: ignore[assignment]
+        *,
+        limit: int | None = 32,
+    ) -> None:
         self._opened: dict[Path, Opened] = {}
         self._opener = opener
         self._closer = closer
@@ -229,7 +232,7 @@ def pread_into(fd: Source, view: memoryview, offset: int) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
     data = os.pread(fd, len(view), offset)  # platforms without preadv
-    view[:len(data)] = data
+    view[: len(data)] = data
     return len(data)
 
 

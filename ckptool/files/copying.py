@@ -11,17 +11,17 @@ combined from the pieces' own (:func:`crc32_combine`) when each piece's is known
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
 from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from itertools import accumulate, chain, repeat
 from operator import add, is_, sub
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckptool.files.byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
 from ckptool import native
-from ckptool.files.crc import crc32
 from ckptool.base.errors import InputError
+from ckptool.files.byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
+from ckptool.files.crc import crc32
 from ckptool.files.ranges import ByteRange
 
 SMALL_MEMBER = 1 << 20  # copied pieces up to this size are read and written through the buffer
@@ -59,9 +59,11 @@ class DataOut:
         self.on_data = on_data
         # the batch form of ``on_data`` when it is a ``written`` method whose object has one (a write
         # check's OutputSums): 100,000 small tensors are then one hand-over per batch, not one each
-        self._report_many: Callable[[list[tuple[int, int]], int, int], None] | None = getattr(
-            getattr(on_data, "__self__", None), "written_many", None) \
-            if getattr(on_data, "__name__", None) == "written" else None
+        self._report_many: Callable[[list[tuple[int, int]], int, int], None] | None = (
+            getattr(getattr(on_data, "__self__", None), "written_many", None)
+            if getattr(on_data, "__name__", None) == "written"
+            else None
+        )
         self._pending: list[tuple[int, int]] = []
         self._pending_bytes = 0
         self._pending_end = 0  # where the furthest pending region ends
@@ -104,10 +106,13 @@ class DataOut:
             start = offset - window[1]
             if 0 <= start and start + size <= len(window[2]):
                 self._last_end = (source, offset + size)
-                return window[2][start:start + size]
+                return window[2][start : start + size]
         last_end = self._last_end
-        sequential = last_end is not None and (last_end[0] is source or last_end[0] == source) \
+        sequential = (
+            last_end is not None
+            and (last_end[0] is source or last_end[0] == source)
             and 0 <= offset - last_end[1] <= READ_GAP
+        )
         self._last_end = (source, offset + size)
         opened = self._sources.get(source)
         # a local file only: a remote one records the CRC of each range it reads (RANGE_CRCS), piece by piece
@@ -136,8 +141,14 @@ class DataOut:
         copy_reporting(source, offset, size, self.handle, out_offset, self.on_data)
         self.handle.seek(out_offset + size)
 
-    def copy_all(self, paths: list[Path], offsets: list[int], sizes: list[int], out_offset: int,
-                 headers: list[bytes] | None = None) -> int:
+    def copy_all(
+        self,
+        paths: list[Path],
+        offsets: list[int],
+        sizes: list[int],
+        out_offset: int,
+        headers: list[bytes] | None = None,
+    ) -> int:
         """:meth:`copy` of ``sizes[i]`` bytes of ``paths[i]`` at ``offsets[i]`` for each i, end to end from
         ``out_offset`` where the output stands, each after ``headers[i]`` if given; returns where they end.
 
@@ -147,8 +158,14 @@ class DataOut:
         """
         position, i, count = out_offset, 0, len(paths)
         # the usual copy: small pieces of one local file, cut into runs by their running total (no scan per piece)
-        ends = list(accumulate(sizes)) if count and max(sizes) <= SMALL_MEMBER and \
-            all(map(is_, paths, repeat(paths[0]))) and not is_remote(paths[0]) else None
+        ends = (
+            list(accumulate(sizes))
+            if count
+            and max(sizes) <= SMALL_MEMBER
+            and all(map(is_, paths, repeat(paths[0])))
+            and not is_remote(paths[0])
+            else None
+        )
         while i < count:
             path, j, run_bytes = paths[i], i, 0
             if ends is not None:  # up to the piece that brings the run to REPORT_EVERY bytes, as the scan below
@@ -166,13 +183,15 @@ class DataOut:
                     self.copy(path, offsets[i], sizes[i], position)
                 position += sizes[i]
             else:
-                position = self._copy_run(path, offsets[i:j], sizes[i:j], position,
-                                          headers[i:j] if headers is not None else None)
+                position = self._copy_run(
+                    path, offsets[i:j], sizes[i:j], position, headers[i:j] if headers is not None else None
+                )
             i = j
         return position
 
-    def _copy_run(self, path: Path, offsets: list[int], sizes: list[int], out_offset: int,
-                  headers: list[bytes] | None) -> int:
+    def _copy_run(
+        self, path: Path, offsets: list[int], sizes: list[int], out_offset: int, headers: list[bytes] | None
+    ) -> int:
         fd = self._sources.get(path)
         gather = _native_gather()
         if gather is not None and isinstance(fd, int):  # the windows below, read and cut in C (no call per piece)
@@ -202,12 +221,13 @@ class DataOut:
             window = memoryview(read_exact(fd, start, end - start, path))
             for index in order[k:m]:
                 at = offsets[index] - start
-                parts[index] = window[at:at + sizes[index]]
+                parts[index] = window[at : at + sizes[index]]
             k = m
         return self._write_run(parts, sizes, out_offset, headers)
 
-    def _write_run(self, parts: list[bytes | memoryview], sizes: list[int], out_offset: int,
-                   headers: list[bytes] | None) -> int:
+    def _write_run(
+        self, parts: list[bytes | memoryview], sizes: list[int], out_offset: int, headers: list[bytes] | None
+    ) -> int:
         """Write a run's pieces (each after its header, if given) in one write, their regions reported in a batch."""
         if headers is None:
             self.handle.write(b"".join(parts))
@@ -236,7 +256,8 @@ class DataOut:
         return (starts[count - 1] + sizes[count - 1]) if count else out_offset
 
     def copy_pieces(self, pieces: Iterable[ByteRange], out_offset: int) -> int:
-        """Copy the pieces end to end to ``out_offset`` by the kernel; returns where they end (the output stands there)."""
+        """Copy the pieces end to end to ``out_offset`` by the kernel; returns where they end (the output stands
+        there)."""
         self.report()
         position = out_offset
         for piece in pieces:
@@ -289,8 +310,9 @@ class DataOut:
         self._sources.close()
 
 
-def copy_reporting(source: Path, offset: int, size: int, out: BinaryIO, out_offset: int,
-                   on_data: OnData | None) -> None:
+def copy_reporting(
+    source: Path, offset: int, size: int, out: BinaryIO, out_offset: int, on_data: OnData | None
+) -> None:
     """Copy ``size`` bytes of ``source`` at ``offset`` to ``out`` at ``out_offset`` (the kernel copies),
     telling ``on_data`` of each step once it is in the file."""
     if is_remote(source):  # one stream of ranges fetched ahead, reported as it lands
@@ -347,7 +369,7 @@ def copy_range(source: Path, offset: int, size: int, out: BinaryIO, out_offset: 
         buffer = memoryview(bytearray(min(size, _BUFFER)))
         done = 0
         while done < size:
-            piece = buffer[:min(len(buffer), size - done)]
+            piece = buffer[: min(len(buffer), size - done)]
             read_into(in_fd, piece, offset + done, source)
             out.write(piece)
             done += len(piece)
@@ -365,7 +387,7 @@ def stream_with_crc(source: Path, offset: int, size: int, out: BinaryIO, crc: in
         fd = src.fileno()
         done = 0
         while done < size:
-            piece = buffer[:min(len(buffer), size - done)]
+            piece = buffer[: min(len(buffer), size - done)]
             read_into(fd, piece, offset + done, source)
             crc = crc32(piece, crc)
             out.write(piece)

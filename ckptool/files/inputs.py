@@ -24,12 +24,11 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from ckptool.files.byteio import is_remote
 from ckptool.base.errors import InputError
+from ckptool.files.byteio import is_remote
 
 if TYPE_CHECKING:
     from ckptool.files.remote import RemoteFile, RemotePath
-
 
 
 def location(path: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
@@ -40,6 +39,7 @@ def location(path: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
     from ckptool.files.remote import location as remote_location
 
     return remote_location(path)
+
 
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
@@ -72,16 +72,19 @@ def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: P
     if inside:  # a store or an HTTP server may resolve "a/../b" to b: no such step is taken
         base, below = folder.url.split("?", 1)[0].rstrip("/"), path.url.split("?", 1)[0]
         inside = below.startswith(base + "/") and all(
-            part not in ("", ".", "..") for part in below[len(base) + 1:].split("/"))
+            part not in ("", ".", "..") for part in below[len(base) + 1 :].split("/")
+        )
     if not inside:
-        raise InputError(f"{what} lies outside the folder — refused (ckptool reads only files inside an input "
-                         "folder)", path=report)
+        raise InputError(
+            f"{what} lies outside the folder — refused (ckptool reads only files inside an input folder)", path=report
+        )
     info = path.info()
     if info is None:
         raise InputError(f"{what} is missing — copy every file of the checkpoint", path=report)
     if info.get("type") == "directory":
-        raise InputError(f"{what} is a directory, not a regular file — refused; replace it with the real file",
-                         path=report)
+        raise InputError(
+            f"{what} is a directory, not a regular file — refused; replace it with the real file", path=report
+        )
     return info
 
 
@@ -119,8 +122,11 @@ def check_member(folder: Path, path: Path, *, what: str, report: Path | None = N
         if not any(target == root or target.is_relative_to(root) for root in roots):
             where_to = "outside the folder" + (" and outside the hub cache's blobs/" if len(roots) > 1 else "")
             shown = str(target) if len(str(target)) <= 120 else "..." + str(target)[-117:]
-            raise InputError(f"{what} is a link to {shown}, {where_to} — refused (ckptool reads only files inside "
-                             "an input folder); copy the file into the folder", path=where)
+            raise InputError(
+                f"{what} is a link to {shown}, {where_to} — refused (ckptool reads only files inside "
+                "an input folder); copy the file into the folder",
+                path=where,
+            )
     try:
         info = os.stat(path)
     except FileNotFoundError as e:
@@ -128,8 +134,9 @@ def check_member(folder: Path, path: Path, *, what: str, report: Path | None = N
     except OSError as e:
         raise InputError(f"{what} cannot be read ({e.strerror})", path=where) from e
     if not stat.S_ISREG(info.st_mode):
-        raise InputError(f"{what} is {_kind(info.st_mode)}, not a regular file — refused; replace it with the "
-                         "real file", path=where)
+        raise InputError(
+            f"{what} is {_kind(info.st_mode)}, not a regular file — refused; replace it with the real file", path=where
+        )
     return info
 
 
@@ -154,8 +161,9 @@ def describe_remote(path: Path | RemotePath) -> Remote | None:
     return found
 
 
-def open_regular(path: Path, *, what: str | None = None, report: Path | None = None,
-                 size: int | None = None) -> BinaryIO:
+def open_regular(
+    path: Path, *, what: str | None = None, report: Path | None = None, size: int | None = None
+) -> BinaryIO:
     """Open ``path`` for reading without ever blocking, and refuse it unless it is a regular file.
 
     ``O_NONBLOCK`` makes opening a FIFO return at once (no writer needed); ``fstat`` on the open
@@ -192,7 +200,9 @@ def open_regular(path: Path, *, what: str | None = None, report: Path | None = N
         raise
 
 
-def _open_remote(path: RemotePath, *, label: str, report: Path | RemotePath | None, size: int | None = None) -> RemoteFile:
+def _open_remote(
+    path: RemotePath, *, label: str, report: Path | RemotePath | None, size: int | None = None
+) -> RemoteFile:
     """A remote file read by ranges; a missing object or a prefix (a folder) refused as a local one is."""
     from ckptool.files.remote import LEARNT_SIZES, RemoteFile
 
@@ -211,6 +221,10 @@ def open_member(folder: Path, path: Path, *, what: str, report: Path | None = No
     """:func:`check_member`, then :func:`open_regular`: how every file of a folder input is opened."""
     info = check_member(folder, path, what=what, report=report)
     if is_remote(path):  # one request: the size check_member learnt opens it
-        return _open_remote(path, label=f"{what} ", report=report if report is not None else path,  # type: ignore[arg-type]
-                            size=info.st_size)  # type: ignore[return-value]
+        return _open_remote(
+            path,
+            label=f"{what} ",
+            report=report if report is not None else path,  # type: ignore[arg-type]
+            size=info.st_size,
+        )  # type: ignore[return-value]
     return open_regular(path, what=what, report=report)

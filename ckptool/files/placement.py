@@ -3,7 +3,8 @@
 ``copy_file_range`` between two files of one file system copies page-cache page by page. A region whose output
 offset differs from its source offset modulo the page size spans two output pages for every source page, and costs
 each page two partial writes: a 1 GiB copy between misplaced offsets took 0.81-1.20 s here (median 0.93) against
-0.62-0.77 s (median 0.69) between matched ones (seven of each, interleaved, this machine's ext4). Writers therefore put each large region (one the kernel
+0.62-0.77 s (median 0.69) between matched ones (seven of each, interleaved, this machine's ext4). Writers therefore
+put each large region (one the kernel
 copies: over :data:`~ckptool.files.copying.SMALL_MEMBER` bytes) where ``output offset % PAGE == source offset % PAGE``:
 
 - a zip member (``.pt``) by the padding of its local header, which torch's writer pads to 64 bytes with anyway
@@ -56,8 +57,11 @@ def safetensors_order(offsets: list[int], sizes: list[int], itemsizes: list[int]
     order. An order that would not keep every region aligned to its element size (from a data start at a multiple
     of 8) is not taken.
     """
-    large = [i for i in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER)))
-             if page_residue(offsets[i], sizes[i]) is not None]
+    large = [
+        i
+        for i in compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER)))
+        if page_residue(offsets[i], sizes[i]) is not None
+    ]
     if not large:
         return None
     large_set = set(large)
@@ -72,8 +76,9 @@ def safetensors_order(offsets: list[int], sizes: list[int], itemsizes: list[int]
     return best
 
 
-def _chained(large: list[int], small: list[int], offsets: list[int], sizes: list[int],
-             itemsizes: list[int]) -> list[int] | None:
+def _chained(
+    large: list[int], small: list[int], offsets: list[int], sizes: list[int], itemsizes: list[int]
+) -> list[int] | None:
     """:func:`safetensors_order`'s order for the large regions taken in the order ``large`` gives (``small``: the
     others, in the usual order), or None where a region would lie at other than a multiple of its element size (up
     to 8)."""
@@ -152,8 +157,9 @@ def _fewest(by_residue: dict[int, list[int]]) -> dict[int, tuple[int, ...]]:
     """For each sum modulo the page that the small regions left reach, the fewest of their sizes (of the
     :data:`_SIZES_TRIED` most common) that reach it, each size used no more often than it is left and
     :data:`_MAX_FILLERS` sizes at most; by breadth-first search."""
-    sizes = sorted((residue for residue, left in by_residue.items() if left),
-                   key=lambda residue: -len(by_residue[residue]))[:_SIZES_TRIED]
+    sizes = sorted(
+        (residue for residue, left in by_residue.items() if left), key=lambda residue: -len(by_residue[residue])
+    )[:_SIZES_TRIED]
     fewest: dict[int, tuple[int, ...]] = {0: ()}
     frontier = [0]
     for _ in range(_MAX_FILLERS):

@@ -31,8 +31,7 @@ class ByteRange:
             return
         yield from iter_range(self.path, self.offset + start, size, chunk_size)
 
-    def iter_reused(self, start: int = 0, size: int | None = None,
-                    chunk_size: int = CHUNK_SIZE) -> Iterator[bytearray]:
+    def iter_reused(self, start: int = 0, size: int | None = None, chunk_size: int = CHUNK_SIZE) -> Iterator[bytearray]:
         """Like :meth:`iter_chunks`, reading into one reused buffer: each chunk is valid only until
         the next is requested. For consumers that hash or compare a chunk and drop it — fresh 8 MB
         allocations per chunk cost more page faults than the read itself."""
@@ -64,8 +63,15 @@ class LazyByteRange(ByteRange):
     """A :class:`ByteRange` whose offset is worked out when first asked for (a remote zip member's
     data offset, which needs its local header): ``resolve()`` returns it, or raises why it cannot."""
 
-    def __init__(self, path: Path, offset: int | None, length: int, crc32: int | None = None, *,
-                 resolve: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        offset: int | None,
+        length: int,
+        crc32: int | None = None,
+        *,
+        resolve: Callable[[], int] | None = None,
+    ) -> None:
         self._resolve = resolve
         self._offset = offset
         self.path, self.length, self.crc32 = path, length, crc32

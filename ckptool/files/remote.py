@@ -29,7 +29,6 @@ import io
 import json
 import logging
 import os
-import posixpath
 import re
 import threading
 import urllib.parse
@@ -38,17 +37,25 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ckptool.files import bounded
 from ckptool.base.errors import InputError, MissingExtraError
 from ckptool.base.text import shown_url
+from ckptool.files import bounded
 
 INSTALL = "pip install 'ckptool[remote]'"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
 LOCAL_PROTOCOLS = frozenset({"file", "local"})  # fsspec's two names for this machine's files: read as paths
 # the protocols ckptool reads (each by ranges, bounded) -> the fsspec protocol that serves it
-SUPPORTED = {"s3": "s3", "s3a": "s3", "s3n": "s3", "gs": "gs", "gcs": "gs", "http": "http", "https": "https",
-             "memory": "memory"}
+SUPPORTED = {
+    "s3": "s3",
+    "s3a": "s3",
+    "s3n": "s3",
+    "gs": "gs",
+    "gcs": "gs",
+    "http": "http",
+    "https": "https",
+    "memory": "memory",
+}
 SUPPORTED_SHOWN = "s3:// (s3a://, s3n://), gs:// (gcs://), https://, http:// and local paths (file://)"
 SUPPORTED_WRITTEN = "s3:// (s3a://, s3n://), gs:// (gcs://) and local paths (file://)"
 PACKAGE_FOR = {"s3": "s3fs", "s3a": "s3fs", "s3n": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
@@ -78,8 +85,11 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
         return Path(text)
     if match.group(1).lower() in LOCAL_PROTOCOLS:
         parsed = urllib.parse.urlparse(text)
-        return Path(urllib.parse.unquote(parsed.netloc + parsed.path) if parsed.netloc not in ("", "localhost")
-                    else urllib.parse.unquote(parsed.path))
+        return Path(
+            urllib.parse.unquote(parsed.netloc + parsed.path)
+            if parsed.netloc not in ("", "localhost")
+            else urllib.parse.unquote(parsed.path)
+        )
     return RemotePath(text)
 
 
@@ -276,7 +286,7 @@ class RemotePath:
             if self.protocol in READ_ONLY_PROTOCOLS:
                 name = name.rsplit("/", 1)[-1]
             elif name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
             else:
                 name = name.rsplit("/", 1)[-1]
             if name and name != path.rstrip("/") and "/" not in name:
@@ -352,8 +362,18 @@ def _forget_remote_files() -> None:
 
 # the libraries' own loggers: their tracebacks and the stores' raw answers stay off the terminal (a
 # NullHandler keeps Python's last-resort handler quiet; an application's own logging still sees them)
-QUIET_LOGGERS = ("fsspec", "s3fs", "gcsfs", "aiobotocore", "botocore", "aiohttp", "google", "google.auth", "urllib3",
-                 "asyncio")
+QUIET_LOGGERS = (
+    "fsspec",
+    "s3fs",
+    "gcsfs",
+    "aiobotocore",
+    "botocore",
+    "aiohttp",
+    "google",
+    "google.auth",
+    "urllib3",
+    "asyncio",
+)
 _QUIET_WARNINGS = r"(fsspec|s3fs|gcsfs|aiobotocore|botocore|aiohttp|google|urllib3)(\.|$)"
 _quieted = False
 
@@ -404,8 +424,11 @@ def check_supported(path: RemotePath, *, writing: bool = False) -> str:
     if protocol is None:
         raise kind(f"{path.protocol}:// URLs are not supported — ckptool {does}; {step}", path=path)
     if protocol in _BUCKETED and "@" in path.url.split("://", 1)[1].split("/", 1)[0]:
-        raise kind(f"{path.protocol}:// URLs carry no user or password — give the store's credentials in the "
-                   "environment or with " + option("storage_options", Metavar("KEY=VALUE")), path=path)
+        raise kind(
+            f"{path.protocol}:// URLs carry no user or password — give the store's credentials in the "
+            "environment or with " + option("storage_options", Metavar("KEY=VALUE")),
+            path=path,
+        )
     return protocol
 
 
@@ -421,16 +444,20 @@ def filesystem_for(path: RemotePath) -> tuple[Any, str]:
             fs = _make_filesystem(fsspec, protocol)
         except ImportError as e:
             package = PACKAGE_FOR.get(path.protocol, "the fsspec package for it")
-            raise MissingExtraError(f"{path.protocol}:// URLs need {package}, which is not installed — {INSTALL}",
-                                    path=path) from e
+            raise MissingExtraError(
+                f"{path.protocol}:// URLs need {package}, which is not installed — {INSTALL}", path=path
+            ) from e
         except (TypeError, ValueError) as e:  # an option this protocol does not take
             from ckptool.base.suggest import Metavar, option
 
-            raise InputError(f"the storage options are not ones {path.protocol}:// takes ({type(e).__name__}) — "
-                             "check each " + option("storage_options", Metavar("KEY=VALUE")), path=path) from None
+            raise InputError(
+                f"the storage options are not ones {path.protocol}:// takes ({type(e).__name__}) — "
+                "check each " + option("storage_options", Metavar("KEY=VALUE")),
+                path=path,
+            ) from None
         with _lock:
             _filesystems[key] = fs
-    url = path.url if protocol == path.protocol else protocol + path.url[len(path.protocol):]
+    url = path.url if protocol == path.protocol else protocol + path.url[len(path.protocol) :]
     return fs, fs._strip_protocol(url)
 
 
@@ -451,8 +478,12 @@ def reading_filesystem_for(path: RemotePath) -> tuple[Any, str]:
     check_supported(path)
     if path.protocol in S3_NAMES:
         bucket_key = path.url.split("://", 1)[1].rstrip("/")
-        if "?" not in bucket_key and "@" not in bucket_key.split("/", 1)[0] and "/" in bucket_key.strip("/") \
-                and _s3fs_installed():
+        if (
+            "?" not in bucket_key
+            and "@" not in bucket_key.split("/", 1)[0]
+            and "/" in bucket_key.strip("/")
+            and _s3fs_installed()
+        ):
             from ckptool.files import s3read
 
             with _lock:
@@ -480,8 +511,11 @@ def _default_options(protocol: str) -> dict[str, Any]:
         return {}
     defaults: dict[str, Any] = {}
     if "config_kwargs" not in _options:
-        defaults["config_kwargs"] = {"retries": {"max_attempts": 5, "mode": "standard"},
-                                     "connect_timeout": 10, "read_timeout": 60}
+        defaults["config_kwargs"] = {
+            "retries": {"max_attempts": 5, "mode": "standard"},
+            "connect_timeout": 10,
+            "read_timeout": 60,
+        }
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and "endpoint_url" not in _options and "endpoint_url" not in _options.get("client_kwargs", {}):
         defaults["endpoint_url"] = endpoint
@@ -489,6 +523,7 @@ def _default_options(protocol: str) -> dict[str, Any]:
 
 
 # -- errors -------------------------------------------------------------------------------------
+
 
 def _status_of(error: BaseException) -> tuple[int | None, str]:
     """(HTTP status, the store's error code) of a botocore/aiohttp/fsspec error, where it says."""
@@ -518,8 +553,11 @@ def _credentials_hint(path: RemotePath) -> Any:
     if path.protocol in S3_NAMES:
         return "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or " + given + ")"
     if path.protocol in ("gs", "gcs"):
-        return ("check the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, or "
-                + given + ")")
+        return (
+            "check the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, or "
+            + given
+            + ")"
+        )
     return "check the URL and any credentials it needs (" + given + ")"
 
 
@@ -528,11 +566,17 @@ def _endpoint_hint(path: RemotePath) -> Any:
     from ckptool.base.suggest import Metavar, option
 
     if path.protocol in S3_NAMES:
-        return ("check the endpoint (AWS_ENDPOINT_URL or " + option("storage_options", Metavar("endpoint_url=..."))
-                + ") and that it is up")
+        return (
+            "check the endpoint (AWS_ENDPOINT_URL or "
+            + option("storage_options", Metavar("endpoint_url=..."))
+            + ") and that it is up"
+        )
     if path.protocol in ("gs", "gcs"):
-        return ("check the endpoint (STORAGE_EMULATOR_HOST or "
-                + option("storage_options", Metavar("endpoint_url=...")) + ") and that it is up")
+        return (
+            "check the endpoint (STORAGE_EMULATOR_HOST or "
+            + option("storage_options", Metavar("endpoint_url=..."))
+            + ") and that it is up"
+        )
     return "check the URL's host and that it is up"
 
 
@@ -567,42 +611,58 @@ def remote_error(error: BaseException, path: RemotePath, *, writing: bool = Fals
         chain = chain[1:]
     for item in chain:
         if isinstance(item, bounded.RangeRefused):  # its text is numbers only, ckptool's own
-            return kind(f"the server {item} — refused (ckptool reads no more than it asks for); it does not serve "
-                        "byte ranges as asked: download the file and pass its local path",
-                        path=path)  # type: ignore[return-value]
+            return kind(
+                f"the server {item} — refused (ckptool reads no more than it asks for); it does not serve "
+                "byte ranges as asked: download the file and pass its local path",
+                path=path,
+            )  # type: ignore[return-value]
         if isinstance(item, bounded.RequestTimedOut):
-            return kind(f"timed out: the store sent no complete answer within {item.seconds:g} s "
-                        f"({bounded.TIMEOUT_ENV} sets the limit) — check the network or the endpoint, then retry",
-                        path=path)  # type: ignore[return-value]
+            return kind(
+                f"timed out: the store sent no complete answer within {item.seconds:g} s "
+                f"({bounded.TIMEOUT_ENV} sets the limit) — check the network or the endpoint, then retry",
+                path=path,
+            )  # type: ignore[return-value]
         status, code = _status_of(item)
         code = "" if code == str(status) else code  # a bodiless answer's only "code" is its status
         if isinstance(item, FileNotFoundError) or status == 404 or code in ("NoSuchKey", "NoSuchBucket", "404"):
             what = "its bucket does not exist" if code == "NoSuchBucket" else "does not exist"
             return kind(f"{what} (404) — check the URL", path=path)  # type: ignore[return-value]
-        if isinstance(item, PermissionError) or status in (401, 403) or code in (
-                "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-            return kind(f"access denied ({status or 403}{', ' + code if code else ''}) — " + _credentials_hint(path),
-                        path=path)  # type: ignore[return-value]
+        if (
+            isinstance(item, PermissionError)
+            or status in (401, 403)
+            or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403")
+        ):
+            return kind(
+                f"access denied ({status or 403}{', ' + code if code else ''}) — " + _credentials_hint(path), path=path
+            )  # type: ignore[return-value]
         if status in (429, 503) or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
-            return kind(f"the store is throttling requests ({status or 503}{' ' + code if code else ''}) and kept "
-                        "refusing after retries with backoff — try again later", path=path)  # type: ignore[return-value]
+            return kind(
+                f"the store is throttling requests ({status or 503}{' ' + code if code else ''}) and kept "
+                "refusing after retries with backoff — try again later",
+                path=path,
+            )  # type: ignore[return-value]
         name = type(item).__name__
         if isinstance(item, TimeoutError) or "Timeout" in name:
-            return kind("timed out talking to the store — check the network or the endpoint, then retry",
-                        path=path)  # type: ignore[return-value]
+            return kind("timed out talking to the store — check the network or the endpoint, then retry", path=path)  # type: ignore[return-value]
         if "Connect" in name or isinstance(item, ConnectionError):
             return kind("cannot connect to the store — " + _endpoint_hint(path), path=path)  # type: ignore[return-value]
         if status is not None and status >= 500:
-            return kind(f"the store failed ({status}{' ' + code if code else ''}) — retry later",
-                        path=path)  # type: ignore[return-value]
+            return kind(f"the store failed ({status}{' ' + code if code else ''}) — retry later", path=path)  # type: ignore[return-value]
         if status is not None and status >= 400:
-            return kind(f"the store refused the request ({status}{' ' + code if code else ''}) — check the URL; "
-                        + _credentials_hint(path), path=path)  # type: ignore[return-value]
-    return kind(f"request failed ({type(error).__name__}{': ' + code if (code := _status_of(error)[1]) else ''}) — "
-                "check the URL and the credentials", path=path)  # type: ignore[return-value]
+            return kind(
+                f"the store refused the request ({status}{' ' + code if code else ''}) — check the URL; "
+                + _credentials_hint(path),
+                path=path,
+            )  # type: ignore[return-value]
+    return kind(
+        f"request failed ({type(error).__name__}{': ' + code if (code := _status_of(error)[1]) else ''}) — "
+        "check the URL and the credentials",
+        path=path,
+    )  # type: ignore[return-value]
 
 
 # -- counting -----------------------------------------------------------------------------------
+
 
 class IOStats:
     """Requests made and bytes read from URLs since :meth:`reset` (``--json``'s ``io``)."""
@@ -644,7 +704,7 @@ LEARNT_SIZES: dict[RemotePath, int] = {}
 
 # -- reading ------------------------------------------------------------------------------------
 
-READAHEAD = 256 * 1024          # a small read fetches at least this much (the head, the zip directory)
+READAHEAD = 256 * 1024  # a small read fetches at least this much (the head, the zip directory)
 MAX_READAHEAD = 8 * 1024 * 1024  # sequential small reads double the window up to this
 PARALLEL_FROM = 32 * 1024 * 1024  # a read this big is fetched as parallel ranges
 PART = 8 * 1024 * 1024
@@ -705,7 +765,7 @@ class RemoteFile(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         data = self.pread(len(view), self._position)
-        view[:len(data)] = data
+        view[: len(data)] = data
         self._position += len(data)
         return len(data)
 
@@ -729,11 +789,11 @@ class RemoteFile(io.RawIOBase):
         for start, data in reversed(self._windows.items()):
             if start <= offset and end <= start + len(data):
                 self._windows.move_to_end(start)
-                return data[offset - start:end - start]
+                return data[offset - start : end - start]
         for start, data in reversed(self._windows.items()):
             if start <= offset < start + len(data):  # a read that starts in a window: only the rest is fetched
                 self._windows.move_to_end(start)
-                head = data[offset - start:]
+                head = data[offset - start :]
                 return head + self.pread(end - offset - len(head), offset + len(head))
         if end - offset >= self._readahead:
             self._last_end = end
@@ -751,7 +811,7 @@ class RemoteFile(io.RawIOBase):
         data = self._fetch(start, stop)
         self._keep(start, data)
         self._last_end = end
-        return data[offset - start:end - start]
+        return data[offset - start : end - start]
 
     def _keep(self, start: int, data: bytes) -> None:
         self._windows[start] = data
@@ -764,7 +824,7 @@ class RemoteFile(io.RawIOBase):
         end = min(self.size, offset + size)
         for start, data in self._windows.items():
             if start <= offset and end <= start + len(data):
-                return data[offset - start:end - start]
+                return data[offset - start : end - start]
         return None
 
     def pread_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -790,13 +850,16 @@ class RemoteFile(io.RawIOBase):
         STATS.add(requests=len(spans), read=sum(len(piece) for piece in pieces))
         for (start, end), piece in zip(spans, pieces):
             if len(piece) > end - start:  # an in-process store's answer, or a reader that did not stop
-                raise InputError(f"the store sent {len(piece)} bytes where {end - start} at {start} were asked — "
-                                 "refused; check the URL and the store", path=self.path)
+                raise InputError(
+                    f"the store sent {len(piece)} bytes where {end - start} at {start} were asked — "
+                    "refused; check the URL and the store",
+                    path=self.path,
+                )
         return pieces
 
     def preadinto(self, view: memoryview, offset: int) -> int:
         data = self.pread(len(view), offset)
-        view[:len(data)] = data
+        view[: len(data)] = data
         return len(data)
 
     def _fetch(self, start: int, end: int) -> bytes:

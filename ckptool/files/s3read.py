@@ -46,25 +46,74 @@ MAX_BACKOFF_S = 20.0
 LISTING_LIMIT = 1 << 20  # a one-key listing is a few hundred bytes
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-RETRY_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
-    "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded", "RequestThrottled",
-    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "InternalError"})
+RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestThrottled",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "PriorRequestNotComplete",
+        "InternalError",
+    }
+)
 
 # options s3fs takes that change nothing about how an object is read
-_HARMLESS_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
-                               "default_block_size", "default_fill_cache", "default_cache_type", "max_concurrency",
-                               "asynchronous", "loop"})
+_HARMLESS_OPTIONS = frozenset(
+    {
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+        "default_block_size",
+        "default_fill_cache",
+        "default_cache_type",
+        "max_concurrency",
+        "asynchronous",
+        "loop",
+    }
+)
 _KNOWN_CLIENT_KWARGS = frozenset({"endpoint_url", "region_name"})
 _KNOWN_CONFIG_KWARGS = frozenset({"retries", "connect_timeout", "read_timeout", "max_pool_connections"})
 # variables that make botocore do something this reader does not (a role, a proxy, a CA bundle, FIPS...)
-_UNSUPPORTED_ENV = ("AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_USE_FIPS_ENDPOINT",
-                    "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                    "AWS_CONTAINER_CREDENTIALS_FULL_URI", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy",
-                    "ALL_PROXY", "all_proxy", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
-_ENV_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
-              "AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ENDPOINT_URL",
-              "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE", "HOME") + _UNSUPPORTED_ENV
+_UNSUPPORTED_ENV = (
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_USE_FIPS_ENDPOINT",
+    "AWS_USE_DUALSTACK_ENDPOINT",
+    "AWS_S3_USE_ARN_REGION",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+)
+_ENV_NAMES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_CA_BUNDLE",
+    "HOME",
+) + _UNSUPPORTED_ENV
 
 # what happened, for tests and diagnostics: readers made, times s3fs was left to do the work, requests sent
 COUNTS = {"readers": 0, "fallbacks": 0, "requests": 0}
@@ -95,6 +144,7 @@ class Credentials:
 
 
 # -- what botocore would use --------------------------------------------------------------------------------
+
 
 def _profile_section(parser: Any, profile: str, config_file: bool) -> Mapping[str, str] | None:
     name = profile if (not config_file or profile == "default") else f"profile {profile}"
@@ -128,8 +178,7 @@ def _config_profile(env: Mapping[str, str]) -> Mapping[str, str] | None | Litera
     return _profile_section(parser, profile, True)
 
 
-def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str]
-                        ) -> Credentials | None | Literal[False]:
+def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str]) -> Credentials | None | Literal[False]:
     """Credentials in botocore's order for what is supported here; ``False`` for anonymous; None when they
     would come from somewhere else (a role, SSO, a process, the instance) or not at all."""
     if options.get("anon"):
@@ -143,15 +192,28 @@ def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str]
     if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_SECRET_ACCESS_KEY"):
         if not (env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY")):
             return None  # botocore refuses partial credentials
-        return Credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                           env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN"))
+        return Credentials(
+            env["AWS_ACCESS_KEY_ID"],
+            env["AWS_SECRET_ACCESS_KEY"],
+            env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN"),
+        )
     # botocore tries assume-role, web identity and SSO (all from the config file) before the credentials file
     config = _config_profile(env)
     if config is False:
         return None
-    if config is not None and any(name in config for name in (
-            "role_arn", "web_identity_token_file", "sso_session", "sso_start_url", "sso_account_id",
-            "credential_process", "credential_source", "source_profile")):
+    if config is not None and any(
+        name in config
+        for name in (
+            "role_arn",
+            "web_identity_token_file",
+            "sso_session",
+            "sso_start_url",
+            "sso_account_id",
+            "credential_process",
+            "credential_source",
+            "source_profile",
+        )
+    ):
         return None
     parser = _read_ini(env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials")
     if parser is None:
@@ -159,8 +221,11 @@ def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str]
     profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
     section = _profile_section(parser, profile, False)
     if section is not None and section.get("aws_access_key_id") and section.get("aws_secret_access_key"):
-        return Credentials(section["aws_access_key_id"].strip(), section["aws_secret_access_key"].strip(),
-                           (section.get("aws_session_token") or section.get("aws_security_token") or "").strip())
+        return Credentials(
+            section["aws_access_key_id"].strip(),
+            section["aws_secret_access_key"].strip(),
+            (section.get("aws_session_token") or section.get("aws_security_token") or "").strip(),
+        )
     return None  # the config file's own keys, a process, an instance role...: botocore's business
 
 
@@ -197,15 +262,24 @@ def _make_reader(options: Mapping[str, Any], env: Mapping[str, str]) -> S3Reader
     if not _understood(options) or any(env.get(name) for name in _UNSUPPORTED_ENV):
         return None
     config = _config_profile(env)
-    if config is False or (config and any(name in config for name in (
-            "endpoint_url", "services", "s3", "ca_bundle", "use_fips_endpoint", "use_dualstack_endpoint"))):
+    if config is False or (
+        config
+        and any(
+            name in config
+            for name in ("endpoint_url", "services", "s3", "ca_bundle", "use_fips_endpoint", "use_dualstack_endpoint")
+        )
+    ):
         return None  # the profile's own endpoint or S3 settings: botocore's business
     credentials = resolve_credentials(options, env)
     if credentials is None:
         return None
     client = options.get("client_kwargs") or {}
-    endpoint = options.get("endpoint_url") or client.get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3") \
+    endpoint = (
+        options.get("endpoint_url")
+        or client.get("endpoint_url")
+        or env.get("AWS_ENDPOINT_URL_S3")
         or env.get("AWS_ENDPOINT_URL")
+    )
     region = client.get("region_name") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
     if not region:
         region = (config.get("region") if config else None) or "us-east-1"
@@ -215,18 +289,28 @@ def _make_reader(options: Mapping[str, Any], env: Mapping[str, str]) -> S3Reader
             return None
     config_kwargs = options.get("config_kwargs") or {}
     retries = config_kwargs.get("retries") or {}
-    if not isinstance(retries, dict) or retries.get("mode", "standard") != "standard" \
-            or set(retries) - {"mode", "max_attempts", "total_max_attempts"}:
+    if (
+        not isinstance(retries, dict)
+        or retries.get("mode", "standard") != "standard"
+        or set(retries) - {"mode", "max_attempts", "total_max_attempts"}
+    ):
         return None
     attempts = retries.get("total_max_attempts") or (
-        retries["max_attempts"] + 1 if retries.get("max_attempts") is not None else MAX_ATTEMPTS)
-    return S3Reader(credentials or None, str(endpoint).rstrip("/") if endpoint else None, str(region),
-                    connect_timeout=float(config_kwargs.get("connect_timeout", CONNECT_TIMEOUT_S)),
-                    read_timeout=float(config_kwargs.get("read_timeout", READ_TIMEOUT_S)),
-                    ca_bundle=env.get("AWS_CA_BUNDLE") or None, attempts=max(1, int(attempts)))
+        retries["max_attempts"] + 1 if retries.get("max_attempts") is not None else MAX_ATTEMPTS
+    )
+    return S3Reader(
+        credentials or None,
+        str(endpoint).rstrip("/") if endpoint else None,
+        str(region),
+        connect_timeout=float(config_kwargs.get("connect_timeout", CONNECT_TIMEOUT_S)),
+        read_timeout=float(config_kwargs.get("read_timeout", READ_TIMEOUT_S)),
+        ca_bundle=env.get("AWS_CA_BUNDLE") or None,
+        attempts=max(1, int(attempts)),
+    )
 
 
 # -- signing ------------------------------------------------------------------------------------------------
+
 
 def quote(text: str, safe: str = "") -> str:
     """SigV4's URI encoding: every byte but ``A-Za-z0-9-_.~`` (and ``safe``) as %XX."""
@@ -237,8 +321,16 @@ def _hmac(key: bytes, message: str) -> bytes:
     return hmac.new(key, message.encode("utf-8"), hashlib.sha256).digest()
 
 
-def sign(method: str, host: str, path: str, query: Mapping[str, str], headers: dict[str, str],
-         credentials: Credentials, region: str, now: datetime.datetime | None = None) -> dict[str, str]:
+def sign(
+    method: str,
+    host: str,
+    path: str,
+    query: Mapping[str, str],
+    headers: dict[str, str],
+    credentials: Credentials,
+    region: str,
+    now: datetime.datetime | None = None,
+) -> dict[str, str]:
     """``headers`` plus ``host``, ``x-amz-date``, ``x-amz-content-sha256``, ``x-amz-security-token`` (with a
     session token) and ``Authorization`` for an empty-bodied request; ``path`` already URI-encoded."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
@@ -250,18 +342,21 @@ def sign(method: str, host: str, path: str, query: Mapping[str, str], headers: d
         signed["x-amz-security-token"] = credentials.token
     names = sorted(signed)
     canonical_query = "&".join(f"{quote(k)}={quote(v)}" for k, v in sorted(query.items()))
-    canonical = "\n".join([method, path, canonical_query, "".join(f"{n}:{signed[n]}\n" for n in names),
-                           ";".join(names), EMPTY_SHA256])
+    canonical = "\n".join(
+        [method, path, canonical_query, "".join(f"{n}:{signed[n]}\n" for n in names), ";".join(names), EMPTY_SHA256]
+    )
     scope = f"{day}/{region}/s3/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode("utf-8")).hexdigest()])
     key = _hmac(_hmac(_hmac(_hmac(("AWS4" + credentials.secret).encode("utf-8"), day), region), "s3"), "aws4_request")
     signature = hmac.new(key, to_sign.encode("utf-8"), hashlib.sha256).hexdigest()
-    signed["authorization"] = (f"AWS4-HMAC-SHA256 Credential={credentials.key}/{scope}, "
-                               f"SignedHeaders={';'.join(names)}, Signature={signature}")
+    signed["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={credentials.key}/{scope}, SignedHeaders={';'.join(names)}, Signature={signature}"
+    )
     return signed
 
 
 # -- connections --------------------------------------------------------------------------------------------
+
 
 class _Pool:
     """Idle kept-alive connections per (scheme, host, port); a connection serves one request at a time."""
@@ -270,8 +365,9 @@ class _Pool:
         self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
-    def get(self, scheme: str, host: str, port: int, connect_timeout: float, ca_bundle: str | None = None
-            ) -> tuple[http.client.HTTPConnection, bool]:
+    def get(
+        self, scheme: str, host: str, port: int, connect_timeout: float, ca_bundle: str | None = None
+    ) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
             idle = self._idle.get((scheme, host, port))
             if idle:
@@ -319,12 +415,21 @@ def _error_code(body: bytes) -> str:
 
 # -- the reader ---------------------------------------------------------------------------------------------
 
+
 class S3Reader:
     """``info``, ``cat_file``, ``cat_ranges`` and ``is_prefix`` on ``bucket/key`` paths, as s3fs names them."""
 
-    def __init__(self, credentials: Credentials | None, endpoint: str | None, region: str, *,
-                 connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
-                 ca_bundle: str | None = None, attempts: int = MAX_ATTEMPTS) -> None:
+    def __init__(
+        self,
+        credentials: Credentials | None,
+        endpoint: str | None,
+        region: str,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        read_timeout: float = READ_TIMEOUT_S,
+        ca_bundle: str | None = None,
+        attempts: int = MAX_ATTEMPTS,
+    ) -> None:
         self.attempts = attempts
         self.ca_bundle = ca_bundle
         self.credentials = credentials
@@ -361,9 +466,16 @@ class S3Reader:
             header = f"[{host}]" if port == (443 if scheme == "https" else 80) else f"[{host}]:{port}"
         return scheme, host, port, header, path
 
-    def request(self, method: str, bucket: str, key: str, *, query: Mapping[str, str] | None = None,
-                headers: Mapping[str, str] | None = None, span: tuple[int, int] | None = None
-                ) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self,
+        method: str,
+        bucket: str,
+        key: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        span: tuple[int, int] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         """(status, lower-cased headers, body) of a 2xx answer; S3Error for any other, after retries.
 
         ``span``: the bytes ``[start, end)`` a ranged GET asks for; its body is read as
@@ -379,7 +491,7 @@ class S3Reader:
                 status, answer, body = self._once(method, bucket, key, query, dict(headers or {}), region, span)
             except (RequestTimedOut, RangeRefused):
                 raise
-            except (ConnectionError, http.client.HTTPException, TimeoutError, socket.timeout, OSError) as e:
+            except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
                 if attempt >= self.attempts or not _retryable_exception(e):
                     if isinstance(e, socket.gaierror):  # as botocore says it: the endpoint cannot be reached
                         raise ConnectionError("cannot resolve the endpoint's host name") from e
@@ -390,8 +502,13 @@ class S3Reader:
                 return status, answer, body
             code = _error_code(body)
             new_region = answer.get("x-amz-bucket-region")
-            if (status in (301, 307, 400) and new_region and new_region != region and not redirected
-                    and self.endpoint is None):
+            if (
+                status in (301, 307, 400)
+                and new_region
+                and new_region != region
+                and not redirected
+                and self.endpoint is None
+            ):
                 redirected = True
                 region = self._bucket_regions[bucket] = new_region
                 attempt -= 1
@@ -405,8 +522,16 @@ class S3Reader:
     def _sleep(attempt: int) -> None:
         time.sleep(random.random() * min(MAX_BACKOFF_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
 
-    def _once(self, method: str, bucket: str, key: str, query: dict[str, str], headers: dict[str, str],
-              region: str, span: tuple[int, int] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def _once(
+        self,
+        method: str,
+        bucket: str,
+        key: str,
+        query: dict[str, str],
+        headers: dict[str, str],
+        region: str,
+        span: tuple[int, int] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         scheme, host, port, host_header, path = self._target(bucket, key, region)
         if self.credentials is not None:
             sent = sign(method, host_header, path, query, headers, self.credentials, region)
@@ -454,8 +579,9 @@ class S3Reader:
             watchdog.stop()
 
     @staticmethod
-    def _body(method: str, response: http.client.HTTPResponse, headers: Mapping[str, str],
-              span: tuple[int, int] | None) -> bytes:
+    def _body(
+        method: str, response: http.client.HTTPResponse, headers: Mapping[str, str], span: tuple[int, int] | None
+    ) -> bytes:
         """The body, read no further than the request asked (see the module's docstring)."""
         if method == "HEAD":
             return b""
@@ -494,8 +620,13 @@ class S3Reader:
             if e.status != 404:
                 raise
         else:
-            return {"name": path, "type": "file", "size": int(headers.get("content-length", 0)),
-                    "ETag": headers.get("etag", ""), "LastModified": headers.get("last-modified", "")}
+            return {
+                "name": path,
+                "type": "file",
+                "size": int(headers.get("content-length", 0)),
+                "ETag": headers.get("etag", ""),
+                "LastModified": headers.get("last-modified", ""),
+            }
         try:
             if self.is_prefix(bucket, key):
                 return {"name": path, "type": "directory", "size": 0}
@@ -505,8 +636,12 @@ class S3Reader:
         raise FileNotFoundError(path)
 
     def is_prefix(self, bucket: str, key: str) -> bool:
-        _, _, body = self.request("GET", bucket, "", query={
-            "list-type": "2", "prefix": key.rstrip("/") + "/", "delimiter": "/", "max-keys": "1"})
+        _, _, body = self.request(
+            "GET",
+            bucket,
+            "",
+            query={"list-type": "2", "prefix": key.rstrip("/") + "/", "delimiter": "/", "max-keys": "1"},
+        )
         import xml.etree.ElementTree as ElementTree
 
         root = ElementTree.fromstring(body)
@@ -522,8 +657,9 @@ class S3Reader:
         if end <= first:
             return b""
         try:
-            _, _, body = self.request("GET", bucket, key, headers={"Range": f"bytes={first}-{end - 1}"},
-                                      span=(first, end))
+            _, _, body = self.request(
+                "GET", bucket, key, headers={"Range": f"bytes={first}-{end - 1}"}, span=(first, end)
+            )
         except S3Error as e:
             if e.status == 416:
                 return b""

@@ -28,14 +28,14 @@ if TYPE_CHECKING:  # pragma: no cover
 # search reaches them, so a file input never imports the folder formats after it. An entry is
 # ``module:attribute``; a module name with a leading dot lies in this package.
 REGISTRY: list[str] = [
-    ".torch_zip:FORMAT",      # "PK\x03\x04"
-    ".safetensors:FORMAT",    # a u64 header length, then "{"
+    ".torch_zip:FORMAT",  # "PK\x03\x04"
+    ".safetensors:FORMAT",  # a u64 header length, then "{"
     ".training_folder:FORMAT",  # a folder holding a training run's state (optimizer.pt, random_states_0.pkl...)
     ".torch_sharded:FORMAT",  # a *.bin.index.json, and a folder holding one (and no safetensors weights)
-    ".safetensors:SHARDED",   # a *.safetensors.index.json (and a folder holding one)
-    ".torch_legacy:FORMAT",   # a pickle opcode first
-    ".torchscript:FORMAT",    # never sniffed: the torch zip reader hands over an archive holding code/
-    ".dcp:FORMAT",            # a folder holding .metadata
+    ".safetensors:SHARDED",  # a *.safetensors.index.json (and a folder holding one)
+    ".torch_legacy:FORMAT",  # a pickle opcode first
+    ".torchscript:FORMAT",  # never sniffed: the torch zip reader hands over an archive holding code/
+    ".dcp:FORMAT",  # a folder holding .metadata
 ]
 
 
@@ -235,12 +235,19 @@ def folder_output() -> Format:
 PICKLE_FIRST_BYTES = frozenset(b"\x80(cSVIJKLFGN]}l)dtq.")  # the opcodes a pickle can open with
 
 _SIGNATURES = (
-    (b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
-    (b"\x1f\x8b", "a gzip archive — decompress it first"), (b"7z\xbc\xaf", "a 7z archive — extract it first"),
-    (b"BZh", "a bzip2 archive — decompress it first"), (b"\xfd7zXZ", "an xz archive — decompress it first"),
-    (b"\x93NUMPY", "a NumPy .npy array (numpy.load reads it)"), (b"\x89HDF", "an HDF5 file (Keras?)"),
-    (b"GGUF", "a GGUF file (llama.cpp)"), (b"%PDF", "a PDF document"),
-    (b"\x7fELF", "an executable"), (b"PK\x05\x06", "an empty zip archive"),
+    (b"\x89PNG", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+    (b"\x1f\x8b", "a gzip archive — decompress it first"),
+    (b"7z\xbc\xaf", "a 7z archive — extract it first"),
+    (b"BZh", "a bzip2 archive — decompress it first"),
+    (b"\xfd7zXZ", "an xz archive — decompress it first"),
+    (b"\x93NUMPY", "a NumPy .npy array (numpy.load reads it)"),
+    (b"\x89HDF", "an HDF5 file (Keras?)"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"%PDF", "a PDF document"),
+    (b"\x7fELF", "an executable"),
+    (b"PK\x05\x06", "an empty zip archive"),
 )
 
 

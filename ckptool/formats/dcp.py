@@ -27,13 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckptool.tensors import dtypes
-from ckptool.files import inputs
 from ckptool import pickles
-from ckptool.files.byteio import FileCache
 from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.files import inputs
+from ckptool.files.byteio import FileCache
 from ckptool.files.inputs import location
-from ckptool.tensors.refs import StorageRef, TensorRef, contiguous_stride, human_size
 from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zip_storages, zipio
 from ckptool.formats.dcp_metadata import (
     METADATA_NAME,
@@ -46,6 +44,8 @@ from ckptool.formats.dcp_metadata import (
     parse_metadata,
     read_metadata_bytes,
 )
+from ckptool.tensors import dtypes
+from ckptool.tensors.refs import StorageRef, TensorRef, contiguous_stride, human_size
 
 
 def sniff(head: bytes | None, path: Path) -> bool:
@@ -103,8 +103,9 @@ def _open_data_file(path: Path) -> BinaryIO:
     return inputs.open_member(path.parent, path, what=f"DCP data file {path.name!r}", report=path.parent)
 
 
-def _archive(files: _Files, storage: Storage, what: str, directory: Path
-             ) -> tuple[_Window, dict[str, zipio.Member], str]:
+def _archive(
+    files: _Files, storage: Storage, what: str, directory: Path
+) -> tuple[_Window, dict[str, zipio.Member], str]:
     window = _Window(files.get(storage.file), storage.offset, storage.length)
     head = window.read(4)
     window.seek(0)
@@ -112,7 +113,8 @@ def _archive(files: _Files, storage: Storage, what: str, directory: Path
         raise UnsupportedFormatError(
             f"DCP entry {what} in {storage.file.name} is not a torch.save archive (saved with another "
             "serialization format?); ckptool reads DCP checkpoints written by FileSystemWriter's default format",
-            path=directory)
+            path=directory,
+        )
     where = location(f"{storage.file}@{storage.offset}")
     members = zipio.read_members(where, window, size=storage.length)
     return window, members, torch_zip.archive_folder(where, members)
@@ -125,15 +127,21 @@ def _pickle_bytes(window: _Window, members: dict[str, zipio.Member], top: str, w
     return zipio.read_member(where, window, member, limit=pickles.MAX_PICKLE_BYTES)
 
 
-def _read_archive(files: _Files, storage: Storage, resolver: pickles.GlobalResolver, what: str,
-                  directory: Path) -> Any:
+def _read_archive(files: _Files, storage: Storage, resolver: pickles.GlobalResolver, what: str, directory: Path) -> Any:
     """Unpickle one embedded ``torch.save`` archive; storages point at their bytes in the data file."""
     window, members, top = _archive(files, storage, what, directory)
     where = location(f"{storage.file}@{storage.offset}")
     data = _pickle_bytes(window, members, top, where)
     storages: dict[str, StorageRef] = {}
-    persistent_load = zip_storages.storage_loader(directory, members, top, storages, data_file=storage.file,
-                                               base_offset=storage.offset, context=f"DCP entry {what}: ")
+    persistent_load = zip_storages.storage_loader(
+        directory,
+        members,
+        top,
+        storages,
+        data_file=storage.file,
+        base_offset=storage.offset,
+        context=f"DCP entry {what}: ",
+    )
     return pickles.loads(data, resolver, persistent_load)
 
 
@@ -204,36 +212,57 @@ def _tensor(entry: TensorEntry, files: _Files, resolver: pickles.GlobalResolver,
     for chunk in entry.chunks:
         tensor = _read_archive(files, chunk.storage, resolver, what, directory)
         if not isinstance(tensor, TensorRef):
-            raise InputError(f"DCP tensor {what}: a chunk holds {type(tensor).__name__}, not a tensor — "
-                             "the checkpoint is corrupt", path=directory)
+            raise InputError(
+                f"DCP tensor {what}: a chunk holds {type(tensor).__name__}, not a tensor — the checkpoint is corrupt",
+                path=directory,
+            )
         if tensor.dtype != entry.dtype or tuple(tensor.shape) != chunk.sizes:
-            raise InputError(f"DCP tensor {what}: the chunk at {list(chunk.offsets)} holds {tensor.dtype.name} "
-                             f"{list(tensor.shape)}, not {entry.dtype.name} {list(chunk.sizes)} as listed — "
-                             "the checkpoint is corrupt", path=directory)
+            raise InputError(
+                f"DCP tensor {what}: the chunk at {list(chunk.offsets)} holds {tensor.dtype.name} "
+                f"{list(tensor.shape)}, not {entry.dtype.name} {list(chunk.sizes)} as listed — "
+                "the checkpoint is corrupt",
+                path=directory,
+            )
         if len(entry.chunks) > 1 and tensor.expands():
             # assembling allocates the whole tensor: what the chunks promise must lie on disk, or a
             # few KB of stride-0 chunks would make the reader allocate gigabytes
-            raise InputError(f"DCP tensor {what}: the chunk at {list(chunk.offsets)} promises "
-                             f"{human_size(tensor.nbytes)} but stores {human_size(tensor.span_bytes())} (a stride-0 "
-                             "or overlapping view) — DCP never "
-                             "saves a shard so; the checkpoint is corrupt or crafted", path=directory)
+            raise InputError(
+                f"DCP tensor {what}: the chunk at {list(chunk.offsets)} promises "
+                f"{human_size(tensor.nbytes)} but stores {human_size(tensor.span_bytes())} (a stride-0 "
+                "or overlapping view) — DCP never "
+                "saves a shard so; the checkpoint is corrupt or crafted",
+                path=directory,
+            )
         parts.append((chunk, tensor))
     if len(parts) == 1 and parts[0][0].sizes == entry.size:
         return parts[0][1]  # one chunk covering the tensor: its bytes are copied raw
     numel = math.prod(entry.size)
     pieces = _row_pieces(entry, parts)
     if entry.dtype.storage_class:
-        storage = StorageRef(key=entry.fqn, dtype=entry.dtype, numel=numel, location="cpu",
-                             type_global=f"torch.{entry.dtype.storage_class}", producer=_assembler(entry, parts),
-                             pieces=pieces)
+        storage = StorageRef(
+            key=entry.fqn,
+            dtype=entry.dtype,
+            numel=numel,
+            location="cpu",
+            type_global=f"torch.{entry.dtype.storage_class}",
+            producer=_assembler(entry, parts),
+            pieces=pieces,
+        )
         rebuild = "torch._utils._rebuild_tensor_v2"
     else:
-        storage = StorageRef(key=entry.fqn, dtype=dtypes.BY_NAME["U8"], numel=numel * entry.dtype.itemsize,
-                             location="cpu", type_global="torch.storage.UntypedStorage",
-                             producer=_assembler(entry, parts), pieces=pieces)
+        storage = StorageRef(
+            key=entry.fqn,
+            dtype=dtypes.BY_NAME["U8"],
+            numel=numel * entry.dtype.itemsize,
+            location="cpu",
+            type_global="torch.storage.UntypedStorage",
+            producer=_assembler(entry, parts),
+            pieces=pieces,
+        )
         rebuild = "torch._utils._rebuild_tensor_v3"
-    return TensorRef(storage=storage, dtype=entry.dtype, shape=entry.size, stride=contiguous_stride(entry.size),
-                     rebuild=rebuild)
+    return TensorRef(
+        storage=storage, dtype=entry.dtype, shape=entry.size, stride=contiguous_stride(entry.size), rebuild=rebuild
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,8 +320,9 @@ def read(directory: Path, options: ReadOptions) -> Contents:
     try:
         for entry in metadata.entries:
             if isinstance(entry, BytesEntry):
-                values.append((entry.fqn, _read_archive(files, entry.storage, resolver, repr(entry.fqn[:120]),
-                                                        directory)))
+                values.append(
+                    (entry.fqn, _read_archive(files, entry.storage, resolver, repr(entry.fqn[:120]), directory))
+                )
             else:
                 tensor = _tensor(entry, files, resolver, directory)
                 split += tensor.storage.producer is not None
@@ -331,15 +361,21 @@ def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tup
             for storage in storages:
                 window, members, top = _archive(files, storage, repr(entry.fqn[:120]), directory)
                 where = location(f"{storage.file}@{storage.offset}")
-                blobs.append((f"{storage.file.name}@{storage.offset}/{top}/data.pkl",
-                              _pickle_bytes(window, members, top, where)))
+                blobs.append(
+                    (f"{storage.file.name}@{storage.offset}/{top}/data.pkl", _pickle_bytes(window, members, top, where))
+                )
     finally:
         files.close()
     return blobs
 
 
 FORMAT = Format(
-    name="dcp", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=MetadataResolver, target="dcp",
+    name="dcp",
+    sniff=sniff,
+    read=read,
+    pickle_blobs=pickle_blobs,
+    scan_resolver=MetadataResolver,
+    target="dcp",
     own_saver=True,
     torch_load_refuses="a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
 )

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptool.tensors import dtypes
-from ckptool.files import inputs
 from ckptool import pickles
 from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.files import inputs
 from ckptool.pickles.placeholders import refuse_build
+from ckptool.tensors import dtypes
 from ckptool.tensors.refs import DTypeRef
 
 METADATA_NAME = ".metadata"
@@ -72,8 +72,11 @@ METADATA_GLOBALS: dict[str, Any] = {
     **{name: pickles.opaque_type(name) for name in _DATACLASSES},
     f"{_META}._MEM_FORMAT_ENCODING": _mem_format,
     "torch.serialization._get_layout": _get_layout,
-    **{f"{module}.{cls}": _path for module in ("pathlib", "pathlib._local")
-       for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},
+    **{
+        f"{module}.{cls}": _path
+        for module in ("pathlib", "pathlib._local")
+        for cls in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    },
 }
 
 
@@ -97,7 +100,6 @@ class MetadataResolver(pickles.GlobalResolver):
             self.seen[full_name] = self.seen.get(full_name, 0) + 1
             return METADATA_GLOBALS[full_name]
         return super().resolve(module, name)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,8 +153,9 @@ class Metadata:
 
 def corrupt(message: str, directory: Path) -> InputError:
     """The error for a ``.metadata`` that contradicts itself or the data files."""
-    return InputError(f"DCP {METADATA_NAME}: {message} — the checkpoint is corrupt or was tampered with",
-                      path=directory)
+    return InputError(
+        f"DCP {METADATA_NAME}: {message} — the checkpoint is corrupt or was tampered with", path=directory
+    )
 
 
 def _record(obj: Any, cls: str, directory: Path, what: str) -> dict[str, Any]:
@@ -172,8 +175,11 @@ def _record(obj: Any, cls: str, directory: Path, what: str) -> dict[str, Any]:
 
 
 def _ints(value: Any, directory: Path, what: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or len(value) > _MAX_DIMS \
-            or not all(type(v) is int and v >= 0 for v in value):
+    if (
+        not isinstance(value, tuple | list)
+        or len(value) > _MAX_DIMS
+        or not all(type(v) is int and v >= 0 for v in value)
+    ):
         raise corrupt(f"{what} is {pickles.brief(value)}, not a tuple of non-negative integers", directory)
     return tuple(value)
 
@@ -186,8 +192,12 @@ def _int(value: Any, directory: Path, what: str) -> int:
 
 def _dtype(properties: Any, directory: Path, fqn: str) -> dtypes.DType:
     cls = f"{_META}.TensorProperties"
-    if not isinstance(properties, pickles.OpaqueObject) or properties.global_name != cls \
-            or properties._mode != "newobj" or properties._args:
+    if (
+        not isinstance(properties, pickles.OpaqueObject)
+        or properties.global_name != cls
+        or properties._mode != "newobj"
+        or properties._args
+    ):
         raise corrupt(f"{fqn!r}: tensor properties are malformed", directory)
     state = properties.state
     if isinstance(state, tuple) and len(state) == 5:  # TensorProperties.__getstate__
@@ -197,8 +207,9 @@ def _dtype(properties: Any, directory: Path, fqn: str) -> dtypes.DType:
     else:
         raise corrupt(f"{fqn!r}: tensor properties are malformed", directory)
     if isinstance(layout, str) and layout not in _LAYOUTS:
-        raise UnsupportedFormatError(f"DCP entry {fqn!r} is a {layout} tensor; ckptool reads dense tensors only",
-                                     path=directory)
+        raise UnsupportedFormatError(
+            f"DCP entry {fqn!r} is a {layout} tensor; ckptool reads dense tensors only", path=directory
+        )
     if not isinstance(dtype, DTypeRef) or dtype.name not in dtypes.BY_TORCH_NAME:
         raise corrupt(f"{fqn!r}: dtype {dtype!r} is not one ckptool knows", directory)
     return dtypes.BY_TORCH_NAME[dtype.name]
@@ -208,10 +219,18 @@ def _data_file(directory: Path, name: Any, sizes: dict[str, int]) -> Path:
     """The data file ``name`` refers to: a plain file name inside the checkpoint directory."""
     if isinstance(name, str) and name in sizes:
         return directory / name
-    if not isinstance(name, str) or not name or len(name) > 255 or name in (".", "..", METADATA_NAME) \
-            or any(ch in name for ch in "/\\\0") or ":" in name:
-        raise InputError(f"DCP {METADATA_NAME} points at {str(name)[:80]!r}, outside the checkpoint directory — "
-                         "refused", path=directory)
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 255
+        or name in (".", "..", METADATA_NAME)
+        or any(ch in name for ch in "/\\\0")
+        or ":" in name
+    ):
+        raise InputError(
+            f"DCP {METADATA_NAME} points at {str(name)[:80]!r}, outside the checkpoint directory — refused",
+            path=directory,
+        )
     path = directory / name
     # a regular file inside the checkpoint directory (a link may point inside it, or into a hub cache's blobs/)
     sizes[name] = inputs.check_member(directory, path, what=f"DCP data file {name!r}", report=directory).st_size
@@ -223,13 +242,18 @@ def _storage_info(info: Any, directory: Path, sizes: dict[str, int], what: str) 
     if fields.get("transform_descriptors"):
         raise UnsupportedFormatError(
             f"DCP entry {what} was saved through storage transforms {list(fields['transform_descriptors'])[:4]} "
-            "(e.g. compression); ckptool reads untransformed DCP checkpoints only", path=directory)
+            "(e.g. compression); ckptool reads untransformed DCP checkpoints only",
+            path=directory,
+        )
     path = _data_file(directory, fields.get("relative_path"), sizes)
     offset = _int(fields.get("offset"), directory, f"{what} offset")
     length = _int(fields.get("length"), directory, f"{what} length")
     if offset + length > sizes[path.name]:
-        raise InputError(f"DCP entry {what} lies at bytes {offset}..{offset + length} of {path.name}, which has "
-                         f"{sizes[path.name]} — the checkpoint is truncated or corrupt", path=directory)
+        raise InputError(
+            f"DCP entry {what} lies at bytes {offset}..{offset + length} of {path.name}, which has "
+            f"{sizes[path.name]} — the checkpoint is truncated or corrupt",
+            path=directory,
+        )
     return Storage(path, offset, length)
 
 
@@ -243,9 +267,13 @@ def _planner_paths(planner_data: Any, directory: Path) -> dict[str, tuple[str | 
     for fqn, path in planner_data.items():
         if not isinstance(fqn, str):
             continue
-        if not isinstance(path, tuple | list) or not path or len(path) > 256 \
-                or not all(isinstance(p, str) or (type(p) is int and p >= 0) for p in path) \
-                or not isinstance(path[0], str):
+        if (
+            not isinstance(path, tuple | list)
+            or not path
+            or len(path) > 256
+            or not all(isinstance(p, str) or (type(p) is int and p >= 0) for p in path)
+            or not isinstance(path[0], str)
+        ):
             raise corrupt(f"the key path of {fqn[:80]!r} is malformed", directory)
         paths[fqn] = tuple(path)
     return paths
@@ -330,8 +358,9 @@ def _storage_index(storage_data: dict, directory: Path) -> _Index:
     return index
 
 
-def _chunks(fqn: str, size: tuple[int, ...], raw_chunks: list, index: _Index, directory: Path,
-            sizes: dict[str, int]) -> list[Chunk]:
+def _chunks(
+    fqn: str, size: tuple[int, ...], raw_chunks: list, index: _Index, directory: Path, sizes: dict[str, int]
+) -> list[Chunk]:
     """Tensor ``fqn``'s chunk records, each inside the tensor and with its storage record (a repeat taken once)."""
     what = repr(fqn[:120])
     chunks: list[Chunk] = []
@@ -343,8 +372,11 @@ def _chunks(fqn: str, size: tuple[int, ...], raw_chunks: list, index: _Index, di
         if len(offsets) != len(size) or len(chunk_sizes) != len(size):
             raise corrupt(f"tensor {what} of {len(size)} dims has a chunk of {len(offsets)}", directory)
         if any(o + s > d for o, s, d in zip(offsets, chunk_sizes, size)):
-            raise corrupt(f"tensor {what} of size {list(size)} has a chunk at {list(offsets)} of size "
-                          f"{list(chunk_sizes)} that reaches outside it", directory)
+            raise corrupt(
+                f"tensor {what} of size {list(size)} has a chunk at {list(offsets)} of size "
+                f"{list(chunk_sizes)} that reaches outside it",
+                directory,
+            )
         key = _offsets_key(offsets)
         if key in seen:  # the same chunk listed twice (a replicated tensor): taken once
             if seen[key] != chunk_sizes:
@@ -376,7 +408,9 @@ def _check_tiling(fqn: str, size: tuple[int, ...], chunks: list[Chunk], director
     total = sum(math.prod(c.sizes) for c in boxes)
     numel = math.prod(size)
     if total != numel:
-        raise corrupt(f"tensor {fqn[:120]!r} of size {list(size)}: its chunks hold {total} of {numel} elements", directory)
+        raise corrupt(
+            f"tensor {fqn[:120]!r} of size {list(size)}: its chunks hold {total} of {numel} elements", directory
+        )
     if len(boxes) < 2:
         return
     # sweep along the dimension with the most distinct chunk starts: neighbours there are few
@@ -388,10 +422,11 @@ def _check_tiling(fqn: str, size: tuple[int, ...], chunks: list[Chunk], director
         start = box.offsets[axis]
         active = [a for a in active if a.offsets[axis] + a.sizes[axis] > start]
         for other in active:
-            if all(box.offsets[d] < other.offsets[d] + other.sizes[d] and other.offsets[d] < box.offsets[d] + box.sizes[d]
-                   for d in range(ndim)):
-                raise corrupt(f"tensor {fqn[:120]!r}: chunks at {list(other.offsets)} and {list(box.offsets)} overlap",
-                               directory)
+            if all(
+                box.offsets[d] < other.offsets[d] + other.sizes[d] and other.offsets[d] < box.offsets[d] + box.sizes[d]
+                for d in range(ndim)
+            ):
+                raise corrupt(
+                    f"tensor {fqn[:120]!r}: chunks at {list(other.offsets)} and {list(box.offsets)} overlap", directory
+                )
         active.append(box)
-
-

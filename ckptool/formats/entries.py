@@ -77,11 +77,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.base.errors import InputError
+from ckptool.base.text import value_str
 from ckptool.pickles.allowlist import DEFAULT_EXTRA_GLOBALS
 from ckptool.pickles.placeholders import OpaqueObject, StateDict, opaque_type
-from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 from ckptool.tensors import dtypes
-from ckptool.base.text import value_str
+from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 
 ENTRIES_KEY = "ckptool.entries"
 VERSION = 1
@@ -217,12 +217,16 @@ class _Encoder:
                 return value
             return {TAG: "float", "value": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
         if kind is complex:
-            return {TAG: "complex", "real": self.node(value.real, path + (_PART,), depth + 1),
-                    "imag": self.node(value.imag, path + (_PART,), depth + 1)}
+            return {
+                TAG: "complex",
+                "real": self.node(value.real, path + (_PART,), depth + 1),
+                "imag": self.node(value.imag, path + (_PART,), depth + 1),
+            }
         if kind in (bytes, bytearray):
             if len(value) > MAX_ARRAY_BYTES:
-                raise _Drop(f"{len(value)} bytes (over the {MAX_ARRAY_BYTES}-byte limit for metadata)",
-                            "keep the .pt for it")
+                raise _Drop(
+                    f"{len(value)} bytes (over the {MAX_ARRAY_BYTES}-byte limit for metadata)", "keep the .pt for it"
+                )
             return {TAG: kind.__name__, "base64": base64.b64encode(bytes(value)).decode("ascii")}
         if isinstance(value, TensorRef):
             name = self.tensor_names.get(id(value)) if self.tensor_names is not None else None
@@ -233,8 +237,9 @@ class _Encoder:
                 return {TAG: "tensor", "name": name}
             raise _Drop(f"a tensor ({value.dtype.torch_name} {list(value.shape)}) outside the weights", TENSOR_ADVICE)
         if isinstance(value, StorageRef):
-            raise _Drop(f"a storage ({value.dtype.torch_name}, {value.numel} elements) outside the weights",
-                        TENSOR_ADVICE)
+            raise _Drop(
+                f"a storage ({value.dtype.torch_name}, {value.numel} elements) outside the weights", TENSOR_ADVICE
+            )
         if kind is DeviceRef:
             return {TAG: "torch.device", "args": list(value.args)}
         if kind is SizeRef:
@@ -275,8 +280,10 @@ class _Encoder:
             if kind is Counter:
                 return {TAG: "Counter", "items": [[self._key(k, path, depth), v] for k, v in pairs]}
             if kind in (StateDict, OrderedDict):
-                record: dict[str, Any] = {TAG: "OrderedDict",
-                                          "items": [[self._key(k, path, depth), v] for k, v in pairs]}
+                record: dict[str, Any] = {
+                    TAG: "OrderedDict",
+                    "items": [[self._key(k, path, depth), v] for k, v in pairs],
+                }
                 attrs = dict(getattr(value, "__dict__", {}) or {})
                 if attrs:
                     record["attrs"] = self.node(attrs, path + (_Inside("attributes"),), depth + 1)
@@ -310,8 +317,14 @@ class _Encoder:
                     self.notes.append(_note(path + (key,), e))
         if len(dropped_tensors) == 1 and pairs:
             tensor = dict.__getitem__(mapping, dropped_tensors[0])
-            self.notes.append(_note(path + (dropped_tensors[0],), _Drop(
-                f"a tensor ({tensor.dtype.torch_name} {list(tensor.shape)}) outside the weights", TENSOR_ADVICE)))
+            self.notes.append(
+                _note(
+                    path + (dropped_tensors[0],),
+                    _Drop(
+                        f"a tensor ({tensor.dtype.torch_name} {list(tensor.shape)}) outside the weights", TENSOR_ADVICE
+                    ),
+                )
+            )
         elif dropped_tensors:  # a second state_dict (an EMA copy, buffers): named once, with its keys
             shown = ", ".join(map(value_str, dropped_tensors[:3])) + (", ..." if len(dropped_tensors) > 3 else "")
             drop = _Drop(f"{len(dropped_tensors)} tensor(s) outside the weights ({shown})", TENSOR_ADVICE)
@@ -328,21 +341,37 @@ class _Encoder:
     def _object(self, value: OpaqueObject, path: tuple[Any, ...], depth: int) -> Any:
         name = value.global_name
         # the calls a record can spell: a plain call or cls.__new__(cls, *args), a class named at its last dot
-        if name not in CARRIED_GLOBALS or value._items or value._setitems or value._mode not in ("reduce", "newobj") \
-                or getattr(type(value), "_module", None) is not None:
-            raise _Drop(f"an object of {name} (read as inert data; its meaning is its class's code)",
-                        "keep the .pt for it")
-        if name.endswith("._reconstruct") and isinstance(value.state, tuple) and len(value.state) == 5 \
-                and isinstance(value.state[4], bytes) and len(value.state[4]) > MAX_ARRAY_BYTES:
-            raise _Drop(f"a numpy array of {len(value.state[4])} bytes (over the {MAX_ARRAY_BYTES}-byte limit "
-                        "for metadata)", "keep the .pt for it")
+        if (
+            name not in CARRIED_GLOBALS
+            or value._items
+            or value._setitems
+            or value._mode not in ("reduce", "newobj")
+            or getattr(type(value), "_module", None) is not None
+        ):
+            raise _Drop(
+                f"an object of {name} (read as inert data; its meaning is its class's code)", "keep the .pt for it"
+            )
+        if (
+            name.endswith("._reconstruct")
+            and isinstance(value.state, tuple)
+            and len(value.state) == 5
+            and isinstance(value.state[4], bytes)
+            and len(value.state[4]) > MAX_ARRAY_BYTES
+        ):
+            raise _Drop(
+                f"a numpy array of {len(value.state[4])} bytes (over the {MAX_ARRAY_BYTES}-byte limit for metadata)",
+                "keep the .pt for it",
+            )
         if id(value) in self.open:
             raise _Drop("a reference back to an object holding it (a cycle)")
         self.open.add(id(value))
         try:
-            record: dict[str, Any] = {TAG: "object", "global": name, "build": value._mode,
-                                      "args": self._items(value.reduce_args(), path + (_ARGS,), depth,
-                                                          "list of arguments")}
+            record: dict[str, Any] = {
+                TAG: "object",
+                "global": name,
+                "build": value._mode,
+                "args": self._items(value.reduce_args(), path + (_ARGS,), depth, "list of arguments"),
+            }
             if value.state is not None:
                 record["state"] = self.node(value.state, path + (_STATE,), depth + 1)
         finally:
@@ -357,12 +386,15 @@ class _Encoder:
             return
         for key, value in dict.items(weights):
             if not isinstance(value, TensorRef | LayoutTensor):
-                self.notes.append(f"{key_path(path + (key,))}: a non-tensor value ({type(value).__name__}) among "
-                                  "the weights not carried — safetensors stores tensors only")
+                self.notes.append(
+                    f"{key_path(path + (key,))}: a non-tensor value ({type(value).__name__}) among "
+                    "the weights not carried — safetensors stores tensors only"
+                )
 
 
-def encode(container: Any, weights_path: tuple[Any, ...], *,
-           tensor_names: dict[int, str] | None = None) -> tuple[str | None, list[str]]:
+def encode(
+    container: Any, weights_path: tuple[Any, ...], *, tensor_names: dict[int, str] | None = None
+) -> tuple[str | None, list[str]]:
     """The container minus the weights at ``weights_path``, as the ``ckptool.entries`` value.
 
     ``tensor_names``: the weights are flattened (an optimizer's state dict, see
@@ -380,22 +412,32 @@ def encode(container: Any, weights_path: tuple[Any, ...], *,
     try:
         tree = encoder.node(container, (), 0)
     except _OverBudget:
-        return None, [f"(top level): the entries beside the weights hold over {MAX_VALUES} values not carried — "
-                      "keep the .pt for them"]
+        return None, [
+            f"(top level): the entries beside the weights hold over {MAX_VALUES} values not carried — "
+            "keep the .pt for them"
+        ]
     except _Drop as e:
         return None, [*encoder.notes, _note((), e)]
     if not encoder.placed:
-        return None, [*encoder.notes, f"{key_path(weights_path)}: the container around the weights not carried — "
-                                      "the place of the weights cannot be represented; keep the .pt for it"]
+        return None, [
+            *encoder.notes,
+            f"{key_path(weights_path)}: the container around the weights not carried — "
+            "the place of the weights cannot be represented; keep the .pt for it",
+        ]
     if tensor_names is not None and encoder.named != set(tensor_names.values()):
         # a tensor inside a value the encoding could not carry: the tree would not place every tensor
-        return None, [*encoder.notes, f"{key_path(weights_path)}: the structure around the tensors not carried "
-                                      "(a value holding tensors could not be encoded); keep the .pt for it"]
-    text = json.dumps({TAG: "entries", "version": VERSION, "container": tree}, allow_nan=False,
-                      separators=(",", ":"))
+        return None, [
+            *encoder.notes,
+            f"{key_path(weights_path)}: the structure around the tensors not carried "
+            "(a value holding tensors could not be encoded); keep the .pt for it",
+        ]
+    text = json.dumps({TAG: "entries", "version": VERSION, "container": tree}, allow_nan=False, separators=(",", ":"))
     if len(text) > MAX_ENTRIES_CHARS:
-        return None, [*encoder.notes, f"(top level): the entries beside the weights ({len(text)} characters of "
-                                      f"JSON, over the {MAX_ENTRIES_CHARS} limit) not carried — keep the .pt for them"]
+        return None, [
+            *encoder.notes,
+            f"(top level): the entries beside the weights ({len(text)} characters of "
+            f"JSON, over the {MAX_ENTRIES_CHARS} limit) not carried — keep the .pt for them",
+        ]
     return text, encoder.notes
 
 
@@ -403,8 +445,10 @@ def encode(container: Any, weights_path: tuple[Any, ...], *,
 
 
 def _malformed(what: str) -> EntriesError:
-    return EntriesError(f"metadata {ENTRIES_KEY} {what} — the file is corrupt or not from ckptool; "
-                        "read its weights with the safetensors library, or remove that metadata entry")
+    return EntriesError(
+        f"metadata {ENTRIES_KEY} {what} — the file is corrupt or not from ckptool; "
+        "read its weights with the safetensors library, or remove that metadata entry"
+    )
 
 
 def _refuse_constant(name: str) -> Any:
@@ -433,13 +477,15 @@ class _Decoder:
         if type(node) is int:
             return node
         if type(node) is list:
-            return [self.node(item, None if path is None else path + (index,), depth + 1)
-                    for index, item in enumerate(node)]
+            return [
+                self.node(item, None if path is None else path + (index,), depth + 1) for index, item in enumerate(node)
+            ]
         if type(node) is not dict:
             raise _malformed(f"holds a {type(node).__name__}")
         if TAG not in node:
-            return {key: self.node(value, None if path is None else path + (key,), depth + 1)
-                    for key, value in node.items()}
+            return {
+                key: self.node(value, None if path is None else path + (key,), depth + 1) for key, value in node.items()
+            }
         return self.record(node, path, depth)
 
     def record(self, node: dict, path: tuple[Any, ...] | None, depth: int) -> Any:
@@ -509,8 +555,10 @@ class _Decoder:
             return bytearray(data) if tag == "bytearray" else data
         if tag == "tuple":
             need("items")
-            return tuple(self.node(item, None if path is None else path + (index,), depth + 1)
-                         for index, item in enumerate(items_of()))
+            return tuple(
+                self.node(item, None if path is None else path + (index,), depth + 1)
+                for index, item in enumerate(items_of())
+            )
         if tag in ("set", "frozenset"):
             need("items")
             keys = [self.key(item, depth) for item in items_of()]
@@ -574,8 +622,9 @@ class _Decoder:
 
     def attrs(self, node: Any, depth: int) -> dict[str, Any]:
         attrs = self.node(node, None, depth + 1)
-        if type(attrs) is not dict or not all(type(name) is str and not hasattr(OrderedDict, name)
-                                              and not name.startswith("__") for name in attrs):
+        if type(attrs) is not dict or not all(
+            type(name) is str and not hasattr(OrderedDict, name) and not name.startswith("__") for name in attrs
+        ):
             raise _malformed("gives an OrderedDict attributes that would hide its contents")
         return attrs
 
@@ -618,14 +667,15 @@ def decode(json_text: str, tensors: dict[str, Any] | None = None) -> Decoded:
     if value.get(TAG) != "entries" or set(value) != {TAG, "version", "container"}:
         raise _malformed("is not an entries record")
     if value["version"] != VERSION:
-        raise EntriesError(f"metadata {ENTRIES_KEY} is version {str(value['version'])[:10]}, which this ckptool "
-                           f"does not read (it reads {VERSION}) — upgrade ckptool")
+        raise EntriesError(
+            f"metadata {ENTRIES_KEY} is version {str(value['version'])[:10]}, which this ckptool "
+            f"does not read (it reads {VERSION}) — upgrade ckptool"
+        )
     container = decoder.node(value["container"], (), 0)
     if decoder.layout is None:
         raise _malformed("marks no place for the weights")
     if decoder.flattened and tensors is not None and decoder.named != set(tensors):
-        raise _malformed(f"places {len(decoder.named)} tensors in the weights' tree, but the file holds "
-                         f"{len(tensors)}")
+        raise _malformed(f"places {len(decoder.named)} tensors in the weights' tree, but the file holds {len(tensors)}")
     return Decoded(container, decoder.layout, flattened=decoder.flattened)
 
 
@@ -644,8 +694,10 @@ def restored_notes(layout: tuple[Any, ...] | None, metadata: dict[str, str], *, 
     ``ckptool.entries`` (weights at ``layout``; an optimizer's state built again around its tensors
     when ``flattened``), or an older ckptool's entries it could not place."""
     if flattened:
-        return [f"restored the optimizer state carried in metadata {ENTRIES_KEY} around its tensors"
-                + (f" (at {key_path(layout)})" if layout else "")]
+        return [
+            f"restored the optimizer state carried in metadata {ENTRIES_KEY} around its tensors"
+            + (f" (at {key_path(layout)})" if layout else "")
+        ]
     if layout:
         return [f"restored the container carried in metadata {ENTRIES_KEY} (weights at {key_path(layout)})"]
     raw = metadata.get(ENTRIES_KEY)
@@ -656,5 +708,7 @@ def restored_notes(layout: tuple[Any, ...] | None, metadata: dict[str, str], *, 
     except EntriesError:
         names = []
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return [f"(top level): entries {shown} from metadata {ENTRIES_KEY} not carried — an older ckptool wrote them "
-            "without the place of the weights; they stay in the safetensors metadata"]
+    return [
+        f"(top level): entries {shown} from metadata {ENTRIES_KEY} not carried — an older ckptool wrote them "
+        "without the place of the weights; they stay in the safetensors metadata"
+    ]

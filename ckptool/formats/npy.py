@@ -32,7 +32,7 @@ def pickle_offset(head: bytes) -> int | None:
     if size > _MAX_HEADER or len(head) < start + size:
         return None
     try:
-        header = ast.literal_eval(head[start:start + size].decode("latin1"))  # a dict of literals, nothing run
+        header = ast.literal_eval(head[start : start + size].decode("latin1"))  # a dict of literals, nothing run
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         return None
     descr = header.get("descr") if isinstance(header, dict) else None

@@ -11,14 +11,15 @@ from typing import Any
 
 from ckptool import pickles
 from ckptool.base.errors import InputError
-from ckptool.pickles.frames import pickle_end
 from ckptool.formats import PICKLE_FIRST_BYTES
+from ckptool.pickles.frames import pickle_end
 
 _UNCHECKED_PICKLE_BYTES = 64 << 20  # how much of a pickle the guard refused is still listed statically
 
 
-def split_pickles(stream: Any, label: str, limit: int,
-                  cache: pickles.GuardCache | None = None) -> list[tuple[str, bytes]]:
+def split_pickles(
+    stream: Any, label: str, limit: int, cache: pickles.GuardCache | None = None
+) -> list[tuple[str, bytes]]:
     """Up to ``limit`` consecutive pickles from ``stream``'s position (a pickle may hide another after STOP)."""
     blobs: list[tuple[str, bytes]] = []
     for index in range(limit):

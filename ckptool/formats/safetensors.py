@@ -15,26 +15,31 @@ The container a training checkpoint kept around its weights (epoch, configs, sch
 from __future__ import annotations
 
 import json
-from collections import Counter
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 import math
 import re
 import struct
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from operator import mul
 from pathlib import Path
 from typing import BinaryIO
 
-from ckptool.tensors import dtypes
-from ckptool.files import inputs, placement
 from ckptool.base import progress
-from ckptool.files.copying import SMALL_MEMBER, DataOut
-from ckptool.files.byteio import file_size as handle_size, read_capped
 from ckptool.base.errors import InputError, OutputError, UnsupportedFormatError, UsageError
 from ckptool.base.gcpause import paused
+from ckptool.base.suggest import option
+from ckptool.files import inputs, placement
+from ckptool.files.byteio import file_size as handle_size
+from ckptool.files.byteio import read_capped
+from ckptool.files.copying import SMALL_MEMBER, DataOut
+from ckptool.formats import Contents, Format, Pickles, ReadOptions
+from ckptool.formats.hf_index import INDEX_NAME as INDEX_NAME
+from ckptool.formats.hf_index import find_index
 from ckptool.pickles.unpickle import FAST, _fastload, new
+from ckptool.tensors import dtypes
 from ckptool.tensors.refs import (
     _DTYPE_NAME,
     _ITEMSIZE,
@@ -48,9 +53,6 @@ from ckptool.tensors.refs import (
     shared_storages,
     whole_plain,
 )
-from ckptool.base.suggest import option
-from ckptool.formats.hf_index import INDEX_NAME as INDEX_NAME, find_index
-from ckptool.formats import Contents, Format, Pickles, ReadOptions
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _INT64_MAX = (1 << 63) - 1  # no dimension or element count torch can hold is larger
@@ -60,8 +62,28 @@ _SHARD_NAME = re.compile(r"^[^/\\]+\.safetensors$")
 # The dtypes the safetensors format defines (its Dtype enum) that ckptool knows. complex128 is not
 # one: the safetensors library refuses a header naming "C128" ("unknown variant"), so ckptool
 # neither writes nor reads it.
-FORMAT_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32",
-                           "F64", "C64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+FORMAT_DTYPES = frozenset(
+    {
+        "BOOL",
+        "U8",
+        "I8",
+        "U16",
+        "I16",
+        "U32",
+        "I32",
+        "U64",
+        "I64",
+        "F16",
+        "BF16",
+        "F32",
+        "F64",
+        "C64",
+        "F8_E4M3",
+        "F8_E5M2",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+    }
+)
 
 
 @dataclass
@@ -133,8 +155,13 @@ def _contents(contents: SafetensorsContents, path: Path) -> Contents:
         raise type(e)(e.message, path=path) from None
     if decoded.layout is None:  # an older ckptool's top-level entries, which record no place for the weights
         return Contents(container=contents.tensors, files=contents.files, metadata=contents.metadata)
-    return Contents(container=entries.restore(decoded, contents.tensors), files=contents.files,
-                    metadata=contents.metadata, layout=decoded.layout, flattened=decoded.flattened)
+    return Contents(
+        container=entries.restore(decoded, contents.tensors),
+        files=contents.files,
+        metadata=contents.metadata,
+        layout=decoded.layout,
+        flattened=decoded.flattened,
+    )
 
 
 def read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
@@ -177,7 +204,9 @@ def _parsed(path: Path, raw: bytes) -> dict:
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs_hook, parse_int=_json_int)
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a 5000-digit number, deep nesting
-        raise InputError(f"safetensors header is not valid UTF-8 JSON ({type(e).__name__}) — the file is corrupt", path=path) from e
+        raise InputError(
+            f"safetensors header is not valid UTF-8 JSON ({type(e).__name__}) — the file is corrupt", path=path
+        ) from e
     if not isinstance(header, dict):
         raise InputError("safetensors header is not a JSON object — the file is corrupt", path=path)
     for mapping, keys in repeated:  # (a name twice keeps its last entry, as serde's map does; metadata too)
@@ -187,8 +216,11 @@ def _parsed(path: Path, raw: bytes) -> dict:
             continue
         if mapping is not header.get("__metadata__"):  # an entry's fields, also one a later entry replaces
             name = next((name for name, entry in header.items() if entry is mapping), None)
-            raise InputError(f"safetensors entry {'' if name is None else repr(name[:80]) + ' '}names "
-                             f"{keys[0][:20]!r} twice — the file is corrupt", path=path)
+            raise InputError(
+                f"safetensors entry {'' if name is None else repr(name[:80]) + ' '}names "
+                f"{keys[0][:20]!r} twice — the file is corrupt",
+                path=path,
+            )
     if b"\\u" in raw:  # (only an escape spells a surrogate: strict UTF-8 refuses one written raw)
         _refuse_surrogates(header, path)
     return header
@@ -210,9 +242,11 @@ def _refuse_surrogates(header: dict, path: Path) -> None:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise InputError(f"safetensors header holds a lone surrogate escape in {text[:80]!r}, which is not "
-                                 "Unicode (the safetensors library refuses it too) — the file is corrupt",
-                                 path=path) from None
+                raise InputError(
+                    f"safetensors header holds a lone surrogate escape in {text[:80]!r}, which is not "
+                    "Unicode (the safetensors library refuses it too) — the file is corrupt",
+                    path=path,
+                ) from None
 
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
@@ -232,15 +266,19 @@ def read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
 def _read_file(path: Path, handle: BinaryIO) -> SafetensorsContents:
     raw, data_start = _raw_header(path, handle)
     file_size = handle_size(handle)
-    parsed = _fastload.parse_header(raw, path, data_start, file_size, _HEADER_CONSTANTS) \
-        if FAST and not PURE_PYTHON_HEADER else None
+    parsed = (
+        _fastload.parse_header(raw, path, data_start, file_size, _HEADER_CONSTANTS)
+        if FAST and not PURE_PYTHON_HEADER
+        else None
+    )
     if parsed is not None:  # the usual header, parsed in C straight into its tensors (100,000: 0.05 s, not 0.5)
         tensors, metadata = parsed
     else:  # json's parse, and the checks that say what is wrong
         header = _parsed(path, raw)
         metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in metadata.items()):
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
             raise InputError("safetensors __metadata__ must map strings to strings — the file is corrupt", path=path)
         tensors = _each_tensor(header, path, data_start, file_size)
     # names in sorted order, as the safetensors library lists them
@@ -289,7 +327,9 @@ def _each_tensor(header: dict, path: Path, data_start: int, file_size: int) -> d
         position = end
     if data_start + position != file_size:
         cause = "ends before" if data_start + position > file_size else "has trailing bytes after"
-        raise InputError(f"safetensors data section {cause} the last tensor — the file is corrupt or truncated", path=path)
+        raise InputError(
+            f"safetensors data section {cause} the last tensor — the file is corrupt or truncated", path=path
+        )
     return tensors
 
 
@@ -319,10 +359,12 @@ def _retie(contents: SafetensorsContents, path: Path) -> None:
     for alias, target in aliases.items():
         stored = contents.tensors.get(target)
         if stored is None or alias in contents.tensors:
-            raise InputError(f"alias {alias[:80]!r} points at {target[:80]!r}, which is not stored — the file is corrupt",
-                             path=path)
-        contents.tensors[alias] = TensorRef(storage=stored.storage, dtype=stored.dtype, shape=stored.shape,
-                                            stride=stored.stride)
+            raise InputError(
+                f"alias {alias[:80]!r} points at {target[:80]!r}, which is not stored — the file is corrupt", path=path
+            )
+        contents.tensors[alias] = TensorRef(
+            storage=stored.storage, dtype=stored.dtype, shape=stored.shape, stride=stored.stride
+        )
     # keep the names in sorted order, as they would read from a file without aliases
     contents.tensors = dict(sorted(contents.tensors.items()))
 
@@ -342,11 +384,15 @@ def read_index(index_path: Path) -> SafetensorsContents:
         raise InputError("index is not valid UTF-8 JSON — the file is corrupt", path=index_path) from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise InputError("index has no weight_map of key -> shard file — not a sharded safetensors index", path=index_path)
+        raise InputError(
+            "index has no weight_map of key -> shard file — not a sharded safetensors index", path=index_path
+        )
     shard_names = sorted(set(weight_map.values()))
     for shard in shard_names:
         if not _SHARD_NAME.match(shard) or shard in (".", ".."):
-            raise InputError(f"index names shard {shard[:80]!r}, which is not a file beside it — refused", path=index_path)
+            raise InputError(
+                f"index names shard {shard[:80]!r}, which is not a file beside it — refused", path=index_path
+            )
     contents = SafetensorsContents(tensors={})
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     directory = index_path.parent
@@ -354,14 +400,17 @@ def read_index(index_path: Path) -> SafetensorsContents:
         shard_path = directory / shard
         try:
             # a shard must be a regular file inside the index's folder (or its hub cache's blobs/)
-            with inputs.open_member(directory, shard_path, what=f"shard {shard} named by the index",
-                                    report=index_path) as handle:
+            with inputs.open_member(
+                directory, shard_path, what=f"shard {shard} named by the index", report=index_path
+            ) as handle:
                 shard_contents = read_file(shard_path, handle)
         except OSError as e:
             raise InputError(f"shard {shard} named by the index cannot be read ({e.strerror})", path=index_path) from e
         for name, tensor in shard_contents.tensors.items():
             if name in contents.tensors:
-                raise InputError(f"tensor {name!r} is stored in two shards — the checkpoint is inconsistent", path=index_path)
+                raise InputError(
+                    f"tensor {name!r} is stored in two shards — the checkpoint is inconsistent", path=index_path
+                )
             contents.tensors[name] = tensor
         contents.files.append(shard_path)
         contents.metadata.update(shard_contents.metadata)
@@ -429,19 +478,28 @@ def check_dtypes(tensors: Mapping[str, TensorRef], *, out: Path | None = None) -
         unpaired = [name for name in names if _unpaired(name)]
         if unpaired:
             shown = ", ".join(repr(name[:80]) for name in unpaired[:3]) + (", ..." if len(unpaired) > 3 else "")
-            raise OutputError(f"safetensors cannot store {len(unpaired)} tensor name(s) holding a lone surrogate "
-                              f"({shown}: not Unicode, which the format's JSON header is) — write a .pt instead ("
-                              + option("to", "pt") + "), or rename them", path=out)
+            raise OutputError(
+                f"safetensors cannot store {len(unpaired)} tensor name(s) holding a lone surrogate "
+                f"({shown}: not Unicode, which the format's JSON header is) — write a .pt instead ("
+                + option("to", "pt")
+                + "), or rename them",
+                path=out,
+            )
     outside: dict[str, list[str]] = {}
     for name, tensor in tensors.items():
         if tensor.dtype.name not in FORMAT_DTYPES:
             outside.setdefault(tensor.dtype.torch_name, []).append(name)
     if outside:
         count = sum(len(names) for names in outside.values())
-        kinds = ", ".join(f"{dtype} ({len(names)}: {', '.join(repr(n) for n in names[:3])}"
-                          f"{', ...' if len(names) > 3 else ''})" for dtype, names in outside.items())
-        raise OutputError(f"safetensors has no dtype for {count} tensor(s): {kinds} — write a .pt instead "
-                          "(" + option("to", "pt") + "), or leave these tensors out", path=out)
+        kinds = ", ".join(
+            f"{dtype} ({len(names)}: {', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''})"
+            for dtype, names in outside.items()
+        )
+        raise OutputError(
+            f"safetensors has no dtype for {count} tensor(s): {kinds} — write a .pt instead "
+            "(" + option("to", "pt") + "), or leave these tensors out",
+            path=out,
+        )
 
 
 def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
@@ -462,8 +520,15 @@ def plan_aliases(tensors: Mapping[str, TensorRef]) -> dict[str, str]:
         if id(tensor.storage) not in shared or tensor.numel == 0:
             continue
         # a conjugate or negative view of a storage holds other values than the plain view
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
-                    tensor.conj, tensor.neg)
+        identity = (
+            id(tensor.storage),
+            tensor.offset,
+            tensor.shape,
+            tensor.stride,
+            tensor.dtype.name,
+            tensor.conj,
+            tensor.neg,
+        )
         if identity in first:
             aliases[name] = first[identity]
         else:
@@ -492,12 +557,20 @@ def _unicode_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
 
 def _printable_surrogates(text: str) -> str:
     """``text`` with each lone surrogate written as its escape (``\\udcff``), other characters kept."""
-    return "".join(f"\\u{ord(char):04x}" if 0xD800 <= ord(char) <= 0xDFFF else char for char in text) \
-        if _unpaired(text) else text
+    return (
+        "".join(f"\\u{ord(char):04x}" if 0xD800 <= ord(char) <= 0xDFFF else char for char in text)
+        if _unpaired(text)
+        else text
+    )
 
 
-def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]], nbytes: list[int],
-                   metadata: Mapping[str, str]) -> bytes:
+def _encode_header(
+    order: list[str],
+    dtype_names: list[str],
+    shapes: list[tuple[int, ...]],
+    nbytes: list[int],
+    metadata: Mapping[str, str],
+) -> bytes:
     """The header's JSON for the tensors ``order`` names (their dtypes' names, shapes and byte counts) laid out end
     to end in that order: the bytes of ``json.dumps`` of it, compact.
 
@@ -513,15 +586,27 @@ def _encode_header(order: list[str], dtype_names: list[str], shapes: list[tuple[
             return encoded
     dtype_texts = {name: json.dumps(name) for name in set(dtype_names)}
     keys = list(map(repr, shapes))  # by repr: 2 and True are equal keys, but json writes them apart
-    shape_texts = {key: json.dumps(list(shape), separators=(",", ":")) for key, shape in dict(zip(keys, shapes)).items()}
+    shape_texts = {
+        key: json.dumps(list(shape), separators=(",", ":")) for key, shape in dict(zip(keys, shapes)).items()
+    }
     ends = list(accumulate(nbytes))
-    parts += map('{}:{{"dtype":{},"shape":{},"data_offsets":[{},{}]}}'.format, map(encode_basestring_ascii, order),
-                 map(dtype_texts.__getitem__, dtype_names), map(shape_texts.__getitem__, keys), [0, *ends], ends)
+    parts += map(
+        '{}:{{"dtype":{},"shape":{},"data_offsets":[{},{}]}}'.format,
+        map(encode_basestring_ascii, order),
+        map(dtype_texts.__getitem__, dtype_names),
+        map(shape_texts.__getitem__, keys),
+        [0, *ends],
+        ends,
+    )
     return ("{" + ",".join(parts) + "}").encode("utf-8")
 
 
-def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
-                  on_data: Callable[[int, int], None] | None = None) -> None:
+def write_tensors(
+    handle: BinaryIO,
+    tensors: Mapping[str, TensorRef],
+    metadata: Mapping[str, str],
+    on_data: Callable[[int, int], None] | None = None,
+) -> None:
     """Write one safetensors file holding each of ``tensors`` as stored (no aliasing: ties are
     planned by the caller) and ``metadata`` as given; one shard of a sharded checkpoint."""
     # Columns are taken in the mapping's order, where the records lie in memory in the order they were read (a
@@ -548,16 +633,19 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
             index = list(map(index.__getitem__, placed))
             offsets_in_order = list(map(offsets_in_order.__getitem__, placed))
     order, nbytes_in_order = in_order(names), in_order(nbytes)
-    encoded = _encode_header(order, in_order(list(map(_DTYPE_NAME, views))), in_order(list(map(_SHAPE, views))),
-                             nbytes_in_order, metadata)
+    encoded = _encode_header(
+        order, in_order(list(map(_DTYPE_NAME, views))), in_order(list(map(_SHAPE, views))), nbytes_in_order, metadata
+    )
     encoded += b" " * (-len(encoded) % 8)
     if placing:
         encoded += b" " * placement.header_padding(8 + len(encoded), offsets_in_order, nbytes_in_order)
     if len(encoded) > MAX_HEADER_BYTES:  # no reader would open it: refuse before a byte is written
         entries = len(metadata.get("ckptool.entries", ""))
-        raise OutputError(f"the safetensors header would be {len(encoded)} bytes, over the format's "
-                          f"{MAX_HEADER_BYTES}-byte limit ({entries} of them the container's other entries) — "
-                          "write a .pt instead (" + option("to", "pt") + ")")
+        raise OutputError(
+            f"the safetensors header would be {len(encoded)} bytes, over the format's "
+            f"{MAX_HEADER_BYTES}-byte limit ({entries} of them the container's other entries) — "
+            "write a .pt instead (" + option("to", "pt") + ")"
+        )
     handle.write(struct.pack("<Q", len(encoded)) + encoded)
     handle.flush()
     progress.expect(sum(nbytes))
@@ -565,8 +653,9 @@ def write_tensors(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: 
     out = DataOut(handle, on_data)
     try:
         if whole is not None:
-            out_offset = out.copy_all(in_order(list(map(_PATH, whole[0]))), offsets_in_order, nbytes_in_order,
-                                      out_offset)
+            out_offset = out.copy_all(
+                in_order(list(map(_PATH, whole[0]))), offsets_in_order, nbytes_in_order, out_offset
+            )
         else:
             out_offset = _write_each(handle, out, in_order(views), out_offset)
         out.report()
@@ -601,8 +690,14 @@ def _write_each(handle: BinaryIO, out: DataOut, views: list[TensorRef], out_offs
     return out_offset
 
 
-def write_file(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Mapping[str, str],
-               *, duplicate_tied: bool = False, on_data: Callable[[int, int], None] | None = None) -> dict[str, str]:
+def write_file(
+    handle: BinaryIO,
+    tensors: Mapping[str, TensorRef],
+    metadata: Mapping[str, str],
+    *,
+    duplicate_tied: bool = False,
+    on_data: Callable[[int, int], None] | None = None,
+) -> dict[str, str]:
     """Write one safetensors file; returns the aliases recorded (empty with ``duplicate_tied``)."""
     aliases = {} if duplicate_tied else plan_aliases(tensors)
     stored = {name: tensor for name, tensor in tensors.items() if name not in aliases} if aliases else tensors
@@ -611,8 +706,6 @@ def write_file(handle: BinaryIO, tensors: Mapping[str, TensorRef], metadata: Map
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     write_tensors(handle, stored, metadata, on_data)
     return aliases
-
-
 
 
 def plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int) -> list[list[str]]:
@@ -633,13 +726,27 @@ def shard_file_name(index: int, count: int) -> str:
 
 
 FORMAT = Format(
-    name="safetensors", sniff=sniff, read=read,
-    default_suffix=".safetensors", rewrite_target="safetensors", target="safetensors", suffixes=(".safetensors",),
-    weights_only=True, has_location_tags=False,
+    name="safetensors",
+    sniff=sniff,
+    read=read,
+    default_suffix=".safetensors",
+    rewrite_target="safetensors",
+    target="safetensors",
+    suffixes=(".safetensors",),
+    weights_only=True,
+    has_location_tags=False,
 )
 SHARDED = Format(
-    name="safetensors-sharded", sniff=sniff_index, read=read_sharded, find_in_folder=find_index,
+    name="safetensors-sharded",
+    sniff=sniff_index,
+    read=read_sharded,
+    find_in_folder=find_index,
     pickle_blobs=pickle_blobs_sharded,
-    default_suffix=".safetensors", rewrite_target="safetensors", target="safetensors", sharded=True,
-    folder_output=True, weights_only=True, has_location_tags=False,
+    default_suffix=".safetensors",
+    rewrite_target="safetensors",
+    target="safetensors",
+    sharded=True,
+    folder_output=True,
+    weights_only=True,
+    has_location_tags=False,
 )

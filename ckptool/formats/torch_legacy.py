@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptool import pickles
-from ckptool.files.byteio import file_size as handle_size, is_remote
 from ckptool.base.errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
-from ckptool.tensors.refs import StorageRef
+from ckptool.files.byteio import file_size as handle_size
+from ckptool.files.byteio import is_remote
 from ckptool.files.ranges import ByteRange
 from ckptool.formats import (
     PICKLE_FIRST_BYTES,
@@ -27,6 +27,7 @@ from ckptool.formats import (
     looks_like_text,
 )
 from ckptool.formats.pickle_stream import split_pickles
+from ckptool.tensors.refs import StorageRef
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -50,8 +51,11 @@ def read(path: Path, options: ReadOptions) -> Contents:
         if looks_like_text(options.head) and not isinstance(e, UnsafeCheckpointError):
             raise UnsupportedFormatError("is a text file, not a PyTorch checkpoint", path=path) from e
         raise
-    return Contents(container=container, files=[path],
-                    notes=["legacy (pre-1.6) serialization: rewrites are written in the zip format"])
+    return Contents(
+        container=container,
+        files=[path],
+        notes=["legacy (pre-1.6) serialization: rewrites are written in the zip format"],
+    )
 
 
 def _read(path: Path, handle: BinaryIO, resolver: pickles.GlobalResolver) -> Any:
@@ -102,22 +106,37 @@ class _StorageLoader:
         if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
             raise InputError(f"unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path)
         _, storage_type, key, location, numel, view_metadata = pid
-        if not isinstance(storage_type, pickles.StorageTypeRef) or not isinstance(key, str) \
-                or not isinstance(location, str) or type(numel) is not int or numel < 0:
+        if (
+            not isinstance(storage_type, pickles.StorageTypeRef)
+            or not isinstance(key, str)
+            or not isinstance(location, str)
+            or type(numel) is not int
+            or numel < 0
+        ):
             raise InputError(f"malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path)
         cached = storages.get(key)
         if cached is None:
             cached = storages[key] = StorageRef(
-                key=key, dtype=storage_type.dtype, numel=numel, location=location,
+                key=key,
+                dtype=storage_type.dtype,
+                numel=numel,
+                location=location,
                 type_global=f"{storage_type.module}.{storage_type.name}",
             )
         elif not cached.nbytes and cached.dtype is not storage_type.dtype:
             # torch re-types an empty storage for each reference naming another dtype
             if view_metadata is not None:
-                raise UnsupportedFormatError("takes a storage view of an empty storage — the file is corrupt",
-                                             path=path)
-            return StorageRef(key=key, dtype=storage_type.dtype, numel=0, location=cached.location,
-                              data=ByteRange(path, 0, 0), type_global=f"{storage_type.module}.{storage_type.name}")
+                raise UnsupportedFormatError(
+                    "takes a storage view of an empty storage — the file is corrupt", path=path
+                )
+            return StorageRef(
+                key=key,
+                dtype=storage_type.dtype,
+                numel=0,
+                location=cached.location,
+                data=ByteRange(path, 0, 0),
+                type_global=f"{storage_type.module}.{storage_type.name}",
+            )
         if view_metadata is not None:
             return self.storage_view(cached, storage_type, view_metadata)
         return cached
@@ -126,29 +145,42 @@ class _StorageLoader:
         """A pre-0.4 storage slice ``(view key, offset, size)`` of ``root``, in elements of the record's
         dtype; torch makes it once per view key and hands the same slice to every later reference."""
         path, views = self.path, self.views
-        if not isinstance(view_metadata, tuple) or len(view_metadata) != 3 or not isinstance(view_metadata[0], str) \
-                or not all(type(v) is int and v >= 0 for v in view_metadata[1:]):
-            raise InputError(f"malformed storage view record {pickles.brief(view_metadata)} — the file is corrupt",
-                             path=path)
+        if (
+            not isinstance(view_metadata, tuple)
+            or len(view_metadata) != 3
+            or not isinstance(view_metadata[0], str)
+            or not all(type(v) is int and v >= 0 for v in view_metadata[1:])
+        ):
+            raise InputError(
+                f"malformed storage view record {pickles.brief(view_metadata)} — the file is corrupt", path=path
+            )
         view_key, offset, size = view_metadata
         if view_key in views:
             return views[view_key][0]
         if view_key in self.storages:
             # torch keeps views and storages under one set of keys: a view named like a storage is that storage
-            raise UnsupportedFormatError(f"names storage view {pickles.brief(view_key)} like a storage — refused",
-                                         path=path)
+            raise UnsupportedFormatError(
+                f"names storage view {pickles.brief(view_key)} like a storage — refused", path=path
+            )
         item = storage_type.dtype.itemsize
         if (offset + size) * item > root.nbytes:
-            raise InputError(f"storage view {pickles.brief(view_key)} ends past its storage — the file is corrupt",
-                             path=path)
-        view = StorageRef(key=view_key, dtype=storage_type.dtype, numel=size, location=root.location,
-                          type_global=f"{storage_type.module}.{storage_type.name}")
+            raise InputError(
+                f"storage view {pickles.brief(view_key)} ends past its storage — the file is corrupt", path=path
+            )
+        view = StorageRef(
+            key=view_key,
+            dtype=storage_type.dtype,
+            numel=size,
+            location=root.location,
+            type_global=f"{storage_type.module}.{storage_type.name}",
+        )
         views[view_key] = (view, root, offset * item)
         return view
 
 
-def _remote_counts(handle: BinaryIO, position: int, keys: list[str], storages: dict[str, StorageRef],
-                   file_size: int) -> dict[int, bytes] | None:
+def _remote_counts(
+    handle: BinaryIO, position: int, keys: list[str], storages: dict[str, StorageRef], file_size: int
+) -> dict[int, bytes] | None:
     """For a remote file, each storage's 8-byte element count, fetched at once where the pickle says
     they lie (parallel ranges, not a request per storage in turn); None for a local file."""
     if not is_remote(handle):
@@ -173,14 +205,17 @@ def _place_storages(path: Path, handle: BinaryIO, keys: list[str], loader: _Stor
     for key in keys:
         storage = storages.get(key)
         if storage is None:
-            raise InputError(f"legacy storage {pickles.brief(key)} is listed but never used — the file is corrupt", path=path)
+            raise InputError(
+                f"legacy storage {pickles.brief(key)} is listed but never used — the file is corrupt", path=path
+            )
         header = handle.read(8) if counts is None else counts.get(position, b"")
         if len(header) != 8:
             raise InputError.truncated(path, f"legacy storage {pickles.brief(key)} is missing")
         (numel,) = struct.unpack("<q", header)
         if numel != storage.numel:
             raise InputError(
-                f"legacy storage {pickles.brief(key)} holds {numel} elements but the pickle says {storage.numel} — corrupt file",
+                f"legacy storage {pickles.brief(key)} holds {numel} elements but the pickle says {storage.numel} "
+                "— corrupt file",
                 path=path,
             )
         start = position + 8
@@ -208,6 +243,9 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
 
 
 FORMAT = Format(
-    name="torch-legacy", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
+    name="torch-legacy",
+    sniff=sniff,
+    read=read,
+    pickle_blobs=pickle_blobs,
     rewrite_note="the input used the legacy (pre-1.6) format; the output is in the zip format",
 )

@@ -20,13 +20,13 @@ import json
 import re
 from pathlib import Path
 
+from ckptool.base.errors import InputError, UnsupportedFormatError
 from ckptool.files import inputs
 from ckptool.files.byteio import read_capped
-from ckptool.base.errors import InputError, UnsupportedFormatError
-from ckptool.tensors.refs import TensorRef
 from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_legacy, torch_zip
-from ckptool.formats.hf_index import find_index as safetensors_index
 from ckptool.formats import sniff as sniff_file
+from ckptool.formats.hf_index import find_index as safetensors_index
+from ckptool.tensors.refs import TensorRef
 
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 _SHARD_SUFFIXES = (".bin", ".pt", ".pth")
@@ -55,8 +55,11 @@ def find_index(directory: Path) -> Path | None:
         preferred = directory / INDEX_NAME
         if preferred in indexes:
             return preferred
-        raise InputError(f"holds {len(indexes)} torch shard indexes ({', '.join(p.name for p in indexes[:3])}"
-                         f"{', ...' if len(indexes) > 3 else ''}) — name the one to read", path=directory)
+        raise InputError(
+            f"holds {len(indexes)} torch shard indexes ({', '.join(p.name for p in indexes[:3])}"
+            f"{', ...' if len(indexes) > 3 else ''}) — name the one to read",
+            path=directory,
+        )
     return indexes[0] if indexes else None
 
 
@@ -81,14 +84,17 @@ def _index(path: Path, options: ReadOptions) -> tuple[dict[str, str], dict[str, 
         raise InputError("index is not valid UTF-8 JSON — the file is corrupt", path=path) from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise InputError("index has no weight_map of weight name -> shard file — not a sharded checkpoint index",
-                         path=path)
+        raise InputError(
+            "index has no weight_map of weight name -> shard file — not a sharded checkpoint index", path=path
+        )
     for shard in sorted(set(weight_map.values())):
         if not _SHARD_NAME.match(shard) or shard in (".", ".."):
             shown = shard if len(shard) <= 80 else shard[:77] + "..."
-            raise InputError(f"index names shard {shown!r}, which is not a file name in the index's folder — refused "
-                             "(an index names its shards beside it); fix the index or re-download the checkpoint",
-                             path=path)
+            raise InputError(
+                f"index names shard {shown!r}, which is not a file name in the index's folder — refused "
+                "(an index names its shards beside it); fix the index or re-download the checkpoint",
+                path=path,
+            )
     metadata = index.get("metadata")
     metadata = {str(k): str(v) for k, v in metadata.items() if k != "total_size"} if isinstance(metadata, dict) else {}
     return weight_map, metadata
@@ -128,18 +134,25 @@ def read(path: Path, options: ReadOptions) -> Contents:
                 unlisted.append(name)
                 continue
             if not isinstance(value, TensorRef):
-                raise UnsupportedFormatError(f"shard {shard} holds {str(name)[:80]!r} as {type(value).__name__}, not "
-                                             "a tensor — ckptool reads shards that are state dicts", path=path)
+                raise UnsupportedFormatError(
+                    f"shard {shard} holds {str(name)[:80]!r} as {type(value).__name__}, not "
+                    "a tensor — ckptool reads shards that are state dicts",
+                    path=path,
+                )
             tensors[name] = value
         absent = sorted(name for name in names if name not in tensors)
         if absent:
-            raise InputError(f"index maps {len(absent)} tensor(s) to shard {shard}, which does not hold them (e.g. "
-                             f"{absent[0][:80]!r}) — the checkpoint is inconsistent; re-download or re-save it",
-                             path=path)
+            raise InputError(
+                f"index maps {len(absent)} tensor(s) to shard {shard}, which does not hold them (e.g. "
+                f"{absent[0][:80]!r}) — the checkpoint is inconsistent; re-download or re-save it",
+                path=path,
+            )
         if unlisted:
             shown = ", ".join(repr(str(name)[:60]) for name in unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
-            notes.append(f"shard {shard} holds {len(unlisted)} entr(ies) the index does not map to it ({shown}): "
-                         "left out, as the index decides")
+            notes.append(
+                f"shard {shard} holds {len(unlisted)} entr(ies) the index does not map to it ({shown}): "
+                "left out, as the index decides"
+            )
         files.append(shard_path)
     for note, shards in shard_notes.items():
         which = shards[0] if len(shards) == 1 else f"{len(shards)} shards ({shards[0]}, ...)"
@@ -147,8 +160,7 @@ def read(path: Path, options: ReadOptions) -> Contents:
     return Contents(container=tensors, files=files, metadata=metadata, notes=notes)
 
 
-def _read_shard(directory: Path, shard_path: Path, index_path: Path,
-                options: ReadOptions) -> tuple[dict, list[str]]:
+def _read_shard(directory: Path, shard_path: Path, index_path: Path, options: ReadOptions) -> tuple[dict, list[str]]:
     """One shard's state dict, read as the torch file it is; it must be a regular file inside the folder."""
     shard = shard_path.name
     what = f"shard {shard} named by the index"
@@ -159,14 +171,19 @@ def _read_shard(directory: Path, shard_path: Path, index_path: Path,
                 raise InputError(f"{what} is empty (0 bytes) — the download did not finish", path=index_path)
             fmt = sniff_file(head, shard_path)
             if fmt is not torch_zip.FORMAT and fmt is not torch_legacy.FORMAT:
-                raise UnsupportedFormatError(f"{what} is not a torch.save file (zip or legacy) — a .bin shard "
-                                             "index names torch files", path=index_path)
+                raise UnsupportedFormatError(
+                    f"{what} is not a torch.save file (zip or legacy) — a .bin shard index names torch files",
+                    path=index_path,
+                )
             contents = fmt.read(shard_path, ReadOptions(handle, head, options.resolver))
     except OSError as e:
         raise InputError(f"{what} cannot be read ({e.strerror})", path=index_path) from e
     if contents.format is not None or not isinstance(contents.container, dict):
-        raise UnsupportedFormatError(f"{what} is not a state dict (a mapping of names to tensors) — ckptool reads "
-                                     "shards as transformers writes them", path=index_path)
+        raise UnsupportedFormatError(
+            f"{what} is not a state dict (a mapping of names to tensors) — ckptool reads "
+            "shards as transformers writes them",
+            path=index_path,
+        )
     return contents.container, contents.notes
 
 
@@ -189,8 +206,7 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
     blobs: list[PickleBlob] = []
     for shard in sorted(set(_index(path, options)[0].values())):
         shard_path = directory / shard
-        with inputs.open_member(directory, shard_path, what=f"shard {shard} named by the index",
-                                report=path) as handle:
+        with inputs.open_member(directory, shard_path, what=f"shard {shard} named by the index", report=path) as handle:
             head = handle.read(64)
             fmt = sniff_file(head, shard_path) if head else None
             if fmt is None:
@@ -201,9 +217,12 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
 
 
 FORMAT = Format(
-    name="torch-sharded", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
+    name="torch-sharded",
+    sniff=sniff,
+    read=read,
+    pickle_blobs=pickle_blobs,
     rewrite_note="a sharded .bin checkpoint is rewritten as one .pt file of its weights",
     weights_only=True,
     in_place_refused="is a sharded .bin checkpoint: a rewrite writes one .pt, which would replace its index and "
-                     "leave its shards behind",
+    "leave its shards behind",
 )

@@ -18,6 +18,8 @@ from typing import Any, BinaryIO
 from ckptool import pickles
 from ckptool.base import progress
 from ckptool.base.errors import InputError, UnsupportedFormatError
+from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
+from ckptool.formats.zip_storages import storage_loader
 from ckptool.tensors.refs import (
     _CRC32,
     _DATA,
@@ -30,8 +32,6 @@ from ckptool.tensors.refs import (
     _PRODUCER,
     StorageRef,
 )
-from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, zipio
-from ckptool.formats.zip_storages import storage_loader
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -72,8 +72,9 @@ def read(path: Path, options: ReadOptions) -> Contents:
     if holds_code(members, top):  # TorchScript: its weights are read as its state_dict, its code never run
         from ckptool.formats import torchscript  # here: its module, with its parsers, is for such an archive alone
 
-        contents = torchscript.read_archive(path, options, members, top,
-                                            big_endian=_big_endian(path, handle, members, top))
+        contents = torchscript.read_archive(
+            path, options, members, top, big_endian=_big_endian(path, handle, members, top)
+        )
         contents.format = torchscript.FORMAT.name
         return contents
     pickle_member = members.get(f"{top}/data.pkl")
@@ -96,14 +97,21 @@ def _big_endian(path: Path, handle: BinaryIO, members: zipio.Members, top: str) 
         record = zipio.read_member(path, handle, byteorder, limit=16)
         big_endian = record == b"big"
         if not big_endian and record.strip() != b"little":
-            raise UnsupportedFormatError(f"records byte order {record[:16]!r}, neither little nor big — the file "
-                                         "is corrupt", path=path)
+            raise UnsupportedFormatError(
+                f"records byte order {record[:16]!r}, neither little nor big — the file is corrupt", path=path
+            )
     return big_endian
 
 
-def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
-          on_data: Callable[[int, int], None] | None = None, trust_recorded_crcs: bool = True,
-          guard_cache: pickles.GuardCache | None = None) -> None:
+def write(
+    handle: BinaryIO,
+    container: Any,
+    *,
+    archive_name: str = "archive",
+    on_data: Callable[[int, int], None] | None = None,
+    trust_recorded_crcs: bool = True,
+    guard_cache: pickles.GuardCache | None = None,
+) -> None:
     """Write ``container`` as torch.save would: pickle first, storages raw, torch's bookkeeping records.
 
     Storages are renumbered 0..n-1 in order of first appearance; bytes of a storage read from a zip
@@ -123,9 +131,15 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         writer.add_bytes(f"{archive_name}/byteorder", b"little")
         datas = list(map(_DATA, objects))
         crcs = list(map(_CRC32, datas)) if all(datas) else [None]
-        if trust_recorded_crcs and None not in crcs and not any(map(_PIECES, objects)) \
-                and not any(map(_DERIVED, objects)) and not any(map(_PRODUCER, objects)):
-            # the usual write: every storage the bytes of a member, its CRC recorded (_add_each's first case, in columns)
+        if (
+            trust_recorded_crcs
+            and None not in crcs
+            and not any(map(_PIECES, objects))
+            and not any(map(_DERIVED, objects))
+            and not any(map(_PRODUCER, objects))
+        ):
+            # the usual write: every storage the bytes of a member, its CRC recorded (_add_each's first case, in
+            # columns)
             names = list(map(f"{archive_name}/data/".__add__, map(itemgetter(0), storages)))
             writer.add_copy_columns(names, list(map(_PATH, datas)), list(map(_OFFSET, datas)), sizes, crcs)
         else:
@@ -139,22 +153,30 @@ def write(handle: BinaryIO, container: Any, *, archive_name: str = "archive",
         writer.release()
 
 
-def _add_each(writer: zipio.ZipWriter, storages: list[tuple[str, StorageRef]], archive_name: str,
-              trust_recorded_crcs: bool) -> None:
+def _add_each(
+    writer: zipio.ZipWriter, storages: list[tuple[str, StorageRef]], archive_name: str, trust_recorded_crcs: bool
+) -> None:
     """Add each storage as a member: copied with its recorded CRC where it is the bytes of one (runs of them
     copied together), else its pieces, its computed bytes or its bytes streamed and summed."""
     copies: list[tuple[str, Any, int, int, int]] = []  # the usual storages: bytes of a member, its CRC recorded
     for key, storage in storages:
         data = storage.data
-        if data is not None and data.crc32 is not None and trust_recorded_crcs and storage.pieces is None \
-                and storage.derived is None and storage.producer is None:
+        if (
+            data is not None
+            and data.crc32 is not None
+            and trust_recorded_crcs
+            and storage.pieces is None
+            and storage.derived is None
+            and storage.producer is None
+        ):
             copies.append((f"{archive_name}/data/{key}", data.path, data.offset, storage.nbytes, data.crc32))
             continue
         writer.add_copies(copies)
         copies.clear()
         if storage.pieces is not None:
-            pieces = storage.pieces if trust_recorded_crcs else \
-                tuple(replace(piece, crc32=None) for piece in storage.pieces)
+            pieces = (
+                storage.pieces if trust_recorded_crcs else tuple(replace(piece, crc32=None) for piece in storage.pieces)
+            )
             writer.add_pieces(f"{archive_name}/data/{key}", pieces)
             continue
         if storage.derived is not None and storage.derived.nbytes == storage.nbytes:
@@ -164,8 +186,13 @@ def _add_each(writer: zipio.ZipWriter, storages: list[tuple[str, StorageRef]], a
             writer.add_bytes(f"{archive_name}/data/{key}", storage.producer())
             continue
         source = storage.byte_range()
-        writer.add_copy(f"{archive_name}/data/{key}", source.path, source.offset, storage.nbytes,
-                        source.crc32 if trust_recorded_crcs else None)
+        writer.add_copy(
+            f"{archive_name}/data/{key}",
+            source.path,
+            source.offset,
+            storage.nbytes,
+            source.crc32 if trust_recorded_crcs else None,
+        )
     writer.add_copies(copies)
 
 
@@ -214,8 +241,11 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
         loaded = None
     for member in listing.members:
         seen[member.name] += 1
-        label = member.name if counts[member.name] == 1 else \
-            f"{member.name} (member {seen[member.name]} of {counts[member.name]} so named)"
+        label = (
+            member.name
+            if counts[member.name] == 1
+            else f"{member.name} (member {seen[member.name]} of {counts[member.name]} so named)"
+        )
         if member is loaded:
             label += LOADED_MARK
         if member.encrypted:
@@ -238,16 +268,30 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             continue  # unreadable: the load (and its one-line refusal) speaks for it
         blobs += pickle_stream.split_pickles(io.BytesIO(data), label, 5, options.resolver.guard_cache)
     kind = "torchscript" if any(name.endswith("/constants.pkl") for name, _ in blobs) else FORMAT.name
-    code = [member.name for member in listing.members if f"/{top}/code/" in f"/{member.name}" and
-            zipio.fold_name(member.name).endswith(".py")]
-    notes = [f"TorchScript code in {len(code)} file(s) under {top}/code/ (e.g. {code[0]!r}): torch.jit.load compiles "
-             "it and the module runs it; ckptool reads the weights without it"] if code else []
+    code = [
+        member.name
+        for member in listing.members
+        if f"/{top}/code/" in f"/{member.name}" and zipio.fold_name(member.name).endswith(".py")
+    ]
+    notes = (
+        [
+            f"TorchScript code in {len(code)} file(s) under {top}/code/ (e.g. {code[0]!r}): torch.jit.load compiles "
+            "it and the module runs it; ckptool reads the weights without it"
+        ]
+        if code
+        else []
+    )
     # a load reads the one data.pkl (not what follows its STOP): the rest are run dry
-    return Pickles(kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs],
-                   notes)
+    return Pickles(
+        kind, [PickleBlob(name, data, read_by_load=name.endswith(LOADED_MARK)) for name, data in blobs], notes
+    )
 
 
 FORMAT = Format(
-    name="torch-zip", sniff=sniff, read=read, pickle_blobs=pickle_blobs,
-    target="pt", suffixes=(".pt", ".pth", ".bin", ".ckpt", ".tar"),
+    name="torch-zip",
+    sniff=sniff,
+    read=read,
+    pickle_blobs=pickle_blobs,
+    target="pt",
+    suffixes=(".pt", ".pth", ".bin", ".ckpt", ".tar"),
 )

@@ -31,8 +31,8 @@ from typing import Any
 
 from ckptool import pickles
 from ckptool.base.errors import InputError, UnsupportedFormatError
-from ckptool.tensors.refs import StorageRef, TensorRef, human_size
 from ckptool.formats import Contents, Format, ReadOptions, zipio
+from ckptool.tensors.refs import StorageRef, TensorRef, human_size
 
 # A class's declaration is at most this long (a real one: a few KB; torchvision's largest, ~100 KB).
 MAX_CODE_BYTES = 16 << 20
@@ -133,8 +133,7 @@ _JIT_PICKLE: dict[str, Any] = {
 }
 
 
-def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: str, *,
-                 big_endian: bool) -> Contents:
+def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: str, *, big_endian: bool) -> Contents:
     """The parameters and buffers of a TorchScript archive, as ``torch.jit.load(f).state_dict()`` gives them."""
     from ckptool.formats.zip_storages import storage_loader
 
@@ -142,8 +141,9 @@ def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: 
     assert handle is not None
     pickle_member = members.get(f"{top}/data.pkl")
     if pickle_member is None:
-        raise UnsupportedFormatError("is a TorchScript archive without data.pkl (its module) — the file is "
-                                     "truncated or corrupt", path=path)
+        raise UnsupportedFormatError(
+            "is a TorchScript archive without data.pkl (its module) — the file is truncated or corrupt", path=path
+        )
     data = zipio.read_member(path, handle, pickle_member, limit=pickles.MAX_PICKLE_BYTES)
     storages: dict[str, StorageRef] = {}
     persistent_load = storage_loader(path, members, top, storages, big_endian=big_endian)
@@ -151,15 +151,21 @@ def read_archive(path: Path, options: ReadOptions, members: zipio.Members, top: 
     classes = _Classes(path, handle, members, top)
     root_class = classes.of(root)
     if root_class is None or not root_class.is_module:
-        raise UnsupportedFormatError(f"is a TorchScript archive whose data.pkl holds {pickles.brief(root)}, not a "
-                                     "module — ckptool reads the weights of saved modules", path=path)
+        raise UnsupportedFormatError(
+            f"is a TorchScript archive whose data.pkl holds {pickles.brief(root)}, not a "
+            "module — ckptool reads the weights of saved modules",
+            path=path,
+        )
     walk = _Walk(path, classes)
     walk.module(root, "", 0)
-    notes = [f"TorchScript archive of {root_class.name}: {walk.parameters} parameters and {walk.buffers} buffers "
-             f"read as torch.jit.load(f).state_dict() gives them; its code ({classes.files} class file(s) read as text) "
-             "was not run; a rewrite writes them as a plain state-dict .pt"]
-    return Contents(container=walk.state_dict, files=[path], notes=notes,
-                    metadata={"torchscript.module": root_class.name})
+    notes = [
+        f"TorchScript archive of {root_class.name}: {walk.parameters} parameters and {walk.buffers} buffers "
+        f"read as torch.jit.load(f).state_dict() gives them; its code ({classes.files} class file(s) read as text) "
+        "was not run; a rewrite writes them as a plain state-dict .pt"
+    ]
+    return Contents(
+        container=walk.state_dict, files=[path], notes=notes, metadata={"torchscript.module": root_class.name}
+    )
 
 
 class _Classes:
@@ -188,21 +194,26 @@ class _Classes:
         if qualifier in self.sources:
             return self.sources[qualifier]
         if len(self.sources) >= MAX_CODE_FILES:
-            raise InputError(f"TorchScript archive names classes in over {MAX_CODE_FILES} code files — refused",
-                             path=self.path)
+            raise InputError(
+                f"TorchScript archive names classes in over {MAX_CODE_FILES} code files — refused", path=self.path
+            )
         member = self.members.get(f"{self.top}/code/{qualifier.replace('.', '/')}.py")
         source = None
         if member is not None:
             if self.text_read + member.size > MAX_CODE_TOTAL:
-                raise InputError(f"TorchScript archive's code files hold over {human_size(MAX_CODE_TOTAL)} of text "
-                                 "(a real model's: well under 1 MiB) — refused", path=self.path)
+                raise InputError(
+                    f"TorchScript archive's code files hold over {human_size(MAX_CODE_TOTAL)} of text "
+                    "(a real model's: well under 1 MiB) — refused",
+                    path=self.path,
+                )
             raw = zipio.read_member(self.path, self.handle, member, limit=MAX_CODE_BYTES)
             self.text_read += len(raw)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise InputError(f"TorchScript code {member.name!r} is not UTF-8 text — the archive is corrupt",
-                                 path=self.path) from e
+                raise InputError(
+                    f"TorchScript code {member.name!r} is not UTF-8 text — the archive is corrupt", path=self.path
+                ) from e
             starts: dict[str, tuple[int, str]] = {}
             for match in _CLASS_LINE.finditer(text):  # the first declaration of a name is the one read
                 starts.setdefault(match.group(1), (match.end(), match.group(2)))
@@ -220,12 +231,21 @@ class _Classes:
         shown = _MANGLE.sub("", qualified.removeprefix("__torch__."))
         if source is None or found is None:
             # a module whose class is not declared would silently lose its weights; torch cannot load it either
-            raise InputError(f"TorchScript class {shown} is not declared in the archive's code/ "
-                             f"({qualifier.replace('.', '/')}.py) — torch.jit.load refuses it too; the archive is "
-                             "truncated or corrupt", path=self.path)
+            raise InputError(
+                f"TorchScript class {shown} is not declared in the archive's code/ "
+                f"({qualifier.replace('.', '/')}.py) — torch.jit.load refuses it too; the archive is "
+                "truncated or corrupt",
+                path=self.path,
+            )
         text, (position, base) = source[0], found
-        declared = _Class(name=shown, is_module=base == "Module", attributes=[], parameters=set(), buffers=set(),
-                          restores_itself=False)
+        declared = _Class(
+            name=shown,
+            is_module=base == "Module",
+            attributes=[],
+            parameters=set(),
+            buffers=set(),
+            restores_itself=False,
+        )
         for line in _lines_from(text, position):
             if line and not line.startswith(" "):
                 break  # the next top-level statement ends the class
@@ -245,47 +265,64 @@ class _Classes:
                     continue
                 declared.attributes.append((plain.group(1), plain.group(2).strip()))
             if len(declared.attributes) > MAX_ATTRIBUTES:
-                raise InputError(f"TorchScript class {shown} declares over {MAX_ATTRIBUTES} attributes — refused",
-                                 path=self.path)
+                raise InputError(
+                    f"TorchScript class {shown} declares over {MAX_ATTRIBUTES} attributes — refused", path=self.path
+                )
         counts = Counter(name for name, _ in declared.attributes)
         if len(counts) != len(declared.attributes):
             twice = next(name for name, count in counts.items() if count > 1)
-            raise InputError(f"TorchScript class {declared.name} declares attribute {twice!r} twice — the archive is "
-                             "corrupt", path=self.path)
+            raise InputError(
+                f"TorchScript class {declared.name} declares attribute {twice!r} twice — the archive is corrupt",
+                path=self.path,
+            )
         return declared
 
     def _string(self, text: str, qualified: str) -> str:
         """One string literal's value (a name), decoded as torch's TorchScript parser decodes it."""
         if len(text) > MAX_NAME_BYTES:
-            raise InputError(f"TorchScript class {qualified} declares a name of over {MAX_NAME_BYTES} characters — "
-                             "refused", path=self.path)
+            raise InputError(
+                f"TorchScript class {qualified} declares a name of over {MAX_NAME_BYTES} characters — refused",
+                path=self.path,
+            )
         value = torch_string(text)
         if value is None:
-            raise InputError(f"TorchScript class {qualified} declares {text[:60]!r}, not a string literal torch "
-                             "reads — torch.jit.load refuses it too; the archive is corrupt", path=self.path)
+            raise InputError(
+                f"TorchScript class {qualified} declares {text[:60]!r}, not a string literal torch "
+                "reads — torch.jit.load refuses it too; the archive is corrupt",
+                path=self.path,
+            )
         return value
 
     def _names(self, text: str, qualified: str, kind: str) -> list[str]:
         """A ``[...]`` list of names, read token by token within :data:`MAX_LIST_BYTES` and
         :data:`MAX_LIST_NAMES`: any other literal (numbers, nested lists) is refused, not parsed."""
         if len(text) > MAX_LIST_BYTES:
-            raise InputError(f"TorchScript class {qualified} declares {kind} in over {human_size(MAX_LIST_BYTES)} "
-                             "of text — refused", path=self.path)
+            raise InputError(
+                f"TorchScript class {qualified} declares {kind} in over {human_size(MAX_LIST_BYTES)} of text — refused",
+                path=self.path,
+            )
         names: list[str] = []
         position, end = _after_space(text, 1), len(text) - 1  # inside the brackets
         while position < end:
             token = _STRING.match(text, position)
             if token is None:
-                raise InputError(f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
-                                 "names — the archive is corrupt", path=self.path)
+                raise InputError(
+                    f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
+                    "names — the archive is corrupt",
+                    path=self.path,
+                )
             names.append(self._string(token.group(), qualified))
             if len(names) > MAX_LIST_NAMES:
-                raise InputError(f"TorchScript class {qualified} declares over {MAX_LIST_NAMES} {kind} — refused",
-                                 path=self.path)
+                raise InputError(
+                    f"TorchScript class {qualified} declares over {MAX_LIST_NAMES} {kind} — refused", path=self.path
+                )
             position = _after_space(text, token.end())
             if position < end and text[position] != ",":
-                raise InputError(f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
-                                 "names — the archive is corrupt", path=self.path)
+                raise InputError(
+                    f"TorchScript class {qualified} declares {kind} as {text[:60]!r}, not a list of "
+                    "names — the archive is corrupt",
+                    path=self.path,
+                )
             position = _after_space(text, position + 1) if position < end else position
         return names
 
@@ -304,12 +341,12 @@ def torch_string(text: str) -> str | None:
     body, pieces, position = text[1:-1], [], 0
     while (slash := body.find("\\", position)) != -1:
         pieces.append(body[position:slash])
-        escaped = body[slash + 1:slash + 2]
+        escaped = body[slash + 1 : slash + 2]
         if escaped in _ESCAPES:
             pieces.append(_ESCAPES[escaped])
             position = slash + 2
-        elif _OCTAL.fullmatch(body, slash + 1, slash + 4) and int(body[slash + 1:slash + 4], 8) < 0o200:
-            pieces.append(chr(int(body[slash + 1:slash + 4], 8)))
+        elif _OCTAL.fullmatch(body, slash + 1, slash + 4) and int(body[slash + 1 : slash + 4], 8) < 0o200:
+            pieces.append(chr(int(body[slash + 1 : slash + 4], 8)))
             position = slash + 4
         else:
             return None
@@ -327,7 +364,7 @@ def _lines_from(text: str, position: int) -> Iterator[str]:
     start = text.find("\n", position)
     while start != -1:
         stop = text.find("\n", start + 1)
-        yield text[start + 1:stop if stop != -1 else len(text)].rstrip("\r")
+        yield text[start + 1 : stop if stop != -1 else len(text)].rstrip("\r")
         start = stop
 
 
@@ -346,25 +383,35 @@ class _Walk:
         assert declared is not None and declared.is_module
         self.modules += 1
         if self.modules > MAX_MODULES or depth > MAX_MODULE_DEPTH:
-            raise InputError(f"TorchScript archive holds over {MAX_MODULES} modules or nests them over "
-                             f"{MAX_MODULE_DEPTH} deep — refused", path=self.path)
+            raise InputError(
+                f"TorchScript archive holds over {MAX_MODULES} modules or nests them over "
+                f"{MAX_MODULE_DEPTH} deep — refused",
+                path=self.path,
+            )
         if id(obj) in self.on_path:
             raise InputError(f"TorchScript {where} contains itself — the archive is corrupt", path=self.path)
         if declared.restores_itself:
             raise UnsupportedFormatError(
                 f"is a TorchScript archive whose {where} ({declared.name}) restores its state with its own code "
                 "(__setstate__), which ckptool does not run — load it with torch.jit.load where you trust it and "
-                "save its state_dict() with torch.save", path=self.path)
+                "save its state_dict() with torch.save",
+                path=self.path,
+            )
         state = obj.state
         if not isinstance(state, dict):
-            raise InputError(f"TorchScript {where} ({declared.name}) has state {pickles.brief(state)}, not a dict of "
-                             "attributes — the archive is corrupt", path=self.path)
+            raise InputError(
+                f"TorchScript {where} ({declared.name}) has state {pickles.brief(state)}, not a dict of "
+                "attributes — the archive is corrupt",
+                path=self.path,
+            )
         values = []
         for name, type_text in declared.attributes:
             if name not in state:
-                raise InputError(f"TorchScript {where} ({declared.name}) declares attribute {name!r} that its "
-                                 "data.pkl does not hold — torch.jit.load refuses it too; the archive is corrupt",
-                                 path=self.path)
+                raise InputError(
+                    f"TorchScript {where} ({declared.name}) declares attribute {name!r} that its "
+                    "data.pkl does not hold — torch.jit.load refuses it too; the archive is corrupt",
+                    path=self.path,
+                )
             values.append((name, type_text, state[name]))
         self.on_path.add(id(obj))
         # torch lists a module's parameters (each that holds a tensor), then its buffers (those declared
@@ -385,20 +432,24 @@ class _Walk:
 
     def _add(self, key: str, value: Any) -> None:
         if not isinstance(value, TensorRef):
-            raise UnsupportedFormatError(f"is a TorchScript archive whose tensor {key!r} is {pickles.brief(value)}, "
-                                         "which ckptool does not read from TorchScript archives", path=self.path)
+            raise UnsupportedFormatError(
+                f"is a TorchScript archive whose tensor {key!r} is {pickles.brief(value)}, "
+                "which ckptool does not read from TorchScript archives",
+                path=self.path,
+            )
         value.validate(path=self.path, name=key)
         # state_dict() detaches: the weights are plain tensors, whatever the module's grad flags were
         self.state_dict[key] = replace(value, requires_grad=False)
 
 
 FORMAT = Format(
-    name="torchscript", sniff=never, read=read,
+    name="torchscript",
+    sniff=never,
+    read=read,
     rewrite_note="a TorchScript archive is rewritten as a plain state-dict .pt of its parameters and buffers "
-                 "(its code is not carried)",
-    torch_load_refuses="a TorchScript archive: torch.load(weights_only=True) refuses it, torch.jit.load runs its "
-                       "code",
+    "(its code is not carried)",
+    torch_load_refuses="a TorchScript archive: torch.load(weights_only=True) refuses it, torch.jit.load runs its code",
     weights_only=True,
     in_place_refused="is a TorchScript archive: a rewrite writes a plain state-dict .pt, which would replace the "
-                     "archive and its code",
+    "archive and its code",
 )

@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptool.base.errors import InputError
 from ckptool.files import inputs
 from ckptool.files.byteio import is_remote
-from ckptool.base.errors import InputError
 from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions
 from ckptool.formats import sniff as sniff_input
 
@@ -63,15 +63,24 @@ _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (CUSTOM_STATE, re.compile(r"custom_checkpoint_\d+\.pkl")),
     (CONFIG, re.compile(r"config\.json|generation_config\.json")),  # listed, but no sign of a training folder
 )
-_TRANSFORMERS_SIGNS = re.compile(r"trainer_state\.json|training_args\.bin|rng_state(_\d+)?\.pth|optimizer\.pt"
-                                 r"|scheduler\.pt")
-_ACCELERATE_SIGNS = re.compile(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin"
-                               r"|custom_checkpoint_\d+\.pkl")
+_TRANSFORMERS_SIGNS = re.compile(
+    r"trainer_state\.json|training_args\.bin|rng_state(_\d+)?\.pth|optimizer\.pt"
+    r"|scheduler\.pt"
+)
+_ACCELERATE_SIGNS = re.compile(
+    r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin"
+    r"|custom_checkpoint_\d+\.pkl"
+)
 
 # The files one model's weights may lie in, most preferred first (transformers reads safetensors
 # before .bin, an index before a single file); accelerate numbers every model after the first.
-_FIRST_MODEL = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-                "pytorch_model.bin", "pytorch_model_fsdp_0")
+_FIRST_MODEL = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+    "pytorch_model_fsdp_0",
+)
 _NUMBERED_MODEL = re.compile(r"(?:model_(\d+)\.safetensors|pytorch_model_(\d+)\.bin|pytorch_model_fsdp_(\d+))")
 _ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")  # a PEFT adapter saved by the Trainer
 # files whose content may be a pickle (scan judges each); names a framework torch.loads
@@ -120,8 +129,16 @@ class TrainingFolder:
 
 
 def _stem(name: str) -> str:
-    for suffix in (".safetensors.index.json", ".bin.index.json", ".safetensors", ".bin", ".pt", ".pth", ".pkl",
-                   ".json"):
+    for suffix in (
+        ".safetensors.index.json",
+        ".bin.index.json",
+        ".safetensors",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".pkl",
+        ".json",
+    ):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
@@ -152,8 +169,11 @@ def find(directory: Path) -> TrainingFolder | None:
     entries = _entries(directory)
     files: list[FolderFile] = []
     for role, pattern in _ROLES:
-        files += [FolderFile(name, role) for name in sorted(entries, key=_numbered)
-                  if pattern.fullmatch(name) and not entries[name]]
+        files += [
+            FolderFile(name, role)
+            for name in sorted(entries, key=_numbered)
+            if pattern.fullmatch(name) and not entries[name]
+        ]
     if not any(file.role != CONFIG for file in files):
         return None
     weights: list[FolderFile] = []
@@ -172,9 +192,13 @@ def find(directory: Path) -> TrainingFolder | None:
     if adapter is not None:
         weights.append(FolderFile(adapter, "weights"))
     names = [file.name for file in files]
-    kind = ("transformers Trainer checkpoint" if any(_TRANSFORMERS_SIGNS.fullmatch(name) for name in names) else
-            "accelerate save_state folder" if any(_ACCELERATE_SIGNS.fullmatch(name) for name in names) else
-            "training folder")
+    kind = (
+        "transformers Trainer checkpoint"
+        if any(_TRANSFORMERS_SIGNS.fullmatch(name) for name in names)
+        else "accelerate save_state folder"
+        if any(_ACCELERATE_SIGNS.fullmatch(name) for name in names)
+        else "training folder"
+    )
     return TrainingFolder(directory, kind, tuple(weights), tuple(files))
 
 
@@ -228,9 +252,15 @@ def read(path: Path, options: ReadOptions) -> Contents:
     assert layout is not None  # sniff claimed it
     if not layout.weights:
         roles = ", ".join(dict.fromkeys(file.role for file in layout.files if file.role != CONFIG))
-        return Contents(container={}, files=[], folder=layout,
-                        notes=[f"{layout.kind} without model weights (no model.safetensors, pytorch_model.bin or "
-                               f"their index): it holds {roles}"])
+        return Contents(
+            container={},
+            files=[],
+            folder=layout,
+            notes=[
+                f"{layout.kind} without model weights (no model.safetensors, pytorch_model.bin or "
+                f"their index): it holds {roles}"
+            ],
+        )
     contents = read_member(path, layout.weights[0].name, options)
     contents.folder = replace(layout, read=layout.weights[0].name)
     return contents
@@ -250,8 +280,9 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
                 fmt = sniff_input(None, path / name)
                 if fmt is not None:
                     found = fmt.scan_pickles(path / name, ReadOptions(None, b"", options.resolver))
-                    blobs += [PickleBlob(f"{name}/{blob.label}", blob.data, name in loaded, name)
-                              for blob in found.blobs]
+                    blobs += [
+                        PickleBlob(f"{name}/{blob.label}", blob.data, name in loaded, name) for blob in found.blobs
+                    ]
             continue
         if not name.lower().endswith(PICKLE_SUFFIXES):
             continue
@@ -261,8 +292,10 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
             if fmt is None:
                 continue  # not a checkpoint: nothing torch would unpickle as one
             found = fmt.scan_pickles(path / name, ReadOptions(handle, head, options.resolver))
-        blobs += [PickleBlob(f"{name}: {blob.label}", blob.data, blob.read_by_load and name in loaded, name)
-                  for blob in found.blobs]
+        blobs += [
+            PickleBlob(f"{name}: {blob.label}", blob.data, blob.read_by_load and name in loaded, name)
+            for blob in found.blobs
+        ]
     return Pickles(FORMAT.name, blobs)
 
 
@@ -292,7 +325,11 @@ def scan_resolver(resolver: pickles.GlobalResolver) -> pickles.GlobalResolver:
 
 
 FORMAT = Format(
-    name="training-folder", sniff=sniff, read=read, pickle_blobs=pickle_blobs, scan_resolver=scan_resolver,
+    name="training-folder",
+    sniff=sniff,
+    read=read,
+    pickle_blobs=pickle_blobs,
+    scan_resolver=scan_resolver,
     has_location_tags=False,
     in_place_refused="is a training folder: name the model file to rewrite in place, or write beside it",
 )

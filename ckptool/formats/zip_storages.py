@@ -16,9 +16,18 @@ from ckptool.files.ranges import ByteRange, LazyByteRange
 from ckptool.formats import zipio
 from ckptool.tensors.refs import StorageRef
 
-def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, storages: dict[str, StorageRef], *,
-                   data_file: Path | None = None, base_offset: int = 0, context: str = "",
-                   big_endian: bool = False) -> Callable[[Any], StorageRef]:
+
+def storage_loader(
+    path: Path,
+    members: dict[str, zipio.Member],
+    top: str,
+    storages: dict[str, StorageRef],
+    *,
+    data_file: Path | None = None,
+    base_offset: int = 0,
+    context: str = "",
+    big_endian: bool = False,
+) -> Callable[[Any], StorageRef]:
     """The unpickler's ``persistent_load`` for a torch archive: each storage record becomes a StorageRef
     over the bytes of ``<top>/data/<key>``, validated against the archive.
 
@@ -39,13 +48,20 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
 
     def persistent_load(pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise InputError(f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint",
-                             path=path)
+            raise InputError(
+                f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path
+            )
         _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, storage_type_ref) or not isinstance(key, str) \
-                or not isinstance(location, str) or type(numel) is not int or numel < 0:
-            raise InputError(f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt",
-                             path=path)
+        if (
+            not isinstance(storage_type, storage_type_ref)
+            or not isinstance(key, str)
+            or not isinstance(location, str)
+            or type(numel) is not int
+            or numel < 0
+        ):
+            raise InputError(
+                f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path
+            )
         dtype = storage_type.dtype
         cached = storages.get(key)
         if cached is not None and (cached.nbytes or cached.dtype is dtype):
@@ -55,16 +71,25 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         if member is None:
             member = get_member(name)
             if member is None:
-                raise InputError(f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
-                                 "truncated or corrupt", path=path)
+                raise InputError(
+                    f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
+                    "truncated or corrupt",
+                    path=path,
+                )
         if member.compressed:
-            raise InputError(f"{context}storage {pickles.brief(key)} is compressed; PyTorch writes storages "
-                             "uncompressed — re-save with torch.save", path=path)
+            raise InputError(
+                f"{context}storage {pickles.brief(key)} is compressed; PyTorch writes storages "
+                "uncompressed — re-save with torch.save",
+                path=path,
+            )
         nbytes = numel * dtype.itemsize
         size = member.size
         if size < nbytes:
-            raise InputError(f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
-                             f"{size} — the file is corrupt", path=path)
+            raise InputError(
+                f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
+                f"{size} — the file is corrupt",
+                path=path,
+            )
         # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
         crc32 = member.crc32
         if size != nbytes or not (crc32 or not nbytes):
@@ -74,8 +99,12 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
         if type_global is None:
             type_global = type_globals[storage_type] = f"{storage_type.module}.{storage_type.name}"
         storage = StorageRef(
-            key, dtype, numel, location,
-            ByteRange(source, base_offset + data_offset, nbytes, crc32) if data_offset != not_read or headers is None
+            key,
+            dtype,
+            numel,
+            location,
+            ByteRange(source, base_offset + data_offset, nbytes, crc32)
+            if data_offset != not_read or headers is None
             else _data_range(source, base_offset, member, headers, nbytes, crc32),
             type_global,
         )
@@ -92,13 +121,29 @@ def storage_loader(path: Path, members: dict[str, zipio.Member], top: str, stora
     # storages (swapped on read) or members named alike but for case (found by their folded names)
     if exact is not None and not big_endian:
         persistent_load.fast_storages = (  # type: ignore[attr-defined]
-            storages, type_globals, members, prefix, source, base_offset, not_read, headers is None, ByteRange,
-            storage_type_ref, zipio.Member)
+            storages,
+            type_globals,
+            members,
+            prefix,
+            source,
+            base_offset,
+            not_read,
+            headers is None,
+            ByteRange,
+            storage_type_ref,
+            zipio.Member,
+        )
     return persistent_load
 
 
-def _data_range(source: Path, base_offset: int, member: zipio.Member, headers: zipio.LocalHeaders | None,
-                nbytes: int, crc32: int | None) -> ByteRange:
+def _data_range(
+    source: Path,
+    base_offset: int,
+    member: zipio.Member,
+    headers: zipio.LocalHeaders | None,
+    nbytes: int,
+    crc32: int | None,
+) -> ByteRange:
     """Where a storage's bytes lie: at once, or — for a remote member whose local header is not read
     yet — when first needed (inspect never reads the headers of the storages)."""
     if member.data_offset != zipio.NOT_READ or headers is None:

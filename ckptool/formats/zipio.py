@@ -4,7 +4,8 @@ The central directory is read exactly as Python's ``zipfile`` reads it (in one p
 bytes, ``zipfile`` itself for a directory that pass refuses); this module adds what a checkpoint reader
 needs on top — the exact offset of each member's bytes (so storages are copied raw), members
 located as PyTorch's reader locates them (by the central directory, names compared ignoring ASCII
-case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping members, size lies,
+case, of duplicates the one its zip library's sort and search reach), checks against zip tricks (overlapping
+members, size lies,
 encryption) — and a writer that aligns member data to 64 bytes as torch does (so loaders can
 mmap storages), its storages copied raw by the copy engine (:mod:`ckptool.files.copying`).
 """
@@ -15,24 +16,24 @@ import struct
 import weakref
 import zipfile
 import zlib
-
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import gt
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.files.copying; these names are imported from here too
 from ckptool import native
-from ckptool.files import placement
-from ckptool.files.copying import SMALL_MEMBER, DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
-from ckptool.files.byteio import file_size as handle_size, is_remote
-from ckptool.files.crc import crc32
 from ckptool.base.errors import InputError, OutputError
 from ckptool.base.gcpause import paused
-from ckptool.tensors.refs import Derived
+from ckptool.files import placement
+from ckptool.files.byteio import file_size as handle_size
+from ckptool.files.byteio import is_remote
+from ckptool.files.copying import SMALL_MEMBER, DataOut, copy_reporting, crc32_combine, pieces_crc  # noqa: F401
+from ckptool.files.crc import crc32
 from ckptool.files.ranges import ByteRange
+from ckptool.tensors.refs import Derived
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -108,8 +109,9 @@ class LocalHeaders:
         raw = self.handle.cached(member.header_offset, _LOCAL_HEADER.size)
         if raw is None:  # fetch every unread header not in a window, at once
             batch = [m for m in self.members if m.header_offset not in self.offsets]
-            for other, data in zip(batch, self.handle.pread_ranges([(m.header_offset, _LOCAL_HEADER.size)
-                                                                    for m in batch])):
+            for other, data in zip(
+                batch, self.handle.pread_ranges([(m.header_offset, _LOCAL_HEADER.size) for m in batch])
+            ):
                 if other.header_offset == member.header_offset:
                     raw = data
                 else:
@@ -140,14 +142,19 @@ class LocalHeaders:
     def bound(self, directory_start: int) -> None:
         """Where each member's bytes must end (the next member's header, or the directory), and the
         refusal past it: the overlap checks :func:`read_members` makes of a local archive."""
-        order = sorted(self.members, key=lambda m: (m.header_offset, m.header_offset + _LOCAL_HEADER.size + m.stored_size,
-                                                     m.name))
+        order = sorted(
+            self.members, key=lambda m: (m.header_offset, m.header_offset + _LOCAL_HEADER.size + m.stored_size, m.name)
+        )
         for member, following in zip(order, order[1:]):
-            self.limits[member.header_offset] = (following.header_offset, f"zip members {member.name!r} and "
-                                                 f"{following.name!r} overlap — refusing a zip bomb")
+            self.limits[member.header_offset] = (
+                following.header_offset,
+                f"zip members {member.name!r} and {following.name!r} overlap — refusing a zip bomb",
+            )
         if order:
-            self.limits[order[-1].header_offset] = (directory_start, f"zip member {order[-1].name!r} overlaps the "
-                                                    "central directory — the archive is corrupt")
+            self.limits[order[-1].header_offset] = (
+                directory_start,
+                f"zip member {order[-1].name!r} overlaps the central directory — the archive is corrupt",
+            )
 
 
 def data_offset(handle: Any, member: Member) -> int:
@@ -184,23 +191,36 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
     try:
         if directory is None:
             archive = zipfile.ZipFile(handle)
-            directory = ([(info.filename, info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437",
-                                                                  "surrogateescape"),
-                           info.header_offset, info.file_size, info.compress_size, info.CRC, info.flag_bits,
-                           info.compress_type) for info in archive.infolist()],
-                         archive.start_dir)
+            directory = (
+                [
+                    (
+                        info.filename,
+                        info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "surrogateescape"),
+                        info.header_offset,
+                        info.file_size,
+                        info.compress_size,
+                        info.CRC,
+                        info.flag_bits,
+                        info.compress_type,
+                    )
+                    for info in archive.infolist()
+                ],
+                archive.start_dir,
+            )
             archive.close()
     except InputError:  # only a remote file's read raises it here: the store's failure, which says why
         raise
     except Exception as e:  # zipfile parses hostile bytes: OverflowError, KeyError... all mean "corrupt"
-        raise InputError(f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint",
-                         path=path) from e
+        raise InputError(
+            f"zip archive is corrupt ({_short(e)}) — re-save or re-download the checkpoint", path=path
+        ) from e
     records, directory_start = directory
     file_size = size if size is not None else handle_size(handle)
     if not is_remote(handle) or size is not None:
         # a local archive's headers read now (a window at a time)
-        found, placing = _members(records, _local_headers(handle, [record[2] for record in records], file_size),
-                                  file_size)
+        found, placing = _members(
+            records, _local_headers(handle, [record[2] for record in records], file_size), file_size
+        )
         return Listing(found, [_PLACING[kind].format(name) for kind, name in placing], directory_start)
     # a remote one's when a member is read
     lazy = LocalHeaders(path, handle, file_size)
@@ -212,8 +232,21 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
         if header_offset < 0 or header_offset + header_size > file_size:
             problems.append(_PLACING[0].format(name))
             continue
-        member = make(Member, (name, NOT_READ, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
-                               header_offset, bool(flags & 0x1), method, raw_name))
+        member = make(
+            Member,
+            (
+                name,
+                NOT_READ,
+                file_size_,
+                crc,
+                method != zipfile.ZIP_STORED,
+                compress_size,
+                header_offset,
+                bool(flags & 0x1),
+                method,
+                raw_name,
+            ),
+        )
         lazy.members.append(member)
         found.append(member)
     _HEADERS[handle] = lazy
@@ -221,13 +254,16 @@ def list_members(path: Path, handle: BinaryIO, *, size: int | None = None) -> Li
 
 
 # why a listed member is not located: (kind, name) pairs of _members
-_PLACING = ("zip member {!r} lies outside the file — the file is truncated or corrupt",
-            "zip member {!r} has no local header — the archive is corrupt",
-            "zip member {!r} ends past the end of the file — the file is truncated")
+_PLACING = (
+    "zip member {!r} lies outside the file — the file is truncated or corrupt",
+    "zip member {!r} has no local header — the archive is corrupt",
+    "zip member {!r} ends past the end of the file — the file is truncated",
+)
 
 
-def _members(records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
-             ) -> tuple[list[Member], list[tuple[int, str]]]:
+def _members(
+    records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
+) -> tuple[list[Member], list[tuple[int, str]]]:
     """A local archive's members, each placed by its local header's lengths (``headers``), and the
     records that could not be: (kind, name), kind an index of :data:`_PLACING`."""
     if _native is not None:
@@ -237,8 +273,9 @@ def _members(records: list[tuple[Any, ...]], headers: list[int | None], file_siz
     return _members_py(records, headers, file_size)
 
 
-def _members_py(records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
-                ) -> tuple[list[Member], list[tuple[int, str]]]:
+def _members_py(
+    records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
+) -> tuple[list[Member], list[tuple[int, str]]]:
     """:func:`_members` in Python: the reference of the C loop, and where it is not built."""
     found: list[Member] = []
     problems: list[tuple[int, str]] = []
@@ -256,8 +293,23 @@ def _members_py(records: list[tuple[Any, ...]], headers: list[int | None], file_
         if data_offset + compress_size > file_size:
             problems.append((2, name))
             continue
-        found.append(make(Member, (name, data_offset, file_size_, crc, method != zipfile.ZIP_STORED, compress_size,
-                                   header_offset, bool(flags & 0x1), method, raw_name)))
+        found.append(
+            make(
+                Member,
+                (
+                    name,
+                    data_offset,
+                    file_size_,
+                    crc,
+                    method != zipfile.ZIP_STORED,
+                    compress_size,
+                    header_offset,
+                    bool(flags & 0x1),
+                    method,
+                    raw_name,
+                ),
+            )
+        )
     return found, problems
 
 
@@ -312,22 +364,51 @@ def _records_py(data: bytes, size_cd: int, concat: int) -> list[tuple[Any, ...]]
         while total < size_cd:
             if total + record_size > end:
                 return None
-            (magic, _, _, extract_version, _, flags, method, _, _, crc, compress_size, file_size, name_length,
-             extra_length, comment_length, _, _, _, header_offset) = unpack_from(data, total)
+            (
+                magic,
+                _,
+                _,
+                extract_version,
+                _,
+                flags,
+                method,
+                _,
+                _,
+                crc,
+                compress_size,
+                file_size,
+                name_length,
+                extra_length,
+                comment_length,
+                _,
+                _,
+                _,
+                header_offset,
+            ) = unpack_from(data, total)
             if magic != _CENTRAL_MAGIC or extract_version > zipfile.MAX_EXTRACT_VERSION:  # type: ignore[attr-defined]
                 return None
             at = total + record_size
-            raw = data[at:at + name_length]
+            raw = data[at : at + name_length]
             name = raw.decode("utf-8") if flags & 0x800 else raw.decode("cp437")
             if extra_length:
-                extra = data[at + name_length:at + name_length + extra_length]
+                extra = data[at + name_length : at + name_length + extra_length]
                 decoded = _decode_extra(extra, file_size, compress_size, header_offset)
                 if decoded is None:
                     return None
                 file_size, compress_size, header_offset = decoded
             null = name.find("\0")
-            append((name if null < 0 else name[:null], raw, header_offset + concat, file_size, compress_size, crc,
-                    flags, method))
+            append(
+                (
+                    name if null < 0 else name[:null],
+                    raw,
+                    header_offset + concat,
+                    file_size,
+                    compress_size,
+                    crc,
+                    flags,
+                    method,
+                )
+            )
             total += record_size + name_length + extra_length + comment_length
     except UnicodeDecodeError:
         return None
@@ -342,19 +423,19 @@ def _decode_extra(extra: bytes, file_size: int, compress_size: int, header_offse
         if length + 4 > len(extra):
             return None
         if kind == _ZIP64_ID:
-            data = extra[4:length + 4]
+            data = extra[4 : length + 4]
             try:
                 if file_size in (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF):
-                    file_size, = unpack("<Q", data[:8])
+                    (file_size,) = unpack("<Q", data[:8])
                     data = data[8:]
                 if compress_size == 0xFFFF_FFFF:
-                    compress_size, = unpack("<Q", data[:8])
+                    (compress_size,) = unpack("<Q", data[:8])
                     data = data[8:]
                 if header_offset == 0xFFFF_FFFF:
-                    header_offset, = unpack("<Q", data[:8])
+                    (header_offset,) = unpack("<Q", data[:8])
             except struct.error:
                 return None
-        extra = extra[length + 4:]
+        extra = extra[length + 4 :]
     return file_size, compress_size, header_offset
 
 
@@ -384,7 +465,7 @@ def _local_headers_py(handle: BinaryIO, offsets: list[int], file_size: int) -> l
             last += 1
         handle.seek(start)
         window = handle.read(order[last][0] + header_size - start)
-        for offset, i in order[k:last + 1]:
+        for offset, i in order[k : last + 1]:
             at = offset - start
             if at + header_size > len(window):
                 continue
@@ -437,9 +518,12 @@ class Members(dict):
         matches = [member for member in self.entries if fold_name(member.name) == key]
         names = [member.raw_name for member in self.entries]
         if len(names) > MAX_DUPLICATE_SORT:
-            raise InputError(f"zip archive holds {len(matches)} members torch would take for {name!r} among "
-                             f"{len(names)} members, too many to work out which one torch reads — refusing an "
-                             "ambiguous archive (ckptool scan lists what each holds)", path=self.path)
+            raise InputError(
+                f"zip archive holds {len(matches)} members torch would take for {name!r} among "
+                f"{len(names)} members, too many to work out which one torch reads — refusing an "
+                "ambiguous archive (ckptool scan lists what each holds)",
+                path=self.path,
+            )
         if self._order is None:
             self._order = miniz_order(names)
         index = miniz_locate(names, self._order, name.encode("utf-8"))
@@ -558,10 +642,12 @@ def _read_members(path: Path, handle: BinaryIO, size: int | None) -> Members:
 
 
 # what _spans finds first: (kind, *values), kind an index here
-_REFUSALS = ("zip member {!r} is encrypted — not a PyTorch checkpoint",
-             "zip member {!r} is stored but claims {} bytes in {} — the archive is corrupt",
-             "zip members {!r} and {!r} overlap — refusing a zip bomb",
-             "zip member {!r} overlaps the central directory — the archive is corrupt")
+_REFUSALS = (
+    "zip member {!r} is encrypted — not a PyTorch checkpoint",
+    "zip member {!r} is stored but claims {} bytes in {} — the archive is corrupt",
+    "zip members {!r} and {!r} overlap — refusing a zip bomb",
+    "zip member {!r} overlaps the central directory — the archive is corrupt",
+)
 
 
 def _spans(entries: list[Member], directory_start: int) -> tuple[Any, ...] | None:
@@ -604,19 +690,29 @@ def _short(error: BaseException) -> str:
 def read_member(path: Path, handle: BinaryIO, member: Member, *, limit: int) -> bytes:
     """A small member's bytes; compressed members are inflated with a size cap."""
     if member.size > limit:
-        raise InputError(f"zip member {member.name!r} is {member.size} bytes, over the {limit}-byte limit — refused", path=path)
+        raise InputError(
+            f"zip member {member.name!r} is {member.size} bytes, over the {limit}-byte limit — refused", path=path
+        )
     handle.seek(data_offset(handle, member))
     if member.compressed:
         # torch writes every record stored; a compressed one is allowed, but not a bomb
-        if member.size > max(MAX_COMPRESSION_RATIO * member.stored_size, 1 << 20) \
-                or member.stored_size > member.size + (member.size >> 6) + 1024:  # deflate never grows more
-            raise InputError(f"zip member {member.name!r} would inflate {member.stored_size} bytes to {member.size} "
-                             "— refusing a zip bomb", path=path)
+        if (
+            member.size > max(MAX_COMPRESSION_RATIO * member.stored_size, 1 << 20)
+            or member.stored_size > member.size + (member.size >> 6) + 1024
+        ):  # deflate never grows more
+            raise InputError(
+                f"zip member {member.name!r} would inflate {member.stored_size} bytes to {member.size} "
+                "— refusing a zip bomb",
+                path=path,
+            )
         # inflated here, not through zipfile: it would take the last member of that name, compare
         # the local header's name and check the CRC, none of which torch's reader does
         if member.compression_method != zipfile.ZIP_DEFLATED:
-            raise InputError(f"zip member {member.name!r} uses compression method {member.compression_method}; "
-                             "PyTorch's reader inflates only deflate — the archive is corrupt", path=path)
+            raise InputError(
+                f"zip member {member.name!r} uses compression method {member.compression_method}; "
+                "PyTorch's reader inflates only deflate — the archive is corrupt",
+                path=path,
+            )
         try:
             inflater = zlib.decompressobj(-15)
             data = inflater.decompress(handle.read(member.stored_size), member.size + 1)
@@ -647,11 +743,16 @@ def _local_header(name: bytes, size: int, crc: int, position: int, residue: int 
         extra += _PADDING[(-(start + 4)) % ALIGNMENT]
     stored = 0xFFFFFFFF if zip64 else size
     version = 45 if zip64 else 20
-    return _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)) + name + extra
+    return (
+        _LOCAL_HEADER.pack(_LOCAL_SIG, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra))
+        + name
+        + extra
+    )
 
 
-def _headers_for_py(names: list[str], sizes: list[int], crcs: list[int], position: int
-                      ) -> tuple[list[bytes], list[bytes], list[int], int]:
+def _headers_for_py(
+    names: list[str], sizes: list[int], crcs: list[int], position: int
+) -> tuple[list[bytes], list[bytes], list[int], int]:
     """Members written end to end from ``position``: each one's local header, name's UTF-8 and header offset, and
     where the last one's data ends (the reference of ``_zipfast.local_headers_for``)."""
     headers, encoded, offsets = [], [], []
@@ -676,14 +777,34 @@ def _central_directory_py(entries: list[tuple[bytes, int, int, int]]) -> tuple[b
             extra_values += [size, size]
         if offset >= 0xFFFFFFFF:
             extra_values.append(offset)
-        extra = struct.pack(f"<HH{len(extra_values)}Q", _ZIP64_ID, 8 * len(extra_values), *extra_values) if extra_values else b""
+        extra = (
+            struct.pack(f"<HH{len(extra_values)}Q", _ZIP64_ID, 8 * len(extra_values), *extra_values)
+            if extra_values
+            else b""
+        )
         needs_zip64 = needs_zip64 or bool(extra_values)
         stored_size = 0xFFFFFFFF if size >= 0xFFFFFFFF else size
         stored_offset = 0xFFFFFFFF if offset >= 0xFFFFFFFF else offset
         version = 45 if extra_values else 20
         record = struct.pack(
-            "<IHHHHHHIIIHHHHHII", _CENTRAL_SIG, version, version, 0x0800, 0, 0, 0x21, crc, stored_size,
-            stored_size, len(name), len(extra), 0, 0, 0, 0, stored_offset,
+            "<IHHHHHHIIIHHHHHII",
+            _CENTRAL_SIG,
+            version,
+            version,
+            0x0800,
+            0,
+            0,
+            0x21,
+            crc,
+            stored_size,
+            stored_size,
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            stored_offset,
         )
         records.append(record + name + extra)
     return b"".join(records), needs_zip64
@@ -736,39 +857,54 @@ class ZipWriter:
         names, sources, offsets, sizes, crcs = (list(column) for column in zip(*copies)) if copies else ([],) * 5
         self.add_copy_columns(names, sources, offsets, sizes, crcs)
 
-    def add_copy_columns(self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int],
-                         crcs: list[int]) -> None:
+    def add_copy_columns(
+        self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int], crcs: list[int]
+    ) -> None:
         """:meth:`add_copies` of its columns (what a caller holding columns passes: no tuple per copy).
 
         A large member the kernel copies from a local file is placed at its source's offset within a page
         (:func:`ckptool.files.placement.page_residue`): its own header, padded to that."""
         start = 0
-        large = compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER))) \
-            if max(sizes, default=0) > SMALL_MEMBER else ()
+        large = (
+            compress(range(len(sizes)), map(gt, sizes, repeat(SMALL_MEMBER)))
+            if max(sizes, default=0) > SMALL_MEMBER
+            else ()
+        )
         for index in large:
             residue = placement.page_residue(offsets[index], sizes[index])
             if residue is None or is_remote(sources[index]):
                 continue
-            self._add_copy_run(names[start:index], sources[start:index], offsets[start:index], sizes[start:index],
-                               crcs[start:index])
+            self._add_copy_run(
+                names[start:index], sources[start:index], offsets[start:index], sizes[start:index], crcs[start:index]
+            )
             encoded = names[index].encode("utf-8")
             header = _local_header(encoded, sizes[index], crcs[index], self.position, residue)
             self.entries.append((encoded, self.position, sizes[index], crcs[index]))
-            self.position = self.out.copy_all([sources[index]], [offsets[index]], [sizes[index]], self.position,
-                                              [header])
+            self.position = self.out.copy_all(
+                [sources[index]], [offsets[index]], [sizes[index]], self.position, [header]
+            )
             start = index + 1
         if start:
-            names, sources, offsets, sizes, crcs = names[start:], sources[start:], offsets[start:], sizes[start:], \
-                crcs[start:]
+            names, sources, offsets, sizes, crcs = (
+                names[start:],
+                sources[start:],
+                offsets[start:],
+                sizes[start:],
+                crcs[start:],
+            )
         self._add_copy_run(names, sources, offsets, sizes, crcs)
 
-    def _add_copy_run(self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int],
-                      crcs: list[int]) -> None:
+    def _add_copy_run(
+        self, names: list[str], sources: list[Path], offsets: list[int], sizes: list[int], crcs: list[int]
+    ) -> None:
         """Members end to end from where the archive stands, each one's data at a multiple of :data:`ALIGNMENT`."""
         if not names:
             return
-        made = _native.local_headers_for(names, sizes, crcs, self.position, ALIGNMENT) \
-            if _native is not None else NotImplemented
+        made = (
+            _native.local_headers_for(names, sizes, crcs, self.position, ALIGNMENT)
+            if _native is not None
+            else NotImplemented
+        )
         if made is NotImplemented:
             made = _headers_for_py(names, sizes, crcs, self.position)
         headers, encoded, member_offsets, position = made
@@ -837,7 +973,9 @@ class ZipWriter:
         count = len(self.entries)
         if needs_zip64 or central_start >= 0xFFFFFFFF:
             zip64_end = self.position
-            self.handle.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, central_size, central_start))
+            self.handle.write(
+                struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, central_size, central_start)
+            )
             self.handle.write(struct.pack("<IIQI", 0x07064B50, 0, zip64_end, 1))
             self.handle.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
         else:

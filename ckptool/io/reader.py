@@ -7,23 +7,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ckptool.pickles.refusal import refusal
 from ckptool import formats, pickles
-from ckptool.files import inputs
-from ckptool.model import modules
-from ckptool.files.byteio import forget_windows, use_storage_options
-from ckptool.model.checkpoint import Checkpoint, find_layout
 from ckptool.base.errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
-from ckptool.files.inputs import location
 from ckptool.base.suggest import Metavar
 from ckptool.base.suggest import option as suggest_option
+from ckptool.files import inputs
+from ckptool.files.byteio import forget_windows, use_storage_options
+from ckptool.files.inputs import location
+from ckptool.model import modules
+from ckptool.model.checkpoint import Checkpoint, find_layout
 from ckptool.model.tree import get_at
+from ckptool.pickles.refusal import refusal
 
 
-def load(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
-         guard_cache: pickles.GuardCache | None = None,
-         weights: str | tuple | list | None = None, storage_options: Mapping[str, Any] | None = None
-         ) -> Checkpoint:
+def load(
+    path: Path | str,
+    *,
+    allow_globals: tuple[str, ...] | list[str] = (),
+    guard_cache: pickles.GuardCache | None = None,
+    weights: str | tuple | list | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Checkpoint:
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
     Args:
@@ -84,8 +88,9 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
     """Read ``path``; ``folder`` is the input folder it was found in, whose bounds it must keep."""
     remote = inputs.describe_remote(path) if folder is None else None  # one request: is it there, a folder?
     if folder is None and not (path.exists() if remote is None else remote.exists):
-        raise InputError("does not exist — check the path" if remote is None else
-                         "does not exist (404) — check the URL", path=path)
+        raise InputError(
+            "does not exist — check the path" if remote is None else "does not exist (404) — check the URL", path=path
+        )
     if folder is None and (path.is_dir() if remote is None else remote.is_dir):
         fmt = formats.sniff(None, path)
         if fmt is not None:
@@ -126,8 +131,13 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
         )
 
 
-def load_member(folder: Path, name: str, *, allow_globals: tuple[str, ...] | list[str] = (),
-                resolver: pickles.GlobalResolver | None = None) -> Checkpoint:
+def load_member(
+    folder: Path,
+    name: str,
+    *,
+    allow_globals: tuple[str, ...] | list[str] = (),
+    resolver: pickles.GlobalResolver | None = None,
+) -> Checkpoint:
     """One file of the input ``folder`` (a training folder's optimizer, scheduler...), read as the
     checkpoint it is; it must be a regular file inside the folder (or a link that stays inside).
 
@@ -149,13 +159,14 @@ def load_member(folder: Path, name: str, *, allow_globals: tuple[str, ...] | lis
         raise
 
 
-def _select_in_folder(checkpoint: Checkpoint, weights: str | tuple | list,
-                      resolver: pickles.GlobalResolver) -> Checkpoint:
+def _select_in_folder(
+    checkpoint: Checkpoint, weights: str | tuple | list, resolver: pickles.GlobalResolver
+) -> Checkpoint:
     """``weights`` in a training folder: a file of it (``model_1``, ``optimizer.bin``, then a path
     inside it after ``/``), else a path inside the weights read, else (``state``) its optimizer's."""
+    from ckptool.formats import training_folder
     from ckptool.model import optimizers
     from ckptool.model.checkpoint import resolve_weights
-    from ckptool.formats import training_folder
 
     folder = checkpoint.folder
     text = weights if isinstance(weights, str) else None
@@ -165,18 +176,25 @@ def _select_in_folder(checkpoint: Checkpoint, weights: str | tuple | list,
         chosen = folder.named(text) or folder.named(head)
         rest = None if chosen is not None and folder.named(text) is chosen else (tail or None)
         optimizers_ = folder.of_role(training_folder.OPTIMIZER)
-        if chosen is None and optimizers_ and text.split("/")[0].split(".")[0] == optimizers.STATE_KEY \
-                and (not checkpoint.has_weights or resolve_weights(checkpoint.container, text) is None):
+        if (
+            chosen is None
+            and optimizers_
+            and text.split("/")[0].split(".")[0] == optimizers.STATE_KEY
+            and (not checkpoint.has_weights or resolve_weights(checkpoint.container, text) is None)
+        ):
             chosen, rest = optimizers_[0], text
     if chosen is None:
         try:
             return checkpoint.select_weights(weights)
         except InputError as e:
             names = [file.name for file in (*folder.weights, *folder.of_role(training_folder.OPTIMIZER))]
-            raise InputError(f"{e.message.split(' — ')[0]} — the folder's weights: {', '.join(names) or 'none'}"
-                             + (" (or 'state': the optimizer's tensors)" if folder.of_role(training_folder.OPTIMIZER)
-                                else "") + "; pass one of them as " + suggest_option("weights", Metavar("PATH")),
-                             path=checkpoint.path) from None
+            raise InputError(
+                f"{e.message.split(' — ')[0]} — the folder's weights: {', '.join(names) or 'none'}"
+                + (" (or 'state': the optimizer's tensors)" if folder.of_role(training_folder.OPTIMIZER) else "")
+                + "; pass one of them as "
+                + suggest_option("weights", Metavar("PATH")),
+                path=checkpoint.path,
+            ) from None
     member = load_member(folder.directory, chosen.name, allow_globals=resolver.allow_globals)
     member.path, member.folder = checkpoint.path, dataclasses.replace(folder, read=chosen.name)
     if rest is not None:
@@ -186,8 +204,9 @@ def _select_in_folder(checkpoint: Checkpoint, weights: str | tuple | list,
     return member
 
 
-def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
-                resolver: pickles.GlobalResolver) -> Checkpoint:
+def _checkpoint(
+    path: Path, fmt: formats.Format, contents: formats.Contents, resolver: pickles.GlobalResolver
+) -> Checkpoint:
     """The one place a Checkpoint is made from what a format read."""
     if contents.format is not None:  # the claiming format handed the input to a narrower one
         fmt = formats.for_name(contents.format)
@@ -196,8 +215,17 @@ def _checkpoint(path: Path, fmt: formats.Format, contents: formats.Contents,
     else:
         layout = () if fmt.weights_only else find_layout(contents.container)
     found = layout is not None and modules.is_module(get_at(contents.container, layout))
-    return Checkpoint(path=path, format=fmt.name, container=contents.container, layout=layout,
-                      globals=dict(resolver.seen), metadata=contents.metadata, files=contents.files,
-                      notes=contents.notes, allow_globals=resolver.allow_globals,
-                      module_class=modules.class_name(get_at(contents.container, layout)) if found else None,
-                      flattened=contents.flattened, folder=contents.folder)
+    return Checkpoint(
+        path=path,
+        format=fmt.name,
+        container=contents.container,
+        layout=layout,
+        globals=dict(resolver.seen),
+        metadata=contents.metadata,
+        files=contents.files,
+        notes=contents.notes,
+        allow_globals=resolver.allow_globals,
+        module_class=modules.class_name(get_at(contents.container, layout)) if found else None,
+        flattened=contents.flattened,
+        folder=contents.folder,
+    )

@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptool.base import progress
-from ckptool.files.atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
 from ckptool.base.errors import CkptError, InputError, OutputError, UsageError
-from ckptool.files import bounded
-from ckptool.files.remote import STATS, RemotePath, check_supported, remote_error
 from ckptool.base.suggest import option
+from ckptool.files import bounded
+from ckptool.files.atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
+from ckptool.files.remote import STATS, RemotePath, check_supported, remote_error
 
 PART_SIZE = 8 * 1024 * 1024  # bytes per part (S3: at least 5 MiB but the last; at most 10,000 parts)
 MAX_PARTS = 10_000
@@ -81,9 +81,12 @@ def staged(out: RemotePath) -> Iterator[Path]:
     try:
         folder = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
     except OSError as e:
-        raise OutputError(f"cannot make a staging folder in {root or tempfile.gettempdir()} ({e.strerror or e}) "
-                          "— set CKPTOOL_STAGING_DIR to a writable local folder with room for the output; "
-                          "nothing was written", path=out) from e
+        raise OutputError(
+            f"cannot make a staging folder in {root or tempfile.gettempdir()} ({e.strerror or e}) "
+            "— set CKPTOOL_STAGING_DIR to a writable local folder with room for the output; "
+            "nothing was written",
+            path=out,
+        ) from e
     try:
         yield folder / (out.name or "output")
     finally:
@@ -97,11 +100,13 @@ def named_for_user(error: CkptError, staged_path: Path, out: RemotePath) -> Ckpt
     if shown not in error.message and error.path is not None and str(error.path).startswith(shown):
         text = error.message
     if "no space left" in text:
-        text += f" (the local staging folder, in {staging_root() or tempfile.gettempdir()}: set " \
-                "CKPTOOL_STAGING_DIR to a disk with room for the output)"
+        text += (
+            f" (the local staging folder, in {staging_root() or tempfile.gettempdir()}: set "
+            "CKPTOOL_STAGING_DIR to a disk with room for the output)"
+        )
     path: Any = out
     if error.path is not None and str(error.path).startswith(shown + "/"):
-        path = out / str(error.path)[len(shown) + 1:]
+        path = out / str(error.path)[len(shown) + 1 :]
     made = type(error)(text, path=path)
     made.__cause__ = error
     return made
@@ -110,8 +115,15 @@ def named_for_user(error: CkptError, staged_path: Path, out: RemotePath) -> Ckpt
 # -- refusals before anything is written ---------------------------------------------------------------------
 
 
-def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = False, in_place: bool = False,
-                 writes: list[str] | None = None, removes: Iterable[str] = ()) -> None:
+def check_output(
+    out: RemotePath,
+    *,
+    inputs: Sequence[Any] = (),
+    force: bool = False,
+    in_place: bool = False,
+    writes: list[str] | None = None,
+    removes: Iterable[str] = (),
+) -> None:
     """Refuse a remote output as :func:`ckptool.files.atomic.check_output` refuses a local one (same wording):
     an existing object without ``force``, the input itself; for a folder output (``writes``: the
     files it writes) any file it would replace, without ``force``. Also: a read-only protocol, an
@@ -122,11 +134,16 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
         OutputError: what exists without ``force``; the input; a bucket missing or refused.
     """
     if out.read_only:
-        raise UsageError(f"{out.protocol}:// is read-only — write the output to a local path, s3:// or gs://",
-                         path=out)
+        raise UsageError(f"{out.protocol}:// is read-only — write the output to a local path, s3:// or gs://", path=out)
     if in_place:
-        raise UsageError(option("in_place") + " rewrites a local file; a URL is written as a new object — drop "
-                         + option("in_place") + " and name the output with " + option("out", None), path=out)
+        raise UsageError(
+            option("in_place")
+            + " rewrites a local file; a URL is written as a new object — drop "
+            + option("in_place")
+            + " and name the output with "
+            + option("out", None),
+            path=out,
+        )
     check_supported(out, writing=True)
     # compared by what they name (s3a://B/k/ is s3://b/k), before any request: no spelling of an input is written
     remote_inputs = {source.identity for source in inputs if isinstance(source, RemotePath)}
@@ -134,24 +151,34 @@ def check_output(out: RemotePath, *, inputs: Sequence[Any] = (), force: bool = F
         raise is_input_refusal(out, in_place=False)
     if writes is not None:
         if out.identity in remote_inputs:  # a sharded input's folder, by any spelling
-            raise OutputError("is the input folder; refusing to rewrite it — write elsewhere with "
-                              + option("out", None), path=out)
+            raise OutputError(
+                "is the input folder; refusing to rewrite it — write elsewhere with " + option("out", None), path=out
+            )
         for name in [*writes, *removes]:
             if (out / name).identity in remote_inputs:
-                raise OutputError(f"holds the input {out / name} as {name}, which this output would replace — "
-                                  "choose another " + option("out", None), path=out)
+                raise OutputError(
+                    f"holds the input {out / name} as {name}, which this output would replace — "
+                    "choose another " + option("out", None),
+                    path=out,
+                )
     _check_bucket(out)
     info = _info(out)
     if writes is None:
         if info is not None and info.get("type") == "directory":
-            raise OutputError("is a folder (objects lie under it), where the output writes one object — choose "
-                              "another " + option("out", None), path=out)
+            raise OutputError(
+                "is a folder (objects lie under it), where the output writes one object — choose "
+                "another " + option("out", None),
+                path=out,
+            )
         if info is not None and not force:
             raise exists_refusal(out)
         return
     if info is not None and info.get("type") != "directory":
-        raise OutputError("is an object, where the output writes a folder of files — remove it, or choose another "
-                          + option("out", None), path=out)
+        raise OutputError(
+            "is an object, where the output writes a folder of files — remove it, or choose another "
+            + option("out", None),
+            path=out,
+        )
     if info is None:
         return
     try:
@@ -174,9 +201,13 @@ def refuse_input(out: RemotePath, *, files: Sequence[Any] = (), folder: Any = No
     if any(isinstance(file, RemotePath) and file.identity == named for file in files):
         raise is_input_refusal(out, in_place=False)
     if isinstance(folder, RemotePath) and folder.identity == named:
-        raise (is_input_refusal(out, in_place=False) if folder in files else
-               OutputError("is the input folder; refusing to rewrite it — write elsewhere with "
-                           + option("out", None), path=out))
+        raise (
+            is_input_refusal(out, in_place=False)
+            if folder in files
+            else OutputError(
+                "is the input folder; refusing to rewrite it — write elsewhere with " + option("out", None), path=out
+            )
+        )
 
 
 def _info(out: RemotePath) -> dict[str, Any] | None:
@@ -199,8 +230,9 @@ def _check_bucket(out: RemotePath) -> None:
     except Exception as e:
         error = remote_error(e, out, writing=True)
         if "(404)" in error.message:
-            raise OutputError(f"its bucket {bucket} does not exist (404) — create it first, or check the URL",
-                              path=out) from None
+            raise OutputError(
+                f"its bucket {bucket} does not exist (404) — create it first, or check the URL", path=out
+            ) from None
         if error.message.startswith("access denied"):
             return  # credentials that may write but not list the bucket: the write itself will say
         raise error from None
@@ -334,25 +366,36 @@ class _S3Upload(_Upload):
             except FileNotFoundError:  # s3fs's word for NoSuchUpload: it is gone already
                 return None
             except Exception as e:
-                code = str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) \
-                    if isinstance(getattr(e, "response", None), dict) else ""
+                code = (
+                    str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+                    if isinstance(getattr(e, "response", None), dict)
+                    else ""
+                )
                 if code == "NoSuchUpload":
                     return None
                 last = remote_error(e, self.remote, writing=True).message.split(" — ")[0]
             if attempt + 1 < ABORT_ATTEMPTS:
-                time.sleep(ABORT_BACKOFF_S * 2 ** attempt)
+                time.sleep(ABORT_BACKOFF_S * 2**attempt)
         return last or "the store did not answer"
 
 
 def send_part(upload: _S3Upload, number: int, data: bytes) -> tuple[int, str, bytes]:
     """Send part ``number`` of ``upload`` with its Content-MD5; return (number, ETag, MD5 digest)."""
     digest = _md5(data).digest()
-    answer = upload._call("upload_part", UploadId=upload.upload_id, PartNumber=number, Body=data,
-                          ContentMD5=base64.b64encode(digest).decode())
+    answer = upload._call(
+        "upload_part",
+        UploadId=upload.upload_id,
+        PartNumber=number,
+        Body=data,
+        ContentMD5=base64.b64encode(digest).decode(),
+    )
     etag = str(answer.get("ETag", "")).strip('"')
     if _MD5_HEX.match(etag) and etag != digest.hex():
-        raise OutputError(f"the store acknowledged part {number} with a checksum ({etag}) that is not that of the "
-                          "bytes sent — the upload was aborted; try again", path=upload.remote)
+        raise OutputError(
+            f"the store acknowledged part {number} with a checksum ({etag}) that is not that of the "
+            "bytes sent — the upload was aborted; try again",
+            path=upload.remote,
+        )
     STATS.add(written=len(data))
     return number, etag, digest
 
@@ -379,8 +422,11 @@ class _StreamUpload(_Upload):
             self.handle = self.fs.open(self.path, "wb", autocommit=False)
         else:
             parent, _, name = self.path.rpartition("/")
-            self.temp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}" if parent else \
-                f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
+            self.temp = (
+                f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
+                if parent
+                else f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
+            )
             self.handle = self.fs.open(self.temp, "wb")
         STATS.add(requests=1)
         with open(self.local, "rb") as source:
@@ -406,8 +452,11 @@ class _StreamUpload(_Upload):
         if int(info.get("size") or 0) != self.size:
             with contextlib.suppress(Exception):
                 bounded.call(self.fs, "rm_file", self.path)
-            raise OutputError(f"the store holds {info.get('size')} bytes where {self.size} were uploaded — the "
-                              "object was deleted; try again", path=self.remote)
+            raise OutputError(
+                f"the store holds {info.get('size')} bytes where {self.size} were uploaded — the "
+                "object was deleted; try again",
+                path=self.remote,
+            )
 
     def abort(self) -> str | None:
         if self.handle is None or self.completed:
@@ -441,8 +490,11 @@ def write_error(error: BaseException, path: RemotePath) -> CkptError:
             break
         current = current.__cause__ or current.__context__
     if code in _DIGEST_CODES:
-        return OutputError(f"the store received other bytes than were sent ({code}): something on the way altered "
-                           "them — try again, and check the network or proxy if it persists", path=path)
+        return OutputError(
+            f"the store received other bytes than were sent ({code}): something on the way altered "
+            "them — try again, and check the network or proxy if it persists",
+            path=path,
+        )
     return remote_error(error, path, writing=True)
 
 
@@ -450,8 +502,13 @@ def _upload_for(local: Path, remote: RemotePath) -> _Upload:
     return _S3Upload(local, remote) if remote.protocol in S3_PROTOCOLS else _StreamUpload(local, remote)
 
 
-def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = False,
-            remove: Iterable[RemotePath] = (), label: str | None = None) -> list[str]:
+def publish(
+    files: Sequence[tuple[Path, RemotePath]],
+    *,
+    replaces_last: bool = False,
+    remove: Iterable[RemotePath] = (),
+    label: str | None = None,
+) -> list[str]:
     """Upload the staged ``files`` (local, remote) as one set: every file sent, then every upload
     completed in order (the last file last); then ``remove`` the objects the set no longer names.
     ``replaces_last``: the last file's object exists already and goes first, so a reader never finds
@@ -490,11 +547,15 @@ def publish(files: Sequence[tuple[Path, RemotePath]], *, replaces_last: bool = F
         error = e if isinstance(e, CkptError) else write_error(e, current or files[-1][1])
         message, named = error.message, error.path
         if done and len(files) > 1:
-            message += (f"; {done} of {len(files)} files of the set were already in place — the set is incomplete "
-                        "(no index was written): write it again")
+            message += (
+                f"; {done} of {len(files)} files of the set were already in place — the set is incomplete "
+                "(no index was written): write it again"
+            )
         elif failed:
-            message += (f"; aborting the upload failed too ({failed[0]}): its parts stay in the store until the "
-                        "next write to this URL, or the bucket's lifecycle rule, removes them")
+            message += (
+                f"; aborting the upload failed too ({failed[0]}): its parts stay in the store until the "
+                "next write to this URL, or the bucket's lifecycle rule, removes them"
+            )
         else:
             message += "; the upload was aborted: nothing was written"
         raise OutputError(message, path=named) from e

@@ -13,6 +13,7 @@ folder of shards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import queue
@@ -25,13 +26,13 @@ from operator import add, itemgetter, sub
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ckptool.base import progress
+from ckptool.base.errors import CkptError, FingerprintMismatchError
+from ckptool.base.gcpause import keep
 from ckptool.files.atomic import atomic_output, folder_output
 from ckptool.files.byteio import RANGE_CRCS, read_into
 from ckptool.files.copying import crc32_combine, pieces_crc
-from ckptool.base import progress
 from ckptool.files.crc import crc32
-from ckptool.base.errors import CkptError, FingerprintMismatchError
-from ckptool.base.gcpause import keep
 from ckptool.tensors.digest import compute as weights_fingerprint  # silent: the write's own task counts its bytes
 from ckptool.tensors.refs import (
     _CRC32,
@@ -260,7 +261,7 @@ class OutputSums:
                 self._can_map = False
             else:
                 whole = memoryview(mapped)
-                piece = whole[offset - start:offset - start + length]
+                piece = whole[offset - start : offset - start + length]
                 whole.release()
                 self._mapped[id(piece)] = mapped
                 return piece
@@ -333,14 +334,12 @@ def _span_crc(tensor: TensorRef) -> int:
     """CRC32 of the storage bytes an expanding view spans (read once, never expanded)."""
     start = tensor.offset * tensor.dtype.itemsize
     if tensor.storage.producer is not None:  # computed bytes (a quantized tensor's converted parameter)
-        return crc32(bytes(tensor.storage.producer())[start:start + tensor.span_bytes()])
+        return crc32(bytes(tensor.storage.producer())[start : start + tensor.span_bytes()])
     crc = 0
     data = tensor.storage.byte_range()
     for chunk in data.iter_reused(start, tensor.span_bytes()):
         crc = crc32(chunk, crc)
     return crc
-
-
 
 
 def _later(work: Callable[[], Any]) -> Callable[[], Any]:
@@ -385,10 +384,14 @@ class Summed:
             regions = list(map(output_sums.sums.get, offsets))
             if None not in regions and list(map(itemgetter(0), regions)) == nbytes:  # each summed as it is
                 return list(map(itemgetter(1), regions))
-            return [region[1] if region is not None and region[0] == length else output_sums.crc_of(offset, length)
-                    for region, offset, length in zip(regions, offsets, nbytes)]
-        return [files[key].crc_of(offset, length) if files[key] is not None else None  # type: ignore[union-attr]
-                for key, offset, length in zip(ids, offsets, nbytes)]
+            return [
+                region[1] if region is not None and region[0] == length else output_sums.crc_of(offset, length)
+                for region, offset, length in zip(regions, offsets, nbytes)
+            ]
+        return [
+            files[key].crc_of(offset, length) if files[key] is not None else None  # type: ignore[union-attr]
+            for key, offset, length in zip(ids, offsets, nbytes)
+        ]
 
 
 _UNKNOWN: Any = object()
@@ -400,8 +403,14 @@ def recorded_checks(tensors: Mapping[str, TensorRef]) -> Checks | None:
     return _whole_checks(list(tensors), list(tensors.values()), _UNKNOWN, trust_stored=True, known=None)
 
 
-def _whole_checks(names: list[str], views: list[TensorRef], whole: tuple[list[ByteRange], list[int]] | None,
-                  *, trust_stored: bool, known: Summed | None) -> Checks | None:
+def _whole_checks(
+    names: list[str],
+    views: list[TensorRef],
+    whole: tuple[list[ByteRange], list[int]] | None,
+    *,
+    trust_stored: bool,
+    known: Summed | None,
+) -> Checks | None:
     """The usual file's checks: every tensor all of its storage, each CRC known as a whole; else None."""
     if whole is _UNKNOWN:
         whole = whole_plain(views)
@@ -415,8 +424,14 @@ def _whole_checks(names: list[str], views: list[TensorRef], whole: tuple[list[By
     return Checks(values, set(names) if trust_stored else set())
 
 
-def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known: Summed | None = None,
-                  views_raw: bool = False, whole: tuple[list[ByteRange], list[int]] | None = _UNKNOWN) -> Checks:
+def tensor_checks(
+    tensors: Mapping[str, TensorRef],
+    *,
+    trust_stored: bool,
+    known: Summed | None = None,
+    views_raw: bool = False,
+    whole: tuple[list[ByteRange], list[int]] | None = _UNKNOWN,
+) -> Checks:
     """The content of every tensor.
 
     ``trust_stored`` takes a source archive's own CRCs where they apply; ``known`` gives CRCs of byte
@@ -451,8 +466,11 @@ def tensor_checks(tensors: Mapping[str, TensorRef], *, trust_stored: bool, known
                     checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None)
                     continue
         # a conjugate or negative view of a storage holds other values than the plain view
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
-                    tensor.conj, tensor.neg) if id(tensor.storage) in shared else None
+        identity = (
+            (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name, tensor.conj, tensor.neg)
+            if id(tensor.storage) in shared
+            else None
+        )
         if views_raw and tensor.storage.pieces is None and tensor.expands():
             crc = by_storage.get(identity) if identity is not None else None
             if crc is None:
@@ -491,8 +509,11 @@ def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]
     for name, tensor in tensors.items():
         derived = tensor.whole_derived()
         crc = derived.crc32 if derived is not None else None
-        checks[name] = (tensor.dtype.name, tuple(tensor.shape), crc, None) if crc is not None else \
-            tensor_checks({name: tensor}, trust_stored=False).values[name]
+        checks[name] = (
+            (tensor.dtype.name, tuple(tensor.shape), crc, None)
+            if crc is not None
+            else tensor_checks({name: tensor}, trust_stored=False).values[name]
+        )
     return checks
 
 
@@ -517,8 +538,15 @@ def run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
     return join
 
 
-def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync: Callable[[], None],
-                  sums: Iterable[OutputSums] = (), *, views_raw: bool = False) -> int:
+def verify_output(
+    written: Path,
+    expect: Expectations,
+    read_back: ReadBack,
+    sync: Callable[[], None],
+    sums: Iterable[OutputSums] = (),
+    *,
+    views_raw: bool = False,
+) -> int:
     """Re-read ``written`` (while ``sync`` runs) and compare every tensor with ``expect``; returns how many.
 
     The structure (names, dtypes, shapes, where the bytes lie) is re-read through the reader; the
@@ -537,8 +565,9 @@ def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync
             output_sums.finish()
         written_tensors = read_back(written)
         whole = whole_plain(list(written_tensors.values()))
-        actual = tensor_checks(written_tensors, trust_stored=False, known=summed, views_raw=views_raw,
-                               whole=whole).values
+        actual = tensor_checks(
+            written_tensors, trust_stored=False, known=summed, views_raw=views_raw, whole=whole
+        ).values
     finally:
         sync_join()
     expected = expect.checks()
@@ -570,13 +599,15 @@ def verify_output(written: Path, expect: Expectations, read_back: ReadBack, sync
                     raise StaleSourceCrc(stale)
                 raise FingerprintMismatchError(
                     f"tensor {name!r}: the CRC recorded in the output's zip ({crc:08x}) is not that of the bytes "
-                    f"written ({crc_summed:08x}) — the output was deleted; nothing changed")
+                    f"written ({crc_summed:08x}) — the output was deleted; nothing changed"
+                )
     keep(written_tensors, actual, expected)  # read back and compared: dropped with the command
     return len(actual)
 
 
-def _recorded_crcs(tensors: Mapping[str, TensorRef], whole: tuple[list[ByteRange], list[int]] | None
-                   ) -> list[int | None] | None:
+def _recorded_crcs(
+    tensors: Mapping[str, TensorRef], whole: tuple[list[ByteRange], list[int]] | None
+) -> list[int | None] | None:
     """The CRC a zip archive records for each tensor that is all of its storage (:func:`_stored_crc`; None for any
     other), in order; None when none records one (a safetensors file). ``whole``: :func:`whole_plain` of them."""
     crcs = list(map(_CRC32, whole[0])) if whole is not None else list(map(_stored_crc, tensors.values()))
@@ -604,12 +635,17 @@ class Expectations:
         (``Derived.crc32``), and their checks are taken from it once the write is done.
         """
         # computed bytes (a cast) lie in storages with a ``derived``; sources in ByteRanges' paths (tested in C)
-        computed = {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None} \
-            if any(map(_DERIVED, map(_STORAGE, tensors.values()))) else {}
+        computed = (
+            {name: tensor for name, tensor in tensors.items() if tensor.whole_derived() is not None}
+            if any(map(_DERIVED, map(_STORAGE, tensors.values())))
+            else {}
+        )
         stored = {name: tensor for name, tensor in tensors.items() if name not in computed} if computed else tensors
         RANGE_CRCS.clear()
         paths = list(map(_PATH, filter(None, map(_DATA, map(_STORAGE, stored.values())))))
-        sources = dict(zip(map(id, paths), paths)).values()  # by identity: one Path object read from, not 100,000 hashes
+        sources = dict(
+            zip(map(id, paths), paths)
+        ).values()  # by identity: one Path object read from, not 100,000 hashes
         lazy = not all(map(isinstance, sources, repeat(Path)))
         if lazy:
             # a remote source is summed after the write, from the CRCs its streaming recorded (not
@@ -619,8 +655,11 @@ class Expectations:
             # the usual source's checks are its recorded CRCs, made here at once (a thread would only take turns
             # with this one for the interpreter); the others read bytes, beside the write
             recorded = recorded_checks(stored)
-            join = (lambda: recorded) if recorded is not None else \
-                run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+            join = (
+                (lambda: recorded)
+                if recorded is not None
+                else run_in_thread(lambda: tensor_checks(stored, trust_stored=True, views_raw=views_raw))
+            )
 
         def checks() -> Checks:
             result = join()
@@ -633,7 +672,9 @@ class Expectations:
             checks=checks,
             fingerprint=digest,
             wants_fingerprint=fingerprint,
-            recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw).values[name],
+            recheck=lambda name: tensor_checks({name: tensors[name]}, trust_stored=False, views_raw=views_raw).values[
+                name
+            ],
             # not the computed tensors' checks: after a failed write they would cast again; nor a
             # remote source's, which would download it
             threads=(digest,) if lazy else (join, digest),
@@ -659,8 +700,9 @@ class CheckedFile:
 
 
 @contextlib.contextmanager
-def checked_output(out: Path, expect: Expectations, read_back: ReadBack, *,
-                   views_raw: bool = False) -> Iterator[CheckedFile]:
+def checked_output(
+    out: Path, expect: Expectations, read_back: ReadBack, *, views_raw: bool = False
+) -> Iterator[CheckedFile]:
     """An atomic output (:func:`ckptool.files.atomic.atomic_output`) put in place only once its content checks out.
 
     The body writes through ``handle`` and reports its data regions to ``on_data`` (re-read and summed
@@ -677,8 +719,9 @@ def checked_output(out: Path, expect: Expectations, read_back: ReadBack, *,
         except BaseException:
             sums.finish()
             raise
-        output.checked = verify_output(tmp, expect, read_back, lambda: os.fsync(handle.fileno()), [sums],
-                                       views_raw=views_raw)
+        output.checked = verify_output(
+            tmp, expect, read_back, lambda: os.fsync(handle.fileno()), [sums], views_raw=views_raw
+        )
 
 
 class CheckedFolder:
@@ -708,7 +751,8 @@ class CheckedFolder:
                 sums.finish()
                 raise
             # its writeback started as it was written; waiting for it overlaps the next file's write
-            self._syncs.append(run_in_thread(lambda fd=os.dup(handle.fileno()): _fsync_close(fd)))
+            duplicate = os.dup(handle.fileno())  # closed by the thread, after the fsync
+            self._syncs.append(run_in_thread(functools.partial(_fsync_close, duplicate)))
 
     def sync(self) -> None:
         """Wait for every file's fsync (the folder's own is the caller's)."""
@@ -725,8 +769,9 @@ def _fsync_close(fd: int) -> None:
 
 
 @contextlib.contextmanager
-def checked_folder(out: Path, expect: Expectations, read_back: ReadBack, *, last: str,
-                   remove: Iterable[str] = ()) -> Iterator[CheckedFolder]:
+def checked_folder(
+    out: Path, expect: Expectations, read_back: ReadBack, *, last: str, remove: Iterable[str] = ()
+) -> Iterator[CheckedFolder]:
     """A folder output (:func:`ckptool.files.atomic.folder_output`) put in place only once its content checks out.
 
     The body writes its files with :meth:`CheckedFolder.file`, ``last`` (the index) among them; the
@@ -745,4 +790,3 @@ def checked_folder(out: Path, expect: Expectations, read_back: ReadBack, *, last
                 folder.sync()
             raise
         folder.checked = verify_output(tmp_dir / last, expect, read_back, folder.sync, folder.sums)
-

@@ -26,27 +26,26 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ckptool.tensors import dtypes
 from ckptool import formats, pickles
-from ckptool.pickles import layouts
 from ckptool.base import progress, suggest
-from ckptool.files.atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
-from ckptool.model.checkpoint import Checkpoint
 from ckptool.base.errors import CkptError, FingerprintMismatchError, OutputError, UsageError
-from ckptool.files.inputs import location
-from ckptool.tensors.digest import PREFIX
-from ckptool.formats import safetensors, torch_zip
 from ckptool.base.gcpause import paused
-from ckptool.tensors.refs import StorageRef, TensorRef, check_expansion, total_nbytes
+from ckptool.files.atomic import TEMP_PREFIX, check_folder_output, check_output, same_file
+from ckptool.files.inputs import location
+from ckptool.formats import safetensors, torch_zip
+from ckptool.model.checkpoint import Checkpoint
 from ckptool.model.tree import map_tensors
+from ckptool.pickles import layouts
+from ckptool.tensors import dtypes
+from ckptool.tensors.digest import PREFIX
+from ckptool.tensors.refs import StorageRef, TensorRef, check_expansion, total_nbytes
+
 # the content check moved to write_check; these names are imported from here too
 if TYPE_CHECKING:
     from ckptool.files.remote import RemotePath
 from ckptool.io.write_check import (
     Expectations,
-    OutputSums,
     StaleSourceCrc,
-    TensorCheck,
     checked_folder,
     checked_output,
     run_in_thread,
@@ -99,8 +98,10 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
     own = formats.for_name(checkpoint.format).rewrite_target
     refused = formats.for_name(checkpoint.format).in_place_refused
     if out is None and refused:  # --in-place: the input would be replaced by less than it holds
-        raise UsageError(f"{refused} — write it beside the input instead: "
-                         f"{suggest.command(command, checkpoint.path, out='OUT.pt')}", path=checkpoint.path)
+        raise UsageError(
+            f"{refused} — write it beside the input instead: {suggest.command(command, checkpoint.path, out='OUT.pt')}",
+            path=checkpoint.path,
+        )
     wanted = suffix_format(out) if out is not None else None
     if wanted is None or wanted == own:
         return own
@@ -108,10 +109,12 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
         return wanted  # the weights, as convert writes them: nothing a .pt cannot hold
     source = checkpoint.path
     if command == "remap":
-        raise UsageError("is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
-                         "drop the tags with: "
-                         f"{suggest.command('convert', source, out=out, allow_globals=list(checkpoint.allow_globals))}",
-                         path=out)
+        raise UsageError(
+            "is a safetensors name, and safetensors keeps no device tags to remap — write .pt, or "
+            "drop the tags with: "
+            f"{suggest.command('convert', source, out=out, allow_globals=list(checkpoint.allow_globals))}",
+            path=out,
+        )
     # a whole-model pickle's rewrite keeps its weights alone (pt_container): nothing else to lose
     extra = [repr(key) for key in checkpoint.entries()] if not checkpoint.whole_model else []
     if checkpoint.has_weights:
@@ -119,12 +122,17 @@ def rewrite_format(checkpoint: Checkpoint, out: Path | None, *, command: str) ->
     if checkpoint.layout is None or extra:
         shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
         allowed = list(checkpoint.allow_globals)
-        hint = (suggest.command("convert", source, out=out, strip=True, allow_globals=allowed) if command == "strip" else
-                f"{suggest.command(command, source, out='OUT.pt', allow_globals=allowed)}, then "
-                f"{suggest.command('convert', 'OUT.pt', out=out, allow_globals=allowed)}")
-        raise UsageError(f"is a safetensors name, which holds weights only, but {source} also holds "
-                         f"{shown or 'no weights'}, which {command} keeps — write .pt, or keep just the weights: {hint}",
-                         path=out)
+        hint = (
+            suggest.command("convert", source, out=out, strip=True, allow_globals=allowed)
+            if command == "strip"
+            else f"{suggest.command(command, source, out='OUT.pt', allow_globals=allowed)}, then "
+            f"{suggest.command('convert', 'OUT.pt', out=out, allow_globals=allowed)}"
+        )
+        raise UsageError(
+            f"is a safetensors name, which holds weights only, but {source} also holds "
+            f"{shown or 'no weights'}, which {command} keeps — write .pt, or keep just the weights: {hint}",
+            path=out,
+        )
     return wanted
 
 
@@ -136,8 +144,12 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> form
             raise UsageError(suggest.given("to", to) + ": choose pt or safetensors")
         named = suffix_format(out)
         if named is not None and named != to:
-            raise UsageError(suggest.typed("to", to) + f" contradicts the name {out.name} — drop "
-                             + suggest.option("to", None) + f", or name the output {suggest.stem(out)}{chosen.default_suffix}")
+            raise UsageError(
+                suggest.typed("to", to)
+                + f" contradicts the name {out.name} — drop "
+                + suggest.option("to", None)
+                + f", or name the output {suggest.stem(out)}{chosen.default_suffix}"
+            )
         if max_shard_size is not None or out.is_dir():  # a format without shards ignores both
             return formats.for_target(to, sharded=True) or chosen
         return chosen
@@ -147,13 +159,17 @@ def target_format(out: Path, to: str | None, max_shard_size: int | None) -> form
             return named_format
         sharded = formats.for_target(named_format.target or "", sharded=True)
         if sharded is None:
-            raise UsageError(suggest.option("max_shard_size", None) + " applies to safetensors output — write to a "
-                             "directory or .safetensors")
+            raise UsageError(
+                suggest.option("max_shard_size", None) + " applies to safetensors output — write to a "
+                "directory or .safetensors"
+            )
         return sharded
     if out.is_dir() or not out.suffix:
         return formats.folder_output()
-    raise UsageError(f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass "
-                     + suggest.option("to", None))
+    raise UsageError(
+        f"cannot tell the format from {out.name!r} — use .pt, .safetensors or a directory, or pass "
+        + suggest.option("to", None)
+    )
 
 
 def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str | None) -> list[tuple[Path, Path]]:
@@ -175,18 +191,24 @@ def plan_outputs(sources: list[Path] | tuple[Path, ...], out_dir: Path, to: str 
     elif not out_dir.is_dir():
         raise UsageError(suggest.typed("out_dir", str(out_dir)) + " is not an existing directory — create it first")
     suffix = {"pt": ".pt", "dcp": ".dcp"}.get(to or "", ".safetensors")  # a DCP output is a folder: name.dcp
-    jobs = [(source if not isinstance(source, str) else Path(source), out_dir / (suggest.stem(source) + suffix))
-            for source in sources]
+    jobs = [
+        (source if not isinstance(source, str) else Path(source), out_dir / (suggest.stem(source) + suffix))
+        for source in sources
+    ]
     by_output: dict[str, Path] = {}
     for source, target in jobs:
         key = target.identity if remote else os.path.normcase(os.path.abspath(target))  # type: ignore[attr-defined]
         if key in by_output:
             other = by_output[key]
             if _same_path(other, source):
-                raise OutputError(f"input {source} is given twice — nothing was written; give each input once",
-                                  path=target)
-            raise OutputError(f"{other} and {source} would both be written here — nothing was written; convert "
-                              "them into separate " + suggest.option("out_dir", None) + " folders", path=target)
+                raise OutputError(
+                    f"input {source} is given twice — nothing was written; give each input once", path=target
+                )
+            raise OutputError(
+                f"{other} and {source} would both be written here — nothing was written; convert "
+                "them into separate " + suggest.option("out_dir", None) + " folders",
+                path=target,
+            )
         by_output[key] = source
     return jobs
 
@@ -199,7 +221,6 @@ def _same_path(a: Path, b: Path) -> bool:
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
 
 
-
 def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     """The object to pickle for a .pt output: the container itself, or the weights for safetensors input
     (inside the container its ``ckptool.entries`` carried, when it carried one)."""
@@ -209,16 +230,21 @@ def pt_container(checkpoint: Checkpoint, nest: str | None = None) -> Any:
     if formats.for_name(checkpoint.format).weights_only:
         if checkpoint.layout or checkpoint.flattened:  # the container ckptool.entries carried, around the weights
             if nest:
-                raise UsageError(suggest.option("nest", None) + " applies to safetensors input holding weights "
-                                 "alone; this file carries its container (the weights at "
-                                 + ".".join(str(key) for key in checkpoint.layout) + ") — drop "
-                                 + suggest.option("nest", None), path=checkpoint.path)
+                raise UsageError(
+                    suggest.option("nest", None) + " applies to safetensors input holding weights "
+                    "alone; this file carries its container (the weights at "
+                    + ".".join(str(key) for key in checkpoint.layout)
+                    + ") — drop "
+                    + suggest.option("nest", None),
+                    path=checkpoint.path,
+                )
             return map_tensors(checkpoint.container, _typed_for_pickle())
         container: Any = dict(map_tensors(checkpoint.tensors, _typed_for_pickle()))
         return {nest: container} if nest else container
     if nest:
-        raise UsageError(suggest.option("nest", None) + " applies to safetensors input; this checkpoint already has a "
-                         "container")
+        raise UsageError(
+            suggest.option("nest", None) + " applies to safetensors input; this checkpoint already has a container"
+        )
     return checkpoint.container
 
 
@@ -233,9 +259,16 @@ def _typed_for_pickle() -> Callable[[TensorRef], TensorRef]:
         storage = tensor.storage
         typed = bool(tensor.dtype.storage_class)
         if id(storage) not in converted:
-            converted[id(storage)] = replace(storage, type_global=f"torch.{tensor.dtype.storage_class}") if typed \
-                else replace(storage, dtype=dtypes.BY_NAME["U8"], numel=storage.nbytes,
-                             type_global="torch.storage.UntypedStorage")
+            converted[id(storage)] = (
+                replace(storage, type_global=f"torch.{tensor.dtype.storage_class}")
+                if typed
+                else replace(
+                    storage,
+                    dtype=dtypes.BY_NAME["U8"],
+                    numel=storage.nbytes,
+                    type_global="torch.storage.UntypedStorage",
+                )
+            )
         rebuild = "torch._utils._rebuild_tensor_v2" if typed else "torch._utils._rebuild_tensor_v3"
         return replace(tensor, storage=converted[id(storage)], rebuild=rebuild)
 
@@ -258,8 +291,9 @@ def _json_entries(checkpoint: Checkpoint, notes: list[str] | None = None) -> str
     return text
 
 
-def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool,
-                         notes: list[str] | None = None) -> dict[str, str]:
+def safetensors_metadata(
+    checkpoint: Checkpoint, *, with_fingerprint: bool, notes: list[str] | None = None
+) -> dict[str, str]:
     """The metadata of a safetensors output: the input's own (ckptool's keys rewritten), the
     container's other entries (``ckptool.entries``; what they cannot carry is added to ``notes``)
     and the fingerprint's slot, first."""
@@ -279,11 +313,20 @@ def safetensors_metadata(checkpoint: Checkpoint, *, with_fingerprint: bool,
     return metadata
 
 
-
-def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, force: bool = False,
-         in_place: bool = False, max_shard_size: int | None = None, duplicate_tied: bool = False,
-         nest: str | None = None, fingerprint: bool = False, allow_expansion: bool = False,
-         dry_run: bool = False) -> SaveReport:
+def save(
+    checkpoint: Checkpoint,
+    out: Path | str,
+    *,
+    to: str | None = None,
+    force: bool = False,
+    in_place: bool = False,
+    max_shard_size: int | None = None,
+    duplicate_tied: bool = False,
+    nest: str | None = None,
+    fingerprint: bool = False,
+    allow_expansion: bool = False,
+    dry_run: bool = False,
+) -> SaveReport:
     """Write ``checkpoint`` to ``out`` atomically and prove every tensor reads back unchanged.
 
     Args:
@@ -317,8 +360,8 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     destination = location(out)
     url = destination if not isinstance(destination, Path) else None
     if url is not None:
-        from ckptool.io import upload
         from ckptool.files.remote import check_supported
+        from ckptool.io import upload
 
         check_supported(url, writing=True)  # a protocol ckptool does not write: refused before any request
     out = cast(Path, destination)  # a RemotePath stands where a Path stands (name, suffix, /, is_dir)
@@ -338,35 +381,63 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     # a .pt output copies storages raw: only its fingerprint would stream the views in full
     views_raw = not target.weights_only
     if not views_raw or fingerprint:
-        check_expansion(tensors, allow=allow_expansion, path=checkpoint.path,
-                        doing="write" if not views_raw else "fingerprint")
+        check_expansion(
+            tensors, allow=allow_expansion, path=checkpoint.path, doing="write" if not views_raw else "fingerprint"
+        )
     plan: _ShardPlan | None = None
     if target.sharded:
-        plan = _plan_shards(tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out,
-                            checkpoint.path)
+        plan = _plan_shards(
+            tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out, checkpoint.path
+        )
         if url is not None:
-            upload.check_output(url, inputs=inputs, force=force, in_place=in_place, writes=plan.writes,
-                                removes=plan.removes)
+            upload.check_output(
+                url, inputs=inputs, force=force, in_place=in_place, writes=plan.writes, removes=plan.removes
+            )
         else:
-            check_folder_output(out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force,
-                                in_place=in_place)
+            check_folder_output(
+                out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force, in_place=in_place
+            )
     elif url is not None:
         upload.check_output(url, inputs=inputs, force=force, in_place=in_place)
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
     if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
         files = [out / name for name in plan.writes] if plan is not None else [out]
-        return SaveReport(path=out, format=target.name, files=files, tensors=len(tensors),
-                          bytes=total_nbytes(tensors.values()), dry_run=True,
-                          notes=list(plan.notes) if plan is not None else [])
+        return SaveReport(
+            path=out,
+            format=target.name,
+            files=files,
+            tensors=len(tensors),
+            bytes=total_nbytes(tensors.values()),
+            dry_run=True,
+            notes=list(plan.notes) if plan is not None else [],
+        )
     if url is not None:
-        report = _save_remote(checkpoint, tensors, url, target, plan, nest=nest, duplicate_tied=duplicate_tied,
-                              fingerprint=fingerprint, views_raw=views_raw)
+        report = _save_remote(
+            checkpoint,
+            tensors,
+            url,
+            target,
+            plan,
+            nest=nest,
+            duplicate_tied=duplicate_tied,
+            fingerprint=fingerprint,
+            views_raw=views_raw,
+        )
     else:
         # the write's records (100,000 headers, checks, sums) are no garbage while it runs: no collection rescans them
         with paused():
-            report = _save_local(checkpoint, tensors, out, target, plan, nest=nest, duplicate_tied=duplicate_tied,
-                                 fingerprint=fingerprint, views_raw=views_raw)
+            report = _save_local(
+                checkpoint,
+                tensors,
+                out,
+                target,
+                plan,
+                nest=nest,
+                duplicate_tied=duplicate_tied,
+                fingerprint=fingerprint,
+                views_raw=views_raw,
+            )
     report.tensors = len(tensors)
     report.bytes = total_nbytes(tensors.values())
     rewrite_note = formats.for_name(checkpoint.format).rewrite_note
@@ -375,8 +446,14 @@ def save(checkpoint: Checkpoint, out: Path | str, *, to: str | None = None, forc
     return report
 
 
-def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: RemotePath, target: formats.Format,
-                 plan: _ShardPlan | None, **options: Any) -> SaveReport:
+def _save_remote(
+    checkpoint: Checkpoint,
+    tensors: Mapping[str, TensorRef],
+    out: RemotePath,
+    target: formats.Format,
+    plan: _ShardPlan | None,
+    **options: Any,
+) -> SaveReport:
     """The local checked write into a staging folder, then its upload to ``out`` (:mod:`ckptool.io.upload`)."""
     from ckptool.io import upload
 
@@ -390,9 +467,12 @@ def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: 
             files = [(local, out)]
         else:
             files = [(local / name, out / name) for name in plan.writes]
-        notes = upload.publish(files, replaces_last=plan is not None and plan.replaces_index,
-                               remove=[out / name for name in plan.removes] if plan is not None else [],
-                               label=out.name)
+        notes = upload.publish(
+            files,
+            replaces_last=plan is not None and plan.replaces_index,
+            remove=[out / name for name in plan.removes] if plan is not None else [],
+            label=out.name,
+        )
     report.path = cast(Path, out)  # the report names the URL (a RemotePath stands where a Path stands)
     report.files = [cast(Path, out)] if plan is None else [cast(Path, out / file.name) for file in report.files]
     report.notes = [note.replace(str(local), str(out)) for note in report.notes]
@@ -402,9 +482,18 @@ def _save_remote(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: 
     return report
 
 
-def _save_local(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, target: formats.Format,
-                plan: _ShardPlan | None, *, nest: str | None, duplicate_tied: bool, fingerprint: bool,
-                views_raw: bool) -> SaveReport:
+def _save_local(
+    checkpoint: Checkpoint,
+    tensors: Mapping[str, TensorRef],
+    out: Path,
+    target: formats.Format,
+    plan: _ShardPlan | None,
+    *,
+    nest: str | None,
+    duplicate_tied: bool,
+    fingerprint: bool,
+    views_raw: bool,
+) -> SaveReport:
     expect = Expectations.start(tensors, fingerprint=fingerprint, views_raw=views_raw)
     try:
         if not target.weights_only:
@@ -427,8 +516,9 @@ def _save_local(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: P
     return report
 
 
-def read_back(source: Checkpoint,
-               guard_cache: pickles.GuardCache | None = None) -> Callable[[Path], Mapping[str, TensorRef]]:
+def read_back(
+    source: Checkpoint, guard_cache: pickles.GuardCache | None = None
+) -> Callable[[Path], Mapping[str, TensorRef]]:
     """A reader for the output that accepts the globals the input was read with (and needs no walk of
     the pickles ``guard_cache`` says the write emitted)."""
 
@@ -456,12 +546,24 @@ def _save_pt(checkpoint: Checkpoint, out: Path, nest: str | None, expect: Expect
     return SaveReport(path=out, format="torch-zip", files=[out], fingerprint=expect.fingerprint(), checked=checked)
 
 
-def _write_pt(container: Any, out: Path, expect: Expectations,
-              reader: Callable[[Path], Mapping[str, TensorRef]], *, trust_recorded: bool,
-              cache: pickles.GuardCache | None = None) -> int:
+def _write_pt(
+    container: Any,
+    out: Path,
+    expect: Expectations,
+    reader: Callable[[Path], Mapping[str, TensorRef]],
+    *,
+    trust_recorded: bool,
+    cache: pickles.GuardCache | None = None,
+) -> int:
     with progress.task(None, out.name), checked_output(out, expect, reader, views_raw=True) as output:
-        torch_zip.write(output.handle, container, archive_name=_archive_name(out), on_data=output.on_data,
-                        trust_recorded_crcs=trust_recorded, guard_cache=cache)
+        torch_zip.write(
+            output.handle,
+            container,
+            archive_name=_archive_name(out),
+            on_data=output.on_data,
+            trust_recorded_crcs=trust_recorded,
+            guard_cache=cache,
+        )
     return output.checked
 
 
@@ -486,27 +588,41 @@ def _patch_fingerprint(handle: Any, value: str) -> None:
 def _refuse_meta_tensors(checkpoint: Checkpoint, out: Path) -> None:
     """A meta tensor among the weights (a shape and dtype, no values) has no place in safetensors;
     leaving it out would drop a weight silently."""
-    names = [name for name, value in dict.items(checkpoint.state_dict)
-             if getattr(value, "_global", "") == "torch._utils._rebuild_meta_tensor_no_storage"]
+    names = [
+        name
+        for name, value in dict.items(checkpoint.state_dict)
+        if getattr(value, "_global", "") == "torch._utils._rebuild_meta_tensor_no_storage"
+    ]
     if names:
         shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
-        raise OutputError(f"safetensors cannot hold meta tensors (a shape and dtype without values): {shown} — "
-                          "write a .pt instead (" + suggest.option("to", "pt") + "), or leave these tensors out",
-                          path=out)
+        raise OutputError(
+            f"safetensors cannot hold meta tensors (a shape and dtype without values): {shown} — "
+            "write a .pt instead (" + suggest.option("to", "pt") + "), or leave these tensors out",
+            path=out,
+        )
 
 
-def _save_safetensors(checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool,
-                      expect: Expectations) -> SaveReport:
+def _save_safetensors(
+    checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], out: Path, duplicate_tied: bool, expect: Expectations
+) -> SaveReport:
     notes: list[str] = []
     metadata = safetensors_metadata(checkpoint, with_fingerprint=expect.wants_fingerprint, notes=notes)
     with progress.task(None, out.name), checked_output(out, expect, read_back(checkpoint)) as output:
-        aliases = safetensors.write_file(output.handle, tensors, metadata, duplicate_tied=duplicate_tied,
-                                         on_data=output.on_data)
+        aliases = safetensors.write_file(
+            output.handle, tensors, metadata, duplicate_tied=duplicate_tied, on_data=output.on_data
+        )
         value = expect.fingerprint()
         if value:
             _patch_fingerprint(output.handle, value)
-    return SaveReport(path=out, format="safetensors", files=[out], fingerprint=value, checked=output.checked,
-                      aliases=aliases, notes=notes)
+    return SaveReport(
+        path=out,
+        format="safetensors",
+        files=[out],
+        fingerprint=value,
+        checked=output.checked,
+        aliases=aliases,
+        notes=notes,
+    )
 
 
 @dataclass
@@ -532,8 +648,9 @@ class _ShardPlan:
 MAX_SHARDS = 10_000
 
 
-def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path,
-                 source: Path) -> _ShardPlan:
+def _plan_shards(
+    tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path, source: Path
+) -> _ShardPlan:
     if max_shard_size < 1:
         raise UsageError(suggest.option("max_shard_size", None) + f" must be at least 1 byte, not {max_shard_size}")
     aliases = {} if duplicate_tied else safetensors.plan_aliases(tensors)
@@ -541,9 +658,13 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
     shards = safetensors.plan_shards(stored, max_shard_size)
     if len(shards) > MAX_SHARDS:
         floor = -(-sum(t.nbytes for t in stored.values()) // MAX_SHARDS)
-        raise UsageError(suggest.typed("max_shard_size", max_shard_size)
-                         + f" would make {len(shards)} shards, over the {MAX_SHARDS}-shard limit — pass a larger "
-                         + suggest.option("max_shard_size", None) + f" (at least {floor} bytes)", path=source)
+        raise UsageError(
+            suggest.typed("max_shard_size", max_shard_size)
+            + f" would make {len(shards)} shards, over the {MAX_SHARDS}-shard limit — pass a larger "
+            + suggest.option("max_shard_size", None)
+            + f" (at least {floor} bytes)",
+            path=source,
+        )
     names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
     removes: list[str] = []
     notes: list[str] = []
@@ -553,8 +674,10 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
 
         replaces_index, named = upload.earlier_shards(out, safetensors.INDEX_NAME)
         if named is None:
-            notes.append(f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
-                         "if any, were left in place")
+            notes.append(
+                f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
+                "if any, were left in place"
+            )
         removes = [name for name in (named or []) if name not in names]
     elif out.is_dir():
         old_index = out / safetensors.INDEX_NAME
@@ -562,13 +685,17 @@ def _plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int, duplicat
             # the earlier set's shards, as its own index names them: nothing else is ever removed
             named = safetensors.shards_named_by(old_index)
             if named is None:
-                notes.append(f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
-                             "if any, were left in place")
+                notes.append(
+                    f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
+                    "if any, were left in place"
+                )
             removes = [name for name in (named or []) if name not in names]
         single = out / "model.safetensors"
         if os.path.lexists(single):
-            notes.append(f"{out} also holds model.safetensors, which loaders such as transformers read before the "
-                         "index — remove it if it is an older copy")
+            notes.append(
+                f"{out} also holds model.safetensors, which loaders such as transformers read before the "
+                "index — remove it if it is an older copy"
+            )
     return _ShardPlan(aliases, stored, shards, names, removes, notes, replaces_index)
 
 
@@ -582,8 +709,10 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
     files: list[Path] = []
     # shards and index are written into a temp folder, checked, then moved in: the index last
     total = sum(tensor.nbytes for tensor in plan.stored.values())
-    with progress.task(total, out.name), checked_folder(out, expect, read_back(checkpoint),
-                                                        last=safetensors.INDEX_NAME, remove=plan.removes) as folder:
+    with (
+        progress.task(total, out.name),
+        checked_folder(out, expect, read_back(checkpoint), last=safetensors.INDEX_NAME, remove=plan.removes) as folder,
+    ):
         for index, (name, names) in enumerate(zip(plan.names, plan.shards)):
             shard_tensors = {k: plan.stored[k] for k in names}
             # an alias lives in the shard that stores its target
@@ -607,10 +736,18 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
             index_metadata[FINGERPRINT_KEY] = value
         index = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
         (folder.directory / safetensors.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    report = SaveReport(path=out, format="safetensors-sharded", files=[out / safetensors.INDEX_NAME, *files],
-                        fingerprint=value, checked=folder.checked, aliases=plan.aliases,
-                        notes=[*dropped, *plan.notes])
+    report = SaveReport(
+        path=out,
+        format="safetensors-sharded",
+        files=[out / safetensors.INDEX_NAME, *files],
+        fingerprint=value,
+        checked=folder.checked,
+        aliases=plan.aliases,
+        notes=[*dropped, *plan.notes],
+    )
     if plan.removes:
-        report.notes.append(f"removed {len(plan.removes)} shard(s) of the earlier set ({', '.join(plan.removes[:3])}"
-                            f"{', ...' if len(plan.removes) > 3 else ''})")
+        report.notes.append(
+            f"removed {len(plan.removes)} shard(s) of the earlier set ({', '.join(plan.removes[:3])}"
+            f"{', ...' if len(plan.removes) > 3 else ''})"
+        )
     return report

@@ -33,14 +33,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckptool.tensors import dtypes
-from ckptool.model.checkpoint import Checkpoint
-from ckptool.files.crc import crc32
 from ckptool.base.errors import InputError, UsageError
-from ckptool.pickles.quantized import cast_exempt
-from ckptool.tensors.refs import StorageRef, TensorRef, check_expansion, contiguous_stride
 from ckptool.base.suggest import given, option
+from ckptool.files.crc import crc32
+from ckptool.model.checkpoint import Checkpoint
 from ckptool.model.tree import map_tensors
+from ckptool.pickles.quantized import cast_exempt
+from ckptool.tensors import dtypes
+from ckptool.tensors.refs import StorageRef, TensorRef, check_expansion, contiguous_stride
 
 NUMPY_CASTS = ("F64", "F32", "F16", "BF16")  # every pair among these is cast in numpy
 CAST_CHUNK = 1 << 18  # elements per step: each step's arrays stay in the CPU's cache
@@ -53,10 +53,18 @@ _SIGN_BITS = {"F64": 1 << 63, "F32": 1 << 31, "F16": 1 << 15, "BF16": 1 << 15}
 # check: the target's largest finite value, or the source's own (a wider target). A step whose
 # largest magnitude is at most this holds no NaN, Inf or overflow and takes the plain path.
 _PLAIN_BELOW = {
-    ("F32", "BF16"): 0x7F7F0000, ("F32", "F16"): 0x477FE000, ("F32", "F64"): 0x7F7FFFFF,
-    ("F64", "F32"): 0x47EFFFFFE0000000, ("F64", "F16"): 0x40EFFC0000000000, ("F64", "BF16"): 0x47EFE00000000000,
-    ("F16", "F32"): 0x7BFF, ("F16", "F64"): 0x7BFF, ("F16", "BF16"): 0x7BFF,
-    ("BF16", "F32"): 0x7F7F, ("BF16", "F64"): 0x7F7F, ("BF16", "F16"): 0x477F,
+    ("F32", "BF16"): 0x7F7F0000,
+    ("F32", "F16"): 0x477FE000,
+    ("F32", "F64"): 0x7F7FFFFF,
+    ("F64", "F32"): 0x47EFFFFFE0000000,
+    ("F64", "F16"): 0x40EFFC0000000000,
+    ("F64", "BF16"): 0x47EFE00000000000,
+    ("F16", "F32"): 0x7BFF,
+    ("F16", "F64"): 0x7BFF,
+    ("F16", "BF16"): 0x7BFF,
+    ("BF16", "F32"): 0x7F7F,
+    ("BF16", "F64"): 0x7F7F,
+    ("BF16", "F16"): 0x477F,
 }
 
 
@@ -173,7 +181,7 @@ class CastBytes:
                 data, pending = memoryview(joined)[:usable], joined[usable:]
             view = memoryview(data)
             for start in range(0, len(view), step):
-                yield steps.convert(view[start:start + step])
+                yield steps.convert(view[start : start + step])
         if pending:
             raise InputError(f"tensor bytes end inside a {self.source.dtype.torch_name} element — the file is corrupt")
 
@@ -222,15 +230,17 @@ def _largest_finite(tensor: TensorRef) -> float:
         if tensor.dtype.name == "BF16":  # no numpy bf16: widen to float32 (bf16 is its top half)
             values = (np.frombuffer(chunk, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
-            values = np.frombuffer(chunk, dtype={"F64": np.float64, "F32": np.float32, "F16": np.float16}[
-                tensor.dtype.name])
+            values = np.frombuffer(
+                chunk, dtype={"F64": np.float64, "F32": np.float32, "F16": np.float16}[tensor.dtype.name]
+            )
         if values.size:
             largest = max(largest, float(np.max(np.abs(values), initial=0, where=np.isfinite(values))))
     return largest
 
 
-_WIDENING = frozenset({("F16", "F32"), ("F16", "F64"), ("BF16", "F32"), ("BF16", "F64"), ("F32", "F64"),
-                       ("F16", "BF16")})
+_WIDENING = frozenset(
+    {("F16", "F32"), ("F16", "F64"), ("BF16", "F32"), ("BF16", "F64"), ("F32", "F64"), ("F16", "BF16")}
+)
 
 
 def overflowing(tensors: Mapping[str, TensorRef], target: dtypes.DType) -> list[str]:
@@ -264,13 +274,17 @@ def overflowing(tensors: Mapping[str, TensorRef], target: dtypes.DType) -> list[
 
 def _overflow_error(names: list[str], dtype: str, path: Path | None) -> InputError:
     shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return InputError(f"casting to {dtype} would turn finite values into Inf in {len(names)} tensor(s): "
-                      f"{shown} — choose a wider " + option("dtype", None) + " (bf16 keeps fp32's range), or "
-                      "pass " + option("allow_overflow") + " to accept it", path=path)
+    return InputError(
+        f"casting to {dtype} would turn finite values into Inf in {len(names)} tensor(s): "
+        f"{shown} — choose a wider " + option("dtype", None) + " (bf16 keeps fp32's range), or "
+        "pass " + option("allow_overflow") + " to accept it",
+        path=path,
+    )
 
 
-def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = False,
-                 allow_expansion: bool = False) -> Checkpoint:
+def cast_weights(
+    checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = False, allow_expansion: bool = False
+) -> Checkpoint:
     """Cast floating weights to ``dtype`` (``bf16``, ``fp16`` or ``fp32``); integer buffers stay as they are.
 
     Tied tensors stay tied. Bytes are computed when read (by the write), chunk by chunk, as
@@ -300,8 +314,9 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
     tensors = {name: tensor for name, tensor in tensors.items() if id(tensor) not in exempt}
     if not allow_overflow:
         # float8 and other types torch casts: checked now (their bytes come whole from torch)
-        names = overflowing({name: tensor for name, tensor in tensors.items()
-                             if not numpy_cast(tensor.dtype.name, target.name)}, target)
+        names = overflowing(
+            {name: tensor for name, tensor in tensors.items() if not numpy_cast(tensor.dtype.name, target.name)}, target
+        )
         if names:
             raise _overflow_error(names, dtype, checkpoint.path)
 
@@ -320,8 +335,15 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
         if not tensor.dtype.is_floating or tensor.dtype == target or id(tensor) in exempt:
             return tensor
         # a conjugate or negative view of a storage holds other values than the plain view
-        identity = (id(tensor.storage), tensor.offset, tensor.shape, tensor.stride, tensor.dtype.name,
-                    tensor.conj, tensor.neg)
+        identity = (
+            id(tensor.storage),
+            tensor.offset,
+            tensor.shape,
+            tensor.stride,
+            tensor.dtype.name,
+            tensor.conj,
+            tensor.neg,
+        )
         if identity not in memo:
             if numpy_cast(tensor.dtype.name, target.name):
                 derived = CastBytes(tensor, target, None if allow_overflow else refusal)
@@ -329,16 +351,29 @@ def cast_weights(checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = F
             else:
                 derived, producer = None, (lambda tensor=tensor: _cast_bytes(tensor, target))
             storage = StorageRef(
-                key=f"cast:{len(memo)}", dtype=target, numel=tensor.numel, location=tensor.location,
+                key=f"cast:{len(memo)}",
+                dtype=target,
+                numel=tensor.numel,
+                location=tensor.location,
                 type_global=f"torch.{target.storage_class}" if target.storage_class else "torch.storage.UntypedStorage",
-                producer=producer, derived=derived,
+                producer=producer,
+                derived=derived,
             )
             rebuild = "torch._utils._rebuild_tensor_v2" if target.storage_class else "torch._utils._rebuild_tensor_v3"
             if not target.storage_class:
                 storage = replace(storage, dtype=dtypes.BY_NAME["U8"], numel=tensor.numel * target.itemsize)
             # the cast bytes are values (bits applied): the result carries no bits and no metadata
-            memo[identity] = replace(tensor, storage=storage, dtype=target, stride=contiguous_stride(tensor.shape),
-                                     offset=0, rebuild=rebuild, extra=(), conj=False, neg=False)
+            memo[identity] = replace(
+                tensor,
+                storage=storage,
+                dtype=target,
+                stride=contiguous_stride(tensor.shape),
+                offset=0,
+                rebuild=rebuild,
+                extra=(),
+                conj=False,
+                neg=False,
+            )
         return memo[identity]
 
     return checkpoint.with_state_dict(map_tensors(checkpoint.state_dict, convert))

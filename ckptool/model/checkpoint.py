@@ -9,16 +9,12 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from ckptool.model import keys as keys_
-from ckptool.model import modules, optimizers
 from ckptool.base.errors import FingerprintMismatchError, InputError, NothingToDoError, UsageError
 from ckptool.base.suggest import Metavar
 from ckptool.base.suggest import option as suggest_option
 from ckptool.base.text import value_str
-from ckptool.tensors.refs import _IS_TENSOR_REF, _STORAGE, StorageRef, TensorRef
-from ckptool.pickles import layouts
-from ckptool.pickles.layouts import LayoutTensor
-from ckptool.pickles import TORCH_GLOBALS, OpaqueObject
+from ckptool.model import keys as keys_
+from ckptool.model import modules, optimizers
 from ckptool.model.tree import (
     contains,
     copy_mapping,
@@ -31,13 +27,28 @@ from ckptool.model.tree import (
     spelling,
     tensor_values,
 )
+from ckptool.pickles import TORCH_GLOBALS, OpaqueObject, layouts
+from ckptool.pickles.layouts import LayoutTensor
+from ckptool.tensors.refs import _IS_TENSOR_REF, _STORAGE, StorageRef, TensorRef
 
 # Where training code puts the weights, tried in order (first match wins).
 #   state_dict        Lightning, timm, many scripts          model_state_dict  the PyTorch tutorial's resumable dict
 #   model             this project's training/, fairseq, DETR module   DeepSpeed
 #   net / network     older research code                     ema/model_ema     EMA copies (after the live weights)
-WEIGHTS_KEYS = ("state_dict", "model_state_dict", "model", "module", "model_state", "net", "network",
-                "weights", "params", "model_ema", "ema", "state_dict_ema")
+WEIGHTS_KEYS = (
+    "state_dict",
+    "model_state_dict",
+    "model",
+    "module",
+    "model_state",
+    "net",
+    "network",
+    "weights",
+    "params",
+    "model_ema",
+    "ema",
+    "state_dict_ema",
+)
 _LOCATION = attrgetter("location")
 LIGHTNING_MARKERS = ("pytorch-lightning_version", "hyper_parameters", "lightning_version")
 
@@ -174,12 +185,18 @@ def weight_sets(container: Any) -> list[WeightSet]:
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if not isinstance(node, dict) or len(layout) >= CANDIDATE_DEPTH or \
-                (dict.__contains__(node, "state") and dict.__contains__(node, "param_groups")):
+        if (
+            not isinstance(node, dict)
+            or len(layout) >= CANDIDATE_DEPTH
+            or (dict.__contains__(node, "state") and dict.__contains__(node, "param_groups"))
+        ):
             continue
         entered += 1
-        stack.extend((layout + (key,), value) for key, value in reversed(dict.items(node))
-                     if isinstance(value, dict | OpaqueObject))
+        stack.extend(
+            (layout + (key,), value)
+            for key, value in reversed(dict.items(node))
+            if isinstance(value, dict | OpaqueObject)
+        )
     return found
 
 
@@ -234,7 +251,7 @@ def _match(node: Any, text: str, depth: int) -> tuple[Any, ...] | None:
                 continue
             if end == len(text):
                 return (key,)
-            rest = _match(child, text[end + 1:], depth + 1)
+            rest = _match(child, text[end + 1 :], depth + 1)
             if rest is not None:
                 return (key, *rest)
     return None
@@ -315,7 +332,9 @@ class Checkpoint:
     def state_dict(self) -> dict:
         """The weights mapping inside the container."""
         if self.layout is None:
-            raise InputError("holds no weights (no mapping of names to tensors) — is this a checkpoint?", path=self.path)
+            raise InputError(
+                "holds no weights (no mapping of names to tensors) — is this a checkpoint?", path=self.path
+            )
         node = get_at(self.container, self.layout)
         if self.flattened:
             if self._module_weights is None:
@@ -358,24 +377,43 @@ class Checkpoint:
         """
         layout = resolve_weights(self.container, weights)
         shown = weights if isinstance(weights, str) else "/".join(map(value_str, weights))
-        if layout and layout[-1] == optimizers.STATE_KEY and \
-                optimizers.is_optimizer_state(get_at(self.container, layout[:-1])):
+        if (
+            layout
+            and layout[-1] == optimizers.STATE_KEY
+            and optimizers.is_optimizer_state(get_at(self.container, layout[:-1]))
+        ):
             layout = layout[:-1]  # an optimizer's "state": its tensors, with the groups that give them meaning
         node = get_at(self.container, layout) if layout is not None else None
         found = _weight_set(node, layout) if layout is not None else None
-        if layout is not None and found is None and isinstance(node, dict) and \
-                any(isinstance(value, TensorRef | LayoutTensor) for value in dict.values(node)):
+        if (
+            layout is not None
+            and found is None
+            and isinstance(node, dict)
+            and any(isinstance(value, TensorRef | LayoutTensor) for value in dict.values(node))
+        ):
             found = WeightSet(layout, "state dict")  # fewer tensors than other entries: still the caller's choice
         if found is None:
             candidates = ", ".join(repr(spell_weights(self.container, w.layout)) for w in self.weight_sets()[:8])
             what = "nothing is there" if layout is None else "what is there holds no tensors"
             if not candidates:  # a scheduler's, a scaler's or the RNG's state: nothing to pick
-                raise InputError(f"no weights at {shown!r} ({what}) — it holds no set of weights or optimizer "
-                                 "state at all; inspect says what it holds", path=self.path)
-            raise InputError(f"no weights at {shown!r} ({what}) — the weights it holds: {candidates}; "
-                             "pass one of them as " + suggest_option("weights", Metavar("PATH")), path=self.path)
-        return replace(self, layout=layout, module_class=found.module_class, selected=True, notes=list(self.notes),
-                       flattened=found.kind == OPTIMIZER_STATE)
+                raise InputError(
+                    f"no weights at {shown!r} ({what}) — it holds no set of weights or optimizer "
+                    "state at all; inspect says what it holds",
+                    path=self.path,
+                )
+            raise InputError(
+                f"no weights at {shown!r} ({what}) — the weights it holds: {candidates}; "
+                "pass one of them as " + suggest_option("weights", Metavar("PATH")),
+                path=self.path,
+            )
+        return replace(
+            self,
+            layout=layout,
+            module_class=found.module_class,
+            selected=True,
+            notes=list(self.notes),
+            flattened=found.kind == OPTIMIZER_STATE,
+        )
 
     def weights_as_written(self, written: Checkpoint) -> Checkpoint:
         """``written`` (this checkpoint written to a file and read back) with its weights at the
@@ -386,16 +424,24 @@ class Checkpoint:
                 this checkpoint does (a nested ``Outer.Inner`` split at another dot): it would not load as
                 the same object.
         """
-        unknown = placeholder_classes(written.container).keys() - placeholder_classes(self.container).keys() \
-            if any(map(_may_be_placeholder, written.globals)) else ()
+        unknown = (
+            placeholder_classes(written.container).keys() - placeholder_classes(self.container).keys()
+            if any(map(_may_be_placeholder, written.globals))
+            else ()
+        )
         if unknown:
             name = min(spelling(cls) for cls in unknown)
             raise FingerprintMismatchError(
                 f"the output reads back naming {name}, which the input names otherwise: it would not load as the "
-                "input does — it was deleted; nothing changed (a bug in ckptool: please report it)")
-        if (self.selected or self.flattened) and not self.whole_model and self.layout is not None and \
-                (written.layout != self.layout or written.flattened != self.flattened) \
-                and resolve_weights(written.container, self.layout) is not None:
+                "input does — it was deleted; nothing changed (a bug in ckptool: please report it)"
+            )
+        if (
+            (self.selected or self.flattened)
+            and not self.whole_model
+            and self.layout is not None
+            and (written.layout != self.layout or written.flattened != self.flattened)
+            and resolve_weights(written.container, self.layout) is not None
+        ):
             return written.select_weights(self.layout)
         return written
 
@@ -430,19 +476,26 @@ class Checkpoint:
                 (their names and parameters come from a mapping of names, which is missing).
         """
         if contains(self.container, LayoutTensor):
-            raise InputError("holds a sparse, nested or quantized tensor outside any mapping of names to "
-                             "tensors — compare it with torch (ckptool compares named tensors)", path=self.path)
+            raise InputError(
+                "holds a sparse, nested or quantized tensor outside any mapping of names to "
+                "tensors — compare it with torch (ckptool compares named tensors)",
+                path=self.path,
+            )
         bare = "storage" if isinstance(self.container, StorageRef) else "tensor"
         found: dict[str, TensorRef] = {}
         for place, tensor in iter_tensors(self.container, storages=True):
             name = ".".join(map(value_str, place)) or bare
             if name in found:
-                raise InputError(f"holds two tensors both placed at {name!r} (keys of different types) — compare "
-                                 "them with torch", path=self.path)
+                raise InputError(
+                    f"holds two tensors both placed at {name!r} (keys of different types) — compare them with torch",
+                    path=self.path,
+                )
             found[name] = tensor
         if not found:
-            raise InputError("holds no tensors (no weights, no tensor or storage anywhere in it) — is this a "
-                             "checkpoint?", path=self.path)
+            raise InputError(
+                "holds no tensors (no weights, no tensor or storage anywhere in it) — is this a checkpoint?",
+                path=self.path,
+            )
         return found
 
     @property
@@ -474,19 +527,26 @@ class Checkpoint:
     # transforms (pure: a new Checkpoint shares what did not change) ---------------------------
     def with_state_dict(self, state_dict: dict) -> Checkpoint:
         if self.flattened:  # the names are key paths into the optimizer's dict, not keys of a mapping
-            raise UsageError("the weights chosen are an optimizer's state: its tensors are named by where they lie "
-                             "in it, and renaming or casting them would not give an optimizer state back — convert "
-                             "it as it is", path=self.path)
-        return replace(self, container=replace_at(self.container, self.layout or (), state_dict),
-                       layout=self.layout if self.layout is not None else ())
+            raise UsageError(
+                "the weights chosen are an optimizer's state: its tensors are named by where they lie "
+                "in it, and renaming or casting them would not give an optimizer state back — convert "
+                "it as it is",
+                path=self.path,
+            )
+        return replace(
+            self,
+            container=replace_at(self.container, self.layout or (), state_dict),
+            layout=self.layout if self.layout is not None else (),
+        )
 
     def strip_prefix(self, prefix: str | None = None) -> Checkpoint:
         """Remove ``prefix`` (default: the detected wrapper stack) from the weight keys."""
         prefix = self.prefix if prefix is None else prefix
         state_dict = self.state_dict  # a file without weights (optimizer state) says so, as add-prefix does
         if not prefix:
-            raise NothingToDoError("no wrapper prefix (module., _orig_mod., model.) on the weight keys — nothing to strip",
-                                   path=self.path)
+            raise NothingToDoError(
+                "no wrapper prefix (module., _orig_mod., model.) on the weight keys — nothing to strip", path=self.path
+            )
         return self.with_state_dict(keys_.strip_prefix(state_dict, prefix))
 
     def add_prefix(self, prefix: str = keys_.DDP_PREFIX) -> Checkpoint:
@@ -511,21 +571,28 @@ class Checkpoint:
         keys = keys_.matching(self.state_dict, patterns) if self.has_weights else []
         entries = keys_.matching(self.entries(), patterns)
         if self.layout and isinstance(self.layout[0], str) and keys_.matching([self.layout[0]], patterns):
-            raise UsageError(f"{self.layout[0]!r} holds the weights: a pattern that drops it would leave none — "
-                             "name the keys inside it instead (e.g. 'head.*')")
+            raise UsageError(
+                f"{self.layout[0]!r} holds the weights: a pattern that drops it would leave none — "
+                "name the keys inside it instead (e.g. 'head.*')"
+            )
         dropped = self.with_state_dict(keys_.drop_keys(self.state_dict, keys)) if keys else self
         if entries:
             gone = set(entries)
-            dropped = replace(dropped, container=copy_mapping(
-                dropped.container, items=[(k, v) for k, v in dict.items(dropped.container) if k not in gone]))
+            dropped = replace(
+                dropped,
+                container=copy_mapping(
+                    dropped.container, items=[(k, v) for k, v in dict.items(dropped.container) if k not in gone]
+                ),
+            )
         return dropped, [value_str(key) for key in keys], [value_str(entry) for entry in entries]
 
     def weights_only(self) -> Checkpoint:
         """The weights alone, as a bare state dict at the top level (the container's other entries,
         optimizer, epoch, config, left out), as timm's ``clean_checkpoint`` and OpenMMLab's
         ``publish_model`` keep them."""
-        return replace(self, container=self.state_dict, layout=(), module_class=None, keep_modules=False,
-                       selected=False)
+        return replace(
+            self, container=self.state_dict, layout=(), module_class=None, keep_modules=False, selected=False
+        )
 
     def remap(self, mapper: Callable[[str], str]) -> Checkpoint:
         """Rewrite every storage's location tag with ``mapper`` (no tensor moves; no GPU needed)."""

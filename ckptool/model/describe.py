@@ -13,6 +13,7 @@ from ckptool.model.tree import iter_tensors
 from ckptool.pickles import OpaqueObject
 from ckptool.tensors.refs import DeviceRef, SizeRef, TensorRef
 
+
 def human_bytes(size: int) -> str:
     value = float(size)
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -46,8 +47,11 @@ def describe_entry(value: Any) -> str:
     if isinstance(value, OpaqueObject):
         return f"{value.global_name} object"
     if isinstance(value, dict):
-        text = value_repr(value) if all(isinstance(v, bool | int | float | str | type(None)) for v in dict.values(value)) \
+        text = (
+            value_repr(value)
+            if all(isinstance(v, bool | int | float | str | type(None)) for v in dict.values(value))
             else ""
+        )
         return text if text and len(text) <= 80 else f"dict with {len(value)} entries"
     if isinstance(value, list | tuple):
         return f"{type(value).__name__} of {len(value)}"
@@ -66,8 +70,16 @@ def entry_type(value: Any) -> str:
     """What an entry is, as inspect's JSON names it (``int``, ``dict``, ``tensor``, ``optimizer_state``...)."""
     if value is None:
         return "null"
-    for kind, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (bytes, "bytes"),
-                       (TensorRef, "tensor"), (DeviceRef, "device"), (SizeRef, "size")):
+    for kind, name in (
+        (bool, "bool"),
+        (int, "int"),
+        (float, "float"),
+        (str, "str"),
+        (bytes, "bytes"),
+        (TensorRef, "tensor"),
+        (DeviceRef, "device"),
+        (SizeRef, "size"),
+    ):
         if isinstance(value, kind):
             return name
     if modules.is_module(value):
@@ -96,8 +108,10 @@ def _plain_value(value: Any, budget: list[int], depth: int) -> Any:
         return value if math.isfinite(value) else str(value)  # strict JSON: "inf", "-inf", "nan"
     if isinstance(value, dict) and not isinstance(value, OpaqueObject):
         items = dict.items(value)
-        if not all(k is None or isinstance(k, str | float | bool) or (isinstance(k, int) and key_text(k)[0] != "<")
-                   for k, _ in items):
+        if not all(
+            k is None or isinstance(k, str | float | bool) or (isinstance(k, int) and key_text(k)[0] != "<")
+            for k, _ in items
+        ):
             raise _NotPlain
         return {key_text(k): _plain_value(v, budget, depth + 1) for k, v in items}
     if isinstance(value, list | tuple) and not isinstance(value, OpaqueObject):
@@ -110,8 +124,9 @@ def entry_record(value: Any) -> dict[str, Any]:
     plain data (numbers, strings, lists, dicts of them; a tensor, an object or a huge value has none),
     and ``global`` for a pickled object or module."""
     record: dict[str, Any] = {"type": entry_type(value), "summary": describe_entry(value)}
-    global_name = getattr(value, "global_name", None) if isinstance(value, OpaqueObject) or modules.is_module(value) \
-        else None
+    global_name = (
+        getattr(value, "global_name", None) if isinstance(value, OpaqueObject) or modules.is_module(value) else None
+    )
     if isinstance(global_name, str):
         record["global"] = global_name
     try:
@@ -136,5 +151,7 @@ def describe_optimizer_state(value: dict) -> str:
     kind = optimizers.optimizer_kind(value)
     shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
     kinds = f" ({kind or 'per parameter'}: {shown})" if names else f" ({kind})" if kind else ""
-    return (f"optimizer state: {len(state)} params over {groups} parameter group{'s' if groups != 1 else ''}, "
-            f"{len(tensors)} tensors{kinds}, {human_bytes(sum(t.nbytes for t in tensors))}")
+    return (
+        f"optimizer state: {len(state)} params over {groups} parameter group{'s' if groups != 1 else ''}, "
+        f"{len(tensors)} tensors{kinds}, {human_bytes(sum(t.nbytes for t in tensors))}"
+    )

@@ -158,8 +158,10 @@ def resolve_devices(devices: str | Sequence[str]) -> list[str]:
         if tag not in available:
             if tag != "cpu" and not torch_installed():
                 import_torch(f"verifying on {tag}")  # says how to install it
-            raise UsageError(option("devices", None) + f": {tag} is not available on this machine "
-                             f"(available: {', '.join(available)})")
+            raise UsageError(
+                option("devices", None) + f": {tag} is not available on this machine "
+                f"(available: {', '.join(available)})"
+            )
         if tag not in resolved:
             resolved.append(tag)
     return resolved

@@ -47,8 +47,10 @@ def detect_prefix(keys: Iterable[str], *, lightning: bool = False) -> str:
             whole = stack + prefix
             if not common.startswith(whole) or whole in names:  # in every key, and every key is longer
                 continue
-            if prefix == LIGHTNING_PREFIX and not lightning and not any(
-                common.startswith(whole + p) for p in (DDP_PREFIX, COMPILE_PREFIX)
+            if (
+                prefix == LIGHTNING_PREFIX
+                and not lightning
+                and not any(common.startswith(whole + p) for p in (DDP_PREFIX, COMPILE_PREFIX))
             ):
                 continue
             stack = whole
@@ -98,8 +100,11 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict:
         # the usual wrapped state dict (tested in C): every key carries the prefix, so none collide once stripped
         cut = len(prefix)
         # keys and values in the mapping's own order (an OrderedDict moved to its end iterates apart from its dict)
-        return _with_keys(state_dict, list(zip(map(itemgetter(slice(cut, None)), keys), state_dict.values())),
-                          _rename_metadata(state_dict, rename))
+        return _with_keys(
+            state_dict,
+            list(zip(map(itemgetter(slice(cut, None)), keys), state_dict.values())),
+            _rename_metadata(state_dict, rename),
+        )
     if not any(isinstance(key, str) and key.startswith(prefix) for key in keys):
         raise NothingToDoError(f'no key starts with "{prefix}" — nothing to strip')
     items: list[tuple[Any, Any]] = []
@@ -138,8 +143,11 @@ def parse_rename(rule: str) -> tuple[re.Pattern[str], str]:
     """
     pattern, sep, replacement = rule.rpartition("=")
     if not sep or not pattern:
-        raise UsageError(f"rename rule {rule!r} is not PATTERN=REPLACEMENT — e.g. " + option("rename", r"^backbone\.=")
-                         + " to drop a leading backbone.")
+        raise UsageError(
+            f"rename rule {rule!r} is not PATTERN=REPLACEMENT — e.g. "
+            + option("rename", r"^backbone\.=")
+            + " to drop a leading backbone."
+        )
     try:
         return re.compile(pattern), replacement
     except re.error as e:
@@ -170,8 +178,9 @@ def rename_keys(state_dict: Mapping[str, Any], rules: Sequence[tuple[re.Pattern[
         new_key = rename(key) if isinstance(key, str) else key
         changed += new_key != key
         if new_key in seen:
-            raise KeyCollisionError(f"renaming maps both {seen[new_key]!r} and {key!r} to {new_key!r} — "
-                                    "make the rule tell them apart")
+            raise KeyCollisionError(
+                f"renaming maps both {seen[new_key]!r} and {key!r} to {new_key!r} — make the rule tell them apart"
+            )
         seen[new_key] = key
         items.append((new_key, value))
     return _with_keys(state_dict, items, _rename_metadata(state_dict, rename)), changed
@@ -185,5 +194,6 @@ def matching(keys: Iterable[Any], patterns: Sequence[str]) -> list[Any]:
 def drop_keys(state_dict: Mapping[str, Any], dropped: Sequence[Any]) -> dict:
     """``state_dict`` without the keys ``dropped``."""
     gone = set(dropped)
-    return _with_keys(state_dict, [(k, v) for k, v in state_dict.items() if k not in gone],
-                      getattr(state_dict, "_metadata", None))
+    return _with_keys(
+        state_dict, [(k, v) for k, v in state_dict.items() if k not in gone], getattr(state_dict, "_metadata", None)
+    )

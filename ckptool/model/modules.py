@@ -31,8 +31,8 @@ from dataclasses import replace
 from typing import Any
 
 from ckptool.base.errors import InputError
-from ckptool.pickles.layouts import LayoutTensor
 from ckptool.pickles import OpaqueObject, StateDict, brief
+from ckptool.pickles.layouts import LayoutTensor
 from ckptool.tensors.refs import TensorRef
 
 # The three attributes every nn.Module's pickled state holds since torch 0.4; a record holding all
@@ -87,8 +87,10 @@ def state_dict(module: Any, *, where: str = "", notes: list[str] | None = None) 
     """
     label = f"the module at {where}" if where else "the module"
     if module_state(module) is None:
-        raise InputError(f"{label} ({brief(module)}) holds no module state (_parameters, _buffers, _modules) — "
-                         "ckptool cannot read its weights")
+        raise InputError(
+            f"{label} ({brief(module)}) holds no module state (_parameters, _buffers, _modules) — "
+            "ckptool cannot read its weights"
+        )
     destination = StateDict()
     detached: dict[int, Any] = {}  # one plain tensor per parameter, so shared parameters stay one tensor
     hooked: list[str] = []
@@ -99,15 +101,20 @@ def state_dict(module: Any, *, where: str = "", notes: list[str] | None = None) 
         node, prefix, ancestors = stack.pop()
         visits += 1
         if visits > MAX_MODULE_VISITS:
-            raise InputError(f"{label} lists over {MAX_MODULE_VISITS:,} submodules (shared ones counted once per "
-                             "path) — refused, as too large to be a model")
+            raise InputError(
+                f"{label} lists over {MAX_MODULE_VISITS:,} submodules (shared ones counted once per "
+                "path) — refused, as too large to be a model"
+            )
         state = module_state(node)
         if state is None:
-            raise InputError(f"submodule {prefix[:-1]!r} of {label} is a {class_name(node)} pickled without module "
-                             "state (_parameters, _buffers, _modules) — ckptool cannot read its weights")
+            raise InputError(
+                f"submodule {prefix[:-1]!r} of {label} is a {class_name(node)} pickled without module "
+                "state (_parameters, _buffers, _modules) — ckptool cannot read its weights"
+            )
         if id(node) in ancestors:
-            raise InputError(f"submodule {prefix[:-1]!r} of {label} contains itself — torch's state_dict() would "
-                             "never end; refused")
+            raise InputError(
+                f"submodule {prefix[:-1]!r} of {label} contains itself — torch's state_dict() would never end; refused"
+            )
         if any(dict.get(state, key) for key in _HOOK_KEYS):
             hooked.append(prefix[:-1] or "(top)")
         skipped = _non_persistent(state, prefix, label)
@@ -116,23 +123,28 @@ def state_dict(module: Any, *, where: str = "", notes: list[str] | None = None) 
                 if value is None or (kind == "_buffers" and name in skipped):
                     continue
                 if not isinstance(name, str):
-                    raise InputError(f"{label} names a {kind[1:-1]} {brief(name)} under {prefix[:-1]!r}, not a "
-                                     "string — refused")
+                    raise InputError(
+                        f"{label} names a {kind[1:-1]} {brief(name)} under {prefix[:-1]!r}, not a string — refused"
+                    )
                 if not isinstance(value, TensorRef | LayoutTensor):
-                    raise InputError(f"{label} holds {brief(value)} as {kind[1:-1]} {prefix + name!r}, not a "
-                                     "tensor — refused")
+                    raise InputError(
+                        f"{label} holds {brief(value)} as {kind[1:-1]} {prefix + name!r}, not a tensor — refused"
+                    )
                 destination[prefix + name] = _detach(value, detached)
         children = [(name, child) for name, child in dict.items(state["_modules"]) if child is not None]
         for name, _ in children:
             if not isinstance(name, str):
-                raise InputError(f"{label} names a submodule {brief(name)} under {prefix[:-1]!r}, not a string "
-                                 "— refused")
+                raise InputError(
+                    f"{label} names a submodule {brief(name)} under {prefix[:-1]!r}, not a string — refused"
+                )
         inner = ancestors | {id(node)}
         stack.extend((child, f"{prefix}{name}.", inner) for name, child in reversed(children))
     if hooked and notes is not None:
         shown = ", ".join(repr(name) for name in hooked[:3]) + (", ..." if len(hooked) > 3 else "")
-        notes.append(f"{len(hooked)} module(s) of {label} carry state_dict hooks ({shown}), which ckptool never "
-                     "runs: torch's state_dict() may differ where they change it")
+        notes.append(
+            f"{len(hooked)} module(s) of {label} carry state_dict hooks ({shown}), which ckptool never "
+            "runs: torch's state_dict() may differ where they change it"
+        )
     return destination
 
 
@@ -141,8 +153,10 @@ def _non_persistent(state: dict, prefix: str, label: str) -> frozenset:
     if names is None:  # saved before torch 1.6 had non-persistent buffers: every buffer is kept
         return frozenset()
     if not isinstance(names, set | frozenset | list | tuple):
-        raise InputError(f"{label} holds {brief(names)} as the non-persistent buffers of {prefix[:-1] or 'its top'!r},"
-                         " not a set — refused")
+        raise InputError(
+            f"{label} holds {brief(names)} as the non-persistent buffers of {prefix[:-1] or 'its top'!r},"
+            " not a set — refused"
+        )
     return frozenset(name for name in names if isinstance(name, str))
 
 

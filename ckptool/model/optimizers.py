@@ -14,23 +14,30 @@ from __future__ import annotations
 from typing import Any
 
 from ckptool.base.errors import InputError
-from ckptool.tensors.refs import TensorRef
 from ckptool.base.text import value_str
 from ckptool.model.tree import iter_tensors
+from ckptool.tensors.refs import TensorRef
 
 STATE_KEY = "state"  # where per-parameter state lies; also how the weights option names an optimizer's tensors
 
 
 def is_optimizer_state(value: Any) -> bool:
     """An ``optimizer.state_dict()``: ``{"state": {index: {...}}, "param_groups": [...]}``."""
-    return isinstance(value, dict) and isinstance(dict.get(value, "state"), dict) \
+    return (
+        isinstance(value, dict)
+        and isinstance(dict.get(value, "state"), dict)
         and isinstance(dict.get(value, "param_groups"), list)
+    )
 
 
 def _keys(value: dict) -> tuple[set[str], set[str]]:
     """The per-parameter state's names and the parameter groups' option names, over all of them."""
-    state_names = {str(name) for per_parameter in dict.values(dict.get(value, "state"))
-                   if isinstance(per_parameter, dict) for name in per_parameter}
+    state_names = {
+        str(name)
+        for per_parameter in dict.values(dict.get(value, "state"))
+        if isinstance(per_parameter, dict)
+        for name in per_parameter
+    }
     group_names = {str(name) for group in dict.get(value, "param_groups") if isinstance(group, dict) for name in group}
     return state_names, group_names
 
@@ -47,8 +54,11 @@ _KINDS: tuple[tuple[str, frozenset[str], frozenset[str]], ...] = (
     ("RMSprop", frozenset(), frozenset({"centered"})),
     ("Rprop", frozenset({"prev"}), frozenset({"etas", "step_sizes"})),
     ("ASGD", frozenset({"ax"}), frozenset({"lambd", "t0"})),
-    ("Adafactor", frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"}),
-     frozenset({"beta2_decay", "scale_parameter", "relative_step"})),
+    (
+        "Adafactor",
+        frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"}),
+        frozenset({"beta2_decay", "scale_parameter", "relative_step"}),
+    ),
     ("LBFGS", frozenset({"func_evals", "n_iter"}), frozenset({"history_size", "line_search_fn"})),
 )
 
@@ -62,8 +72,9 @@ def optimizer_kind(value: dict) -> str | None:
         if state_names & state_marks or group_names & group_marks:
             return name
     if "amsgrad" in group_names:
-        decoupled = [group.get("decoupled_weight_decay") for group in dict.get(value, "param_groups")
-                     if isinstance(group, dict)]
+        decoupled = [
+            group.get("decoupled_weight_decay") for group in dict.get(value, "param_groups") if isinstance(group, dict)
+        ]
         if any(flag is True for flag in decoupled):
             return "AdamW"
         return "Adam" if decoupled and all(flag is False for flag in decoupled) else "Adam/AdamW"
@@ -94,8 +105,11 @@ def flatten(value: Any, *, path: Any = None) -> dict[str, TensorRef]:
     for place, tensor in iter_tensors(value):
         name = ".".join(map(value_str, place))  # (an int key past 4300 digits: named by its size)
         if name in flat:
-            raise InputError(f"optimizer state holds two tensors named {name!r} (keys of different types) — "
-                             "their names would not say where each goes back; keep the .pt", path=path)
+            raise InputError(
+                f"optimizer state holds two tensors named {name!r} (keys of different types) — "
+                "their names would not say where each goes back; keep the .pt",
+                path=path,
+            )
         flat[name] = tensor
     return flat
 

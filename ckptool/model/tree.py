@@ -77,8 +77,9 @@ def iter_tensors(obj: Any, *, storages: bool = False) -> Iterator[tuple[Path_, T
         if isinstance(node, list | tuple):  # no (index, value) pair per item: lists can be huge
             if node:
                 seen.add(id(node))
-                stack.extend((path + (index,), node[index]) for index in range(len(node) - 1, -1, -1)
-                             if not _leaf(node[index]))
+                stack.extend(
+                    (path + (index,), node[index]) for index in range(len(node) - 1, -1, -1) if not _leaf(node[index])
+                )
             continue
         kids = _children(node)
         if kids:
@@ -282,8 +283,9 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
                 stack.append((item, True))
                 stack.extend((child, False) for child in kids if not _leaf(child))
             else:
-                has_tensor[key] = any(not _leaf(child) and has_tensor.get(id(child), isinstance(child, TensorRef))
-                                      for child in kids)
+                has_tensor[key] = any(
+                    not _leaf(child) and has_tensor.get(id(child), isinstance(child, TensorRef)) for child in kids
+                )
         return has_tensor[id(node)]
 
     contains(obj)
@@ -309,8 +311,11 @@ def map_tensors(obj: Any, fn: Callable[[TensorRef], TensorRef]) -> Any:
             copy_list.extend(rebuild(v, depth + 1) for v in node)
             return copy_list
         if isinstance(node, tuple):
-            result = type(node)(rebuild(v, depth + 1) for v in node) if type(node) is tuple else \
-                type(node)([rebuild(v, depth + 1) for v in node])
+            result = (
+                type(node)(rebuild(v, depth + 1) for v in node)
+                if type(node) is tuple
+                else type(node)([rebuild(v, depth + 1) for v in node])
+            )
             memo[key] = result
             return result
         if isinstance(node, OpaqueObject):
@@ -336,7 +341,7 @@ def spelling(cls: type) -> str:
         cls = cls._parent  # type: ignore[attr-defined]
     module = getattr(cls, "_module", None)
     name: str = getattr(cls, "_global", "") or cls.__qualname__
-    text = f"{module}:{name[len(module) + 1:]}" if module else name
+    text = f"{module}:{name[len(module) + 1 :]}" if module else name
     for attribute in reversed(attributes):
         text = f"getattr({text}, {attribute!r})"
     return text

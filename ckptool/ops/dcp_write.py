@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptool.files.atomic import atomic_directory, check_output
-from ckptool.model.checkpoint import Checkpoint
-from ckptool.tensors.digest import fingerprint as weights_fingerprint
 from ckptool.base.errors import FingerprintMismatchError, OutputError
-from ckptool.pickles import OpaqueObject
-from ckptool.tensors.refs import DeviceRef, SizeRef, TensorRef, check_expansion
+from ckptool.files.atomic import atomic_directory, check_output
 from ckptool.io.writer import SaveReport
+from ckptool.model.checkpoint import Checkpoint
+from ckptool.pickles import OpaqueObject
+from ckptool.tensors.digest import fingerprint as weights_fingerprint
+from ckptool.tensors.refs import DeviceRef, SizeRef, TensorRef, check_expansion
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
@@ -74,8 +74,15 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerprint: bool = False,
-             allow_expansion: bool = False, dry_run: bool = False) -> SaveReport:
+def save_dcp(
+    checkpoint: Checkpoint,
+    out: Path,
+    *,
+    force: bool = False,
+    fingerprint: bool = False,
+    allow_expansion: bool = False,
+    dry_run: bool = False,
+) -> SaveReport:
     """Write ``checkpoint`` as a DCP folder at ``out`` (atomically: a temp folder renamed into place),
     and prove every tensor reads back with the same values.
 
@@ -92,9 +99,15 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
     if checkpoint.whole_model:
         notes.append(f"whole-model pickle ({checkpoint.module_class}): wrote its weights as a plain state dict")
     if dry_run:
-        return SaveReport(path=out, format="dcp", files=[out / ".metadata", out / "__0_0.distcp"],
-                          tensors=len(tensors), bytes=sum(t.nbytes for t in tensors.values()), dry_run=True,
-                          notes=notes)
+        return SaveReport(
+            path=out,
+            format="dcp",
+            files=[out / ".metadata", out / "__0_0.distcp"],
+            tensors=len(tensors),
+            bytes=sum(t.nbytes for t in tensors.values()),
+            dry_run=True,
+            notes=notes,
+        )
     from ckptool.base.torch_import import import_torch
 
     import_torch("writing a DCP folder")
@@ -103,12 +116,16 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
     left: list[str] = []
     state = _as_torch(_container(checkpoint), (), left)
     if not isinstance(state, dict):
-        raise OutputError("a DCP folder holds a mapping of names to values; this checkpoint's top level is a "
-                          f"{type(_container(checkpoint)).__name__} — write .pt or safetensors instead", path=out)
+        raise OutputError(
+            "a DCP folder holds a mapping of names to values; this checkpoint's top level is a "
+            f"{type(_container(checkpoint)).__name__} — write .pt or safetensors instead",
+            path=out,
+        )
     if left:
         shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
-        notes.append(f"left out {len(left)} object(s) of pickle globals a DCP folder cannot hold without running "
-                     f"code: {shown}")
+        notes.append(
+            f"left out {len(left)} object(s) of pickle globals a DCP folder cannot hold without running code: {shown}"
+        )
     expected = weights_fingerprint(tensors, allow_expansion=True)
     with atomic_directory(out) as folder:
         with _quiet():
@@ -121,9 +138,17 @@ def save_dcp(checkpoint: Checkpoint, out: Path, *, force: bool = False, fingerpr
             written = written.select_weights(checkpoint.layout)
         got = written.tensors if written.has_weights else {}
         if sorted(got) != sorted(tensors) or weights_fingerprint(got, allow_expansion=True) != expected:
-            raise FingerprintMismatchError("the DCP folder did not read back with the weights' values — nothing "
-                                           "was written; report it", path=out)
+            raise FingerprintMismatchError(
+                "the DCP folder did not read back with the weights' values — nothing was written; report it", path=out
+            )
     files = sorted(path for path in out.iterdir() if path.is_file())
-    return SaveReport(path=out, format="dcp", files=files, tensors=len(tensors),
-                      bytes=sum(t.nbytes for t in tensors.values()), checked=len(tensors),
-                      fingerprint=expected if fingerprint else None, notes=notes)
+    return SaveReport(
+        path=out,
+        format="dcp",
+        files=files,
+        tensors=len(tensors),
+        bytes=sum(t.nbytes for t in tensors.values()),
+        checked=len(tensors),
+        fingerprint=expected if fingerprint else None,
+        notes=notes,
+    )

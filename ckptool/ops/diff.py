@@ -24,12 +24,12 @@ from typing import Any
 from ckptool import formats
 from ckptool.base import progress, suggest
 from ckptool.files.byteio import FileCache, Source, is_remote, read_exact, read_into, use_storage_options
-from ckptool.model.checkpoint import Checkpoint
-from ckptool.tensors.dtypes import BIT_PATTERNS, DType
-from ckptool.model.keys import detect_prefix
-from ckptool.io.reader import load
-from ckptool.tensors.refs import TensorRef, check_expansion
 from ckptool.files.ranges import ByteRange
+from ckptool.io.reader import load
+from ckptool.model.checkpoint import Checkpoint
+from ckptool.model.keys import detect_prefix
+from ckptool.tensors.dtypes import BIT_PATTERNS, DType
+from ckptool.tensors.refs import TensorRef, check_expansion
 
 # Bytes per side per comparison step. Small enough that both sides stay in L2 while they are compared
 # (and checked for NaN/Inf): with 8 MiB pieces every byte went through memory twice and diff took ~2x
@@ -64,10 +64,17 @@ class TensorChange:
     beyond_atol: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kinds": list(self.kinds), "a_dtype": self.a_dtype, "b_dtype": self.b_dtype,
-                "a_shape": list(self.a_shape), "b_shape": list(self.b_shape),
-                "max_abs_diff": json_float(self.max_abs_diff), "differing": self.differing,
-                "beyond_atol": self.beyond_atol}
+        return {
+            "name": self.name,
+            "kinds": list(self.kinds),
+            "a_dtype": self.a_dtype,
+            "b_dtype": self.b_dtype,
+            "a_shape": list(self.a_shape),
+            "b_shape": list(self.b_shape),
+            "max_abs_diff": json_float(self.max_abs_diff),
+            "differing": self.differing,
+            "beyond_atol": self.beyond_atol,
+        }
 
 
 @dataclass
@@ -143,7 +150,7 @@ def element_chunks(tensor: TensorRef, elements: int) -> Iterator[bytes]:
         pending += chunk
         start = 0
         while len(pending) - start >= size:
-            yield pending[start:start + size]
+            yield pending[start : start + size]
             start += size
         pending = pending[start:]
     if pending:
@@ -154,9 +161,22 @@ def decode(raw: memoryview | bytes, dtype: DType) -> Any:
     """Raw little-endian bytes of ``dtype`` as a numpy array of float64 (complex128 for complex)."""
     import numpy as np
 
-    simple = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-              "BOOL": np.uint8, "C64": np.complex64, "C128": np.complex128}
+    simple = {
+        "F64": np.float64,
+        "F32": np.float32,
+        "F16": np.float16,
+        "I64": np.int64,
+        "I32": np.int32,
+        "I16": np.int16,
+        "I8": np.int8,
+        "U64": np.uint64,
+        "U32": np.uint32,
+        "U16": np.uint16,
+        "U8": np.uint8,
+        "BOOL": np.uint8,
+        "C64": np.complex64,
+        "C128": np.complex128,
+    }
     if dtype.name in simple:
         values = np.frombuffer(raw, dtype=np.dtype(simple[dtype.name]).newbyteorder("<"))
         return values.astype(np.complex128 if dtype.name.startswith("C") else np.float64)
@@ -175,8 +195,13 @@ def decode(raw: memoryview | bytes, dtype: DType) -> Any:
 # float8 layouts: (exponent bits, mantissa bits, bias, kind) — "fn": no infinities, S.1111.111 is NaN
 # (OCP e4m3); "ieee": infinities and NaNs as in IEEE 754 (e5m2); "fnuz": no -0.0, 0x80 the only NaN
 # (Graphcore/AMD); "e8m0": unsigned powers of two, 0xFF NaN (the OCP MX scale)
-_FLOAT8 = {"F8_E4M3": (4, 3, 7, "fn"), "F8_E5M2": (5, 2, 15, "ieee"), "F8_E4M3FNUZ": (4, 3, 8, "fnuz"),
-           "F8_E5M2FNUZ": (5, 2, 16, "fnuz"), "F8_E8M0": (8, 0, 127, "e8m0")}
+_FLOAT8 = {
+    "F8_E4M3": (4, 3, 7, "fn"),
+    "F8_E5M2": (5, 2, 15, "ieee"),
+    "F8_E4M3FNUZ": (4, 3, 8, "fnuz"),
+    "F8_E5M2FNUZ": (5, 2, 16, "fnuz"),
+    "F8_E8M0": (8, 0, 127, "e8m0"),
+}
 _float8_tables: dict[str, Any] = {}
 
 
@@ -210,8 +235,17 @@ def float8_table(name: str) -> Any:
     return table
 
 
-_INTEGER_UNITS = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
-                  "U8": "u1", "BOOL": "u1"}
+_INTEGER_UNITS = {
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "u1",
+}
 
 
 def exact_diff(raw_a: memoryview | bytes, raw_b: memoryview | bytes, dtype: DType) -> Any:
@@ -231,7 +265,8 @@ def exact_diff(raw_a: memoryview | bytes, raw_b: memoryview | bytes, dtype: DTyp
 
 
 def abs_diff(a: Any, b: Any) -> Any:
-    """Element-wise ``|a - b|`` where equal values (and NaN against NaN) count 0 and a NaN against a number counts inf."""
+    """Element-wise ``|a - b|`` where equal values (and NaN against NaN) count 0 and a NaN against a number counts
+    inf."""
     import numpy as np
 
     with np.errstate(invalid="ignore", over="ignore"):
@@ -275,7 +310,7 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source
     for span in spans:
         position, end = span.offset, span.offset + span.length
         while position < end:
-            piece = view[filled:filled + min(len(buffer) - filled, end - position)]
+            piece = view[filled : filled + min(len(buffer) - filled, end - position)]
             read_into(files.get(span.path), piece, position, span.path)
             filled += len(piece)
             position += len(piece)
@@ -288,8 +323,9 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source
                     view = memoryview(buffer)
 
 
-def tensor_chunks(tensor: TensorRef, elements: int | None = None,
-                  files: FileCache[Source] | None = None) -> Iterator[bytes | bytearray]:
+def tensor_chunks(
+    tensor: TensorRef, elements: int | None = None, files: FileCache[Source] | None = None
+) -> Iterator[bytes | bytearray]:
     """:func:`element_chunks` (by default of :data:`CHUNK_SIZE` bytes), read with ``os.preadv`` through
     ``files`` when the bytes lie in the file as they are. A chunk may be a reused buffer."""
     if elements is None:
@@ -297,15 +333,24 @@ def tensor_chunks(tensor: TensorRef, elements: int | None = None,
     spans = _spans(tensor) if files is not None and hasattr(os, "preadv") else None
     if spans and is_remote(spans[0].path):
         spans = None  # a URL's bytes: streamed by parts fetched one ahead, not a request per chunk
-    chunks = element_chunks(tensor, elements) if spans is None else \
-        _read_spans(spans, elements * tensor.dtype.itemsize, files)
+    chunks = (
+        element_chunks(tensor, elements)
+        if spans is None
+        else _read_spans(spans, elements * tensor.dtype.itemsize, files)
+    )
     for chunk in chunks:
         progress.advance(len(chunk))  # the running diff's or verify's bar, if one is shown
         yield chunk
 
 
-def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: FileCache[Source] | None = None,
-                   on_a_chunk: ChunkCallback | None = None) -> tuple[bool, float, int, int]:
+def compare_values(
+    a: TensorRef,
+    b: TensorRef,
+    *,
+    atol: float = 0.0,
+    files: FileCache[Source] | None = None,
+    on_a_chunk: ChunkCallback | None = None,
+) -> tuple[bool, float, int, int]:
     """Stream two equal-shape tensors: ``(byte_identical, max_abs_diff, differing, beyond_atol)``.
 
     Every byte of both is read, chunk by chunk (A's chunk, then B's). ``files`` shares descriptors across
@@ -346,20 +391,25 @@ def compare_values(a: TensorRef, b: TensorRef, *, atol: float = 0.0, files: File
 # ---------------------------------------------------------------------------------------------- diff
 
 
-def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str],
-          weights: str | None = None) -> Checkpoint:
+def _open(
+    path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str], weights: str | None = None
+) -> Checkpoint:
     if isinstance(path, Checkpoint):
         return path if weights is None else path.select_weights(weights)
     return load(path, allow_globals=allow_globals, weights=weights)
 
 
 def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef]:
-    return {(key[len(prefix):] if prefix and key.startswith(prefix) else key): value for key, value in tensors.items()}
+    return {(key[len(prefix) :] if prefix and key.startswith(prefix) else key): value for key, value in tensors.items()}
 
 
 def _strip_command(checkpoint: Checkpoint, prefix: str) -> str:
-    return suggest.strip(checkpoint.path, suffix=formats.for_name(checkpoint.format).default_suffix,
-                         prefix=None if prefix == checkpoint.prefix else prefix, allow_globals=checkpoint.allow_globals)
+    return suggest.strip(
+        checkpoint.path,
+        suffix=formats.for_name(checkpoint.format).default_suffix,
+        prefix=None if prefix == checkpoint.prefix else prefix,
+        allow_globals=checkpoint.allow_globals,
+    )
 
 
 def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
@@ -376,11 +426,19 @@ def prefix_note(a: Checkpoint, b: Checkpoint) -> tuple[str, str] | None:
     return prefix_a, prefix_b
 
 
-def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float = 0.0,
-         allow_globals: tuple[str, ...] | list[str] = (), align_prefixes: bool = False,
-         chunk_hook: ChunkHook | None = None, allow_expansion: bool = False,
-         weights_a: str | None = None, weights_b: str | None = None,
-         storage_options: Mapping[str, Any] | None = None) -> DiffReport:
+def diff(
+    a: Path | str | Checkpoint,
+    b: Path | str | Checkpoint,
+    *,
+    atol: float = 0.0,
+    allow_globals: tuple[str, ...] | list[str] = (),
+    align_prefixes: bool = False,
+    chunk_hook: ChunkHook | None = None,
+    allow_expansion: bool = False,
+    weights_a: str | None = None,
+    weights_b: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> DiffReport:
     """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
 
     Works across formats (.pt against .safetensors or a sharded directory). Values are compared
@@ -417,49 +475,67 @@ def diff(a: Path | str | Checkpoint, b: Path | str | Checkpoint, *, atol: float 
     for side, tensors in ((left, a_tensors), (right, b_tensors)):
         check_expansion(tensors, allow=allow_expansion, path=side.path, doing="compare")
     a_keys = {key: key for key in a_tensors}  # the key as compared -> A's key as stored
-    report = DiffReport(a=str(left.path), b=str(right.path), a_format=left.format, b_format=right.format,
-                        a_tensors=len(a_tensors), b_tensors=len(b_tensors), atol=atol)
+    report = DiffReport(
+        a=str(left.path),
+        b=str(right.path),
+        a_format=left.format,
+        b_format=right.format,
+        a_tensors=len(a_tensors),
+        b_tensors=len(b_tensors),
+        atol=atol,
+    )
     prefixes = prefix_note(left, right) if left.has_weights and right.has_weights else None
     if prefixes is not None and align_prefixes:
         report.aligned = prefixes
-        a_keys = {(key[len(prefixes[0]):] if prefixes[0] and key.startswith(prefixes[0]) else key): key
-                  for key in a_tensors}  # as _strip: on a clash the last key wins
+        a_keys = {
+            (key[len(prefixes[0]) :] if prefixes[0] and key.startswith(prefixes[0]) else key): key for key in a_tensors
+        }  # as _strip: on a clash the last key wins
         a_tensors, b_tensors = _strip(a_tensors, prefixes[0]), _strip(b_tensors, prefixes[1])
         report.notes.append(f'keys compared without their wrapper prefixes (A: "{prefixes[0]}", B: "{prefixes[1]}")')
     elif prefixes is not None:
-        sides = [(side, prefix, checkpoint) for side, prefix, checkpoint in (("A", prefixes[0], left),
-                                                                            ("B", prefixes[1], right)) if prefix]
+        sides = [
+            (side, prefix, checkpoint)
+            for side, prefix, checkpoint in (("A", prefixes[0], left), ("B", prefixes[1], right))
+            if prefix
+        ]
         which = " and ".join(f'"{prefix}" on {side}' for side, prefix, _ in sides)
         commands = suggest.each([_strip_command(checkpoint, prefix) for _, prefix, checkpoint in sides])
         noun = "prefix" if len(sides) == 1 else "prefixes"
         report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
     report.only_in_a = [key for key in a_tensors if key not in b_tensors]
     report.only_in_b = [key for key in b_tensors if key not in a_tensors]
-    total = sum(tensor.nbytes + b_tensors[name].nbytes for name, tensor in a_tensors.items()
-                if name in b_tensors and tuple(tensor.shape) == tuple(b_tensors[name].shape))
+    total = sum(
+        tensor.nbytes + b_tensors[name].nbytes
+        for name, tensor in a_tensors.items()
+        if name in b_tensors and tuple(tensor.shape) == tuple(b_tensors[name].shape)
+    )
     with progress.task(total, "diff"), FileCache() as files:
         for name, tensor_a in a_tensors.items():
             tensor_b = b_tensors.get(name)
             if tensor_b is None:
                 continue
             report.compared += 1
-            change = TensorChange(name, [], tensor_a.dtype.name, tensor_b.dtype.name, tuple(tensor_a.shape),
-                                  tuple(tensor_b.shape))
+            change = TensorChange(
+                name, [], tensor_a.dtype.name, tensor_b.dtype.name, tuple(tensor_a.shape), tuple(tensor_b.shape)
+            )
             if tensor_a.dtype != tensor_b.dtype:
                 change.kinds.append("dtype")
             if tuple(tensor_a.shape) != tuple(tensor_b.shape):
                 change.kinds.append("shape")
             else:
                 on_a_chunk = chunk_hook(a_keys[name], tensor_a) if chunk_hook is not None else None
-                identical, max_diff, differing, beyond = compare_values(tensor_a, tensor_b, atol=atol, files=files,
-                                                                        on_a_chunk=on_a_chunk)
+                identical, max_diff, differing, beyond = compare_values(
+                    tensor_a, tensor_b, atol=atol, files=files, on_a_chunk=on_a_chunk
+                )
                 report.byte_identical += identical
                 report.max_abs_diff = max(report.max_abs_diff, max_diff)
                 change.max_abs_diff, change.differing, change.beyond_atol = max_diff, differing, beyond
                 if beyond:
                     change.kinds.append("values")
                 elif not identical and not change.kinds and differing == 0:
-                    report.notes.append(f"{name}: bytes differ but every value is equal (-0.0 against 0.0 or NaN payloads)")
+                    report.notes.append(
+                        f"{name}: bytes differ but every value is equal (-0.0 against 0.0 or NaN payloads)"
+                    )
             if change.kinds:
                 report.changed.append(change)
     return report

@@ -8,19 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from ckptool import formats
-from ckptool.pickles import layouts
-from ckptool.model import optimizers
 from ckptool.base import suggest
-from ckptool.files.byteio import path_size, use_storage_options
-from ckptool.base.gcpause import keep
-from ckptool.model.checkpoint import Checkpoint, spell_weights
 from ckptool.base.errors import InputError
-from ckptool.pickles import OpaqueObject
-from ckptool.io.reader import load
-from ckptool.tensors.refs import TensorRef, census, check_expansion, expansion, shared_storages
+from ckptool.base.gcpause import keep
 from ckptool.base.text import value_str
-from ckptool.model.describe import (describe_optimizer_state, entry_record, is_optimizer_state,
-                                    human_bytes)
+from ckptool.files.byteio import path_size, use_storage_options
+from ckptool.io.reader import load
+from ckptool.model import optimizers
+from ckptool.model.checkpoint import Checkpoint, spell_weights
+from ckptool.model.describe import describe_optimizer_state, entry_record, human_bytes, is_optimizer_state
+from ckptool.pickles import OpaqueObject, layouts
+from ckptool.tensors.refs import TensorRef, census, check_expansion, expansion, shared_storages
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
 
@@ -83,21 +81,32 @@ def weight_records(state_dict: Mapping[Any, Any]) -> list[WeightInfo]:
     for key, value in items:
         name = key if isinstance(key, str) else value_str(key)
         if isinstance(value, TensorRef):
-            records.append(WeightInfo(name, "strided", value.dtype.name, list(value.shape), value.nbytes,
-                                      value.location))
+            records.append(
+                WeightInfo(name, "strided", value.dtype.name, list(value.shape), value.nbytes, value.location)
+            )
         elif isinstance(value, layouts.LayoutTensor):
             parts = value.components()
             whole = value
             while isinstance(whole, layouts.WrappedLayoutTensor):
                 whole = whole.inner
-            shape: list[int | None] = [value.shape[0], *[None] * value.shape[1]] if value.layout == "nested" \
-                else list(value.shape)
-            records.append(WeightInfo(
-                name, value.layout, value.dtype.name, shape, sum(part.nbytes for _, part in parts),
-                parts[0][1].location if parts else "",
-                # (a key that is no string names no parts: Checkpoint.tensors leaves them out)
-                parts=[layouts.component_name(key, value, role) for role, _ in parts] if isinstance(key, str) else [],
-                qscheme=whole.qscheme() if hasattr(whole, "qscheme") else None))
+            shape: list[int | None] = (
+                [value.shape[0], *[None] * value.shape[1]] if value.layout == "nested" else list(value.shape)
+            )
+            records.append(
+                WeightInfo(
+                    name,
+                    value.layout,
+                    value.dtype.name,
+                    shape,
+                    sum(part.nbytes for _, part in parts),
+                    parts[0][1].location if parts else "",
+                    # (a key that is no string names no parts: Checkpoint.tensors leaves them out)
+                    parts=[layouts.component_name(key, value, role) for role, _ in parts]
+                    if isinstance(key, str)
+                    else [],
+                    qscheme=whole.qscheme() if hasattr(whole, "qscheme") else None,
+                )
+            )
         elif isinstance(value, OpaqueObject) and value.global_name == META_REBUILD:
             dtype, size = value.reduce_args()[:2]
             records.append(WeightInfo(name, "strided", BY_TORCH_NAME[dtype.name].name, list(size), 0, "meta"))
@@ -111,8 +120,10 @@ def _meta_note(state_dict: Mapping[Any, Any]) -> list[str]:
     if not names:
         return []
     shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
-    return [f"{len(names)} meta tensor(s), a shape and dtype without values: {shown} — torch.load gives them on the "
-            "meta device; not among the tensors counted above (the tensor listing shows them)"]
+    return [
+        f"{len(names)} meta tensor(s), a shape and dtype without values: {shown} — torch.load gives them on the "
+        "meta device; not among the tensors counted above (the tensor listing shows them)"
+    ]
 
 
 @dataclass
@@ -186,10 +197,17 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
         carry = f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys'
         # both at once: one write fixes both (two commands in turn would leave two half-fixed files)
-        hints.append(Hint(carry + (f"; {on_gpu}" if gpu else ""),
-                          suggest.strip(path, suffix=formats.for_name(checkpoint.format).default_suffix,
-                                        allow_globals=checkpoint.allow_globals,
-                                        to_cpu=bool(gpu))))
+        hints.append(
+            Hint(
+                carry + (f"; {on_gpu}" if gpu else ""),
+                suggest.strip(
+                    path,
+                    suffix=formats.for_name(checkpoint.format).default_suffix,
+                    allow_globals=checkpoint.allow_globals,
+                    to_cpu=bool(gpu),
+                ),
+            )
+        )
     elif gpu:
         hints.append(Hint(on_gpu, suggest.remap_to_cpu(path, allow_globals=checkpoint.allow_globals)))
     extra = [g for g in summary.globals if not g.startswith(("torch.", "collections.", "_codecs.", "builtins."))]
@@ -197,26 +215,39 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     if checkpoint.has_weights and fmt.torch_load_refuses:  # its globals are its metadata's (DCP's), inert records
         hints.append(Hint(fmt.torch_load_refuses, suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
     elif checkpoint.has_weights and extra:
-        hints.append(Hint(f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
-                          suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals)))
+        hints.append(
+            Hint(
+                f"pickle uses {', '.join(extra)}: torch.load(weights_only=True) refuses it",
+                suggest.to_safetensors(path, allow_globals=checkpoint.allow_globals),
+            )
+        )
     if checkpoint.folder is not None:
         hints += _folder_hints(checkpoint, summary)
     elif checkpoint.layout is None and is_optimizer_state(checkpoint.container):
-        hints.append(Hint("no model weights: this file is " + describe_optimizer_state(checkpoint.container) + "; "
-                          "the model's weights are saved beside it (e.g. model.safetensors, pytorch_model.bin) — "
-                          "keep this file for resuming training; its tensors as safetensors:",
-                          suggest.optimizer_to_safetensors(path, allow_globals=checkpoint.allow_globals)))
+        hints.append(
+            Hint(
+                "no model weights: this file is " + describe_optimizer_state(checkpoint.container) + "; "
+                "the model's weights are saved beside it (e.g. model.safetensors, pytorch_model.bin) — "
+                "keep this file for resuming training; its tensors as safetensors:",
+                suggest.optimizer_to_safetensors(path, allow_globals=checkpoint.allow_globals),
+            )
+        )
     elif checkpoint.layout is None:
         from ckptool.ops.training_state import describe_content
 
         what = describe_content(checkpoint.container)
         if what is not None:  # a training run's other part (a scheduler's, the rng's state)
-            hints.append(Hint(f"no model weights: this file is a training run's {what}",
-                              "keep it for resuming training; the model's weights are saved beside it "
-                              "(e.g. model.safetensors, pytorch_model.bin)"))
+            hints.append(
+                Hint(
+                    f"no model weights: this file is a training run's {what}",
+                    "keep it for resuming training; the model's weights are saved beside it "
+                    "(e.g. model.safetensors, pytorch_model.bin)",
+                )
+            )
         else:
-            hints.append(Hint("no weights found (no mapping of names to tensors)",
-                              "check that this is a model checkpoint"))
+            hints.append(
+                Hint("no weights found (no mapping of names to tensors)", "check that this is a model checkpoint")
+            )
     return hints
 
 
@@ -228,27 +259,44 @@ def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     folder = checkpoint.path
     for file in state.files if state is not None else []:
         if file.dangerous:
-            hints.append(Hint(f"{file.file} names globals known to run code ({', '.join(file.dangerous[:4])}): "
-                              "torch.load of it would run them — do not resume from this folder unless you trust "
-                              "where it came from", suggest.command("scan", folder)))
+            hints.append(
+                Hint(
+                    f"{file.file} names globals known to run code ({', '.join(file.dangerous[:4])}): "
+                    "torch.load of it would run them — do not resume from this folder unless you trust "
+                    "where it came from",
+                    suggest.command("scan", folder),
+                )
+            )
         elif file.needs:
             shown = ", ".join(file.needs[:3]) + (", ..." if len(file.needs) > 3 else "")
             # one pattern per package (a pattern never allows a code-running global)
             allowed = [*checkpoint.allow_globals, *dict.fromkeys(f"{name.split('.', 1)[0]}.*" for name in file.needs)]
-            hints.append(Hint(f"{file.file} pickles {shown} (another package's classes; torch.load would import "
-                              "and run them): the weights read without them; to see what it holds, if you trust it",
-                              suggest.command("inspect", folder, allow_globals=allowed)))
+            hints.append(
+                Hint(
+                    f"{file.file} pickles {shown} (another package's classes; torch.load would import "
+                    "and run them): the weights read without them; to see what it holds, if you trust it",
+                    suggest.command("inspect", folder, allow_globals=allowed),
+                )
+            )
     if checkpoint.layout is None:
         from ckptool.formats.training_folder import OPTIMIZER  # a folder's roles: imported where a folder is read
 
         optimizer = [file for file in state.files if file.role == OPTIMIZER] if state is not None else []
         if optimizer:
-            hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
-                              "index); the optimizer's tensors as safetensors:",
-                              suggest.optimizer_to_safetensors(folder, folder=True, allow_globals=checkpoint.allow_globals)))
+            hints.append(
+                Hint(
+                    "no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
+                    "index); the optimizer's tensors as safetensors:",
+                    suggest.optimizer_to_safetensors(folder, folder=True, allow_globals=checkpoint.allow_globals),
+                )
+            )
         else:
-            hints.append(Hint("no model weights in this folder (no model.safetensors, pytorch_model.bin or their "
-                              "index)", "the weights are saved elsewhere (save_model / save_pretrained)"))
+            hints.append(
+                Hint(
+                    "no model weights in this folder (no model.safetensors, pytorch_model.bin or their index)",
+                    "the weights are saved elsewhere (save_model / save_pretrained)",
+                )
+            )
     return hints
 
 
@@ -259,15 +307,22 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
     folder = checkpoint.folder
     found: list[dict[str, Any]] = []
     for file in folder.weights:
-        entry: dict[str, Any] = {"weights": file.name, "layout": [], "kind": "state dict", "module_class": None,
-                                 "tensors": None, "chosen": file.name == folder.read and not checkpoint.flattened,
-                                 "file": file.name}
+        entry: dict[str, Any] = {
+            "weights": file.name,
+            "layout": [],
+            "kind": "state dict",
+            "module_class": None,
+            "tensors": None,
+            "chosen": file.name == folder.read and not checkpoint.flattened,
+            "file": file.name,
+        }
         try:
             if entry["chosen"]:
                 entry["tensors"] = len(checkpoint.tensors)
             else:
-                entry["tensors"] = len(load_member(folder.directory, file.name,
-                                                   allow_globals=checkpoint.allow_globals).tensors)
+                entry["tensors"] = len(
+                    load_member(folder.directory, file.name, allow_globals=checkpoint.allow_globals).tensors
+                )
         except InputError as e:
             entry["problem"] = e.message
         found.append(entry)
@@ -277,10 +332,15 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
 
     for number, file in enumerate(folder.of_role(OPTIMIZER)):
         said = described.get(file.name)
-        entry = {"weights": optimizers.STATE_KEY if number == 0 else file.name, "layout": [],
-                 "kind": "optimizer state", "module_class": None,
-                 "tensors": said.details.get("tensors") if said is not None else None,
-                 "chosen": file.name == folder.read and checkpoint.flattened, "file": file.name}
+        entry = {
+            "weights": optimizers.STATE_KEY if number == 0 else file.name,
+            "layout": [],
+            "kind": "optimizer state",
+            "module_class": None,
+            "tensors": said.details.get("tensors") if said is not None else None,
+            "chosen": file.name == folder.read and checkpoint.flattened,
+            "file": file.name,
+        }
         if entry["tensors"] is None and said is not None:
             entry["problem"] = said.problem or said.summary
         found.append(entry)
@@ -295,10 +355,14 @@ def weight_candidates(checkpoint: Checkpoint, chosen_tensors: int | None = None)
         return []
     found: list[dict[str, Any]] = []
     for weight_set in checkpoint.weight_sets():
-        entry: dict[str, Any] = {"weights": spell_weights(checkpoint.container, weight_set.layout),
-                                 "layout": list(weight_set.layout), "kind": weight_set.kind,
-                                 "module_class": weight_set.module_class, "tensors": None,
-                                 "chosen": weight_set.layout == checkpoint.layout}
+        entry: dict[str, Any] = {
+            "weights": spell_weights(checkpoint.container, weight_set.layout),
+            "layout": list(weight_set.layout),
+            "kind": weight_set.kind,
+            "module_class": weight_set.module_class,
+            "tensors": None,
+            "chosen": weight_set.layout == checkpoint.layout,
+        }
         try:
             if entry["chosen"] and chosen_tensors is not None:
                 entry["tensors"] = chosen_tensors
@@ -318,12 +382,12 @@ def _loose_tensors_note(checkpoint: Checkpoint) -> list[str]:
     except InputError:
         return []
     shown = ", ".join(repr(name) for name in list(loose)[:3]) + (", ..." if len(loose) > 3 else "")
-    return [f"{len(loose)} tensor(s) outside any mapping of names, by place: {shown} — diff compares them "
-            "by place"]
+    return [f"{len(loose)} tensor(s) outside any mapping of names, by place: {shown} — diff compares them by place"]
 
 
-def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False,
-              allow_expansion: bool = False) -> Summary:
+def summarize(
+    checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False, allow_expansion: bool = False
+) -> Summary:
     """Describe a loaded checkpoint (no tensor bytes read unless ``with_fingerprint``)."""
     tensors = checkpoint.tensors if checkpoint.has_weights else {}
     counted = census(list(tensors.values()))  # one C pass where built (100,000 tensors: ~10 ms)
@@ -344,7 +408,8 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         dtypes=dict(sorted(counted.dtypes.items())),
         # a format without location tags (safetensors) loads everything where the reader asks
         saved_devices=dict(sorted(checkpoint.saved_devices().items()))
-        if formats.for_name(checkpoint.format).has_location_tags else {},
+        if formats.for_name(checkpoint.format).has_location_tags
+        else {},
         tied=tied_groups(tensors) if counted.shared else [],
         entries={value_str(k): entry_record(v) for k, v in checkpoint.entries().items()},
         globals=sorted(checkpoint.globals),
@@ -362,9 +427,11 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
         summary.candidates = weight_candidates(checkpoint, len(tensors))
     with_bits = [name for name, t in tensors.items() if t.conj or t.neg] if counted.bits else []
     if with_bits:  # the stored bytes are not the values: say so, since nothing else shows it
-        summary.notes.append(f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
-                             f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
-                             "conjugated/negated, as torch.load gives them")
+        summary.notes.append(
+            f"{len(with_bits)} tensor(s) saved with a conjugate or negative bit ({with_bits[0]!r}"
+            f"{', ...' if len(with_bits) > 1 else ''}): their values are the stored bytes "
+            "conjugated/negated, as torch.load gives them"
+        )
     summary.notes += layouts.describe_all(checkpoint.state_dict if checkpoint.has_weights else {})
     summary.notes += _meta_note(checkpoint.state_dict if checkpoint.has_weights else {})
     if not checkpoint.has_weights:
@@ -373,24 +440,37 @@ def summarize(checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_te
     measured = expansion(tensors, shared=counted.shared)
     if measured.expanding:
         name, view_bytes, span = measured.expanding[0]
-        summary.notes.append(f"{len(measured.expanding)} tensor view(s) expand their storage (stride 0 or overlapping): "
-                             f"{human_bytes(measured.stored)} stored, {human_bytes(measured.logical)} in full "
-                             f"(largest {name!r}: {human_bytes(span)} viewed as {human_bytes(view_bytes)})")
+        summary.notes.append(
+            f"{len(measured.expanding)} tensor view(s) expand their storage (stride 0 or overlapping): "
+            f"{human_bytes(measured.stored)} stored, {human_bytes(measured.logical)} in full "
+            f"(largest {name!r}: {human_bytes(span)} viewed as {human_bytes(view_bytes)})"
+        )
     if with_fingerprint:
         check_expansion(tensors, allow=allow_expansion, path=checkpoint.path, doing="hash")
         from ckptool.tensors.digest import fingerprint  # here: hashlib is 5-13 ms of a command that does not hash
 
         summary.fingerprint = fingerprint(tensors, allow_expansion=True)
     if with_tensors:
-        summary.tensor_list = [TensorInfo(name if isinstance(name, str) else value_str(name), t.dtype.name,
-                                          list(t.shape), t.nbytes, t.location) for name, t in tensors.items()]
+        summary.tensor_list = [
+            TensorInfo(
+                name if isinstance(name, str) else value_str(name), t.dtype.name, list(t.shape), t.nbytes, t.location
+            )
+            for name, t in tensors.items()
+        ]
         summary.state_dict = weight_records(checkpoint.state_dict if checkpoint.has_weights else {})
     return summary
 
 
-def inspect(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (), fingerprint: bool = False,
-            tensors: bool = False, allow_expansion: bool = False, weights: str | None = None,
-            storage_options: Mapping[str, Any] | None = None) -> Summary:
+def inspect(
+    path: Path | str,
+    *,
+    allow_globals: tuple[str, ...] | list[str] = (),
+    fingerprint: bool = False,
+    tensors: bool = False,
+    allow_expansion: bool = False,
+    weights: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 
     Example:

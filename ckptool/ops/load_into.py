@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool import formats
 from ckptool.base import suggest
-from ckptool.files.byteio import use_storage_options
-from ckptool.model.checkpoint import Checkpoint
-from ckptool.tensors.dtypes import DType
 from ckptool.base.errors import CkptError, InputError
-from ckptool.model.keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
-from ckptool.io.reader import load
-from ckptool.tensors.refs import StorageRef, TensorRef, check_wholes
 from ckptool.base.torch_import import import_torch
+from ckptool.files.byteio import use_storage_options
+from ckptool.io.reader import load
+from ckptool.model.checkpoint import Checkpoint
+from ckptool.model.keys import COMPILE_PREFIX, DDP_PREFIX, LIGHTNING_PREFIX, WRAPPER_PREFIXES, detect_prefix
+from ckptool.tensors.dtypes import DType
+from ckptool.tensors.refs import StorageRef, TensorRef, check_wholes
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at run time
     import torch
@@ -60,8 +60,10 @@ def torch_dtype(dtype: DType) -> torch.dtype:
     try:
         return getattr(torch, dtype.torch_name)
     except AttributeError:
-        raise InputError(f"dtype {dtype.name} ({dtype.torch_name}) is not supported by this torch "
-                         f"{torch.__version__} — upgrade torch to load it") from None
+        raise InputError(
+            f"dtype {dtype.name} ({dtype.torch_name}) is not supported by this torch "
+            f"{torch.__version__} — upgrade torch to load it"
+        ) from None
 
 
 def _storage_alignment(storage: StorageRef, tensors: Iterable[TensorRef]) -> int:
@@ -92,7 +94,7 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
         buffer = torch.empty(span.length, dtype=torch.uint8)
         view, filled = memoryview(buffer.numpy()), 0
         for chunk in span.iter_chunks():
-            view[filled:filled + len(chunk)] = chunk
+            view[filled : filled + len(chunk)] = chunk
             filled += len(chunk)
         return buffer.untyped_storage()
     try:
@@ -118,7 +120,8 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
     """Materialize lazy tensors as real CPU tensors, keeping ties and views.
 
     Each saved storage becomes one torch storage; each tensor is a view of it with its saved
-    offset, shape and stride, and its conjugate/negative bits (as ``torch.load`` sets them). Tensors that shared a storage on disk share it here
+    offset, shape and stride, and its conjugate/negative bits (as ``torch.load`` sets them). Tensors that shared a
+    storage on disk share it here
     (``a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()``). Only the storages the
     given tensors use are read. Sparse and nested tensors (:mod:`ckptool.pickles.layouts`) are built with
     torch from their components and checked as ``torch.load`` checks them. Other non-tensor values
@@ -155,15 +158,19 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
     for name, tensor in refs.items():
         key = id(tensor.storage)
         if key not in storages:
-            storages[key] = materialize_storage(tensor.storage, mmap=mmap,
-                                                alignment=_storage_alignment(tensor.storage, users[key]))
+            storages[key] = materialize_storage(
+                tensor.storage, mmap=mmap, alignment=_storage_alignment(tensor.storage, users[key])
+            )
         dtype = torch_dtype(tensor.dtype)
         try:
-            state_dict[name] = torch.empty(0, dtype=dtype).set_(storages[key], tensor.offset, tensor.shape,
-                                                                 tensor.stride)
+            state_dict[name] = torch.empty(0, dtype=dtype).set_(
+                storages[key], tensor.offset, tensor.shape, tensor.stride
+            )
         except RuntimeError as e:
-            raise InputError(f"tensor {name!r} does not fit its storage ({e}) — the file is corrupt",
-                             path=tensor.storage.byte_range().path) from e
+            raise InputError(
+                f"tensor {name!r} does not fit its storage ({e}) — the file is corrupt",
+                path=tensor.storage.byte_range().path,
+            ) from e
         if tensor.conj or tensor.neg:
             # the bits torch's _rebuild_tensor_v2 sets from the same metadata: a lazy conjugate or
             # negative view, exactly as torch.load returns it (copies and load_state_dict resolve it)
@@ -193,7 +200,7 @@ class KeyRewrite:
 
     def apply(self, key: str) -> str:
         if self.strip and key.startswith(self.strip):
-            key = key[len(self.strip):]
+            key = key[len(self.strip) :]
         return self.add + key
 
     def describe(self) -> str:
@@ -233,8 +240,11 @@ class KeyMatch:
         return not self.missing and not self.unexpected and not self.mismatched
 
 
-def match_keys(checkpoint_shapes: Mapping[str, tuple[int, ...]], model_shapes: Mapping[str, tuple[int, ...]],
-               rewrite: KeyRewrite = KeyRewrite()) -> KeyMatch | None:
+def match_keys(
+    checkpoint_shapes: Mapping[str, tuple[int, ...]],
+    model_shapes: Mapping[str, tuple[int, ...]],
+    rewrite: KeyRewrite = KeyRewrite(),
+) -> KeyMatch | None:
     """Compare keys after ``rewrite``; None if the rewrite maps two checkpoint keys onto one."""
     renamed: dict[str, tuple[int, ...]] = {}
     for key, shape in checkpoint_shapes.items():
@@ -244,8 +254,11 @@ def match_keys(checkpoint_shapes: Mapping[str, tuple[int, ...]], model_shapes: M
         renamed[new_key] = shape
     missing = [key for key in model_shapes if key not in renamed]
     unexpected = [key for key in renamed if key not in model_shapes]
-    mismatched = [ShapeMismatch(key, renamed[key], model_shapes[key])
-                  for key in model_shapes if key in renamed and tuple(renamed[key]) != tuple(model_shapes[key])]
+    mismatched = [
+        ShapeMismatch(key, renamed[key], model_shapes[key])
+        for key in model_shapes
+        if key in renamed and tuple(renamed[key]) != tuple(model_shapes[key])
+    ]
     matched = sum(1 for key in model_shapes if key in renamed) - len(mismatched)
     return KeyMatch(rewrite, matched, missing, unexpected, mismatched)
 
@@ -269,11 +282,15 @@ def candidate_rewrites(checkpoint_prefix: str, model_prefix: str) -> list[KeyRew
             rewrite = KeyRewrite(strip, add)
             if rewrite not in seen:
                 seen.append(rewrite)
-    return sorted(seen, key=lambda r: (bool(r.strip) + bool(r.add)))
+    return sorted(seen, key=lambda r: bool(r.strip) + bool(r.add))
 
 
-def best_rewrite(checkpoint_shapes: Mapping[str, tuple[int, ...]], model_shapes: Mapping[str, tuple[int, ...]],
-                 *, checkpoint_prefix: str = "") -> KeyMatch:
+def best_rewrite(
+    checkpoint_shapes: Mapping[str, tuple[int, ...]],
+    model_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    checkpoint_prefix: str = "",
+) -> KeyMatch:
     """The rewrite that makes most of the model's keys present with equal shapes.
 
     Example:
@@ -318,21 +335,35 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def fix_command(path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str,
-                allow_globals: Sequence[str] = ()) -> str:
+def fix_command(
+    path: Path, rewrite: KeyRewrite, *, checkpoint_prefix: str, format_: str, allow_globals: Sequence[str] = ()
+) -> str:
     """The ckptool command(s) that apply ``rewrite`` to the file at ``path`` (read with ``allow_globals``)."""
     suffix = formats.for_name(format_).default_suffix
     commands = []
     source = path
     if rewrite.strip:
         target = suggest.sibling(path, "stripped", suffix)
-        commands.append(suggest.command("strip", source, out=target,
-                                        prefix=rewrite.strip if rewrite.strip != checkpoint_prefix else None,
-                                        allow_globals=list(allow_globals)))
+        commands.append(
+            suggest.command(
+                "strip",
+                source,
+                out=target,
+                prefix=rewrite.strip if rewrite.strip != checkpoint_prefix else None,
+                allow_globals=list(allow_globals),
+            )
+        )
         source = target
     if rewrite.add:
-        commands.append(suggest.command("add-prefix", source, out=suggest.sibling(path, "prefixed", suffix),
-                                        prefix=rewrite.add, allow_globals=list(allow_globals)))
+        commands.append(
+            suggest.command(
+                "add-prefix",
+                source,
+                out=suggest.sibling(path, "prefixed", suffix),
+                prefix=rewrite.add,
+                allow_globals=list(allow_globals),
+            )
+        )
     return suggest.each(commands)
 
 
@@ -418,26 +449,48 @@ def _last_layer(model_keys: list[str]) -> str:
     return module_of(model_keys[-1], depth=64) if model_keys else ""
 
 
-def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_stored: KeyMatch, fitted: KeyMatch,
-             *, checkpoint_prefix: str, model_prefix: str, allow_globals: Sequence[str] = ()) -> LoadDiagnosis:
+def diagnose(
+    path: Path,
+    format_: str,
+    model: str,
+    model_keys: list[str],
+    as_stored: KeyMatch,
+    fitted: KeyMatch,
+    *,
+    checkpoint_prefix: str,
+    model_prefix: str,
+    allow_globals: Sequence[str] = (),
+) -> LoadDiagnosis:
     """Name the cause of a mismatch and the next step (pure: keys and shapes in, diagnosis out)."""
     rewrite = fitted.rewrite
     sentences: list[str] = []
     fixes: list[str] = []
     cause = "partial"
     keys_fit = not fitted.missing and not fitted.unexpected
-    if not rewrite.is_identity and fitted.matched + len(fitted.mismatched) > as_stored.matched + len(as_stored.mismatched):
+    if not rewrite.is_identity and fitted.matched + len(fitted.mismatched) > as_stored.matched + len(
+        as_stored.mismatched
+    ):
         cause = "prefix"
-        model_side = f'{model}\'s keys start with "{model_prefix}"' if model_prefix else f"{model}'s keys have no prefix"
+        model_side = (
+            f'{model}\'s keys start with "{model_prefix}"' if model_prefix else f"{model}'s keys have no prefix"
+        )
         if rewrite.strip and not rewrite.add:
-            sentences.append(f'every weight key carries "{rewrite.strip}" ({_wrappers(rewrite.strip)}) but {model_side}')
+            sentences.append(
+                f'every weight key carries "{rewrite.strip}" ({_wrappers(rewrite.strip)}) but {model_side}'
+            )
         elif rewrite.add and not rewrite.strip:
-            sentences.append(f'{model}\'s keys start with "{rewrite.add}" ({_wrappers(rewrite.add)}) but the weight keys '
-                             "do not carry it")
+            sentences.append(
+                f'{model}\'s keys start with "{rewrite.add}" ({_wrappers(rewrite.add)}) but the weight keys '
+                "do not carry it"
+            )
         else:
             sentences.append(f'the weight keys carry "{rewrite.strip}" but {model}\'s keys start with "{rewrite.add}"')
-        fixes.append("run: " + fix_command(path, rewrite, checkpoint_prefix=checkpoint_prefix, format_=format_,
-                                            allow_globals=allow_globals))
+        fixes.append(
+            "run: "
+            + fix_command(
+                path, rewrite, checkpoint_prefix=checkpoint_prefix, format_=format_, allow_globals=allow_globals
+            )
+        )
     total = len(model_keys)
     if keys_fit and fitted.mismatched:
         last = _last_layer(model_keys)
@@ -445,36 +498,52 @@ def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_sto
             head = fitted.mismatched[0]
             classes = head.checkpoint_shape[0] if head.checkpoint_shape else "?"
             cause = "head" if cause == "partial" else cause
-            sentences.append(f"the classifier head differs: {head.key} is {_shape(head.checkpoint_shape)} in the "
-                             f"checkpoint but {_shape(head.model_shape)} in {model}")
+            sentences.append(
+                f"the classifier head differs: {head.key} is {_shape(head.checkpoint_shape)} in the "
+                f"checkpoint but {_shape(head.model_shape)} in {model}"
+            )
             fixes.append(f"build the model with a {classes}-class head (e.g. num_classes={classes})")
         else:
             cause = "architecture" if cause == "partial" else cause
             modules = ", ".join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))
-            sentences.append(f"holds a different architecture than {model}: {len(fitted.mismatched)} of its {total} "
-                             f"tensors have other shapes in the checkpoint ({modules})")
+            sentences.append(
+                f"holds a different architecture than {model}: {len(fitted.mismatched)} of its {total} "
+                f"tensors have other shapes in the checkpoint ({modules})"
+            )
             fixes.append("pass the model this checkpoint was trained with")
     elif not keys_fit:
         if fitted.matched < ARCHITECTURE_THRESHOLD * total or len(fitted.mismatched) > 1:
             cause = "architecture" if cause == "partial" else cause
             missing = ", ".join(group_by_module(fitted.missing)) or "none"
             extra = ", ".join(group_by_module(fitted.unexpected)) or "none"
-            sentences.append(f"holds a different architecture than {model}: {fitted.matched} of its {total} tensors "
-                             f"found with the right shape (missing: {missing}; unexpected: {extra}"
-                             + (f"; other shapes: {', '.join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))}"
-                                if fitted.mismatched else "") + ")")
+            sentences.append(
+                f"holds a different architecture than {model}: {fitted.matched} of its {total} tensors "
+                f"found with the right shape (missing: {missing}; unexpected: {extra}"
+                + (
+                    f"; other shapes: {', '.join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))}"
+                    if fitted.mismatched
+                    else ""
+                )
+                + ")"
+            )
             fixes.append("pass the model this checkpoint was trained with")
         else:
             parts = []
             if fitted.missing:
-                parts.append(f"{len(fitted.missing)} of {model}'s keys are missing "
-                             f"({', '.join(fitted.missing[:3])}{', ...' if len(fitted.missing) > 3 else ''})")
+                parts.append(
+                    f"{len(fitted.missing)} of {model}'s keys are missing "
+                    f"({', '.join(fitted.missing[:3])}{', ...' if len(fitted.missing) > 3 else ''})"
+                )
             if fitted.unexpected:
-                parts.append(f"{len(fitted.unexpected)} keys are unexpected "
-                             f"({', '.join(fitted.unexpected[:3])}{', ...' if len(fitted.unexpected) > 3 else ''})")
+                parts.append(
+                    f"{len(fitted.unexpected)} keys are unexpected "
+                    f"({', '.join(fitted.unexpected[:3])}{', ...' if len(fitted.unexpected) > 3 else ''})"
+                )
             if fitted.mismatched:
-                parts.append(f"{fitted.mismatched[0].key} is {_shape(fitted.mismatched[0].checkpoint_shape)} in the "
-                             f"checkpoint but {_shape(fitted.mismatched[0].model_shape)} in {model}")
+                parts.append(
+                    f"{fitted.mismatched[0].key} is {_shape(fitted.mismatched[0].checkpoint_shape)} in the "
+                    f"checkpoint but {_shape(fitted.mismatched[0].model_shape)} in {model}"
+                )
             sentences.append("; ".join(parts))
             fixes.append("check that the checkpoint was saved from this version of the model")
     if not sentences:  # only reachable if the rewrite alone fits but was not applied
@@ -482,10 +551,21 @@ def diagnose(path: Path, format_: str, model: str, model_keys: list[str], as_sto
     problem = "; then ".join(sentences) if cause == "prefix" and len(sentences) > 1 else "; ".join(sentences)
     fix = ", then ".join(fixes) if fixes else "check that the checkpoint belongs to this model"
     return LoadDiagnosis(
-        path=path, model=model, cause=cause, problem=problem, fix=fix, rewrite=rewrite, model_keys=total,
-        matched=as_stored.matched, missing=as_stored.missing, unexpected=as_stored.unexpected,
-        mismatched=as_stored.mismatched, fitted_matched=fitted.matched, fitted_missing=fitted.missing,
-        fitted_unexpected=fitted.unexpected, fitted_mismatched=fitted.mismatched,
+        path=path,
+        model=model,
+        cause=cause,
+        problem=problem,
+        fix=fix,
+        rewrite=rewrite,
+        model_keys=total,
+        matched=as_stored.matched,
+        missing=as_stored.missing,
+        unexpected=as_stored.unexpected,
+        mismatched=as_stored.mismatched,
+        fitted_matched=fitted.matched,
+        fitted_missing=fitted.missing,
+        fitted_unexpected=fitted.unexpected,
+        fitted_mismatched=fitted.mismatched,
     )
 
 
@@ -541,8 +621,9 @@ class LoadReport:
         }
 
 
-def _open(path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str],
-          weights: str | None = None) -> Checkpoint:
+def _open(
+    path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str], weights: str | None = None
+) -> Checkpoint:
     if isinstance(path, Checkpoint):
         return path if weights is None else path.select_weights(weights)
     return load(path, allow_globals=allow_globals, weights=weights)
@@ -555,11 +636,18 @@ def _model_device(model: nn.Module) -> str:
     return "cpu"
 
 
-def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = True, device: str | None = None,
-              strict: bool = True, filter_fn: Callable[[dict[str, torch.Tensor], nn.Module],
-                                                       dict[str, torch.Tensor]] | None = None,
-              allow_globals: tuple[str, ...] | list[str] = (), weights: str | None = None,
-              storage_options: Mapping[str, Any] | None = None) -> LoadReport:
+def load_into(
+    model: nn.Module,
+    path: Path | str | Checkpoint,
+    *,
+    fix: bool = True,
+    device: str | None = None,
+    strict: bool = True,
+    filter_fn: Callable[[dict[str, torch.Tensor], nn.Module], dict[str, torch.Tensor]] | None = None,
+    allow_globals: tuple[str, ...] | list[str] = (),
+    weights: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> LoadReport:
     """Load any checkpoint's weights into ``model``, fixing wrapper prefixes on the way.
 
     Reads the file without running its code, finds the weights inside any training container,
@@ -609,11 +697,19 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
     chosen = best if fix else as_stored
     name = model_name(model)
     if strict and filter_fn is None and not chosen.fits:
-        raise LoadMismatchError(diagnose(
-            checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
-            checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
-            allow_globals=checkpoint.allow_globals,
-        ))
+        raise LoadMismatchError(
+            diagnose(
+                checkpoint.path,
+                checkpoint.format,
+                name,
+                list(model_shapes),
+                as_stored,
+                best,
+                checkpoint_prefix=checkpoint.prefix,
+                model_prefix=detect_prefix(model_shapes, lightning=True),
+                allow_globals=checkpoint.allow_globals,
+            )
+        )
     rewrite = chosen.rewrite
     state_dict = to_state_dict({rewrite.apply(key): tensor for key, tensor in tensors.items()})
     skipped: list[str] = []
@@ -621,50 +717,93 @@ def load_into(model: nn.Module, path: Path | str | Checkpoint, *, fix: bool = Tr
         filtered = filter_fn(state_dict, model)
         skipped = [key for key in state_dict if key not in filtered]
         state_dict = dict(filtered)
-    fits = {key: value for key, value in state_dict.items()
-            if key in model_shapes and tuple(value.shape) == model_shapes[key]}
+    fits = {
+        key: value
+        for key, value in state_dict.items()
+        if key in model_shapes and tuple(value.shape) == model_shapes[key]
+    }
     missing = [key for key in model_shapes if key not in fits]
     unexpected = [key for key in state_dict if key not in model_shapes]
     mismatched = [key for key in state_dict if key in model_shapes and key not in fits]
     if strict and (missing or unexpected or mismatched):  # what filter_fn left does not fit the model
-        raise LoadMismatchError(diagnose(
-            checkpoint.path, checkpoint.format, name, list(model_shapes), as_stored, best,
-            checkpoint_prefix=checkpoint.prefix, model_prefix=detect_prefix(model_shapes, lightning=True),
-            allow_globals=checkpoint.allow_globals,
-        ) if not chosen.fits else _filtered_diagnosis(checkpoint, name, chosen, missing, unexpected, skipped))
-    casts = Counter(f"{dtype_name(value)}->{dtype_name(model_state[key])}"
-                    for key, value in fits.items() if value.dtype != model_state[key].dtype)
+        raise LoadMismatchError(
+            diagnose(
+                checkpoint.path,
+                checkpoint.format,
+                name,
+                list(model_shapes),
+                as_stored,
+                best,
+                checkpoint_prefix=checkpoint.prefix,
+                model_prefix=detect_prefix(model_shapes, lightning=True),
+                allow_globals=checkpoint.allow_globals,
+            )
+            if not chosen.fits
+            else _filtered_diagnosis(checkpoint, name, chosen, missing, unexpected, skipped)
+        )
+    casts = Counter(
+        f"{dtype_name(value)}->{dtype_name(model_state[key])}"
+        for key, value in fits.items()
+        if value.dtype != model_state[key].dtype
+    )
     if device is not None:
         model.to(device)
     try:
         model.load_state_dict(fits, strict=strict)
     except RuntimeError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CkptError(f"load_state_dict failed after the keys matched ({first_line}) — "
-                        "the model's load hooks reject these weights", path=checkpoint.path) from e
+        raise CkptError(
+            f"load_state_dict failed after the keys matched ({first_line}) — "
+            "the model's load hooks reject these weights",
+            path=checkpoint.path,
+        ) from e
     storages = Counter(id(tensor.storage) for tensor in tensors.values())
     return LoadReport(
-        path=checkpoint.path, format=checkpoint.format, layout=tuple(checkpoint.layout or ()), model=name,
-        device=str(device) if device is not None else _model_device(model), rewrite=rewrite, matched=len(fits),
-        missing=len(missing), unexpected=len(unexpected), mismatched=len(mismatched),
+        path=checkpoint.path,
+        format=checkpoint.format,
+        layout=tuple(checkpoint.layout or ()),
+        model=name,
+        device=str(device) if device is not None else _model_device(model),
+        rewrite=rewrite,
+        matched=len(fits),
+        missing=len(missing),
+        unexpected=len(unexpected),
+        mismatched=len(mismatched),
         casts=dict(casts),
-        tied=sum(count - 1 for count in storages.values() if count > 1), skipped=skipped, missing_keys=missing,
-        unexpected_keys=unexpected, mismatched_keys=mismatched,
+        tied=sum(count - 1 for count in storages.values() if count > 1),
+        skipped=skipped,
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+        mismatched_keys=mismatched,
     )
 
 
-def _filtered_diagnosis(checkpoint: Checkpoint, model: str, chosen: Any, missing: list[str], unexpected: list[str],
-                        skipped: list[str]) -> LoadDiagnosis:
+def _filtered_diagnosis(
+    checkpoint: Checkpoint, model: str, chosen: Any, missing: list[str], unexpected: list[str], skipped: list[str]
+) -> LoadDiagnosis:
     """The keys fit before ``filter_fn`` and not after it: say what it took away."""
     shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-    problem = (f"filter_fn left {len(missing)} of {model}'s keys without weights ({shown})" if missing else
-               f"filter_fn returned {len(unexpected)} keys {model} does not have ({', '.join(unexpected[:3])})")
+    problem = (
+        f"filter_fn left {len(missing)} of {model}'s keys without weights ({shown})"
+        if missing
+        else f"filter_fn returned {len(unexpected)} keys {model} does not have ({', '.join(unexpected[:3])})"
+    )
     return LoadDiagnosis(
-        path=checkpoint.path, model=model, cause="partial", problem=problem,
-        fix="load with strict=False to keep the model's own values for them", rewrite=chosen.rewrite,
-        model_keys=chosen.matched + len(chosen.missing), matched=chosen.matched - len(missing),
-        missing=missing, unexpected=unexpected, mismatched=[], fitted_matched=chosen.matched - len(missing),
-        fitted_missing=missing, fitted_unexpected=unexpected, fitted_mismatched=[],
+        path=checkpoint.path,
+        model=model,
+        cause="partial",
+        problem=problem,
+        fix="load with strict=False to keep the model's own values for them",
+        rewrite=chosen.rewrite,
+        model_keys=chosen.matched + len(chosen.missing),
+        matched=chosen.matched - len(missing),
+        missing=missing,
+        unexpected=unexpected,
+        mismatched=[],
+        fitted_matched=chosen.matched - len(missing),
+        fitted_missing=missing,
+        fitted_unexpected=unexpected,
+        fitted_mismatched=[],
     )
 
 

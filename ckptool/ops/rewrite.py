@@ -20,15 +20,15 @@ from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptool.base.errors import CkptError, UsageError
-from ckptool.files.inputs import location
-from ckptool.base.gcpause import keep
 from ckptool.base import suggest
+from ckptool.base.errors import CkptError, UsageError
+from ckptool.base.gcpause import keep
 from ckptool.base.suggest import Metavar, option
+from ckptool.files.inputs import location
 
 if TYPE_CHECKING:  # the writer is imported by the job that writes, so --help stays fast
-    from ckptool.model.checkpoint import Checkpoint
     from ckptool.io.writer import SaveReport
+    from ckptool.model.checkpoint import Checkpoint
 
 
 @dataclass
@@ -54,9 +54,15 @@ class WriteReport:
 
     def to_json(self) -> dict[str, Any]:
         """The --json object: the same fields for every write command."""
-        written = {"output": str(self.saved.path), "format": self.saved.format, "tensors": self.saved.tensors,
-                   "bytes": self.saved.bytes, "checked": self.saved.checked, "fingerprint": self.saved.fingerprint,
-                   "files": [str(f) for f in self.saved.files]}
+        written = {
+            "output": str(self.saved.path),
+            "format": self.saved.format,
+            "tensors": self.saved.tensors,
+            "bytes": self.saved.bytes,
+            "checked": self.saved.checked,
+            "fingerprint": self.saved.fingerprint,
+            "files": [str(f) for f in self.saved.files],
+        }
         if self.saved.dry_run:  # what would be written; nothing was
             written["dry_run"] = True
         if self.command == "convert":  # convert's object leads with its input and lists the aliases it recorded
@@ -68,19 +74,33 @@ def _target(ckpt: Path, out: Path | None, in_place: bool, checkpoint: Checkpoint
     if out is None:
         if in_place:
             folder = checkpoint.folder if checkpoint is not None else None
-            if folder is not None and folder.read is not None and \
-                    [file.name for file in checkpoint.files] == [folder.read]:  # type: ignore[union-attr]
+            if (
+                folder is not None
+                and folder.read is not None
+                and [file.name for file in checkpoint.files] == [folder.read]
+            ):  # type: ignore[union-attr]
                 return ckpt / folder.read  # a training folder's one weights file, rewritten where it is
             return ckpt
-        raise UsageError("missing " + option("out", Metavar("OUT")) + " (or " + option("in_place")
-                         + " to rewrite the input)")
+        raise UsageError(
+            "missing " + option("out", Metavar("OUT")) + " (or " + option("in_place") + " to rewrite the input)"
+        )
     return out
 
 
-def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None = None, force: bool = False,
-          in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-          weights: str | None = None, to_device: str | None = None, mapping: Iterable[str] = (),
-          dry_run: bool = False) -> WriteReport:
+def strip(
+    ckpt: Path | str,
+    out: Path | str | None = None,
+    *,
+    prefix: str | None = None,
+    force: bool = False,
+    in_place: bool = False,
+    allow_globals: tuple[str, ...] = (),
+    fingerprint: bool = False,
+    weights: str | None = None,
+    to_device: str | None = None,
+    mapping: Iterable[str] = (),
+    dry_run: bool = False,
+) -> WriteReport:
     """Remove a key prefix (by default the detected wrapper stack) and write the result to ``out``;
     with ``to_device`` or ``mapping``, rewrite the saved device tags in the same write (as :func:`remap`).
 
@@ -105,8 +125,15 @@ def strip(ckpt: Path | str, out: Path | str | None = None, *, prefix: str | None
         details["devices_before"] = checkpoint.saved_devices()
         stripped = stripped.remap(mapper)
         details["devices_after"] = stripped.saved_devices()
-    saved = save(stripped, target, to=rewrite_format(checkpoint, out, command="strip"), force=force,
-                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    saved = save(
+        stripped,
+        target,
+        to=rewrite_format(checkpoint, out, command="strip"),
+        force=force,
+        in_place=in_place,
+        fingerprint=fingerprint,
+        dry_run=dry_run,
+    )
     keep(checkpoint, stripped)
     return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes, details)
 
@@ -124,9 +151,18 @@ def _has_location_tags(checkpoint: Checkpoint, ckpt: Path) -> None:
         raise UsageError(f"{ckpt}: safetensors files carry no device tags — nothing to remap")
 
 
-def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str = "module.", force: bool = False,
-               in_place: bool = False, allow_globals: tuple[str, ...] = (), fingerprint: bool = False,
-               weights: str | None = None, dry_run: bool = False) -> WriteReport:
+def add_prefix(
+    ckpt: Path | str,
+    out: Path | str | None = None,
+    *,
+    prefix: str = "module.",
+    force: bool = False,
+    in_place: bool = False,
+    allow_globals: tuple[str, ...] = (),
+    fingerprint: bool = False,
+    weights: str | None = None,
+    dry_run: bool = False,
+) -> WriteReport:
     """Put ``prefix`` in front of every weight key and write the result to ``out``."""
     from ckptool.io.reader import load
     from ckptool.io.writer import rewrite_format, save
@@ -135,17 +171,39 @@ def add_prefix(ckpt: Path | str, out: Path | str | None = None, *, prefix: str =
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
-    saved = save(prefixed, target, to=rewrite_format(checkpoint, out, command="add-prefix"), force=force,
-                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    saved = save(
+        prefixed,
+        target,
+        to=rewrite_format(checkpoint, out, command="add-prefix"),
+        force=force,
+        in_place=in_place,
+        fingerprint=fingerprint,
+        dry_run=dry_run,
+    )
     keep(checkpoint, prefixed)
-    return WriteReport("add-prefix", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes,
-                       {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)})
+    return WriteReport(
+        "add-prefix",
+        ckpt,
+        target,
+        saved,
+        whole_model_notes(checkpoint, saved) + saved.notes,
+        {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)},
+    )
 
 
-def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | None = None,
-          mapping: Iterable[str] = (), force: bool = False, in_place: bool = False,
-          allow_globals: tuple[str, ...] = (), fingerprint: bool = False, weights: str | None = None,
-          dry_run: bool = False) -> WriteReport:
+def remap(
+    ckpt: Path | str,
+    out: Path | str | None = None,
+    *,
+    to_device: str | None = None,
+    mapping: Iterable[str] = (),
+    force: bool = False,
+    in_place: bool = False,
+    allow_globals: tuple[str, ...] = (),
+    fingerprint: bool = False,
+    weights: str | None = None,
+    dry_run: bool = False,
+) -> WriteReport:
     """Rewrite the saved storage device tags (every one to ``to_device``, or ``mapping``'s ``old=new``).
 
     Raises:
@@ -162,11 +220,24 @@ def remap(ckpt: Path | str, out: Path | str | None = None, *, to_device: str | N
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
-    saved = save(remapped, target, to=rewrite_format(checkpoint, out, command="remap"), force=force,
-                 in_place=in_place, fingerprint=fingerprint, dry_run=dry_run)
+    saved = save(
+        remapped,
+        target,
+        to=rewrite_format(checkpoint, out, command="remap"),
+        force=force,
+        in_place=in_place,
+        fingerprint=fingerprint,
+        dry_run=dry_run,
+    )
     keep(checkpoint, remapped)
-    return WriteReport("remap", ckpt, target, saved, whole_model_notes(checkpoint, saved, "remap") + saved.notes,
-                       {"devices_before": before, "devices_after": after})
+    return WriteReport(
+        "remap",
+        ckpt,
+        target,
+        saved,
+        whole_model_notes(checkpoint, saved, "remap") + saved.notes,
+        {"devices_before": before, "devices_after": after},
+    )
 
 
 def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport, command: str = "") -> list[str]:
@@ -176,13 +247,17 @@ def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport, command: str = 
     if not checkpoint.whole_model or formats.for_name(saved.format).weights_only:  # weights alone anyway
         return []
     if command == "remap":  # device tags changed, the modules themselves written back
-        return [f"whole-model pickle ({checkpoint.module_class}): rewrote the pickled model itself with only its "
-                "device tags changed; torch.load of the output needs the model's classes, as the input's did"]
+        return [
+            f"whole-model pickle ({checkpoint.module_class}): rewrote the pickled model itself with only its "
+            "device tags changed; torch.load of the output needs the model's classes, as the input's did"
+        ]
     left = [repr(str(key)) for key in checkpoint.entries()]
     shown = ", ".join(left[:4]) + (", ..." if len(left) > 4 else "")
-    return [f"whole-model pickle ({checkpoint.module_class}): wrote its weights as a plain state dict, as "
-            "model.state_dict() gives them, which torch.load(weights_only=True) reads; no class of the model "
-            "goes along" + (f", nor the container's other entries ({shown})" if left else "")]
+    return [
+        f"whole-model pickle ({checkpoint.module_class}): wrote its weights as a plain state dict, as "
+        "model.state_dict() gives them, which torch.load(weights_only=True) reads; no class of the model "
+        "goes along" + (f", nor the container's other entries ({shown})" if left else "")
+    ]
 
 
 def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
@@ -256,12 +331,20 @@ class ConvertReport:
         failure as an error object (``describe`` gives its message)."""
         from ckptool.base.jsonout import error_object
 
-        return {"converted": [report.to_json() for report in self.converted],
-                "failed": [error_object(error, describe) for error in self.failed]}
+        return {
+            "converted": [report.to_json() for report in self.converted],
+            "failed": [error_object(error, describe) for error in self.failed],
+        }
 
 
-def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None, out_dir: Path | str | None = None,
-                 to: str | None = None, max_shard_size: str | int | None = None) -> ConvertPlan:
+def plan_convert(
+    sources: Iterable[Path | str],
+    *,
+    out: Path | str | None = None,
+    out_dir: Path | str | None = None,
+    to: str | None = None,
+    max_shard_size: str | int | None = None,
+) -> ConvertPlan:
     """Plan a convert: one input to ``out``, or any number into the folder ``out_dir``.
 
     Raises:
@@ -274,12 +357,21 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
     sources = [location(source) for source in sources]
     shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if (out is None) == (out_dir is None):
-        raise UsageError("give exactly one of " + option("out", Metavar("OUT")) + " (one input) or "
-                         + option("out_dir", Metavar("DIR")) + " (any number of inputs)")
+        raise UsageError(
+            "give exactly one of "
+            + option("out", Metavar("OUT"))
+            + " (one input) or "
+            + option("out_dir", Metavar("DIR"))
+            + " (any number of inputs)"
+        )
     if out is not None:
         if len(sources) != 1:
-            raise UsageError(option("out", None) + " takes one input; use " + option("out_dir", Metavar("DIR"))
-                             + " to convert several")
+            raise UsageError(
+                option("out", None)
+                + " takes one input; use "
+                + option("out_dir", Metavar("DIR"))
+                + " to convert several"
+            )
         if isinstance(out, str) and out.endswith(("/", os.sep)) and shard_bytes is None and to != "pt":
             shard_bytes = parse_size("5GB")  # "out/": a folder of shards (the writer's default size), as no suffix says
         return ConvertPlan([(sources[0], location(out))], True, shard_bytes)
@@ -289,8 +381,9 @@ def plan_convert(sources: Iterable[Path | str], *, out: Path | str | None = None
     return ConvertPlan(plan_outputs(sources, location(out_dir), to), False, shard_bytes)
 
 
-def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
-                 ) -> WriteReport:
+def convert_file(
+    source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
+) -> WriteReport:
     """Convert ``source`` to ``target``: strip the wrapper prefix and cast if asked, write, check."""
     from ckptool import formats
     from ckptool.io.reader import load
@@ -308,31 +401,53 @@ def convert_file(source: Path, target: Path, options: ConvertOptions, *, max_sha
     if options.dtype is not None:
         from ckptool.model.cast import cast_weights
 
-        checkpoint = cast_weights(checkpoint, options.dtype, allow_overflow=options.allow_overflow,
-                                  allow_expansion=options.allow_expansion)
+        checkpoint = cast_weights(
+            checkpoint, options.dtype, allow_overflow=options.allow_overflow, allow_expansion=options.allow_expansion
+        )
         notes.append(f"cast floating weights to {options.dtype}")
     if own_writer is not None and own_writer.own_saver:  # DCP: written by torch's own saver
         from ckptool.ops.dcp_write import save_dcp
 
         if not isinstance(target, Path):
-            raise UsageError(f"a {own_writer.name} folder is written to a local path only — write it locally, then "
-                             "upload the folder", path=target)
+            raise UsageError(
+                f"a {own_writer.name} folder is written to a local path only — write it locally, then "
+                "upload the folder",
+                path=target,
+            )
         if max_shard_bytes is not None:
             raise UsageError(option("max_shard_size", None) + f" applies to safetensors output, not {own_writer.name}")
-        saved = save_dcp(checkpoint, target, force=options.force, fingerprint=options.fingerprint,
-                                 allow_expansion=options.allow_expansion, dry_run=options.dry_run)
+        saved = save_dcp(
+            checkpoint,
+            target,
+            force=options.force,
+            fingerprint=options.fingerprint,
+            allow_expansion=options.allow_expansion,
+            dry_run=options.dry_run,
+        )
     else:
-        saved = save(checkpoint, target, to=options.to, force=options.force, max_shard_size=max_shard_bytes,
-                     duplicate_tied=options.duplicate_tied, nest=options.nest, fingerprint=options.fingerprint,
-                     allow_expansion=options.allow_expansion, dry_run=options.dry_run)
+        saved = save(
+            checkpoint,
+            target,
+            to=options.to,
+            force=options.force,
+            max_shard_size=max_shard_bytes,
+            duplicate_tied=options.duplicate_tied,
+            nest=options.nest,
+            fingerprint=options.fingerprint,
+            allow_expansion=options.allow_expansion,
+            dry_run=options.dry_run,
+        )
     if saved.aliases:
         notes.append(f"{len(saved.aliases)} tied tensor(s) stored once, recorded as aliases (re-tied on load)")
     if checkpoint.prefix and formats.for_name(saved.format).weights_only:
         # a published safetensors file is loaded into bare models (from_pretrained, load_model): say so now
-        notes.append(f'the keys still carry "{checkpoint.prefix}" (a training wrapper\'s); a bare model reports them '
-                     "as unexpected keys — to drop it: " + suggest.command(
-                         "convert", source, out=target, strip=True, force=True,
-                         allow_globals=list(options.allow_globals)))
+        notes.append(
+            f'the keys still carry "{checkpoint.prefix}" (a training wrapper\'s); a bare model reports them '
+            "as unexpected keys — to drop it: "
+            + suggest.command(
+                "convert", source, out=target, strip=True, force=True, allow_globals=list(options.allow_globals)
+            )
+        )
 
     if formats.for_name(checkpoint.format).weights_only and not formats.for_name(saved.format).weights_only:
         from ckptool.formats.entries import restored_notes
@@ -350,14 +465,22 @@ def _reshape(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) 
         rules = [parse_rename(rule) for rule in options.rename]
         checkpoint, changed = checkpoint.rename_keys(rules)
         if not changed:
-            raise UsageError("the rename rules change no weight key — inspect lists the keys (" + option(
-                "tensors") + ")", path=checkpoint.path)
+            raise UsageError(
+                "the rename rules change no weight key — inspect lists the keys (" + option("tensors") + ")",
+                path=checkpoint.path,
+            )
         notes.append(f"renamed {changed} keys")
     if options.drop:
         checkpoint, keys, entries = checkpoint.drop(options.drop)
         if not keys and not entries:
-            raise UsageError("no weight key or entry matches " + ", ".join(repr(p) for p in options.drop)
-                             + " — inspect lists them (" + option("tensors") + " for the keys)", path=checkpoint.path)
+            raise UsageError(
+                "no weight key or entry matches "
+                + ", ".join(repr(p) for p in options.drop)
+                + " — inspect lists them ("
+                + option("tensors")
+                + " for the keys)",
+                path=checkpoint.path,
+            )
         if keys:
             notes.append(f"dropped {len(keys)} weight keys ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
         if entries:
@@ -365,13 +488,16 @@ def _reshape(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) 
     if options.weights_only:
         left = [str(key) for key in checkpoint.entries()]
         checkpoint = checkpoint.weights_only()
-        notes.append("wrote the weights alone" + (f" (left out: {', '.join(left[:6])}{', ...' if len(left) > 6 else ''})"
-                                                  if left else ""))
+        notes.append(
+            "wrote the weights alone"
+            + (f" (left out: {', '.join(left[:6])}{', ...' if len(left) > 6 else ''})" if left else "")
+        )
     return checkpoint
 
 
-def convert(plan: ConvertPlan, options: ConvertOptions, *, jobs: Iterable[tuple[Path, Path]] | None = None
-            ) -> ConvertReport:
+def convert(
+    plan: ConvertPlan, options: ConvertOptions, *, jobs: Iterable[tuple[Path, Path]] | None = None
+) -> ConvertReport:
     """Run every job of ``plan`` (or ``jobs``, the same pairs — e.g. wrapped in a progress bar).
 
     A many-input convert goes on past a refused input (the report lists it); a single one raises.

@@ -11,7 +11,8 @@ loads with (``--allow-global`` names and patterns included); *dangerous* when on
 code or reach the system (:func:`ckptool.pickles.runs_code`: ``os.system``, ``builtins.eval``) —
 even when named exactly to ``--allow-global``, which reads it as inert data but cannot make
 ``torch.load`` of the file harmless; *unknown* otherwise (a framework's own classes: building them
-runs that package's code, so they need trust, not alarm). (:func:`ckptool.pickles.refusal.refusal` words a load's refusal.)
+runs that package's code, so they need trust, not alarm). :func:`ckptool.pickles.refusal.refusal` words a
+load's refusal.
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ from __future__ import annotations
 import io
 import pickletools
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
-from ckptool.tensors import dtypes
 from ckptool import formats, pickles
+from ckptool.base.errors import CkptError, InputError, UnsupportedFormatError
 from ckptool.files import inputs
 from ckptool.files.byteio import learnt_size, use_storage_options
-from ckptool.base.errors import CkptError, InputError, UnsupportedFormatError
 from ckptool.files.inputs import location
 from ckptool.formats import npy
+from ckptool.tensors import dtypes
 from ckptool.tensors.refs import StorageRef
 
 # what a converted object of a package runs, for scan's note
-_CONVERTED_CODE = {"omegaconf": "omegaconf resolves its interpolations, running the resolvers the loading program "
-                                "registered: ${oc.env:...} reads the environment, an eval resolver runs any code"}
+_CONVERTED_CODE = {
+    "omegaconf": "omegaconf resolves its interpolations, running the resolvers the loading program "
+    "registered: ${oc.env:...} reads the environment, an eval resolver runs any code"
+}
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 
 
@@ -106,8 +109,12 @@ def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
     return found, opcodes, error
 
 
-def dry_run_globals(data: bytes, allow_globals: tuple[str, ...], guard_cache: pickles.GuardCache | None = None,
-                    called_on: dict[str, str] | None = None) -> tuple[dict[str, int], str | None]:
+def dry_run_globals(
+    data: bytes,
+    allow_globals: tuple[str, ...],
+    guard_cache: pickles.GuardCache | None = None,
+    called_on: dict[str, str] | None = None,
+) -> tuple[dict[str, int], str | None]:
     """Globals a load would import, found by unpickling with inert placeholders for everything; the data
     classes a call converts while unpickling go into ``called_on`` (class -> call)."""
     resolver = pickles.GlobalResolver(allow_globals, permissive=True, guard_cache=guard_cache)
@@ -143,7 +150,8 @@ def _pickles(path: Path, resolver: pickles.GlobalResolver) -> tuple[formats.Form
         fmt = formats.sniff(head, path)
         if fmt is None:  # no checkpoint: the load names what it is; an array of objects is a pickle numpy.load runs
             return None, formats.Pickles("npy", _npy_pickles(handle, head, resolver)) if head.startswith(
-                npy.MAGIC) else formats.Pickles("", [])
+                npy.MAGIC
+            ) else formats.Pickles("", [])
         return fmt, fmt.scan_pickles(path, formats.ReadOptions(handle, head, resolver))
 
 
@@ -156,13 +164,20 @@ def _npy_pickles(handle: Any, head: bytes, resolver: pickles.GlobalResolver) -> 
     if offset is None:
         return []
     handle.seek(offset)
-    return [formats.PickleBlob(label, data, read_by_load=False) for label, data in
-            pickle_stream.split_pickles(handle, "the array's objects (numpy.load with allow_pickle runs them)", 1,
-                                        resolver.guard_cache)]
+    return [
+        formats.PickleBlob(label, data, read_by_load=False)
+        for label, data in pickle_stream.split_pickles(
+            handle, "the array's objects (numpy.load with allow_pickle runs them)", 1, resolver.guard_cache
+        )
+    ]
 
 
-def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
-         storage_options: Mapping[str, Any] | None = None) -> ScanReport:
+def scan(
+    path: Path | str,
+    *,
+    allow_globals: tuple[str, ...] | list[str] = (),
+    storage_options: Mapping[str, Any] | None = None,
+) -> ScanReport:
     """List a checkpoint's pickle globals and opcodes and judge them, running nothing.
 
     Raises:
@@ -177,8 +192,9 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     path, allow_globals = location(path), tuple(allow_globals)
     remote = inputs.describe_remote(path)  # a URL: one request says whether it is there, and what
     if not (path.exists() if remote is None else remote.exists):
-        raise InputError("does not exist — check the path" if remote is None else
-                         "does not exist (404) — check the URL", path=path)
+        raise InputError(
+            "does not exist — check the path" if remote is None else "does not exist (404) — check the URL", path=path
+        )
     is_dir = path.is_dir() if remote is None else remote.is_dir
     if not is_dir and remote is None and not path.is_file():  # opening a FIFO would wait forever for a writer
         raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
@@ -187,8 +203,17 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         from ckptool.io.reader import load
 
         checkpoint = load(path, allow_globals=allow_globals)
-        return ScanReport(path=str(path), format=checkpoint.format, safe=True, unsafe=[], globals={}, opcodes={},
-                          pickles=[], verdict=SAFE, readable=True)
+        return ScanReport(
+            path=str(path),
+            format=checkpoint.format,
+            safe=True,
+            unsafe=[],
+            globals={},
+            opcodes={},
+            pickles=[],
+            verdict=SAFE,
+            readable=True,
+        )
     cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
     fmt, found = _found_pickles(path, fmt, allow_globals, cache)
     blobs = found.blobs
@@ -197,9 +222,11 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
         resolver = fmt.scan_resolver(resolver)
     opcodes, static_names = _static_pass(blobs, cache)
     format_name, globals_, problems, load_error = _load_pass(path, blobs, allow_globals, cache, resolver.called_on)
-    conversions = [f"the pickle calls {call} on an object of {class_name}: torch.load would run that class's code "
-                   f"while unpickling ({_CONVERTED_CODE.get(class_name.split('.')[0], 'its methods')})"
-                   for class_name, call in resolver.called_on.items()]
+    conversions = [
+        f"the pickle calls {call} on an object of {class_name}: torch.load would run that class's code "
+        f"while unpickling ({_CONVERTED_CODE.get(class_name.split('.')[0], 'its methods')})"
+        for class_name, call in resolver.called_on.items()
+    ]
     for full_name in static_names:
         # a getattr the reads judged by its calls (pickle's spelling of a nested name) is listed by
         # what it named; only a read that stopped early leaves it to the static pass
@@ -208,11 +235,20 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     verdicts = {name: global_verdict(name, resolver) for name in sorted(globals_)}
     unsafe = [name for name, verdict in verdicts.items() if verdict != ALLOWED]
     dangerous = [name for name in unsafe if verdicts[name] == DANGEROUS]
-    report = ScanReport(path=str(path), format=found.kind, safe=not unsafe, unsafe=unsafe,
-                        globals=dict(sorted(globals_.items())), opcodes=dict(sorted(opcodes.items())),
-                        pickles=[blob.label for blob in blobs], problems=[*found.notes, *conversions, *problems],
-                        dangerous=dangerous, verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
-                        verdicts=verdicts, readable=load_error is None)
+    report = ScanReport(
+        path=str(path),
+        format=found.kind,
+        safe=not unsafe,
+        unsafe=unsafe,
+        globals=dict(sorted(globals_.items())),
+        opcodes=dict(sorted(opcodes.items())),
+        pickles=[blob.label for blob in blobs],
+        problems=[*found.notes, *conversions, *problems],
+        dangerous=dangerous,
+        verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
+        verdicts=verdicts,
+        readable=load_error is None,
+    )
     by_file, unread = _by_file(blobs, verdicts, cache)
     report.problems += by_file
     report.readable = report.readable and not unread  # a folder's other file that a load never reads
@@ -225,9 +261,11 @@ def scan(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = (),
     return report
 
 
-def _found_pickles(path: Path, fmt: formats.Format | None, allow_globals: tuple[str, ...],
-                   cache: pickles.GuardCache) -> tuple[formats.Format | None, formats.Pickles]:
-    """The pickles of ``path`` (a folder ``fmt`` claims, or a file sniffed here); an unreadable file is an InputError."""
+def _found_pickles(
+    path: Path, fmt: formats.Format | None, allow_globals: tuple[str, ...], cache: pickles.GuardCache
+) -> tuple[formats.Format | None, formats.Pickles]:
+    """The pickles of ``path`` (a folder ``fmt`` claims, or a file sniffed here); an unreadable file is an
+    InputError."""
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=cache)
     try:
         if fmt is not None:
@@ -239,8 +277,9 @@ def _found_pickles(path: Path, fmt: formats.Format | None, allow_globals: tuple[
         raise InputError(f"cannot be read ({e.strerror})", path=path) from e
 
 
-def _by_file(blobs: list[formats.PickleBlob], verdicts: dict[str, str],
-             cache: pickles.GuardCache) -> tuple[list[str], bool]:
+def _by_file(
+    blobs: list[formats.PickleBlob], verdicts: dict[str, str], cache: pickles.GuardCache
+) -> tuple[list[str], bool]:
     """For an input of several files (a training folder), which file names the globals outside the
     allowlist: one line per such file, with its verdict; and whether one of them is a file a load
     of the input does not read (its globals then need the flags even to be read as inert data)."""
@@ -287,8 +326,13 @@ def _static_pass(blobs: list[formats.PickleBlob], cache: pickles.GuardCache) -> 
     return opcodes, static_names
 
 
-def _load_pass(path: Path, blobs: list[formats.PickleBlob], allow_globals: tuple[str, ...],
-               cache: pickles.GuardCache, called_on: dict[str, str]) -> tuple[str, Counter, list[str], CkptError | None]:
+def _load_pass(
+    path: Path,
+    blobs: list[formats.PickleBlob],
+    allow_globals: tuple[str, ...],
+    cache: pickles.GuardCache,
+    called_on: dict[str, str],
+) -> tuple[str, Counter, list[str], CkptError | None]:
     """The globals a restricted load resolves, and a dry run's of each pickle it did not read (with the
     data classes a call converts while unpickling, into ``called_on``).
 

@@ -16,19 +16,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptool.files import inputs
-from ckptool.model import optimizers
-from ckptool.files.byteio import read_capped
 from ckptool.base.errors import CkptError, InputError, UnsafeCheckpointError
+from ckptool.files import inputs
+from ckptool.files.byteio import read_capped
 from ckptool.formats import training_folder
 from ckptool.formats.training_folder import FolderFile, TrainingFolder
+from ckptool.model import optimizers
+from ckptool.model.tree import iter_tensors
 from ckptool.pickles import OpaqueObject, runs_code
 from ckptool.tensors.refs import TensorRef
-from ckptool.model.tree import iter_tensors
 
 MAX_JSON_BYTES = 64 << 20  # trainer_state.json grows with its log history; a long run's is a few MB
-_ARGS_SHOWN = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
-               "gradient_accumulation_steps", "lr_scheduler_type", "optim", "seed")
+_ARGS_SHOWN = (
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "optim",
+    "seed",
+)
 
 
 @dataclass
@@ -89,9 +97,14 @@ def describe_optimizer(container: Any) -> tuple[str, dict[str, Any]]:
     state = dict.get(container, "state")
     groups = dict.get(container, "param_groups")
     tensors = [tensor for _, tensor in iter_tensors(container)]
-    details = {"optimizer": optimizers.optimizer_kind(container), "params": len(state), "param_groups": len(groups),
-               "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors),
-               "per_parameter": optimizers.state_names(container)}
+    details = {
+        "optimizer": optimizers.optimizer_kind(container),
+        "params": len(state),
+        "param_groups": len(groups),
+        "tensors": len(tensors),
+        "bytes": sum(t.nbytes for t in tensors),
+        "per_parameter": optimizers.state_names(container),
+    }
     lrs = [group.get("lr") for group in groups if isinstance(group, dict)]
     if lrs and all(isinstance(lr, float | int) and not isinstance(lr, bool) for lr in lrs):
         details["lr"] = lrs
@@ -102,9 +115,13 @@ def describe_optimizer(container: Any) -> tuple[str, dict[str, Any]]:
 
 def describe_scheduler(container: Any) -> tuple[str, dict[str, Any]]:
     keep = ("last_epoch", "_step_count", "base_lrs", "_last_lr")
-    details = {key.lstrip("_"): dict.get(container, key) for key in keep
-               if isinstance(container, dict) and key in container and
-               (_scalar(dict.get(container, key)) or isinstance(dict.get(container, key), list))}
+    details = {
+        key.lstrip("_"): dict.get(container, key)
+        for key in keep
+        if isinstance(container, dict)
+        and key in container
+        and (_scalar(dict.get(container, key)) or isinstance(dict.get(container, key), list))
+    }
     parts = []
     if isinstance(details.get("last_epoch"), int):
         parts.append(f"last_epoch {details['last_epoch']}")
@@ -141,8 +158,10 @@ def describe_args(container: Any) -> tuple[str, dict[str, Any]]:
         return _generic(container), {}
     fields = container.state
     values = {name: fields[name] for name in _ARGS_SHOWN if name in fields}
-    details = {"class": container.global_name, "values": {name: _short(value) if not _scalar(value) else value
-                                                         for name, value in values.items()}}
+    details = {
+        "class": container.global_name,
+        "values": {name: _short(value) if not _scalar(value) else value for name, value in values.items()},
+    }
     shown = ", ".join(f"{name} {_short(value)}" for name, value in values.items())
     return f"{container.global_name}" + (f": {shown}" if shown else ""), details
 
@@ -154,8 +173,10 @@ def _generic(container: Any) -> str:
 
 
 _DESCRIBE = {
-    training_folder.OPTIMIZER: describe_optimizer, training_folder.SCHEDULER: describe_scheduler,
-    training_folder.RNG_STATE: describe_rng, training_folder.SCALER: describe_scaler,
+    training_folder.OPTIMIZER: describe_optimizer,
+    training_folder.SCHEDULER: describe_scheduler,
+    training_folder.RNG_STATE: describe_rng,
+    training_folder.SCALER: describe_scaler,
     training_folder.TRAINING_ARGS: describe_args,
 }
 
@@ -207,8 +228,9 @@ def describe_file(folder: Path, file: FolderFile, allow_globals: tuple[str, ...]
     try:
         if file.name.endswith(".json"):
             value = _read_json(folder, file.name)
-            summary, details = (describe_trainer_state if file.role == training_folder.TRAINER_STATE
-                                else describe_config)(value)
+            summary, details = (
+                describe_trainer_state if file.role == training_folder.TRAINER_STATE else describe_config
+            )(value)
             return FileState(file.name, file.role, summary, details)
         checkpoint = load_member(folder, file.name, allow_globals=allow_globals)
     except UnsafeCheckpointError as e:
@@ -216,7 +238,9 @@ def describe_file(folder: Path, file: FolderFile, allow_globals: tuple[str, ...]
         dangerous = [name for name in names if runs_code(name)]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         if dangerous:
-            summary = f"refused: its pickle names code-running globals ({', '.join(dangerous[:4])}) — do not torch.load it"
+            summary = (
+                f"refused: its pickle names code-running globals ({', '.join(dangerous[:4])}) — do not torch.load it"
+            )
         else:
             summary = f"pickles {shown}: a package's own classes, read only when allowed (they need trust)"
         return FileState(file.name, file.role, summary, needs=names, dangerous=dangerous)
@@ -246,8 +270,11 @@ def describe_folder(folder: TrainingFolder, allow_globals: tuple[str, ...] = ())
     state = FolderState(folder.kind, [file.name for file in folder.weights], described)
     for file in described:
         step = file.details.get("global_step" if file.role == training_folder.TRAINER_STATE else "step")
-        if file.role in (training_folder.TRAINER_STATE, training_folder.RNG_STATE) and isinstance(step, int) \
-                and not isinstance(step, bool):
+        if (
+            file.role in (training_folder.TRAINER_STATE, training_folder.RNG_STATE)
+            and isinstance(step, int)
+            and not isinstance(step, bool)
+        ):
             if state.step is None or file.role == training_folder.TRAINER_STATE:
                 state.step, state.step_from = step, file.file
             if file.role == training_folder.TRAINER_STATE:
@@ -255,9 +282,27 @@ def describe_folder(folder: TrainingFolder, allow_globals: tuple[str, ...] = ())
     return state
 
 
-_RNG_NAMES = frozenset({"python", "numpy", "cpu", "cuda", "mps", "xpu", "npu", "hpu", "mlu", "musa", "random_state",
-                        "numpy_random_seed", "torch_manual_seed", "torch_cuda_manual_seed", "torch_xpu_manual_seed",
-                        "xm_seed", "step"})
+_RNG_NAMES = frozenset(
+    {
+        "python",
+        "numpy",
+        "cpu",
+        "cuda",
+        "mps",
+        "xpu",
+        "npu",
+        "hpu",
+        "mlu",
+        "musa",
+        "random_state",
+        "numpy_random_seed",
+        "torch_manual_seed",
+        "torch_cuda_manual_seed",
+        "torch_xpu_manual_seed",
+        "xm_seed",
+        "step",
+    }
+)
 
 
 def describe_content(container: Any) -> str | None:

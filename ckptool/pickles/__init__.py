@@ -44,7 +44,6 @@ from ckptool.pickles.allowlist import (
 from ckptool.pickles.emit import dump
 from ckptool.pickles.frames import file_reader_view
 from ckptool.pickles.guard_cache import GuardCache, PickleStats
-from ckptool.pickles.opcode_guard import guard, guard_stats
 from ckptool.pickles.limits import (
     MAX_EXPANDED_NODES,
     MAX_EXPANDED_TEXT,
@@ -55,16 +54,44 @@ from ckptool.pickles.limits import (
     MAX_UNPICKLED_BYTES,
     brief,
 )
+from ckptool.pickles.opcode_guard import guard, guard_stats
 from ckptool.pickles.placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef, opaque_type
 from ckptool.pickles.rebuilds import PARAMETER_DESCRIPTORS
 from ckptool.pickles.unpickle import RestrictedUnpickler, check_tree, loads, read_pickle
 
 __all__ = [
     "ATTRIBUTE_LOOKUP",
-    "DEFAULT_EXTRA_GLOBALS", "MAX_EXPANDED_NODES", "MAX_EXPANDED_TEXT", "MAX_HASH_COLLISIONS", "MAX_KEY_NODES",
-    "MAX_NESTING", "MAX_PICKLE_BYTES", "MAX_UNPICKLED_BYTES", "PARAMETER_DESCRIPTORS", "TORCH_GLOBALS", "GlobalResolver",
-    "GuardCache", "OpaqueObject", "PickleStats", "RefusedGlobal", "RestrictedUnpickler", "StateDict", "StorageTypeRef",
-    "TypeRef", "brief", "check_tree", "dump", "file_reader_view", "guard", "guard_stats", "is_pattern", "limits", "loads",
-    "may_convert", "opaque_type",
-    "python3_name", "read_pickle", "runs_code",
+    "DEFAULT_EXTRA_GLOBALS",
+    "MAX_EXPANDED_NODES",
+    "MAX_EXPANDED_TEXT",
+    "MAX_HASH_COLLISIONS",
+    "MAX_KEY_NODES",
+    "MAX_NESTING",
+    "MAX_PICKLE_BYTES",
+    "MAX_UNPICKLED_BYTES",
+    "PARAMETER_DESCRIPTORS",
+    "TORCH_GLOBALS",
+    "GlobalResolver",
+    "GuardCache",
+    "OpaqueObject",
+    "PickleStats",
+    "RefusedGlobal",
+    "RestrictedUnpickler",
+    "StateDict",
+    "StorageTypeRef",
+    "TypeRef",
+    "brief",
+    "check_tree",
+    "dump",
+    "file_reader_view",
+    "guard",
+    "guard_stats",
+    "is_pattern",
+    "limits",
+    "loads",
+    "may_convert",
+    "opaque_type",
+    "python3_name",
+    "read_pickle",
+    "runs_code",
 ]

@@ -15,10 +15,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptool.tensors import dtypes
-from ckptool.pickles import gadgets, layouts, quantized
-from ckptool.tensors.refs import DTypeRef
-from ckptool.pickles import limits
+from ckptool.pickles import gadgets, layouts, limits, quantized
 from ckptool.pickles.placeholders import (
     _OPAQUE_TYPES,
     OpaqueObject,
@@ -46,6 +43,8 @@ from ckptool.pickles.rebuilds import (
     _torch_device,
     _torch_size,
 )
+from ckptool.tensors import dtypes
+from ckptool.tensors.refs import DTypeRef
 
 if TYPE_CHECKING:
     from ckptool.pickles.guard_cache import GuardCache
@@ -61,8 +60,9 @@ class RefusedGlobal(Exception):
     code would run) to that call.
     """
 
-    def __init__(self, names: str | Sequence[str], *, complete: bool = True,
-                 called_on: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, names: str | Sequence[str], *, complete: bool = True, called_on: Mapping[str, str] | None = None
+    ) -> None:
         self.names = [names] if isinstance(names, str) else list(names)
         self.name = self.names[0]
         self.complete = complete
@@ -109,47 +109,87 @@ def _build_torch_globals() -> dict[str, Any]:
 # Globals torch's own weights_only unpickler allows, mapped to inert placeholders: the plain tensors' table, then
 # sparse and nested tensors and the layouts they name (whose parameter rebuilds take a layout tensor too), and
 # quantized tensors, storages and their schemes.
-TORCH_GLOBALS: dict[str, Any] = {**_build_torch_globals(), **layouts.GLOBALS, **layouts.WRAPPED_REBUILDS,
-                                 **quantized.GLOBALS}
+TORCH_GLOBALS: dict[str, Any] = {
+    **_build_torch_globals(),
+    **layouts.GLOBALS,
+    **layouts.WRAPPED_REBUILDS,
+    **quantized.GLOBALS,
+}
 
 # Data-only globals found in real checkpoints beyond torch's list: recorded, never constructed.
 # Each is a class whose construction (or, under a real pickle, its REDUCE/NEWOBJ and BUILD path)
 # with any argument only stores values: no file, process, network or import is touched, and no
 # code of the saving package runs. SECURITY.md gives each one's reason.
 _NUMPY_GLOBALS = (  # metrics and RNG states saved as numpy values
-    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray", "numpy.dtype",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar",
+    "numpy._core.multiarray.scalar",
+    "numpy.ndarray",
+    "numpy.dtype",
 )
 _STDLIB_DATA_GLOBALS = (
     "argparse.Namespace",  # parsed training arguments (fairseq, many research repos)
     # paths (Lightning's ModelCheckpoint.dirpath): a path object is its string parts; building one
     # touches no file system. Python 3.13 defines them in pathlib._local.
-    *(f"{module}.{name}" for module in ("pathlib", "pathlib._local")
-      for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
-    "datetime.date", "datetime.datetime", "datetime.time", "datetime.timedelta", "datetime.timezone",
-    "decimal.Decimal", "uuid.UUID", "uuid.SafeUUID",
+    *(
+        f"{module}.{name}"
+        for module in ("pathlib", "pathlib._local")
+        for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+    ),
+    "datetime.date",
+    "datetime.datetime",
+    "datetime.time",
+    "datetime.timedelta",
+    "datetime.timezone",
+    "decimal.Decimal",
+    "uuid.UUID",
+    "uuid.SafeUUID",
     # containers: a defaultdict stores its factory and calls it only on a later missing-key lookup,
     # never while it is unpickled; a deque stores items and a maximum length
-    "collections.defaultdict", "collections.deque",
+    "collections.defaultdict",
+    "collections.deque",
     # classes held as values (a defaultdict's factory, omegaconf's key and element types): a class is
     # data unless called, and ckptool calls nothing; a pickle that calls one gets a record of the call
     *(f"builtins.{name}" for name in ("list", "dict", "tuple", "int", "float", "str", "bool", "bytes", "frozenset")),
-    "typing.Any", "typing.Dict", "typing.List",
+    "typing.Any",
+    "typing.Dict",
+    "typing.List",
 )
 _FRAMEWORK_DATA_GLOBALS = (
     # Lightning's hyper-parameters: a dict subclass that also reads its keys as attributes
-    "lightning.fabric.utilities.data.AttributeDict", "lightning_fabric.utilities.data.AttributeDict",
-    "pytorch_lightning.utilities.parsing.AttributeDict", "lightning.pytorch.utilities.parsing.AttributeDict",
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
+    "lightning.pytorch.utilities.parsing.AttributeDict",
     # omegaconf (Hydra / Lightning hyper-parameters): containers and nodes whose __setstate__ only
     # stores their fields; interpolations and resolvers run when a value is read, never on unpickling
-    "omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig",
-    "omegaconf.base.ContainerMetadata", "omegaconf.base.Metadata",
-    *(f"omegaconf.nodes.{name}" for name in ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode",
-                                             "BytesNode", "PathNode", "EnumNode", "ValueNode",
-                                             "InterpolationResultNode")),
+    "omegaconf.dictconfig.DictConfig",
+    "omegaconf.listconfig.ListConfig",
+    "omegaconf.base.ContainerMetadata",
+    "omegaconf.base.Metadata",
+    *(
+        f"omegaconf.nodes.{name}"
+        for name in (
+            "AnyNode",
+            "StringNode",
+            "IntegerNode",
+            "FloatNode",
+            "BooleanNode",
+            "BytesNode",
+            "PathNode",
+            "EnumNode",
+            "ValueNode",
+            "InterpolationResultNode",
+        )
+    ),
 )
-DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (*_STDLIB_DATA_GLOBALS[:1], *_NUMPY_GLOBALS, *_STDLIB_DATA_GLOBALS[1:],
-                                          *_FRAMEWORK_DATA_GLOBALS)
+DEFAULT_EXTRA_GLOBALS: tuple[str, ...] = (
+    *_STDLIB_DATA_GLOBALS[:1],
+    *_NUMPY_GLOBALS,
+    *_STDLIB_DATA_GLOBALS[1:],
+    *_FRAMEWORK_DATA_GLOBALS,
+)
 
 
 def runs_code(full_name: str) -> bool:
@@ -164,13 +204,49 @@ def runs_code(full_name: str) -> bool:
 
 
 # Calls that iterate or convert their argument, and the packages whose objects run their own code then
-_CONVERTERS: frozenset[str] = frozenset({
-    *(f"builtins.{name}" for name in ("dict", "list", "tuple", "set", "frozenset", "str", "int", "float", "bool",
-                                      "bytes", "bytearray", "complex", "sorted", "iter", "next", "max", "min", "sum",
-                                      "any", "all", "enumerate", "zip", "map", "filter", "reversed", "len", "repr",
-                                      "format", "hash", "print", "ascii")),
-    "collections.deque", "collections.defaultdict", "collections.ChainMap",
-})
+_CONVERTERS: frozenset[str] = frozenset(
+    {
+        *(
+            f"builtins.{name}"
+            for name in (
+                "dict",
+                "list",
+                "tuple",
+                "set",
+                "frozenset",
+                "str",
+                "int",
+                "float",
+                "bool",
+                "bytes",
+                "bytearray",
+                "complex",
+                "sorted",
+                "iter",
+                "next",
+                "max",
+                "min",
+                "sum",
+                "any",
+                "all",
+                "enumerate",
+                "zip",
+                "map",
+                "filter",
+                "reversed",
+                "len",
+                "repr",
+                "format",
+                "hash",
+                "print",
+                "ascii",
+            )
+        ),
+        "collections.deque",
+        "collections.defaultdict",
+        "collections.ChainMap",
+    }
+)
 _RUN_WHEN_CONVERTED = ("omegaconf.",)
 
 
@@ -178,7 +254,11 @@ def may_convert(names: Iterable[str]) -> bool:
     """Whether globals a pickle named hold both a call that iterates or converts its arguments
     (``builtins.dict``) and a class whose own code such a call would run (omegaconf's)."""
     spelled = [python3_name(name) for name in names]
-    return any(name in _CONVERTERS for name in spelled) and any(name.startswith(_RUN_WHEN_CONVERTED) for name in spelled)
+    return any(name in _CONVERTERS for name in spelled) and any(
+        name.startswith(_RUN_WHEN_CONVERTED) for name in spelled
+    )
+
+
 _OPAQUE_TYPES_KEPT = 100_000  # placeholder classes kept between reads (each read adds at most MAX_GLOBALS)
 
 # Pickle's protocol-2 spelling of a nested name (``HistoryBuffer.min``): ``getattr(<global>, 'min')``.
@@ -246,8 +326,9 @@ class GlobalResolver:
             a write that re-reads its output); none: every pickle is walked.
     """
 
-    def __init__(self, allow_globals: Sequence[str] = (), *, permissive: bool = False,
-                 guard_cache: GuardCache | None = None) -> None:
+    def __init__(
+        self, allow_globals: Sequence[str] = (), *, permissive: bool = False, guard_cache: GuardCache | None = None
+    ) -> None:
         self.named = {python3_name(name) for name in allow_globals if not is_pattern(name)}  # the caller's own
         self.extra = set(DEFAULT_EXTRA_GLOBALS) | self.named
         self.patterns = tuple(dict.fromkeys(name for name in allow_globals if is_pattern(name)))
@@ -351,8 +432,13 @@ class GlobalResolver:
         def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
             if not kwargs and len(args) == 2:
                 parent, attribute = args
-                if (isinstance(parent, type) and issubclass(parent, OpaqueObject) and parent._global
-                        and parent._global != ATTRIBUTE_LOOKUP and is_attribute_name(attribute)):
+                if (
+                    isinstance(parent, type)
+                    and issubclass(parent, OpaqueObject)
+                    and parent._global
+                    and parent._global != ATTRIBUTE_LOOKUP
+                    and is_attribute_name(attribute)
+                ):
                     cls._use = cls._use or "named"  # type: ignore[attr-defined]
                     return resolver._nested(parent, attribute)
             if cls._use != "called":  # type: ignore[attr-defined]
@@ -360,8 +446,11 @@ class GlobalResolver:
                 resolver._record_lookup(spelled)
             return OpaqueObject.__new__(cls, *args, **kwargs)
 
-        lookup = type("getattr", (OpaqueObject,), {"_global": ATTRIBUTE_LOOKUP, "__slots__": (), "__new__": __new__,
-                                                   "_use": "", "_spelled": spelled})
+        lookup = type(
+            "getattr",
+            (OpaqueObject,),
+            {"_global": ATTRIBUTE_LOOKUP, "__slots__": (), "__new__": __new__, "_use": "", "_spelled": spelled},
+        )
         self._lookups.append(lookup)
         return lookup
 

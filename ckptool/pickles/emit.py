@@ -4,7 +4,8 @@
 re-emitting every placeholder as the global it came from, so a rewritten checkpoint loads wherever
 the original did. (What only a protocol-4 input can hold — a frozenset read from FROZENSET, keywords
 from NEWOBJ_EX, a nested class's dotted name — is written as that input wrote it, and so is an int too
-long for LONG1: LONG4, which a weights_only load of the input did not read either.) It needs nothing of the reading side but the placeholder types, and the table of
+long for LONG1: LONG4, which a weights_only load of the input did not read either.) It needs nothing of the
+reading side but the placeholder types, and the table of
 torch's globals to name an allowed function handed over as a value (``defaultdict(OrderedDict)``).
 
 Every global it writes is one the tree names: a placeholder's own, a class or function the tree
@@ -24,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.gcpause import paused
-from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 from ckptool.pickles.placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
+from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptool.pickles.guard_cache import GuardCache
@@ -75,7 +76,7 @@ class _Emitter:
 
     def global_(self, full_name: str, module: str | None = None) -> None:
         """GLOBAL ``module``/``name``: split at the last dot unless the reader kept where the pickle split it."""
-        module, name = (module, full_name[len(module) + 1:]) if module else full_name.rsplit(".", 1)
+        module, name = (module, full_name[len(module) + 1 :]) if module else full_name.rsplit(".", 1)
         key = f"{module}\n{name}"
         index = self.global_memo.get(key)
         if index is not None:
@@ -204,8 +205,11 @@ class _Emitter:
         if self._callables is None:
             from ckptool.pickles.allowlist import TORCH_GLOBALS  # complete once ckptool.pickles is imported
 
-            self._callables = {id(value): name for name, value in TORCH_GLOBALS.items()
-                               if callable(value) and not isinstance(value, type)}
+            self._callables = {
+                id(value): name
+                for name, value in TORCH_GLOBALS.items()
+                if callable(value) and not isinstance(value, type)
+            }
         return self._callables.get(id(obj))
 
     def _int(self, value: int) -> None:
@@ -278,8 +282,13 @@ class _Emitter:
         self._put(obj)
 
     def _tensor(self, tensor: TensorRef) -> None:
-        if tensor.subclass is None and tensor.parameter is None and tensor.rebuild == _REBUILD_V2 \
-                and not tensor.extra and self._plain_tensor(tensor):
+        if (
+            tensor.subclass is None
+            and tensor.parameter is None
+            and tensor.rebuild == _REBUILD_V2
+            and not tensor.extra
+            and self._plain_tensor(tensor)
+        ):
             return
         if tensor.subclass is not None:
             # _rebuild_from_type_v2(func, type, args, state): the rebuild's global, then its arguments
@@ -314,17 +323,34 @@ class _Emitter:
         gives them). False, with nothing written, for any argument that path would write otherwise (shared
         through the memo, not plain ints)."""
         memo = self.memo
-        storage, hooks, shape, stride, offset = tensor.storage, tensor.backward_hooks, tensor.shape, tensor.stride, \
-            tensor.offset
+        storage, hooks, shape, stride, offset = (
+            tensor.storage,
+            tensor.backward_hooks,
+            tensor.shape,
+            tensor.stride,
+            tensor.offset,
+        )
         if hooks is None:
             hooks = OrderedDict()
-        elif (type(hooks) is not OrderedDict and type(hooks) is not StateDict) or hooks \
-                or getattr(hooks, "__dict__", None) or id(hooks) in memo:
+        elif (
+            (type(hooks) is not OrderedDict and type(hooks) is not StateDict)
+            or hooks
+            or getattr(hooks, "__dict__", None)
+            or id(hooks) in memo
+        ):
             return False
-        if type(storage) is not StorageRef or id(storage) in memo or type(offset) is not int \
-                or type(shape) is not tuple or type(stride) is not tuple or len(shape) > 3 or len(stride) > 3 \
-                or type(tensor.requires_grad) is not bool or type(storage.numel) is not int \
-                or type(storage.location) is not str:
+        if (
+            type(storage) is not StorageRef
+            or id(storage) in memo
+            or type(offset) is not int
+            or type(shape) is not tuple
+            or type(stride) is not tuple
+            or len(shape) > 3
+            or len(stride) > 3
+            or type(tensor.requires_grad) is not bool
+            or type(storage.numel) is not int
+            or type(storage.location) is not str
+        ):
             return False
         for value in shape + stride:
             if type(value) is not int:
@@ -362,8 +388,10 @@ class _Emitter:
             # every value is an int (checked above), so a tuple equal to a cached one writes the same bytes
             written = dims_bytes.get(dims)
             if written is None:
-                written = dims_bytes[dims] = b"".join([small[value] if 0 <= value < 256 else _int_bytes(value)
-                                                       for value in dims]) + _TUPLES[len(dims)]
+                written = dims_bytes[dims] = (
+                    b"".join([small[value] if 0 <= value < 256 else _int_bytes(value) for value in dims])
+                    + _TUPLES[len(dims)]
+                )
             parts.append(written)
             parts.append(_put_bytes(index))  # (numbered as pickle numbers it; never looked up: written by value)
             index += 1
@@ -466,8 +494,9 @@ def _long_bytes(value: int) -> bytes:
     return _P.LONG4 + struct.pack("<i", len(encoded)) + encoded
 
 
-def dump(obj: Any, *, renumber_storages: bool = False,
-         guard_cache: GuardCache | None = None) -> tuple[bytes, list[tuple[str, StorageRef]]]:
+def dump(
+    obj: Any, *, renumber_storages: bool = False, guard_cache: GuardCache | None = None
+) -> tuple[bytes, list[tuple[str, StorageRef]]]:
     """Pickle a container of placeholders as torch would (protocol 2, weights_only-readable).
 
     Returns the pickle and the storages it references as ``(key, storage)`` in order of first

@@ -36,9 +36,9 @@ class _FileReader:
     def read(self, size: int) -> bytes:
         if size <= len(self.buffer) - self.used:
             self.used += size
-            return self.buffer[self.used - size:self.used]
+            return self.buffer[self.used - size : self.used]
         self.dropped = self.dropped or self.used < len(self.buffer)
-        chunk = self.data[self.at:self.at + size]  # the buffer's rest is dropped
+        chunk = self.data[self.at : self.at + size]  # the buffer's rest is dropped
         if len(chunk) < size:
             raise _End
         self.at += size
@@ -46,10 +46,10 @@ class _FileReader:
         return chunk
 
     def read_into(self, size: int) -> bytes:
-        rest = self.buffer[self.used:self.used + size]
+        rest = self.buffer[self.used : self.used + size]
         self.used += len(rest)
         more = size - len(rest)
-        chunk = self.data[self.at:self.at + more]
+        chunk = self.data[self.at : self.at + more]
         if len(chunk) < more:
             raise _End
         self.at += more
@@ -58,14 +58,14 @@ class _FileReader:
     def readline(self) -> bytes:
         newline = self.buffer.find(b"\n", self.used)
         if newline >= 0:
-            line = self.buffer[self.used:newline + 1]
+            line = self.buffer[self.used : newline + 1]
             self.used = newline + 1
             return line
         self.dropped = self.dropped or self.used < len(self.buffer)
         newline = self.data.find(b"\n", self.at)
         if newline < 0:
             raise _End
-        line = self.data[self.at:newline + 1]
+        line = self.data[self.at : newline + 1]
         self.at = newline + 1
         self.buffer, self.used = line, len(line)
         return line
@@ -98,7 +98,7 @@ def pickle_end(data: bytes) -> int:
                     at = newline + 1
             elif code in _COUNTED or code in _COUNTED_INTO:
                 width = _COUNTED.get(code) or _COUNTED_INTO[code]
-                size = int.from_bytes(data[at:at + width], "little", signed=code in (0x8A, 0x8B, 0x54))
+                size = int.from_bytes(data[at : at + width], "little", signed=code in (0x8A, 0x8B, 0x54))
                 if size < 0:
                     return end
                 at += width + size

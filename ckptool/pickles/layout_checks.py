@@ -95,7 +95,7 @@ def coo_problem(indices: TensorRef, values: TensorRef, size: tuple[int, ...], co
             return f"for dim {dim}, size is {size[dim]} but found index {int(high[dim])}"
     if coalesced and nnz > 1:
         # strictly increasing in row-major order; indices are in bounds and numel fits int64, so no wrap
-        strides = np.array([math.prod(size[d + 1:sparse_dim]) for d in range(sparse_dim)], dtype=np.int64)
+        strides = np.array([math.prod(size[d + 1 : sparse_dim]) for d in range(sparse_dim)], dtype=np.int64)
         previous = None
         for columns in _chunks(nnz):
             flat = (array[:, columns] * strides[:, None]).sum(axis=0)
@@ -109,8 +109,9 @@ def coo_problem(indices: TensorRef, values: TensorRef, size: tuple[int, ...], co
 # ---------------------------------------------------------------------------------------------- compressed
 
 
-def compressed_problem(layout: str, compressed: TensorRef, plain: TensorRef, values: TensorRef,
-                       size: tuple[int, ...]) -> str | None:
+def compressed_problem(
+    layout: str, compressed: TensorRef, plain: TensorRef, values: TensorRef, size: tuple[int, ...]
+) -> str | None:
     """torch's checks of a loaded CSR/CSC/BSR/BSC tensor (``_validate_sparse_compressed_tensor_args``:
     dtypes, dimensions, batch and block sizes, then the compressed index invariants)."""
     row = layout in ("sparse_csr", "sparse_bsr")
@@ -133,8 +134,12 @@ def compressed_problem(layout: str, compressed: TensorRef, plain: TensorRef, val
         return f"its size has {len(size)} dimensions, not {batch_ndim} + 2 + {dense_ndim}"
     blocksize = (max(1, values.shape[batch_ndim + 1]), max(1, values.shape[batch_ndim + 2])) if block_ndim else (1, 1)
     batch = tuple(size[:batch_ndim])
-    if not tuple(compressed.shape[:batch_ndim]) == tuple(plain.shape[:batch_ndim]) == \
-            tuple(values.shape[:batch_ndim]) == batch:
+    if (
+        not tuple(compressed.shape[:batch_ndim])
+        == tuple(plain.shape[:batch_ndim])
+        == tuple(values.shape[:batch_ndim])
+        == batch
+    ):
         return "the batch dimensions of its indices and values differ from its size's"
     for i in range(block_ndim):
         if size[batch_ndim + i] % blocksize[i]:
@@ -153,8 +158,9 @@ def compressed_problem(layout: str, compressed: TensorRef, plain: TensorRef, val
     return _compressed_indices_problem(compressed, plain, plain_dim, nnz, c_name, p_name)
 
 
-def _compressed_indices_problem(compressed: TensorRef, plain: TensorRef, plain_dim: int, nnz: int, c_name: str,
-                                p_name: str) -> str | None:
+def _compressed_indices_problem(
+    compressed: TensorRef, plain: TensorRef, plain_dim: int, nnz: int, c_name: str, p_name: str
+) -> str | None:
     import numpy as np
 
     batches = math.prod(compressed.shape[:-1])
@@ -219,7 +225,7 @@ def nested_problem(buffer: TensorRef, sizes: TensorRef, strides: TensorRef, offs
             last = np.where(overflow, 0, last + term)
         if (overflow & live).any():
             return "a piece's storage size overflows (torch: storage size calculation overflowed)"
-        if ((live & ((offset < first) | (last >= end))).any()):
+        if (live & ((offset < first) | (last >= end))).any():
             return "a piece reaches past its buffer"
     return None
 
@@ -227,5 +233,6 @@ def nested_problem(buffer: TensorRef, sizes: TensorRef, strides: TensorRef, offs
 def refuse(layout: str, problem: str, *, name: str = "", path: Any = None) -> InputError:
     """The one-line refusal of a tensor torch.load refuses."""
     which = f"{layout} tensor {name!r}" if name else f"a {layout} tensor"
-    return InputError(f"{which} is inconsistent ({problem}) — torch.load refuses it too; the file is corrupt",
-                      path=path)
+    return InputError(
+        f"{which} is inconsistent ({problem}) — torch.load refuses it too; the file is corrupt", path=path
+    )

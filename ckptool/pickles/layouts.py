@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
-from ckptool.pickles import layout_checks
 from ckptool.base.errors import InputError
+from ckptool.pickles import layout_checks
 from ckptool.pickles.limits import brief
 from ckptool.pickles.placeholders import OpaqueObject, TypeRef
 from ckptool.pickles.rebuilds import _check_parameter_state
@@ -39,8 +39,10 @@ _LAYOUT_NAMES = frozenset(f"torch.{name}" for name in (*SPARSE_LAYOUTS, "strided
 
 
 def _refuse_build(state: Any) -> None:
-    raise InputError(f"pickle sets attributes ({brief(state)}) on a sparse, nested or quantized tensor — refused; "
-                     "torch.save never writes that")
+    raise InputError(
+        f"pickle sets attributes ({brief(state)}) on a sparse, nested or quantized tensor — refused; "
+        "torch.save never writes that"
+    )
 
 
 class Layout(OpaqueObject):
@@ -63,11 +65,14 @@ def _tensor(value: Any, what: str, *, integer: bool = False, dims: int | None = 
     if not isinstance(value, TensorRef):
         raise InputError(f"a sparse or nested tensor's {what} is not a tensor ({brief(value)}) — the file is corrupt")
     if integer and value.dtype.torch_name not in ("int64", "int32"):
-        raise InputError(f"a sparse or nested tensor's {what} is {value.dtype.torch_name}, not an integer index "
-                         "tensor — the file is corrupt")
+        raise InputError(
+            f"a sparse or nested tensor's {what} is {value.dtype.torch_name}, not an integer index "
+            "tensor — the file is corrupt"
+        )
     if dims is not None and len(value.shape) != dims:
-        raise InputError(f"a sparse or nested tensor's {what} has {len(value.shape)} dimensions, not {dims} — "
-                         "the file is corrupt")
+        raise InputError(
+            f"a sparse or nested tensor's {what} has {len(value.shape)} dimensions, not {dims} — the file is corrupt"
+        )
     return value
 
 
@@ -148,21 +153,30 @@ class SparseTensor(LayoutTensor):
 
     def __init__(self, *args: Any) -> None:
         self._mode = "reduce"
-        if len(args) != 2 or not isinstance(args[0], Layout) or args[0].name not in SPARSE_LAYOUTS \
-                or not isinstance(args[1], tuple):
-            raise InputError(f"sparse tensor record {brief(args)} is not (sparse layout, components) — the file is "
-                             "corrupt")
+        if (
+            len(args) != 2
+            or not isinstance(args[0], Layout)
+            or args[0].name not in SPARSE_LAYOUTS
+            or not isinstance(args[1], tuple)
+        ):
+            raise InputError(
+                f"sparse tensor record {brief(args)} is not (sparse layout, components) — the file is corrupt"
+            )
         data = args[1]
         if args[0].name == "sparse_coo":
             if len(data) not in (3, 4) or (len(data) == 4 and data[3] not in (True, False, None)):
-                raise InputError("a sparse COO record is not (indices, values, size[, coalesced]) — the file is corrupt")
+                raise InputError(
+                    "a sparse COO record is not (indices, values, size[, coalesced]) — the file is corrupt"
+                )
             _tensor(data[0], "indices", integer=True, dims=2)
             _tensor(data[1], "values")
             _size(data[2])
         else:
             if len(data) != 4:
-                raise InputError(f"a {args[0].name} record is not (compressed indices, plain indices, values, size) "
-                                 "— the file is corrupt")
+                raise InputError(
+                    f"a {args[0].name} record is not (compressed indices, plain indices, values, size) "
+                    "— the file is corrupt"
+                )
             _tensor(data[0], "compressed indices", integer=True)
             _tensor(data[1], "plain indices", integer=True)
             _tensor(data[2], "values")
@@ -206,14 +220,22 @@ class SparseTensor(LayoutTensor):
         try:
             if self.layout == "sparse_coo":
                 # torch.load builds it unchecked, then checks every loaded sparse tensor's invariants
-                return torch.sparse_coo_tensor(parts["indices"], parts["values"], self.shape,
-                                               is_coalesced=self.coalesced, check_invariants=True)
-            return torch.sparse_compressed_tensor(parts["compressed_indices"], parts["plain_indices"],
-                                                  parts["values"], self.shape, layout=getattr(torch, self.layout),
-                                                  check_invariants=True)
+                return torch.sparse_coo_tensor(
+                    parts["indices"], parts["values"], self.shape, is_coalesced=self.coalesced, check_invariants=True
+                )
+            return torch.sparse_compressed_tensor(
+                parts["compressed_indices"],
+                parts["plain_indices"],
+                parts["values"],
+                self.shape,
+                layout=getattr(torch, self.layout),
+                check_invariants=True,
+            )
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InputError(f"{self.layout} tensor is inconsistent ({str(e).splitlines()[0][:160]}) — torch.load "
-                             "refuses it too; the file is corrupt") from e
+            raise InputError(
+                f"{self.layout} tensor is inconsistent ({str(e).splitlines()[0][:160]}) — torch.load "
+                "refuses it too; the file is corrupt"
+            ) from e
 
 
 class NestedTensor(LayoutTensor):
@@ -238,8 +260,14 @@ class NestedTensor(LayoutTensor):
         return "nested"
 
     def components(self) -> list[tuple[str, TensorRef]]:
-        return self._parts([("values", self._args[0]), ("sizes", self._args[1]), ("strides", self._args[2]),
-                            ("offsets", self._args[3])])
+        return self._parts(
+            [
+                ("values", self._args[0]),
+                ("sizes", self._args[1]),
+                ("strides", self._args[2]),
+                ("offsets", self._args[3]),
+            ]
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -265,8 +293,9 @@ class NestedTensor(LayoutTensor):
         self.check()
         buffer, sizes, strides, offsets = parts["values"], parts["sizes"], parts["strides"], parts["offsets"]
         try:
-            return torch._nested_view_from_buffer(buffer.contiguous(), sizes.contiguous(), strides.contiguous(),
-                                                  offsets.contiguous())
+            return torch._nested_view_from_buffer(
+                buffer.contiguous(), sizes.contiguous(), strides.contiguous(), offsets.contiguous()
+            )
         except (RuntimeError, ValueError, TypeError) as e:
             raise layout_checks.refuse("nested", str(e).splitlines()[0][:160]) from e
 
@@ -290,9 +319,11 @@ def layout_tensors(state_dict: Mapping[str, Any]) -> dict[str, LayoutTensor]:
 
 def describe_all(state_dict: Mapping[str, Any]) -> list[str]:
     """One line per sparse, nested or quantized tensor: what it is and how its parts are listed."""
-    return [f"{key!r} is a {value.describe()} tensor, listed as its parts {key}[...]: "
-            + ", ".join(role for role, _ in value.components())
-            for key, value in layout_tensors(state_dict).items()]
+    return [
+        f"{key!r} is a {value.describe()} tensor, listed as its parts {key}[...]: "
+        + ", ".join(role for role, _ in value.components())
+        for key, value in layout_tensors(state_dict).items()
+    ]
 
 
 def component_name(key: str, value: LayoutTensor, role: str) -> str:
@@ -309,18 +340,25 @@ def add_components(tensors: dict[str, TensorRef], state_dict: Mapping[str, Any],
         for role, part in value.components():
             name = component_name(key, value, role)
             if name in state_dict or name in tensors:
-                raise InputError(f"tensor key {name!r} names both a tensor and a part of the {value.layout} tensor "
-                                 f"{key!r} — rename one (ckptool cannot tell them apart)", path=path)
+                raise InputError(
+                    f"tensor key {name!r} names both a tensor and a part of the {value.layout} tensor "
+                    f"{key!r} — rename one (ckptool cannot tell them apart)",
+                    path=path,
+                )
             tensors[name] = part
 
 
-def materialize(tensors: Mapping[str, LayoutTensor],
-                to_state_dict: Callable[[Mapping[str, TensorRef]], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def materialize(
+    tensors: Mapping[str, LayoutTensor], to_state_dict: Callable[[Mapping[str, TensorRef]], dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
     """Build each tensor with torch from its components (materialized by ``to_state_dict``)."""
-    parts = to_state_dict({f"{name}\0{role}": tensor for name, value in tensors.items()
-                           for role, tensor in value.components()})
-    return {name: value.build({role: parts[f"{name}\0{role}"] for role, _ in value.components()})
-            for name, value in tensors.items()}
+    parts = to_state_dict(
+        {f"{name}\0{role}": tensor for name, value in tensors.items() for role, tensor in value.components()}
+    )
+    return {
+        name: value.build({role: parts[f"{name}\0{role}"] for role, _ in value.components()})
+        for name, value in tensors.items()
+    }
 
 
 def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
@@ -332,11 +370,13 @@ def refuse_for_safetensors(state_dict: Mapping[str, Any], out: Any) -> None:
 
         shown = ", ".join(f"{key!r} ({value.label()})" for key, value in list(found.items())[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
-        raise OutputError(f"safetensors holds dense tensors only, but {shown}{more} "
-                          f"{'is' if len(found) == 1 else 'are'} sparse, nested or quantized — nothing was written; "
-                          f"write .pt ({suggest.command('convert', '...', out='OUT.pt')}), or make them dense with "
-                          "torch first (tensor.to_dense(), tensor.dequantize())", path=out)
-
+        raise OutputError(
+            f"safetensors holds dense tensors only, but {shown}{more} "
+            f"{'is' if len(found) == 1 else 'are'} sparse, nested or quantized — nothing was written; "
+            f"write .pt ({suggest.command('convert', '...', out='OUT.pt')}), or make them dense with "
+            "torch first (tensor.to_dense(), tensor.dequantize())",
+            path=out,
+        )
 
 
 class WrappedLayoutTensor(LayoutTensor):
@@ -408,25 +448,31 @@ def _rebuild_parameter_with_state(data: Any, *args: Any) -> Any:
     if not isinstance(data, LayoutTensor):
         return _plain_parameter_with_state(data, *args)
     if len(args) != 3 or not isinstance(args[0], bool):
-        raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks, state) — the file is "
-                         "corrupt")
+        raise InputError(f"a parameter record {brief(args)} is not (requires_grad, hooks, state) — the file is corrupt")
     _check_parameter_state(args[2])
     return _ParameterWithStateOfLayout(data, *args)
 
 
-_LAYOUT_REBUILDS = {"torch._utils._rebuild_sparse_tensor", "torch._utils._rebuild_nested_tensor",
-                    "torch._utils._rebuild_qtensor"}
+_LAYOUT_REBUILDS = {
+    "torch._utils._rebuild_sparse_tensor",
+    "torch._utils._rebuild_nested_tensor",
+    "torch._utils._rebuild_qtensor",
+}
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # a layout tensor's placeholder class: what the allowlist gave for one of its rebuild functions
-    name = func._global if isinstance(func, type) and issubclass(func, LayoutTensor) \
-        and func._global in _LAYOUT_REBUILDS else None
+    name = (
+        func._global
+        if isinstance(func, type) and issubclass(func, LayoutTensor) and func._global in _LAYOUT_REBUILDS
+        else None
+    )
     if name is None:
         return _plain_from_type_v2(func, new_type, args, state)
     if not isinstance(new_type, TypeRef) or f"{new_type.module}.{new_type.name}" != "torch.Tensor":
-        raise InputError(f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor "
-                         "only — refused")
+        raise InputError(
+            f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor only — refused"
+        )
     if not isinstance(args, tuple):
         raise InputError("a tensor with attributes has no argument tuple — the file is corrupt")
     _check_parameter_state(state)

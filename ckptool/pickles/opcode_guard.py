@@ -31,8 +31,9 @@ from ckptool.pickles.limits import refuse
 class Truncated(InputError):
     """The pickle runs past the end of the bytes given (the stream reader then reads more)."""
 
-    def __init__(self, message: str = "pickle is truncated (it ends before its STOP opcode)", *,
-                 path: object = None) -> None:
+    def __init__(
+        self, message: str = "pickle is truncated (it ends before its STOP opcode)", *, path: object = None
+    ) -> None:
         super().__init__(message, path=path)  # type: ignore[arg-type]
 
 
@@ -95,8 +96,10 @@ def _crossing(frame_end: int) -> str:
     a file serves a frame's opcodes from one buffer and reads an argument the buffer cannot hold from
     the bytes after the frame, dropping what was left; read from bytes, it reads on across the end; the
     Python unpickler refuses. Which opcodes run depends on the reader: the pickle is refused."""
-    return (f"has an opcode that runs past the end of its frame at offset {frame_end}, so unpicklers would read "
-            "different opcodes from it (a disguise)")
+    return (
+        f"has an opcode that runs past the end of its frame at offset {frame_end}, so unpicklers would read "
+        "different opcodes from it (a disguise)"
+    )
 
 
 def _text(raw: bytes) -> Value:
@@ -137,7 +140,7 @@ def guard_stats(data: bytes, cache: GuardCache | None = None) -> PickleStats:
         if collecting:
             gc.enable()
     if cache is not None:
-        cache.add_walked(data if stats.size == len(data) else data[:stats.size], stats)
+        cache.add_walked(data if stats.size == len(data) else data[: stats.size], stats)
     return stats
 
 
@@ -148,17 +151,35 @@ def _python_walk(data: bytes) -> PickleStats:
 
 
 def _native_limits() -> bool:
-    return all(type(limit) is int and 0 <= limit <= _NATIVE_LIMIT for limit in (
-        limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS,
-        limits.MAX_GLOBALS)) \
-        and type(limits.MAX_NESTING) is int and 0 <= limits.MAX_NESTING < _NATIVE_MAX_NESTING
+    return (
+        all(
+            type(limit) is int and 0 <= limit <= _NATIVE_LIMIT
+            for limit in (
+                limits.MAX_UNPICKLED_BYTES,
+                limits.MAX_PICKLE_BYTES,
+                limits.MAX_KEY_NODES,
+                limits.MAX_HASH_COLLISIONS,
+                limits.MAX_GLOBALS,
+            )
+        )
+        and type(limits.MAX_NESTING) is int
+        and 0 <= limits.MAX_NESTING < _NATIVE_MAX_NESTING
+    )
 
 
 def _native_walk(data: bytes) -> PickleStats:
     """The C walk: the Python walk's results, its Truncated and its refusals' messages."""
     assert _native is not None
-    result = _native.walk(data, limits.MAX_UNPICKLED_BYTES, limits.MAX_PICKLE_BYTES, limits.MAX_KEY_NODES,
-                          limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING, limits.MAX_GLOBALS, _torch_names())
+    result = _native.walk(
+        data,
+        limits.MAX_UNPICKLED_BYTES,
+        limits.MAX_PICKLE_BYTES,
+        limits.MAX_KEY_NODES,
+        limits.MAX_HASH_COLLISIONS,
+        limits.MAX_NESTING,
+        limits.MAX_GLOBALS,
+        _torch_names(),
+    )
     if result is None:
         raise Truncated()
     if type(result) is str:
@@ -229,9 +250,34 @@ _INTS = rb"(\)|(?:K.|M..|J....){1,3}[\x85-\x87]|\((?:K.|M..|J....)*t)"
 # 'storage' (GET) storage class (GET) storage key (BINUNICODE of digits, PUT) location (GET) numel
 # TUPLE PUT BINPERSID; offset; size tuple [PUT]; stride tuple [PUT]; requires_grad; OrderedDict (GET)
 # EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT.
-_ENTRY = re.compile(_PUT + _GET + rb"\(\(" + _GET + _GET + rb"X(.)\x00\x00\x00([0-9]{1,12})" + _PUT + _GET + _INT
-                    + rb"t" + _PUT + rb"Q" + _INT + _INTS + rb"(q.|r....)?" + _INTS + rb"(q.|r....)?" + rb"([\x88\x89])"
-                    + _GET + rb"\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+_ENTRY = re.compile(
+    _PUT
+    + _GET
+    + rb"\(\("
+    + _GET
+    + _GET
+    + rb"X(.)\x00\x00\x00([0-9]{1,12})"
+    + _PUT
+    + _GET
+    + _INT
+    + rb"t"
+    + _PUT
+    + rb"Q"
+    + _INT
+    + _INTS
+    + rb"(q.|r....)?"
+    + _INTS
+    + rb"(q.|r....)?"
+    + rb"([\x88\x89])"
+    + _GET
+    + rb"\)R"
+    + _PUT
+    + rb"t"
+    + _PUT
+    + rb"R"
+    + _PUT,
+    re.DOTALL,
+)
 
 
 def _int_tuple(cache: dict, raw: bytes) -> tuple[Value, int, list[int], int] | None:
@@ -329,8 +375,24 @@ class _Walk:
     stack's depth at the last MARK: nothing may be taken from below it) and ``memory`` estimate.
     """
 
-    __slots__ = ("data", "end", "counts", "names", "stack", "marks", "memo", "at", "fence", "ops", "hashing",
-                 "memory", "tuples", "shapes", "entries", "memo_top")
+    __slots__ = (
+        "data",
+        "end",
+        "counts",
+        "names",
+        "stack",
+        "marks",
+        "memo",
+        "at",
+        "fence",
+        "ops",
+        "hashing",
+        "memory",
+        "tuples",
+        "shapes",
+        "entries",
+        "memo_top",
+    )
 
     def __init__(self, data: bytes, counts: list[int], names: list[str]) -> None:
         self.data, self.end, self.counts, self.names = data, len(data), counts, names
@@ -386,7 +448,7 @@ class _Walk:
                 counts[code] += 1
                 if code == 0x72 or code == 0x71 or code == 0x94 or code == 0x70:  # LONG_BINPUT BINPUT MEMOIZE PUT
                     if code == 0x72:
-                        index = int.from_bytes(data[i:i + 4], "little")
+                        index = int.from_bytes(data[i : i + 4], "little")
                         i += 4
                         if i > end:
                             raise Truncated()
@@ -414,7 +476,7 @@ class _Walk:
                         index = data[i]
                         i += 1
                     elif code == 0x6A:
-                        index = int.from_bytes(data[i:i + 4], "little")
+                        index = int.from_bytes(data[i : i + 4], "little")
                         i += 4
                         if i > end:
                             raise Truncated()
@@ -435,7 +497,7 @@ class _Walk:
                     memory += 8
                 elif code == 0x58 or code == 0x8C:  # BINUNICODE SHORT_BINUNICODE
                     if code == 0x58:
-                        size = int.from_bytes(data[i:i + 4], "little")
+                        size = int.from_bytes(data[i : i + 4], "little")
                         i += 4
                     else:
                         size = data[i]
@@ -444,7 +506,7 @@ class _Walk:
                         if i + size > max_pickle:
                             raise refuse(f"has a {size}-byte value, over the {max_pickle}-byte pickle limit")
                         raise Truncated()
-                    key = Value("str", data[i:i + size], 1, True, OPAQUE) if size <= _MAX_TEXT_NAME else _STR
+                    key = Value("str", data[i : i + size], 1, True, OPAQUE) if size <= _MAX_TEXT_NAME else _STR
                     i += size
                     memory += 56 + size
                     if code == 0x58 and not frame_end:  # a state-dict key: the tensor entry after it, in one step
@@ -500,14 +562,20 @@ class _Walk:
                     if len(stack) <= fence:
                         raise refuse("stops with nothing on its stack (corrupt)")
                     if frame_end and i != frame_end:  # a stream reader would go on after the frame, not after STOP
-                        raise refuse(f"stops at offset {i - 1}, inside a frame that ends at offset {frame_end} (corrupt)")
+                        raise refuse(
+                            f"stops at offset {i - 1}, inside a frame that ends at offset {frame_end} (corrupt)"
+                        )
                     break
-                elif code == 0x95:  # FRAME: the reader takes the frame's bytes in one read and serves the opcodes from them
+                elif (
+                    code == 0x95
+                ):  # FRAME: the reader takes the frame's bytes in one read and serves the opcodes from them
                     if frame_end:
-                        raise refuse(f"starts a frame at offset {i - 1} inside the frame that ends at offset {frame_end}")
+                        raise refuse(
+                            f"starts a frame at offset {i - 1} inside the frame that ends at offset {frame_end}"
+                        )
                     if i + 8 > end:
                         raise Truncated()
-                    size = int.from_bytes(data[i:i + 8], "little")
+                    size = int.from_bytes(data[i : i + 8], "little")
                     i += 8
                     if i + size > end:
                         if i + size > max_pickle:
@@ -541,8 +609,28 @@ class _Walk:
         twice or past the opcodes so far, a tuple whose length is not its opcode's: the walk then
         takes it opcode by opcode.
         """
-        (key_put, fn_get, storage_get, class_get, skey_size, skey, skey_put, location_get, numel, storage_put,
-         offset, size, size_put, stride, stride_put, flag, hooks_get, hooks_put, args_put, result_put) = match.groups()
+        (
+            key_put,
+            fn_get,
+            storage_get,
+            class_get,
+            skey_size,
+            skey,
+            skey_put,
+            location_get,
+            numel,
+            storage_put,
+            offset,
+            size,
+            size_put,
+            stride,
+            stride_put,
+            flag,
+            hooks_get,
+            hooks_put,
+            args_put,
+            result_put,
+        ) = match.groups()
         if skey_size[0] != len(skey) or len(size) > _MAX_SHAPE_BYTES or len(stride) > _MAX_SHAPE_BYTES:
             return None
         tuples = self.tuples
@@ -586,9 +674,11 @@ class _Walk:
         nodes = 3 + storage.nodes + class_.nodes + location.nodes
         memo[key_at] = key
         memo[skey_at] = Value("str", skey, 1, True, OPAQUE)
-        memo[storage_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1,
-                                         storage.hashable and class_.hashable and location.hashable,
-                                         1 + max(storage.depth, class_.depth, location.depth))
+        memo[storage_at] = _opaque_tuple(
+            nodes if nodes <= max_nodes else max_nodes + 1,
+            storage.hashable and class_.hashable and location.hashable,
+            1 + max(storage.depth, class_.depth, location.depth),
+        )
         stores = 6
         if size_at >= 0:
             memo[size_at] = size_tuple[0]
@@ -598,14 +688,23 @@ class _Walk:
             stores += 1
         memo[hooks_at] = _made_by(hooks)
         nodes = 5 + size_tuple[0].nodes + stride_tuple[0].nodes
-        memo[args_at] = _opaque_tuple(nodes if nodes <= max_nodes else max_nodes + 1, False,
-                                      1 + max(size_tuple[0].depth, stride_tuple[0].depth))
+        memo[args_at] = _opaque_tuple(
+            nodes if nodes <= max_nodes else max_nodes + 1, False, 1 + max(size_tuple[0].depth, stride_tuple[0].depth)
+        )
         memo[result_at] = result = _made_by(fn)
         # the opcodes' counts: what every entry has is tallied, and added up when the walk ends
         counts = self.counts
-        long_puts = (len(key_put) + len(skey_put) + len(storage_put) + len(hooks_put) + len(args_put)
-                     + len(result_put) + (0 if size_put is None else len(size_put))
-                     + (0 if stride_put is None else len(stride_put)) - 2 * stores) // 3
+        long_puts = (
+            len(key_put)
+            + len(skey_put)
+            + len(storage_put)
+            + len(hooks_put)
+            + len(args_put)
+            + len(result_put)
+            + (0 if size_put is None else len(size_put))
+            + (0 if stride_put is None else len(stride_put))
+            - 2 * stores
+        ) // 3
         long_gets = (len(fn_get) + len(storage_get) + len(class_get) + len(location_get) + len(hooks_get) - 10) // 3
         counts[0x72] += long_puts
         counts[0x71] += stores - long_puts
@@ -621,8 +720,15 @@ class _Walk:
         # opcodes: the 23 every entry has after its key, its stores of tuples, and its tuples' own
         walked = 17 + stores + size_tuple[1] + stride_tuple[1]
         self.memo_top = result_at + 1
-        memory = (16 * (result_at + 1 - top) + 1856 + len(skey) + (40 if len(numel) > 2 else 0) + (40 if len(offset) > 2 else 0)
-                  + size_tuple[3] + stride_tuple[3])
+        memory = (
+            16 * (result_at + 1 - top)
+            + 1856
+            + len(skey)
+            + (40 if len(numel) > 2 else 0)
+            + (40 if len(offset) > 2 else 0)
+            + size_tuple[3]
+            + stride_tuple[3]
+        )
         return result, walked, memory
 
     # helpers of the methods below --------------------------------------------------------------
@@ -641,7 +747,7 @@ class _Walk:
     def counted(self, width: int, signed: bool = False) -> int:
         """A length of ``width`` bytes at the position, checked against the bytes that follow it."""
         i = self.at
-        size = int.from_bytes(self.data[i:i + width], "little", signed=signed)
+        size = int.from_bytes(self.data[i : i + width], "little", signed=signed)
         i = self.at = i + width
         if size < 0:
             raise refuse(f"has a negative length {size} at offset {i - width} (corrupt)")
@@ -660,8 +766,10 @@ class _Walk:
         max_nodes, max_collisions, max_depth = limits.MAX_KEY_NODES, limits.MAX_HASH_COLLISIONS, limits.MAX_NESTING
         for key in keys:
             if not key.hashable:
-                raise refuse(f"uses a {key.kind} {(key.name if key.kind != 'tuple' else None) or ''} as a dict key "
-                             "or set element")
+                raise refuse(
+                    f"uses a {key.kind} {(key.name if key.kind != 'tuple' else None) or ''} as a dict key "
+                    "or set element"
+                )
             if key.nodes > max_nodes:
                 raise refuse(f"uses a dict key or set element of {key.nodes}+ nested values (a hashing bomb)")
             if key.depth > max_depth:  # comparing two equal ones would recurse that deep
@@ -674,8 +782,9 @@ class _Walk:
                 bucket = target.buckets.setdefault(hash(value), set())
                 bucket.add(value)
                 if len(bucket) > max_collisions:
-                    raise refuse(f"puts {len(bucket)} distinct keys with one hash into a dict or set "
-                                 "(a hash-collision flood)")
+                    raise refuse(
+                        f"puts {len(bucket)} distinct keys with one hash into a dict or set (a hash-collision flood)"
+                    )
         if self.hashing > 8 * self.ops + 100_000:
             raise refuse("hashes more nested keys than its size allows (a hashing bomb)")
 
@@ -689,7 +798,7 @@ class _Walk:
     def sized(self, code: int) -> None:  # BINUNICODE8, and the BINBYTES and BINSTRING families
         width, signed, kind = _SIZED[code]
         size = self.counted(width, signed)
-        raw = self.data[self.at:self.at + size]
+        raw = self.data[self.at : self.at + size]
         self.stack.append(_text(raw) if kind == "str" else _BYTES if kind == "bytes" else Receiver("container"))
         self.at += size
         self.memory += 56 + size
@@ -698,20 +807,20 @@ class _Walk:
         width = 2 if code == 0x4D else 4
         if self.at + width > self.end:
             raise Truncated()
-        self.stack.append(_literal(int.from_bytes(self.data[self.at:self.at + width], "little", signed=code == 0x4A)))
+        self.stack.append(_literal(int.from_bytes(self.data[self.at : self.at + width], "little", signed=code == 0x4A)))
         self.at += width
         self.memory += 40
 
     def long(self, code: int) -> None:  # LONG1 LONG4
         size = self.counted(1 if code == 0x8A else 4, signed=code == 0x8B)
-        self.stack.append(_literal(int.from_bytes(self.data[self.at:self.at + size], "little", signed=True)))
+        self.stack.append(_literal(int.from_bytes(self.data[self.at : self.at + size], "little", signed=True)))
         self.at += size
         self.memory += 32 + size
 
     def binfloat(self, code: int) -> None:  # BINFLOAT
         if self.at + 8 > self.end:
             raise Truncated()
-        self.stack.append(_literal(struct.unpack(">d", self.data[self.at:self.at + 8])[0]))
+        self.stack.append(_literal(struct.unpack(">d", self.data[self.at : self.at + 8])[0]))
         self.at += 8
         self.memory += 32
 
@@ -798,8 +907,11 @@ class _Walk:
             raise refuse("sets state with too few values on its stack (corrupt)")
         self.stack.pop()
         target = self.stack[-1]
-        if target.kind != "object" or target.name is None or \
-                (target.name in _torch_names() and target.name != "collections.OrderedDict"):
+        if (
+            target.kind != "object"
+            or target.name is None
+            or (target.name in _torch_names() and target.name != "collections.OrderedDict")
+        ):
             shown = target.name if target.kind != "tuple" else None  # a tuple's name is getattr's, not its own
             raise refuse(f"sets state (BUILD) on {shown or 'a ' + target.kind}, which torch's loader never does")
         self.memory += 64
@@ -893,23 +1005,36 @@ _SIZED: dict[int, tuple[int, bool, str]] = {
 # The opcodes :meth:`_Walk.run` does not handle inline, each with its method.
 _RARE: dict[int, Callable[[_Walk, int], None]] = {
     **dict.fromkeys(_SIZED, _Walk.sized),
-    0x4D: _Walk.binint, 0x4A: _Walk.binint,  # BININT2 BININT
-    0x8A: _Walk.long, 0x8B: _Walk.long,  # LONG1 LONG4
+    0x4D: _Walk.binint,
+    0x4A: _Walk.binint,  # BININT2 BININT
+    0x8A: _Walk.long,
+    0x8B: _Walk.long,  # LONG1 LONG4
     0x47: _Walk.binfloat,  # BINFLOAT
-    0x49: _Walk.text_int, 0x4C: _Walk.text_int,  # INT LONG
+    0x49: _Walk.text_int,
+    0x4C: _Walk.text_int,  # INT LONG
     0x46: _Walk.text_float,  # FLOAT
-    0x53: _Walk.text_str, 0x56: _Walk.text_str,  # STRING UNICODE
-    0x63: _Walk.global_, 0x69: _Walk.global_,  # GLOBAL INST
+    0x53: _Walk.text_str,
+    0x56: _Walk.text_str,  # STRING UNICODE
+    0x63: _Walk.global_,
+    0x69: _Walk.global_,  # GLOBAL INST
     0x93: _Walk.stack_global,  # STACK_GLOBAL
-    0x82: _Walk.ext, 0x83: _Walk.ext, 0x84: _Walk.ext,  # EXT1 EXT2 EXT4
+    0x82: _Walk.ext,
+    0x83: _Walk.ext,
+    0x84: _Walk.ext,  # EXT1 EXT2 EXT4
     0x6F: _Walk.obj,  # OBJ
     0x50: _Walk.persid,  # PERSID
     0x62: _Walk.build,  # BUILD
     0x5D: _Walk.empty_list,  # EMPTY_LIST
-    0x7D: _Walk.empty_keyed, 0x8F: _Walk.empty_keyed,  # EMPTY_DICT EMPTY_SET
-    0x64: _Walk.collection, 0x91: _Walk.collection, 0x6C: _Walk.collection,  # DICT FROZENSET LIST
-    0x75: _Walk.set_items, 0x73: _Walk.set_items, 0x90: _Walk.set_items,  # SETITEMS SETITEM ADDITEMS
-    0x61: _Walk.append, 0x65: _Walk.append,  # APPEND APPENDS
+    0x7D: _Walk.empty_keyed,
+    0x8F: _Walk.empty_keyed,  # EMPTY_DICT EMPTY_SET
+    0x64: _Walk.collection,
+    0x91: _Walk.collection,
+    0x6C: _Walk.collection,  # DICT FROZENSET LIST
+    0x75: _Walk.set_items,
+    0x73: _Walk.set_items,
+    0x90: _Walk.set_items,  # SETITEMS SETITEM ADDITEMS
+    0x61: _Walk.append,
+    0x65: _Walk.append,  # APPEND APPENDS
     0x30: _Walk.pop,  # POP
     0x31: _Walk.pop_mark_op,  # POP_MARK
     0x32: _Walk.dup,  # DUP

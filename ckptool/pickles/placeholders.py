@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ckptool.tensors.dtypes import DType
 from ckptool.base.errors import InputError
 from ckptool.pickles.limits import brief
+from ckptool.tensors.dtypes import DType
 
 
 def refuse_build(state: Any) -> None:
@@ -81,19 +81,23 @@ class OpaqueObject:
     def __setstate__(self, state: Any) -> None:
         if self._state is not None:
             # pickle never writes it; the class would apply both, a rewrite could keep only one
-            raise InputError(f"pickle sets the state of one {self._global} object twice (two BUILDs) — no pickler "
-                             "writes that, and a rewrite could keep only one; refused (re-save the object with "
-                             "torch.save from the program that made it)")
+            raise InputError(
+                f"pickle sets the state of one {self._global} object twice (two BUILDs) — no pickler "
+                "writes that, and a rewrite could keep only one; refused (re-save the object with "
+                "torch.save from the program that made it)"
+            )
         self._state = state
 
     # pickle gives an object its appended items, then its set items, then its state (save_reduce's
     # order, the one dump writes back); items out of that order could change what the class builds
     def _check_order(self, what: str, later: bool) -> None:
         if self._state is not None or later:
-            raise InputError(f"pickle {what} one {self._global} object after its "
-                             f"{'state (BUILD)' if self._state is not None else 'set items'} — no pickler writes "
-                             "that, and a rewrite would reorder it; refused (re-save the object with torch.save "
-                             "from the program that made it)")
+            raise InputError(
+                f"pickle {what} one {self._global} object after its "
+                f"{'state (BUILD)' if self._state is not None else 'set items'} — no pickler writes "
+                "that, and a rewrite would reorder it; refused (re-save the object with torch.save "
+                "from the program that made it)"
+            )
 
     def append(self, item: Any) -> None:
         self._check_order("appends items to", bool(self._setitems))
@@ -133,9 +137,9 @@ def opaque_type(full_name: str, module: str | None = None) -> type:
     protocol 4 (STACK_GLOBAL) names a nested class ``Outer.Inner`` in module ``m``, which a rewrite
     must name the same way to load.
     """
-    if module is not None and (not full_name.startswith(module + ".") or "." not in full_name[len(module) + 1:]):
+    if module is not None and (not full_name.startswith(module + ".") or "." not in full_name[len(module) + 1 :]):
         module = None  # the usual split, at the last dot
-    key = full_name if module is None else f"{module}:{full_name[len(module) + 1:]}"
+    key = full_name if module is None else f"{module}:{full_name[len(module) + 1 :]}"
     cls = _OPAQUE_TYPES.get(key)
     if cls is None:
         attributes: dict[str, Any] = {"_global": full_name, "__slots__": ()}
@@ -157,8 +161,11 @@ def attribute_type(parent: type, attribute: str) -> type:
     key = f"{parent_name}\n{attribute}"
     cls = _OPAQUE_TYPES.get(key)
     if cls is None:
-        cls = type(attribute, (OpaqueObject,), {"_global": f"{parent_name}.{attribute}", "_parent": parent,
-                                                "_attribute": attribute, "__slots__": ()})
+        cls = type(
+            attribute,
+            (OpaqueObject,),
+            {"_global": f"{parent_name}.{attribute}", "_parent": parent, "_attribute": attribute, "__slots__": ()},
+        )
         _OPAQUE_TYPES[key] = cls
     return cls
 
@@ -178,12 +185,15 @@ class StateDict(OrderedDict):
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict):
-            raise InputError(f"pickle sets the state of an OrderedDict to {brief(state)}, not a dict of "
-                             "attributes — refused")
+            raise InputError(
+                f"pickle sets the state of an OrderedDict to {brief(state)}, not a dict of attributes — refused"
+            )
         for name in dict.keys(state):
             if type(name) is not str or hasattr(OrderedDict, name) or name.startswith("__"):
-                raise InputError(f"pickle sets attribute {brief(name)} on an OrderedDict, hiding its own "
-                                 "contents from readers (torch.save never writes that) — refused")
+                raise InputError(
+                    f"pickle sets attribute {brief(name)} on an OrderedDict, hiding its own "
+                    "contents from readers (torch.save never writes that) — refused"
+                )
         self.__dict__.update(state)
 
     def __reduce__(self) -> Any:  # copy/deepcopy/pickle treat it as the OrderedDict it stands for
@@ -193,4 +203,3 @@ class StateDict(OrderedDict):
 
 # shown as what the file holds (repr, inspect's entries, error messages): an OrderedDict
 StateDict.__name__ = StateDict.__qualname__ = "OrderedDict"
-

@@ -31,11 +31,11 @@ import zlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckptool.tensors.dtypes import BY_NAME, DType
 from ckptool.base.errors import InputError, UsageError
 from ckptool.pickles.layouts import LayoutTensor
 from ckptool.pickles.limits import brief
 from ckptool.pickles.placeholders import StorageTypeRef
+from ckptool.tensors.dtypes import BY_NAME, DType
 from ckptool.tensors.refs import DTypeRef, StorageRef, TensorRef
 
 if TYPE_CHECKING:
@@ -54,13 +54,16 @@ class QuantizedType:
         self.bits = bits
 
 
-QUANTIZED_TYPES: dict[str, QuantizedType] = {q.dtype.torch_name: q for q in (
-    QuantizedType("quint8", "QUInt8Storage", 1, "U8", 8),
-    QuantizedType("qint8", "QInt8Storage", 1, "I8", 8),
-    QuantizedType("qint32", "QInt32Storage", 4, "I32", 32),
-    QuantizedType("quint4x2", "QUInt4x2Storage", 1, "U8", 4),
-    QuantizedType("quint2x4", "QUInt2x4Storage", 1, "U8", 2),
-)}
+QUANTIZED_TYPES: dict[str, QuantizedType] = {
+    q.dtype.torch_name: q
+    for q in (
+        QuantizedType("quint8", "QUInt8Storage", 1, "U8", 8),
+        QuantizedType("qint8", "QInt8Storage", 1, "I8", 8),
+        QuantizedType("qint32", "QInt32Storage", 4, "I32", 32),
+        QuantizedType("quint4x2", "QUInt4x2Storage", 1, "U8", 4),
+        QuantizedType("quint2x4", "QUInt2x4Storage", 1, "U8", 2),
+    )
+}
 _BY_DTYPE = {id(q.dtype): q for q in QUANTIZED_TYPES.values()}
 
 PER_TENSOR_AFFINE = "per_tensor_affine"
@@ -68,8 +71,7 @@ PER_CHANNEL_AFFINE = "per_channel_affine"
 FLOAT_QPARAMS = "per_channel_affine_float_qparams"
 # what torch's quantizer converts a per-channel tensor's parameters from (other types: refused)
 _FLOATING = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": None}
-_INTEGRAL = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4",
-             "U64": "<u8"}
+_INTEGRAL = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
 
 
 def _corrupt(what: str) -> InputError:
@@ -108,14 +110,27 @@ def _converted(role: str, source: TensorRef, target: DType, location: str) -> Te
     promises is counted as the expansion it is (:func:`ckptool.tensors.refs.expansion`), never as stored
     bytes. Any other view is converted chunk by chunk as it is streamed (bounded memory)."""
     if source.numel > 1 and source.stride == (0,):
-        one = TensorRef(storage=source.storage, dtype=source.dtype, shape=(1,), stride=(1,), offset=source.offset,
-                        conj=source.conj, neg=source.neg)
+        one = TensorRef(
+            storage=source.storage,
+            dtype=source.dtype,
+            shape=(1,),
+            stride=(1,),
+            offset=source.offset,
+            conj=source.conj,
+            neg=source.neg,
+        )
         single = _Converted(one, target)
         storage = StorageRef(key=f"quantized {role}", dtype=target, numel=1, location=location, producer=single.read)
         return TensorRef(storage=storage, dtype=target, shape=source.shape, stride=(0,))
     converted = _Converted(source, target)
-    storage = StorageRef(key=f"quantized {role}", dtype=target, numel=source.numel, location=location,
-                         producer=converted.read, derived=converted)
+    storage = StorageRef(
+        key=f"quantized {role}",
+        dtype=target,
+        numel=source.numel,
+        location=location,
+        producer=converted.read,
+        derived=converted,
+    )
     return TensorRef(storage=storage, dtype=target, shape=(source.numel,), stride=(1,))
 
 
@@ -148,8 +163,10 @@ class _Converted:
                 crc = zlib.crc32(out, crc)
                 yield memoryview(out)
         if pending:  # the storage check makes this unreachable
-            raise InputError(f"a quantized tensor's parameters end inside a {self.source.dtype.torch_name} element "
-                             "— the file is corrupt")
+            raise InputError(
+                f"a quantized tensor's parameters end inside a {self.source.dtype.torch_name} element "
+                "— the file is corrupt"
+            )
         self.crc32 = crc
 
     def read(self) -> bytearray:
@@ -179,16 +196,20 @@ class _Listed:
         import numpy as np
 
         # Python floats are doubles: float32 is a rounding of the double, as torch's cast does
-        array = np.array([float(v) for v in self.values] if self.target.is_floating else self.values,
-                         dtype="<f8" if self.target.is_floating else "<i8")
+        array = np.array(
+            [float(v) for v in self.values] if self.target.is_floating else self.values,
+            dtype="<f8" if self.target.is_floating else "<i8",
+        )
         return array.astype({"F64": "<f8", "F32": "<f4", "I64": "<i8"}[self.target.name]).tobytes()
 
 
 def _list(values: list, *, integers: bool, what: str) -> list:
     for value in values:
         if integers and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
-            raise InputError(f"a quantized tensor's {what} list holds {brief(value)}, not an int64 — torch would "
-                             "truncate or refuse it; refused")
+            raise InputError(
+                f"a quantized tensor's {what} list holds {brief(value)}, not an int64 — torch would "
+                "truncate or refuse it; refused"
+            )
         # exact in float32 and float64 alike, whatever path torch takes to convert them
         if not integers and not (type(value) is float or (type(value) is int and abs(value) <= 1 << 24)):
             raise InputError(f"a quantized tensor's {what} list holds {brief(value)}, not a float — refused")
@@ -229,8 +250,9 @@ class QuantizedTensor(LayoutTensor):
         self._check_qparams(qparams, shape)
 
     @staticmethod
-    def _int_repr(storage: StorageRef, kind: QuantizedType, offset: int, shape: tuple[int, ...],
-                  strides: tuple[int, ...]) -> TensorRef:
+    def _int_repr(
+        storage: StorageRef, kind: QuantizedType, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]
+    ) -> TensorRef:
         if kind.bits >= 8:
             view = TensorRef(storage=storage, dtype=kind.repr_dtype, shape=shape, stride=strides, offset=offset)
             view.validate(name="quantized")
@@ -240,11 +262,15 @@ class QuantizedTensor(LayoutTensor):
         count = math.prod(shape)
         packed = -(-count * kind.bits // 8)
         if not TensorRef(storage=storage, dtype=kind.repr_dtype, shape=shape, stride=strides).is_contiguous():
-            raise InputError(f"a {kind.dtype.torch_name} tensor has strides {strides}; torch.save writes packed "
-                             "sub-byte tensors contiguous only — refused")
+            raise InputError(
+                f"a {kind.dtype.torch_name} tensor has strides {strides}; torch.save writes packed "
+                "sub-byte tensors contiguous only — refused"
+            )
         if offset + packed > storage.numel or -(-(offset + count) * kind.bits // 8) > storage.numel:
-            raise InputError(f"a {kind.dtype.torch_name} tensor's packed bytes end past its storage ({storage.numel} "
-                             "bytes): torch would read memory outside it — the file is corrupt; refused")
+            raise InputError(
+                f"a {kind.dtype.torch_name} tensor's packed bytes end past its storage ({storage.numel} "
+                "bytes): torch would read memory outside it — the file is corrupt; refused"
+            )
         return TensorRef(storage=storage, dtype=kind.repr_dtype, shape=(packed,), stride=(1,), offset=offset)
 
     def _check_qparams(self, qparams: Any, shape: tuple[int, ...]) -> None:
@@ -259,8 +285,10 @@ class QuantizedTensor(LayoutTensor):
             _int(zero_point, "zero point", _INT64[0])
             return
         if name not in (PER_CHANNEL_AFFINE, FLOAT_QPARAMS):
-            raise _corrupt(f"scheme is {brief(scheme)}; torch reads per_tensor_affine, per_channel_affine and "
-                           "per_channel_affine_float_qparams")
+            raise _corrupt(
+                f"scheme is {brief(scheme)}; torch reads per_tensor_affine, per_channel_affine and "
+                "per_channel_affine_float_qparams"
+            )
         if len(qparams) != 4:
             raise _corrupt(f"per-channel parameters have {len(qparams)} entries, not 4")
         _, scales, zero_points, axis = qparams
@@ -275,8 +303,10 @@ class QuantizedTensor(LayoutTensor):
             elif isinstance(value, TensorRef) and value.parameter is None and value.subclass is None:
                 known = _FLOATING if what == "scales" else {**_FLOATING, **_INTEGRAL}
                 if value.dtype.name not in known:
-                    raise InputError(f"a quantized tensor's {what} are {value.dtype.torch_name}; ckptool reads "
-                                     f"{', '.join(BY_NAME[n].torch_name for n in known)} — refused")
+                    raise InputError(
+                        f"a quantized tensor's {what} are {value.dtype.torch_name}; ckptool reads "
+                        f"{', '.join(BY_NAME[n].torch_name for n in known)} — refused"
+                    )
                 if len(value.shape) != 1:
                     raise _corrupt(f"{what} have {len(value.shape)} dimensions, not 1")
                 count = value.numel
@@ -322,15 +352,18 @@ class QuantizedTensor(LayoutTensor):
         if qparams[0].name == PER_TENSOR_AFFINE:
             return PER_TENSOR_AFFINE
         zero_points = qparams[2]
-        floating = qparams[0].name == FLOAT_QPARAMS if type(zero_points) is list else \
-            zero_points.dtype.name in _FLOATING
+        floating = (
+            qparams[0].name == FLOAT_QPARAMS if type(zero_points) is list else zero_points.dtype.name in _FLOATING
+        )
         return FLOAT_QPARAMS if floating else PER_CHANNEL_AFFINE
 
     def _per(self, wanted: str, method: str) -> tuple:
         per_tensor = self.qscheme() == PER_TENSOR_AFFINE
         if per_tensor != (wanted == PER_TENSOR_AFFINE):
-            raise UsageError(f"{method}() of a {self.qscheme()} tensor: torch raises the same — use "
-                             f"{'q_scale()/q_zero_point()' if per_tensor else 'q_per_channel_scales()/...'}")
+            raise UsageError(
+                f"{method}() of a {self.qscheme()} tensor: torch raises the same — use "
+                f"{'q_scale()/q_zero_point()' if per_tensor else 'q_per_channel_scales()/...'}"
+            )
         return self._args[4]
 
     def q_scale(self) -> float:
@@ -364,8 +397,10 @@ class QuantizedTensor(LayoutTensor):
         qparams, location = self._args[4], self._args[0].location
         parts = [("int_repr", self._args[0])]
         if qparams[0].name == PER_TENSOR_AFFINE:
-            parts += [("scale", _scalar("scale", struct.pack("<d", float(qparams[1])), BY_NAME["F64"], location)),
-                      ("zero_point", _scalar("zero point", struct.pack("<q", qparams[2]), BY_NAME["I64"], location))]
+            parts += [
+                ("scale", _scalar("scale", struct.pack("<d", float(qparams[1])), BY_NAME["F64"], location)),
+                ("zero_point", _scalar("zero point", struct.pack("<q", qparams[2]), BY_NAME["I64"], location)),
+            ]
         else:
             floating = self.qscheme() == FLOAT_QPARAMS
             targets = (BY_NAME["F32"], BY_NAME["F32"]) if floating else (BY_NAME["F64"], BY_NAME["I64"])
@@ -383,8 +418,11 @@ class QuantizedTensor(LayoutTensor):
     def saved_parameters(self) -> list[TensorRef]:
         """The per-channel scale and zero point tensors as the pickle holds them (none for lists)."""
         qparams = self._args[4]
-        return [value for value in qparams[1:3] if isinstance(value, TensorRef)] \
-            if qparams[0].name != PER_TENSOR_AFFINE else []
+        return (
+            [value for value in qparams[1:3] if isinstance(value, TensorRef)]
+            if qparams[0].name != PER_TENSOR_AFFINE
+            else []
+        )
 
     def label(self) -> str:
         return f"quantized {self.dtype.torch_name}"
@@ -399,8 +437,10 @@ class QuantizedTensor(LayoutTensor):
             detail = f"scale {float(qparams[1])!r}, zero point {qparams[2]}"
         else:
             parts = dict(self.components())
-            detail = (f"axis {qparams[3]}, {parts['scales'].numel} {parts['scales'].dtype.torch_name} scales and "
-                      f"{parts['zero_points'].dtype.torch_name} zero points")
+            detail = (
+                f"axis {qparams[3]}, {parts['scales'].numel} {parts['scales'].dtype.torch_name} scales and "
+                f"{parts['zero_points'].dtype.torch_name} zero points"
+            )
         return f"quantized {self.dtype.torch_name} {shape} {self.qscheme()} ({detail})"
 
     def build(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -417,17 +457,24 @@ class QuantizedTensor(LayoutTensor):
             warnings.simplefilter("ignore")
             try:
                 if qparams[0].name == PER_TENSOR_AFFINE:
-                    tensor = torch._empty_affine_quantized(self.shape, scale=float(qparams[1]),
-                                                           zero_point=qparams[2], dtype=qdtype)
+                    tensor = torch._empty_affine_quantized(
+                        self.shape, scale=float(qparams[1]), zero_point=qparams[2], dtype=qdtype
+                    )
                 else:
                     tensor = torch._empty_per_channel_affine_quantized(
-                        self.shape, scales=parts["scales"].contiguous(),
-                        zero_points=parts["zero_points"].contiguous(), axis=qparams[3], dtype=qdtype)
+                        self.shape,
+                        scales=parts["scales"].contiguous(),
+                        zero_points=parts["zero_points"].contiguous(),
+                        axis=qparams[3],
+                        dtype=qdtype,
+                    )
                 typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=qdtype, _internal=True)
                 tensor.set_(typed, self.offset, self.shape, self.stride)
             except (RuntimeError, ValueError, TypeError) as e:
-                raise InputError(f"quantized tensor is inconsistent ({str(e).splitlines()[0][:160]}) — torch.load "
-                                 "refuses it too; the file is corrupt") from e
+                raise InputError(
+                    f"quantized tensor is inconsistent ({str(e).splitlines()[0][:160]}) — torch.load "
+                    "refuses it too; the file is corrupt"
+                ) from e
         return tensor
 
 
@@ -450,10 +497,19 @@ class _QuantizedStorageType(StorageTypeRef):
 # torch's weights_only unpickler allows each of these (ckptool.pickles.allowlist builds TORCH_GLOBALS from this table)
 GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_qtensor": QuantizedTensor,
-    **{f"torch.{q.dtype.storage_class}": _QuantizedStorageType("torch", q.dtype.storage_class, q.dtype)
-       for q in QUANTIZED_TYPES.values()},
+    **{
+        f"torch.{q.dtype.storage_class}": _QuantizedStorageType("torch", q.dtype.storage_class, q.dtype)
+        for q in QUANTIZED_TYPES.values()
+    },
     **{f"torch.{name}": DTypeRef("torch", name) for name in QUANTIZED_TYPES},  # a dtype is data
-    **{f"torch.{scheme}": DTypeRef("torch", scheme)  # recorded as the global it is, like a dtype
-       for scheme in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
-                      FLOAT_QPARAMS)},
+    **{
+        f"torch.{scheme}": DTypeRef("torch", scheme)  # recorded as the global it is, like a dtype
+        for scheme in (
+            "per_tensor_affine",
+            "per_tensor_symmetric",
+            "per_channel_affine",
+            "per_channel_symmetric",
+            FLOAT_QPARAMS,
+        )
+    },
 }

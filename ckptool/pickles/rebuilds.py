@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any
 
-from ckptool.tensors import dtypes
-from ckptool.tensors.dtypes import DType
 from ckptool.base.errors import InputError
-from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported
 from ckptool.pickles import limits
 from ckptool.pickles.limits import brief, refuse
 from ckptool.pickles.placeholders import OpaqueObject, StateDict, TypeRef, opaque_type
-
+from ckptool.tensors import dtypes
+from ckptool.tensors.dtypes import DType
+from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef, bits_supported
 
 _INT64_MAX = (1 << 63) - 1
 _PLAIN_DTYPES = frozenset(dtypes.BY_NAME)  # the dtypes a plain rebuild reads (not quantized ones)
@@ -53,8 +52,10 @@ def _tensor_bits(extra: tuple, dtype: DType) -> tuple[bool, bool]:
     ``{"neg": True}`` or both. Anything else ckptool cannot be sure to read as torch does is refused.
     """
     if len(extra) > 1:
-        raise InputError(f"a tensor is rebuilt with {len(extra)} arguments after its hooks; torch takes one "
-                         "(metadata) — the file is corrupt")
+        raise InputError(
+            f"a tensor is rebuilt with {len(extra)} arguments after its hooks; torch takes one "
+            "(metadata) — the file is corrupt"
+        )
     metadata = extra[0] if extra else None
     if not metadata:
         return False, False  # torch ignores a falsy metadata (None, {})
@@ -63,34 +64,51 @@ def _tensor_bits(extra: tuple, dtype: DType) -> tuple[bool, bool]:
     bits = {"conj": False, "neg": False}
     for key, value in dict.items(metadata):
         if key not in bits:
-            raise InputError(f"a tensor's metadata sets {brief(key)}, which ckptool does not know how to apply "
-                             "(it knows conj and neg) — the file may come from a newer torch; refused")
+            raise InputError(
+                f"a tensor's metadata sets {brief(key)}, which ckptool does not know how to apply "
+                "(it knows conj and neg) — the file may come from a newer torch; refused"
+            )
         if value is not True:
             # torch.save writes only True entries; torch sets the bit for any entry, False included
             # (it reads the key, not the value), which other torch versions need not do
-            raise InputError(f"a tensor's metadata {key!r} is {brief(value)}, not True — torch.save never "
-                             "writes that, and torch versions read it differently; refused")
+            raise InputError(
+                f"a tensor's metadata {key!r} is {brief(value)}, not True — torch.save never "
+                "writes that, and torch versions read it differently; refused"
+            )
         bits[key] = True
     if "conj" in metadata and not dtype.name.startswith("C"):
         # torch asserts on any conj entry (even False) for a non-complex tensor
-        raise InputError(f"a {dtype.torch_name} tensor's metadata sets its conjugate bit, which only complex "
-                         "tensors have — the file is corrupt")
+        raise InputError(
+            f"a {dtype.torch_name} tensor's metadata sets its conjugate bit, which only complex "
+            "tensors have — the file is corrupt"
+        )
     problem = bits_supported(dtype, conj=bits["conj"], neg=bits["neg"])
     if problem is not None:
         raise InputError(f"a tensor carries {problem}; its values cannot be read exactly — refused")
     return bits["conj"], bits["neg"]
 
 
-def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                 backward_hooks: Any = None, dtype: DType | None = None, extra: tuple = ()) -> TensorRef:
+def _make_tensor(
+    rebuild: str,
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    dtype: DType | None = None,
+    extra: tuple = (),
+) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise InputError("a tensor's storage is not a saved storage record — the file is corrupt or not a checkpoint")
     if not isinstance(requires_grad, bool):
         raise InputError("a tensor's requires_grad is not a bool — the file is corrupt")
     dtype = dtype or storage.dtype
     if dtype.name not in dtypes.BY_NAME:  # a quantized storage: torch builds its tensors by _rebuild_qtensor only
-        raise InputError(f"a plain tensor rebuild reads a {dtype.torch_name} storage — refused; torch.save writes "
-                         "quantized tensors with _rebuild_qtensor")
+        raise InputError(
+            f"a plain tensor rebuild reads a {dtype.torch_name} storage — refused; torch.save writes "
+            "quantized tensors with _rebuild_qtensor"
+        )
     conj = neg = False
     if extra:  # the usual tensor has no metadata: nothing more to check
         conj, neg = _tensor_bits(extra, dtype)
@@ -114,10 +132,23 @@ def _make_tensor(rebuild: str, storage: Any, offset: Any, size: Any, stride: Any
 _V2 = "torch._utils._rebuild_tensor_v2"
 
 
-def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                       backward_hooks: Any = None, *extra: Any) -> TensorRef:
-    if not extra and type(storage) is StorageRef and type(size) is tuple and type(stride) is tuple \
-            and type(offset) is int and (requires_grad is False or requires_grad is True):
+def _rebuild_tensor_v2(
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    *extra: Any,
+) -> TensorRef:
+    if (
+        not extra
+        and type(storage) is StorageRef
+        and type(size) is tuple
+        and type(stride) is tuple
+        and type(offset) is int
+        and (requires_grad is False or requires_grad is True)
+    ):
         # the usual tensor, checked in one pass: every check of _make_tensor and TensorRef.validate,
         # the same record; anything they would refuse (or not take plainly) goes their way, for their message
         dtype = storage.dtype
@@ -125,8 +156,14 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requir
             last = offset
             count = 1
             for dim, step in zip(size, stride):
-                if type(dim) is not int or type(step) is not int or dim < 0 or step < 0 or dim > _INT64_MAX \
-                        or step > _INT64_MAX:
+                if (
+                    type(dim) is not int
+                    or type(step) is not int
+                    or dim < 0
+                    or step < 0
+                    or dim > _INT64_MAX
+                    or step > _INT64_MAX
+                ):
                     break
                 count *= dim
                 last += (dim - 1) * step
@@ -134,20 +171,31 @@ def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requir
                 itemsize = dtype.itemsize
                 if count <= _INT64_MAX and (count == 0 or (last + 1) * itemsize <= itemsize * storage.numel):
                     return TensorRef(storage, dtype, size, stride, offset, requires_grad, _V2, (), backward_hooks)
-    return _make_tensor("torch._utils._rebuild_tensor_v2", storage, offset, size, stride, requires_grad,
-                        backward_hooks, extra=extra)
+    return _make_tensor(
+        "torch._utils._rebuild_tensor_v2", storage, offset, size, stride, requires_grad, backward_hooks, extra=extra
+    )
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any) -> TensorRef:
     return _make_tensor("torch._utils._rebuild_tensor", storage, offset, size, stride)
 
 
-def _rebuild_tensor_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any,
-                       dtype: Any, *extra: Any) -> TensorRef:
+def _rebuild_tensor_v3(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any, dtype: Any, *extra: Any
+) -> TensorRef:
     if not isinstance(dtype, DTypeRef) or dtype.name not in dtypes.BY_TORCH_NAME:
         raise InputError(f"tensor dtype {brief(dtype)} is not one ckptool knows — the file is corrupt or too new")
-    return _make_tensor("torch._utils._rebuild_tensor_v3", storage, offset, size, stride, requires_grad,
-                        backward_hooks, dtype=dtypes.BY_TORCH_NAME[dtype.name], extra=extra)
+    return _make_tensor(
+        "torch._utils._rebuild_tensor_v3",
+        storage,
+        offset,
+        size,
+        stride,
+        requires_grad,
+        backward_hooks,
+        dtype=dtypes.BY_TORCH_NAME[dtype.name],
+        extra=extra,
+    )
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> TensorRef:
@@ -163,14 +211,58 @@ def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> Te
 # fails. A parameter's real state is its ``__dict__`` (plain Python attributes), which never holds
 # them; state naming one is refused. tests/test_differential.py checks this set against the
 # installed torch's descriptors.
-PARAMETER_DESCRIPTORS = frozenset({
-    "H", "T", "_backward_hooks", "_base", "_cdata", "_grad", "_grad_fn", "_has_symbolic_sizes_strides",
-    "_post_accumulate_grad_hooks", "_python_dispatch", "_version", "data", "device", "dtype", "grad",
-    "grad_dtype", "grad_fn", "imag", "is_cpu", "is_cuda", "is_ipu", "is_leaf", "is_maia", "is_meta",
-    "is_mkldnn", "is_mps", "is_mtia", "is_nested", "is_quantized", "is_sparse", "is_sparse_csr", "is_vulkan",
-    "is_xla", "is_xpu", "itemsize", "layout", "mH", "mT", "name", "names", "nbytes", "ndim", "output_nr",
-    "real", "requires_grad", "retains_grad", "shape", "volatile",
-})
+PARAMETER_DESCRIPTORS = frozenset(
+    {
+        "H",
+        "T",
+        "_backward_hooks",
+        "_base",
+        "_cdata",
+        "_grad",
+        "_grad_fn",
+        "_has_symbolic_sizes_strides",
+        "_post_accumulate_grad_hooks",
+        "_python_dispatch",
+        "_version",
+        "data",
+        "device",
+        "dtype",
+        "grad",
+        "grad_dtype",
+        "grad_fn",
+        "imag",
+        "is_cpu",
+        "is_cuda",
+        "is_ipu",
+        "is_leaf",
+        "is_maia",
+        "is_meta",
+        "is_mkldnn",
+        "is_mps",
+        "is_mtia",
+        "is_nested",
+        "is_quantized",
+        "is_sparse",
+        "is_sparse_csr",
+        "is_vulkan",
+        "is_xla",
+        "is_xpu",
+        "itemsize",
+        "layout",
+        "mH",
+        "mT",
+        "name",
+        "names",
+        "nbytes",
+        "ndim",
+        "output_nr",
+        "real",
+        "requires_grad",
+        "retains_grad",
+        "shape",
+        "volatile",
+    }
+)
 
 
 def _check_parameter_state(state: Any) -> None:
@@ -189,11 +281,12 @@ def _check_parameter_state(state: Any) -> None:
             raise InputError(f"a parameter's state is {brief(part)}, not a dict of attributes — refused")
         for name in dict.keys(part):
             if type(name) is not str:
-                raise InputError(f"a parameter's state sets attribute {brief(name)}, not a name — "
-                                 "the file is corrupt")
+                raise InputError(f"a parameter's state sets attribute {brief(name)}, not a name — the file is corrupt")
             if name in PARAMETER_DESCRIPTORS or (name.startswith("__") and name.endswith("__")):
-                raise InputError(f"a parameter's state sets {name!r}, which would change or replace the tensor "
-                                 "when torch loads it (torch.save never writes that) — refused")
+                raise InputError(
+                    f"a parameter's state sets {name!r}, which would change or replace the tensor "
+                    "when torch loads it (torch.save never writes that) — refused"
+                )
 
 
 def _rebuild_parameter_with_state(data: Any, requires_grad: Any, backward_hooks: Any, state: Any) -> TensorRef:
@@ -216,8 +309,9 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Te
     (the same rule as parameter state); the recipe rides on the tensor for ``.pt`` rewrites.
     """
     if not isinstance(new_type, TypeRef) or f"{new_type.module}.{new_type.name}" != "torch.Tensor":
-        raise InputError(f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor "
-                         "only — refused")
+        raise InputError(
+            f"a tensor is rebuilt as type {brief(new_type)}; ckptool reads plain torch.Tensor only — refused"
+        )
     if not isinstance(args, tuple) or not any(func is rebuild for rebuild in _TENSOR_REBUILDS):
         raise InputError("a tensor with attributes is rebuilt by something other than a tensor rebuild — refused")
     tensor = func(*args)
@@ -248,8 +342,10 @@ def _rebuild_device_tensor_from_cpu_tensor(data: Any, dtype: Any, device: Any, r
         shown = f"torch.{dtype.name}" if isinstance(dtype, DTypeRef) else brief(dtype)
         raise InputError(f"a tensor is converted to {shown} on load; ckptool reads tensors as saved — refused")
     if device != "cpu" and not (isinstance(device, DeviceRef) and device.args == ("cpu",)):
-        raise InputError(f"a tensor is moved to device {brief(device)} on load; ckptool reads CPU tensors "
-                         "from this rebuild only — refused")
+        raise InputError(
+            f"a tensor is moved to device {brief(device)} on load; ckptool reads CPU tensors "
+            "from this rebuild only — refused"
+        )
     if not isinstance(requires_grad, bool):
         raise InputError("a tensor's requires_grad is not a bool — the file is corrupt")
     data.requires_grad = requires_grad
@@ -295,7 +391,9 @@ def _builtin_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 def _ordered_dict(items: Any = ()) -> OrderedDict:
     if not isinstance(items, list | tuple | dict):
         # an object: torch.load would iterate it, running its class's code (omegaconf resolves interpolations)
-        raise InputError(f"OrderedDict built from {brief(items)}, not key-value pairs — torch never writes that; refused")
+        raise InputError(
+            f"OrderedDict built from {brief(items)}, not key-value pairs — torch never writes that; refused"
+        )
     if isinstance(items, list | tuple) and items:
         if not all(isinstance(item, tuple | list) and len(item) == 2 for item in items):
             raise InputError("OrderedDict built from something that is not key-value pairs — refused")

@@ -17,13 +17,16 @@ def refusal(refused: RefusedGlobal) -> Wording:
     file says it runs code, and should not be trusted.
     """
     names = refused.names
-    shown = ", ".join(names[:SHOWN_GLOBALS]) + (f" and {len(names) - SHOWN_GLOBALS} more"
-                                                if len(names) > SHOWN_GLOBALS else "")
+    shown = ", ".join(names[:SHOWN_GLOBALS]) + (
+        f" and {len(names) - SHOWN_GLOBALS} more" if len(names) > SHOWN_GLOBALS else ""
+    )
     partial = "" if refused.complete else " (the read stopped early, so more may follow)"
     dangerous = [name for name in names if runs_code(name) or name in refused.called_on]
     if len(names) == 1 and names[0] in refused.called_on:
-        head = (f"pickle calls {refused.called_on[names[0]]} on an object of {names[0]} while unpickling, which runs "
-                "that class's code")
+        head = (
+            f"pickle calls {refused.called_on[names[0]]} on an object of {names[0]} while unpickling, which runs "
+            "that class's code"
+        )
     elif len(names) == 1:
         head = f"pickle imports {names[0]}, which {'runs' if dangerous else 'could run'} code"
     else:
@@ -32,11 +35,16 @@ def refusal(refused: RefusedGlobal) -> Wording:
     if dangerous:
         which = ", ".join(dangerous[:SHOWN_GLOBALS]) + (" ..." if len(dangerous) > SHOWN_GLOBALS else "")
         cause = "" if len(names) == 1 else f"; {which} {'runs' if len(dangerous) == 1 else 'run'} code"
-        return Wording(f"{head}{partial} — refused, nothing was executed{cause}: a file naming code-running "
-                       "globals should not be trusted (do not torch.load it)")
+        return Wording(
+            f"{head}{partial} — refused, nothing was executed{cause}: a file naming code-running "
+            "globals should not be trusted (do not torch.load it)"
+        )
     if len(names) == 1:
-        return (f"{head}{partial} — refused, nothing was executed (if you trust this file, allow it by name: "
-                + option("allow_globals", names) + ")")
+        return (
+            f"{head}{partial} — refused, nothing was executed (if you trust this file, allow it by name: "
+            + option("allow_globals", names)
+            + ")"
+        )
     fix = Wording("if you trust this file, allow them: ") + option("allow_globals", allow_patterns(names))
     if len(names) > SHOWN_GLOBALS:
         fix = fix + ", or read every global as inert data: " + option("allow_globals", ["*"])

@@ -17,14 +17,13 @@ from typing import Any
 from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.gcpause import paused
-from ckptool.tensors.refs import DeviceRef, StorageRef, TensorRef, human_size
 from ckptool.pickles import limits, rebuilds
 from ckptool.pickles.allowlist import TORCH_GLOBALS, GlobalResolver, RefusedGlobal
 from ckptool.pickles.guard_cache import GuardCache
-from ckptool.pickles.opcode_guard import Truncated, guard, guard_stats
 from ckptool.pickles.limits import refuse
+from ckptool.pickles.opcode_guard import Truncated, guard, guard_stats
 from ckptool.pickles.placeholders import OpaqueObject, StateDict
-
+from ckptool.tensors.refs import DeviceRef, StorageRef, TensorRef, human_size
 
 # the C run of the unpickler over torch's usual opcodes (ckptool/native/_fastload.c), where it was built;
 # else CPython's unpickler with the Python callbacks
@@ -42,11 +41,17 @@ def _register_constructors() -> None:
 
     for cls in (TensorRef, StorageRef, ByteRange):
         fields = dataclasses.fields(cls)
-        if hasattr(cls, "__post_init__") or "__slots__" not in vars(cls) or any(
-                f.default_factory is not dataclasses.MISSING or not f.init for f in fields):
+        if (
+            hasattr(cls, "__post_init__")
+            or "__slots__" not in vars(cls)
+            or any(f.default_factory is not dataclasses.MISSING or not f.init for f in fields)
+        ):
             continue
-        _fastload.register(cls, tuple(f.name for f in fields),
-                           tuple(cls if f.default is dataclasses.MISSING else f.default for f in fields))
+        _fastload.register(
+            cls,
+            tuple(f.name for f in fields),
+            tuple(cls if f.default is dataclasses.MISSING else f.default for f in fields),
+        )
 
 
 if FAST:
@@ -68,8 +73,9 @@ _FAST_NOT_TAKEN = tuple(code for code in range(256) if code not in _FAST_TAKEN)
 class RestrictedUnpickler(pickle.Unpickler):
     """A pickle.Unpickler whose globals come only from a :class:`GlobalResolver`."""
 
-    def __init__(self, file: io.BufferedIOBase, resolver: GlobalResolver,
-                 persistent_load: Callable[[Any], Any] | None) -> None:
+    def __init__(
+        self, file: io.BufferedIOBase, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None
+    ) -> None:
         super().__init__(file, encoding="utf-8")
         self._resolver = resolver
         # handed to the C unpickler itself (its persistent_load setter): no Python frame between
@@ -84,8 +90,9 @@ def _no_persistent_ids(pid: Any) -> Any:
     raise InputError("pickle references external data (persistent id) outside a checkpoint")
 
 
-def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
-          persistent_load: Callable[[Any], Any] | None = None) -> Any:
+def loads(
+    data: bytes | io.BufferedIOBase, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None = None
+) -> Any:
     """Unpickle ``data`` through ``resolver``; errors surface as RefusedGlobal or InputError.
 
     ``data`` is one whole pickle (bytes after its STOP are refused), or a stream positioned at a
@@ -109,8 +116,10 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
             stats = guard_stats(blob, cache)
             size, counts = stats.size, stats.counts
         if size != len(blob):
-            raise InputError(f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
-                             "torch never writes that; refused")
+            raise InputError(
+                f"pickle is followed by {len(blob) - size} bytes after its end (STOP) — "
+                "torch never writes that; refused"
+            )
     else:
         blob, counts, emitted = read_pickle(data, cache), None, False
     # a refused global becomes an inert placeholder and the walk goes on, so that one refusal names
@@ -135,8 +144,9 @@ def loads(data: bytes | io.BufferedIOBase, resolver: GlobalResolver,
     return obj
 
 
-def _unpickle(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None,
-              counts: list[int] | None = None) -> Any:
+def _unpickle(
+    blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None, counts: list[int] | None = None
+) -> Any:
     """Run the restricted unpickler over one guarded pickle; any failure is an InputError.
 
     Where the C run (:data:`FAST`) takes the pickle, it gives what CPython's unpickler would; where it
@@ -172,7 +182,7 @@ class Interruptible(io.BytesIO):
 
     def peek(self, size: int = 0) -> bytes:
         at = self.tell()
-        return self._blob[at:at + max(size, 1)]
+        return self._blob[at : at + max(size, 1)]
 
 
 def _fast_load(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None) -> Any:
@@ -181,12 +191,24 @@ def _fast_load(blob: bytes, resolver: GlobalResolver, persistent_load: Callable[
         return NotImplemented
     storages = getattr(persistent_load, "fast_storages", None)
     # looked up at each read, as the resolver looks them up: the very functions a GLOBAL resolves to
-    rebuild = (TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"], TensorRef, rebuilds._V2, rebuilds._PLAIN_DTYPES,
-               StorageRef, TORCH_GLOBALS["collections.OrderedDict"], StateDict)
+    rebuild = (
+        TORCH_GLOBALS["torch._utils._rebuild_tensor_v2"],
+        TensorRef,
+        rebuilds._V2,
+        rebuilds._PLAIN_DTYPES,
+        StorageRef,
+        TORCH_GLOBALS["collections.OrderedDict"],
+        StateDict,
+    )
     before = resolver.records()
     kept = dict(storages[0]) if storages is not None else None  # the archive's storages read so far
-    result = _fastload.load(blob, resolver.resolve, persistent_load if persistent_load is not None
-                            else _no_persistent_ids, rebuild, storages)
+    result = _fastload.load(
+        blob,
+        resolver.resolve,
+        persistent_load if persistent_load is not None else _no_persistent_ids,
+        rebuild,
+        storages,
+    )
     if result is NotImplemented:
         resolver.restore(before)
         if storages is not None:
@@ -229,8 +251,12 @@ def _tree_children(obj: Any) -> list[Any]:
     if type(obj) is TensorRef:
         if obj.extra == () and not obj.backward_hooks and obj.parameter is None and obj.subclass is None:
             return []  # the usual tensor: a leaf
-        return [obj.extra, obj.backward_hooks, *(obj.parameter[1:] if obj.parameter else ()),
-                *(obj.subclass[1:] if obj.subclass else ())]
+        return [
+            obj.extra,
+            obj.backward_hooks,
+            *(obj.parameter[1:] if obj.parameter else ()),
+            *(obj.subclass[1:] if obj.subclass else ()),
+        ]
     if isinstance(obj, dict):
         kids = [*dict.keys(obj), *dict.values(obj)]
         state = getattr(obj, "__dict__", None)
@@ -274,18 +300,23 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
     deciding what they hold; :func:`_check_tree` is the same walk in Python."""
     text_limit = max(limits.MAX_EXPANDED_TEXT, 16 * source_bytes)
     if FAST:
-        verdict = _fastload.check_tree(root, (TensorRef, _tree_children, limits.MAX_NESTING,
-                                              limits.MAX_EXPANDED_NODES, text_limit))
+        verdict = _fastload.check_tree(
+            root, (TensorRef, _tree_children, limits.MAX_NESTING, limits.MAX_EXPANDED_NODES, text_limit)
+        )
     else:
         verdict = _check_tree(root, text_limit)
     if verdict == 1:
         raise refuse(f"nests its objects over {limits.MAX_NESTING} levels deep")
     if verdict == 2:
-        raise refuse(f"shares sub-objects so that walking it visits over {limits.MAX_EXPANDED_NODES} objects "
-                     "(a memo expansion bomb)")
+        raise refuse(
+            f"shares sub-objects so that walking it visits over {limits.MAX_EXPANDED_NODES} objects "
+            "(a memo expansion bomb)"
+        )
     if verdict == 3:
-        raise refuse(f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
-                     "(a memo expansion bomb)")
+        raise refuse(
+            f"shares strings so that copying it (JSON, repr, a header) writes over {human_size(text_limit)} "
+            "(a memo expansion bomb)"
+        )
 
 
 def _check_tree(root: Any, text_limit: int) -> int:

@@ -34,8 +34,9 @@ def fingerprint(tensors: Mapping[str, TensorRef], *, allow_expansion: bool = Fal
         return compute(tensors, allow_expansion=True, job=job)
 
 
-def compute(tensors: Mapping[str, TensorRef], *, allow_expansion: bool = False,
-            job: progress.Task = progress.SILENT) -> str:
+def compute(
+    tensors: Mapping[str, TensorRef], *, allow_expansion: bool = False, job: progress.Task = progress.SILENT
+) -> str:
     """:func:`fingerprint`, each chunk hashed counted on ``job`` (none: silent, as beside a write's copy)."""
     if not allow_expansion:
         check_expansion(tensors, allow=False, doing="hash")

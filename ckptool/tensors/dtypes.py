@@ -62,8 +62,10 @@ BITS4X2        1  bits4x2           -                     no
 
 def _parse(table: str) -> tuple[DType, ...]:
     rows = (line.split() for line in table.strip().splitlines() if not line.startswith("#"))
-    return tuple(DType(name, int(size), torch_name, None if storage == "-" else storage, floating == "yes")
-                 for name, size, torch_name, storage, floating in rows)
+    return tuple(
+        DType(name, int(size), torch_name, None if storage == "-" else storage, floating == "yes")
+        for name, size, torch_name, storage, floating in rows
+    )
 
 
 _ALL = _parse(_SAFETENSORS_DTYPES) + _parse(_TORCH_ONLY_DTYPES)
@@ -90,8 +92,17 @@ BIT_PATTERNS = frozenset({"F8_E8M0", "F4_E2M1_X2", "BITS8", "BITS16", "BITS1X8",
 # dtypes torch's weights_only load accepts as values (``torch.uint4`` saved in a config), whose
 # tensors torch itself cannot build or save: read as dtype records only, never as a tensor's dtype
 VALUE_ONLY_TORCH_NAMES = tuple(f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)) + ("bcomplex32",)
-ALIASES = {"fp32": "F32", "float32": "F32", "fp16": "F16", "float16": "F16", "half": "F16",
-           "bf16": "BF16", "bfloat16": "BF16", "fp64": "F64", "float64": "F64"}
+ALIASES = {
+    "fp32": "F32",
+    "float32": "F32",
+    "fp16": "F16",
+    "float16": "F16",
+    "half": "F16",
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "fp64": "F64",
+    "float64": "F64",
+}
 
 
 def by_name(name: str) -> DType:

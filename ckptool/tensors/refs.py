@@ -20,11 +20,11 @@ from operator import attrgetter, contains, gt, mul, or_
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from ckptool.tensors.dtypes import DType
+from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.suggest import option
 from ckptool.files.ranges import CHUNK_SIZE, ByteRange
-from ckptool import native
+from ckptool.tensors.dtypes import DType
 
 _INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "< 2^63" limit
 
@@ -156,14 +156,18 @@ class TensorRef:
         shape, strides, offset = self.shape, self.stride, self.offset
         where = f"tensor {name!r}: " if name else "tensor: "
         if len(shape) != len(strides):
-            raise InputError(f"{where}shape {shape} and stride {strides} differ in length — the file is corrupt", path=path)
+            raise InputError(
+                f"{where}shape {shape} and stride {strides} differ in length — the file is corrupt", path=path
+            )
         for value in (*shape, *strides, offset):
             if type(value) is not int or value < 0:
                 raise InputError(f"{where}negative or non-integer shape/stride/offset — the file is corrupt", path=path)
         # torch counts elements in int64: a larger count (stride-0 views need no bytes for it) is no tensor
         if math.prod(shape) > _INT64_MAX:
-            raise InputError(f"{where}its shape ({len(shape)} dimensions) holds 2^63 or more elements — the file is corrupt",
-                             path=path)
+            raise InputError(
+                f"{where}its shape ({len(shape)} dimensions) holds 2^63 or more elements — the file is corrupt",
+                path=path,
+            )
         if 0 in shape:
             return
         last = offset
@@ -182,8 +186,14 @@ class TensorRef:
         Inline attribute tests only: writers and checks ask it of each of 100,000 tensors."""
         storage = self.storage
         data = storage.data
-        if data is None or self.conj or self.neg or storage.producer is not None or storage.pieces is not None \
-                or self.stride != contiguous_stride(self.shape):
+        if (
+            data is None
+            or self.conj
+            or self.neg
+            or storage.producer is not None
+            or storage.pieces is not None
+            or self.stride != contiguous_stride(self.shape)
+        ):
             return None
         return data
 
@@ -256,16 +266,28 @@ class TensorRef:
     def whole_pieces(self) -> tuple[ByteRange, ...] | None:
         """The byte ranges that make up this tensor end to end, when its storage is so described."""
         storage = self.storage
-        if storage.pieces is None or self.conj or self.neg or self.offset != 0 or self.nbytes != storage.nbytes \
-                or not self.is_contiguous():
+        if (
+            storage.pieces is None
+            or self.conj
+            or self.neg
+            or self.offset != 0
+            or self.nbytes != storage.nbytes
+            or not self.is_contiguous()
+        ):
             return None
         return storage.pieces
 
     def whole_derived(self) -> Derived | None:
         """The computed bytes (a cast) that are this tensor's, all of them in order, else None."""
         derived = self.storage.derived
-        if derived is None or self.conj or self.neg or self.offset != 0 or self.nbytes != derived.nbytes \
-                or not self.is_contiguous():
+        if (
+            derived is None
+            or self.conj
+            or self.neg
+            or self.offset != 0
+            or self.nbytes != derived.nbytes
+            or not self.is_contiguous()
+        ):
             return None
         return derived
 
@@ -299,10 +321,15 @@ class TensorRef:
         if (os.path.getsize(base.path) if produced is None else len(produced)) < base.offset + length:
             raise InputError.truncated(base.path)
         unit = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(item, np.dtype((np.void, item)))
-        flat = np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,)) \
-            if produced is None else np.frombuffer(produced, dtype=np.uint8, count=length)
+        flat = (
+            np.memmap(base.path, dtype=np.uint8, mode="r", offset=base.offset, shape=(length,))
+            if produced is None
+            else np.frombuffer(produced, dtype=np.uint8, count=length)
+        )
         view = np.lib.stride_tricks.as_strided(
-            flat.view(unit)[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.stride),
+            flat.view(unit)[self.offset :],
+            shape=self.shape,
+            strides=tuple(s * item for s in self.stride),
             writeable=False,
         )
         yield from _gather_chunks(view, chunk_size)
@@ -453,16 +480,29 @@ def _expansion_untied(names: list[Any], views: list[TensorRef], storages: list[S
     logical = list(map(mul, map(math.prod, map(_SHAPE, views)), map(_ITEMSIZE, views)))  # TensorRef.nbytes
     # only a view promising more bytes than its storage holds, or with a stride of 0, can overlap itself
     suspects = map(or_, map(gt, logical, stored), map(contains, map(_STRIDE, views), repeat(0)))
-    expanding = [(str(names[i]), logical[i], views[i].span_bytes()) for i in compress(range(len(views)), suspects)
-                 if views[i].expands()]
+    expanding = [
+        (str(names[i]), logical[i], views[i].span_bytes())
+        for i in compress(range(len(views)), suspects)
+        if views[i].expands()
+    ]
     expanding.sort(key=lambda item: -item[1])
     return Expansion(sum(stored), sum(logical), tuple(expanding))
 
 
-_STORAGE, _SHAPE, _STRIDE, _NUMEL = attrgetter("storage"), attrgetter("shape"), attrgetter("stride"), attrgetter("numel")
+_STORAGE, _SHAPE, _STRIDE, _NUMEL = (
+    attrgetter("storage"),
+    attrgetter("shape"),
+    attrgetter("stride"),
+    attrgetter("numel"),
+)
 _ITEMSIZE = attrgetter("dtype.itemsize")
-_DATA, _OFFSET, _LENGTH, _CONJ, _NEG = attrgetter("data"), attrgetter("offset"), attrgetter("length"), attrgetter("conj"), \
-    attrgetter("neg")
+_DATA, _OFFSET, _LENGTH, _CONJ, _NEG = (
+    attrgetter("data"),
+    attrgetter("offset"),
+    attrgetter("length"),
+    attrgetter("conj"),
+    attrgetter("neg"),
+)
 _PRODUCER, _PIECES, _DERIVED = attrgetter("producer"), attrgetter("pieces"), attrgetter("derived")
 _PATH, _CRC32, _DTYPE_NAME = attrgetter("path"), attrgetter("crc32"), attrgetter("dtype.name")
 _IS_TENSOR_REF = functools.partial(type.__instancecheck__, TensorRef)  # isinstance(value, TensorRef), from C
@@ -493,8 +533,15 @@ def _whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | 
     storages = list(map(_STORAGE, views))
     datas = list(map(_DATA, storages))
     shapes = list(map(_SHAPE, views))
-    if not all(datas) or any(map(_OFFSET, views)) or any(map(_CONJ, views)) or any(map(_NEG, views)) \
-            or any(map(_PRODUCER, storages)) or any(map(_PIECES, storages)) or set(map(type, shapes)) - {tuple}:
+    if (
+        not all(datas)
+        or any(map(_OFFSET, views))
+        or any(map(_CONJ, views))
+        or any(map(_NEG, views))
+        or any(map(_PRODUCER, storages))
+        or any(map(_PIECES, storages))
+        or set(map(type, shapes)) - {tuple}
+    ):
         return None
     if list(map(_STRIDE, views)) != list(map(_contiguous_stride, shapes)):
         return None
@@ -527,8 +574,13 @@ def census(views: list[TensorRef]) -> Census:
 def _census(views: list[TensorRef]) -> Census:
     numels = list(map(math.prod, map(_SHAPE, views)))
     storages = list(map(_STORAGE, views))
-    return Census(sum(numels), sum(map(mul, numels, map(_ITEMSIZE, views))), dict(Counter(map(_DTYPE_NAME, views))),
-                  any(map(_CONJ, views)) or any(map(_NEG, views)), len(set(storages)) != len(storages))
+    return Census(
+        sum(numels),
+        sum(map(mul, numels, map(_ITEMSIZE, views))),
+        dict(Counter(map(_DTYPE_NAME, views))),
+        any(map(_CONJ, views)) or any(map(_NEG, views)),
+        len(set(storages)) != len(storages),
+    )
 
 
 def shared_storages(tensors: Iterable[Any]) -> set[int]:
@@ -588,8 +640,9 @@ def check_wholes(tensors: Mapping[str, Any], *, path: Path | None = None) -> Non
         whole.check(name=name, path=path)
 
 
-def check_expansion(tensors: Mapping[str, Any], *, allow: bool, path: Path | None = None,
-                    doing: str = "materialize") -> Expansion:
+def check_expansion(
+    tensors: Mapping[str, Any], *, allow: bool, path: Path | None = None, doing: str = "materialize"
+) -> Expansion:
     """Refuse views that would expand their storages past EXPANSION_FACTOR (plus EXPANSION_SLACK), and
     the sparse and nested tensors torch.load refuses among what they are parts of (:func:`check_wholes`):
     every command that streams or materializes the views calls this first.
@@ -608,7 +661,8 @@ def check_expansion(tensors: Mapping[str, Any], *, allow: bool, path: Path | Non
             f"{len(measured.expanding)} tensor view(s) (stride 0 or overlapping) would expand "
             f"{human_size(measured.stored)} of stored bytes to {human_size(measured.logical)}{first} — refusing to "
             f"{doing} them; pass " + option("allow_expansion") + " if that size is what you want",
-            path=path)
+            path=path,
+        )
     return measured
 
 

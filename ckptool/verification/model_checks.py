@@ -44,8 +44,9 @@ def flatten_outputs(output: Any, name: str = "output") -> dict[str, torch.Tensor
     return flat
 
 
-def compare_outputs(outputs: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *, atol: float,
-                    rtol: float) -> Comparison:
+def compare_outputs(
+    outputs: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *, atol: float, rtol: float
+) -> Comparison:
     """Max abs/rel error, allclose-style tolerance (NaN equals NaN) and argmax agreement."""
     import torch
 
@@ -103,8 +104,9 @@ def model_dtype(model: nn.Module) -> str:
     return "F32"
 
 
-def make_inputs(model: nn.Module, shape: tuple[int, ...], *, test_set: TestSet | None = None,
-                test_set_size: int = 0) -> Inputs:
+def make_inputs(
+    model: nn.Module, shape: tuple[int, ...], *, test_set: TestSet | None = None, test_set_size: int = 0
+) -> Inputs:
     """A seeded input of ``shape`` (token ids if the model starts with an embedding), and
     ``test_set(test_set_size)`` (a model family's labelled set) when there is one."""
     import torch
@@ -146,7 +148,7 @@ def run_model(model: nn.Module, inputs: Inputs, device: Device | None = None) ->
         if inputs.images is not None:
             batches = []
             for start in range(0, len(inputs.images), EVAL_BATCH):
-                logits = model(place(inputs.images[start:start + EVAL_BATCH]))
+                logits = model(place(inputs.images[start : start + EVAL_BATCH]))
                 batches.append(logits)
             wait(batches)
             outputs["test_logits"] = torch.cat([batch.detach().cpu() for batch in batches])
@@ -180,8 +182,11 @@ def check_device_with_model(model: nn.Module, reference: Reference, device: Devi
         moved.eval()
         state = moved.state_dict()
         device.synchronize(state.values())
-        result.differing_weights = [name for name, tensor in state.items() if name not in reference.state
-                                    or not bits_equal(tensor.cpu(), reference.state[name])]
+        result.differing_weights = [
+            name
+            for name, tensor in state.items()
+            if name not in reference.state or not bits_equal(tensor.cpu(), reference.state[name])
+        ]
         result.differing_weights += [name for name in reference.state if name not in state]
         result.weights_identical = not result.differing_weights
         outputs = run_model(moved, reference.inputs, device)

@@ -49,13 +49,18 @@ TORCHVISION_INPUT_SHAPES = {
     "torchvision.models": (1, 3, 224, 224),  # classification
 }
 # builders that take a list of images or image pairs, not one tensor
-UNSUPPORTED_TORCHVISION = ("torchvision.models.detection", "torchvision.models.optical_flow",
-                           "torchvision.models.quantization")
+UNSUPPORTED_TORCHVISION = (
+    "torchvision.models.detection",
+    "torchvision.models.optical_flow",
+    "torchvision.models.quantization",
+)
 # builder arguments that would download pretrained weights
 DOWNLOAD_ARGUMENTS = ("weights", "weights_backbone", "pretrained", "pretrained_backbone")
 _PYTHON_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-HELP = ("torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory "
-        "(your own code, imported and called on purpose)")
+HELP = (
+    "torchvision:NAME[?k=v&...], training:lenet|mlp|resnet18, or package.module:factory "
+    "(your own code, imported and called on purpose)"
+)
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,9 @@ class ModelSpec:
         from torch import nn
 
         if not isinstance(model, nn.Module):
-            raise UsageError(typed("model_spec", self.text)
-                             + f": the factory returned {type(model).__name__}, not a torch.nn.Module")
+            raise UsageError(
+                typed("model_spec", self.text) + f": the factory returned {type(model).__name__}, not a torch.nn.Module"
+            )
         return model
 
 
@@ -170,6 +176,7 @@ def parse_model_spec(spec: str, model_args: Iterable[str] = ()) -> ModelSpec:
 
 # ------------------------------------------------------------------------------------------- families
 
+
 @dataclass(frozen=True)
 class ModelFamily:
     """Models a package offers under ``FAMILY:NAME`` (see :func:`register`).
@@ -190,13 +197,22 @@ class ModelFamily:
     def spec(self, text: str, name: str, kwargs: Mapping[str, Any]) -> ModelSpec:
         """The SPEC ``text`` naming this family's model ``name`` (checked to exist; no arguments)."""
         if name not in self.builders:
-            raise UsageError(typed("model_spec", text) + f": unknown {self.name} model {name!r} — choose one of: "
-                             f"{', '.join(self.builders)}")
+            raise UsageError(
+                typed("model_spec", text) + f": unknown {self.name} model {name!r} — choose one of: "
+                f"{', '.join(self.builders)}"
+            )
         if kwargs:
-            raise UsageError(typed("model_spec", text)
-                             + f": {self.name} models take no arguments (got {', '.join(kwargs)})")
-        return ModelSpec(text=text, family=self.name, name=name, kwargs={}, default_input_shape=self.input_shape,
-                         test_set=self.test_set)
+            raise UsageError(
+                typed("model_spec", text) + f": {self.name} models take no arguments (got {', '.join(kwargs)})"
+            )
+        return ModelSpec(
+            text=text,
+            family=self.name,
+            name=name,
+            kwargs={},
+            default_input_shape=self.input_shape,
+            test_set=self.test_set,
+        )
 
     def build(self, name: str) -> nn.Module:
         return self.builders[name]()
@@ -206,8 +222,13 @@ _FAMILIES: dict[str, ModelFamily] = {}
 _RESERVED = ("torchvision", "python")
 
 
-def register(family: str, builders: Mapping[str, Callable[[], nn.Module]], *,
-             input_shape: tuple[int, ...] | None = None, test_set: TestSet | None = None) -> None:
+def register(
+    family: str,
+    builders: Mapping[str, Callable[[], nn.Module]],
+    *,
+    input_shape: tuple[int, ...] | None = None,
+    test_set: TestSet | None = None,
+) -> None:
     """Offer ``builders`` as ``FAMILY:NAME`` model SPECs (registering a family again replaces it).
 
     A package calls this from the function its ``ckptool.verification.models`` entry point names (so that an
@@ -229,8 +250,9 @@ def register(family: str, builders: Mapping[str, Callable[[], nn.Module]], *,
     """
     if not family.isidentifier() or family in _RESERVED:
         raise ValueError(f"model family {family!r}: the name must be an identifier other than {', '.join(_RESERVED)}")
-    _FAMILIES[family] = ModelFamily(family, dict(builders), None if input_shape is None else tuple(input_shape),
-                                    test_set)
+    _FAMILIES[family] = ModelFamily(
+        family, dict(builders), None if input_shape is None else tuple(input_shape), test_set
+    )
 
 
 def registered_family(name: str) -> ModelFamily | None:
@@ -248,13 +270,17 @@ def _find_family(name: str, text: str) -> ModelFamily | None:
         try:
             entry_point.load()()
         except Exception as e:  # the package's code failed: a usage problem of this SPEC, not a ckptool bug
-            raise UsageError(typed("model_spec", text) + f": the {name} models could not be loaded from "
-                             f"{entry_point.value} ({type(e).__name__}: {e}) — reinstall the package that "
-                             "offers them") from e
+            raise UsageError(
+                typed("model_spec", text) + f": the {name} models could not be loaded from "
+                f"{entry_point.value} ({type(e).__name__}: {e}) — reinstall the package that "
+                "offers them"
+            ) from e
         if name not in _FAMILIES:
-            raise UsageError(typed("model_spec", text)
-                             + f": {entry_point.value} did not register the {name} models — reinstall the package "
-                             "that offers them")
+            raise UsageError(
+                typed("model_spec", text)
+                + f": {entry_point.value} did not register the {name} models — reinstall the package "
+                "that offers them"
+            )
         return _FAMILIES[name]
     return None
 
@@ -273,8 +299,7 @@ def _torchvision_builder(text: str, name: str) -> Any:
     try:
         from torchvision import models
     except ImportError as e:
-        raise MissingExtraError(typed("model_spec", text) + ": torchvision is not installed — "
-                                f"{INSTALL}") from e
+        raise MissingExtraError(typed("model_spec", text) + f": torchvision is not installed — {INSTALL}") from e
     try:
         return models.get_model_builder(name)
     except ValueError:
@@ -287,14 +312,16 @@ def _torchvision_spec(text: str, name: str, kwargs: dict[str, Any]) -> ModelSpec
     builder = _torchvision_builder(text, name)
     module = builder.__module__
     if module.startswith(UNSUPPORTED_TORCHVISION):
-        raise UsageError(typed("model_spec", text)
-                         + f": {module.split('.')[2]} models take lists of images, not one tensor — "
-                         "verify supports models called with one input tensor")
+        raise UsageError(
+            typed("model_spec", text) + f": {module.split('.')[2]} models take lists of images, not one tensor — "
+            "verify supports models called with one input tensor"
+        )
     downloads = [key for key in DOWNLOAD_ARGUMENTS if kwargs.get(key) not in (None, False)]
     if downloads:
-        raise UsageError(typed("model_spec", text)
-                         + f": {downloads[0]}= would download weights — the checkpoint provides them; "
-                         f"drop {downloads[0]}")
+        raise UsageError(
+            typed("model_spec", text) + f": {downloads[0]}= would download weights — the checkpoint provides them; "
+            f"drop {downloads[0]}"
+        )
     shape = next(shape for prefix, shape in TORCHVISION_INPUT_SHAPES.items() if module.startswith(prefix))
     return ModelSpec(text=text, family="torchvision", name=name, kwargs=kwargs, default_input_shape=shape)
 
@@ -309,8 +336,9 @@ def _build_torchvision(spec: ModelSpec) -> nn.Module:
     try:
         return builder(**kwargs)
     except (TypeError, ValueError) as e:
-        raise UsageError(typed("model_spec", spec.text)
-                         + f": torchvision's {spec.name} rejected the arguments ({e})") from e
+        raise UsageError(
+            typed("model_spec", spec.text) + f": torchvision's {spec.name} rejected the arguments ({e})"
+        ) from e
 
 
 # ------------------------------------------------------------------------------------------- user code
@@ -325,12 +353,14 @@ def _build_python(spec: ModelSpec) -> nn.Module:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UsageError(typed("model_spec", spec.text)
-                         + f": cannot import {module_name} ({e}) — run from the directory "
-                         "holding it or install it") from e
+        raise UsageError(
+            typed("model_spec", spec.text) + f": cannot import {module_name} ({e}) — run from the directory "
+            "holding it or install it"
+        ) from e
     except Exception as e:  # the user's module failed while importing
-        raise UsageError(typed("model_spec", spec.text)
-                         + f": importing {module_name} failed: {type(e).__name__}: {e}") from e
+        raise UsageError(
+            typed("model_spec", spec.text) + f": importing {module_name} failed: {type(e).__name__}: {e}"
+        ) from e
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
@@ -340,8 +370,10 @@ def _build_python(spec: ModelSpec) -> nn.Module:
         if factory is None:
             hint = ""
             if "." not in module_name:  # FAMILY:NAME read as module:function because no such family is installed
-                hint = (f" — and no model family {module_name!r} is installed (families come from installed "
-                        f"packages' {ENTRY_POINT_GROUP!r} entry points); name a function as package.module:function")
+                hint = (
+                    f" — and no model family {module_name!r} is installed (families come from installed "
+                    f"packages' {ENTRY_POINT_GROUP!r} entry points); name a function as package.module:function"
+                )
             raise UsageError(typed("model_spec", spec.text) + f": {module_name} has no {attribute}{hint}")
     if not callable(factory):
         raise UsageError(typed("model_spec", spec.text) + f": {module_name}.{attribute} is not callable")

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.ops.diff import DiffReport, json_float
 from ckptool.base.suggest import Metavar, Option, Wording, keyword, option
+from ckptool.ops.diff import DiffReport, json_float
 
 
 @dataclass
@@ -102,7 +102,9 @@ class AgainstResult(OutputAgreement):
             "ok": self.ok,
             "identical": self.diff.identical,
             "weights": self.diff.to_json(),
-            "outputs": None if self.within_tolerance is None else {
+            "outputs": None
+            if self.within_tolerance is None
+            else {
                 "max_abs_err": json_float(self.max_abs_err),
                 "max_rel_err": json_float(self.max_rel_err),
                 "within_tolerance": self.within_tolerance,
@@ -206,9 +208,14 @@ def _nonfinite_failure(report: VerifyReport, allow: bool | Sequence[str]) -> Wor
     names = sorted(counts)
     shown = ", ".join(f"{name} ({counts[name]['nan']} NaN, {counts[name]['inf']} Inf)" for name in names[:3])
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return (f"{len(names)} weight tensor(s) hold NaN or Inf: {shown}{more} — the weights are broken, or pass "
-            + option("allow_nonfinite") + " (or " + option("allow_nonfinite", [_PATTERN]) + ") if they hold them "
-            "on purpose, e.g. -inf masks")
+    return (
+        f"{len(names)} weight tensor(s) hold NaN or Inf: {shown}{more} — the weights are broken, or pass "
+        + option("allow_nonfinite")
+        + " (or "
+        + option("allow_nonfinite", [_PATTERN])
+        + ") if they hold them "
+        "on purpose, e.g. -inf masks"
+    )
 
 
 def _device_failure(result: DeviceResult, atol: float | None, rtol: float | None) -> str | Wording:
@@ -219,9 +226,14 @@ def _device_failure(result: DeviceResult, atol: float | None, rtol: float | None
         return f"{result.device}: weights changed in the transfer to the device ({names})"
     if result.error:
         return f"{result.device}: {result.error}"
-    return (f"{result.device}: outputs differ from the CPU reference beyond atol {atol:g} / rtol {rtol:g} "
-            f"(max abs err {result.max_abs_err:.3g}) — rerun with " + option("atol", None) + "/"
-            + option("rtol", None) + " if that is expected")
+    return (
+        f"{result.device}: outputs differ from the CPU reference beyond atol {atol:g} / rtol {rtol:g} "
+        f"(max abs err {result.max_abs_err:.3g}) — rerun with "
+        + option("atol", None)
+        + "/"
+        + option("rtol", None)
+        + " if that is expected"
+    )
 
 
 def _against_failure(result: AgainstResult) -> str:
@@ -229,15 +241,19 @@ def _against_failure(result: AgainstResult) -> str:
     if result.error:
         return f"against {result.path}: {result.error}"
     if weights.only_in_a or weights.only_in_b:
-        return (f"against {result.path}: the weight keys differ ({len(weights.only_in_a)} only in this checkpoint, "
-                f"{len(weights.only_in_b)} only in the other)")
+        return (
+            f"against {result.path}: the weight keys differ ({len(weights.only_in_a)} only in this checkpoint, "
+            f"{len(weights.only_in_b)} only in the other)"
+        )
     if weights.changed:
         change = weights.changed[0]
         what = " and ".join(change.kinds)
         detail = f", max abs diff {change.max_abs_diff:.3g}" if change.max_abs_diff is not None else ""
         more = f" (and {len(weights.changed) - 1} more)" if len(weights.changed) > 1 else ""
         return f"against {result.path}: {change.name} differs in {what}{detail}{more}"
-    return f"against {result.path}: the model's outputs differ beyond the tolerance (max abs err {result.max_abs_err:.3g})"
+    return (
+        f"against {result.path}: the model's outputs differ beyond the tolerance (max abs err {result.max_abs_err:.3g})"
+    )
 
 
 def error_line(error: BaseException) -> str:

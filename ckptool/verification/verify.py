@@ -26,13 +26,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckptool.base import progress
-from ckptool.files.byteio import use_storage_options
-from ckptool.model.checkpoint import Checkpoint
-from ckptool.ops.diff import DiffReport, diff
-from ckptool.verification.determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
-from ckptool.model.devices import Device, TorchDevice, open_devices, resolve_devices  # noqa: F401  (re-exported)
 from ckptool.base.errors import UsageError
+from ckptool.base.suggest import Metavar, option, typed
+from ckptool.base.torch_import import import_torch
+from ckptool.files.byteio import use_storage_options
+from ckptool.io.reader import load
+from ckptool.model.checkpoint import Checkpoint
+from ckptool.model.devices import Device, TorchDevice, open_devices, resolve_devices  # noqa: F401  (re-exported)
+from ckptool.ops.diff import DiffReport, diff
 from ckptool.ops.load_into import LoadMismatchError, LoadReport, load_into, model_name, to_state_dict
+from ckptool.tensors.refs import check_expansion
+from ckptool.verification.determinism import determinism_state, deterministic_settings  # noqa: F401  (re-exported)
 from ckptool.verification.model_checks import (
     DEFAULT_TOLERANCES,
     Reference,
@@ -43,10 +47,6 @@ from ckptool.verification.model_checks import (
     run_model,
 )
 from ckptool.verification.models import ModelSpec, parse_input_shape, parse_model_spec
-from ckptool.io.reader import load
-from ckptool.tensors.refs import check_expansion
-from ckptool.base.suggest import Metavar, option, typed
-from ckptool.base.torch_import import import_torch
 from ckptool.verification.report import AgainstResult, DeviceResult, VerifyReport, conclude  # noqa: F401  (re-exported)
 from ckptool.verification.weight_checks import (
     check_cpu_weights,
@@ -107,19 +107,25 @@ class VerifyPlan:
         return self.spec is None and self.against is not None and [d.name for d in self.devices] == ["cpu"]
 
 
-def read_checked(path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False,
-                 weights: str | None = None) -> Checkpoint:
+def read_checked(
+    path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False, weights: str | None = None
+) -> Checkpoint:
     """A checkpoint to verify, read (lazily: no tensor bytes yet); views expanding their storage are
     refused unless ``allow_expansion``, and so is a sparse or nested tensor torch.load refuses (its index
     parts read: :func:`ckptool.tensors.refs.check_wholes`)."""
     checkpoint = load(path, allow_globals=tuple(allow_globals), weights=weights)
-    check_expansion(checkpoint.tensors if checkpoint.has_weights else {}, allow=allow_expansion,
-                    path=checkpoint.path, doing="verify")
+    check_expansion(
+        checkpoint.tensors if checkpoint.has_weights else {},
+        allow=allow_expansion,
+        path=checkpoint.path,
+        doing="verify",
+    )
     return checkpoint
 
 
-def plan_model(model_spec: str | ModelSpec | None, model_args: Sequence[str] = (),
-               input_shape: tuple[int, ...] | str | None = None) -> tuple[ModelSpec | None, tuple[int, ...] | None]:
+def plan_model(
+    model_spec: str | ModelSpec | None, model_args: Sequence[str] = (), input_shape: tuple[int, ...] | str | None = None
+) -> tuple[ModelSpec | None, tuple[int, ...] | None]:
     """The model and the seeded input's shape (the family's default unless given), checked.
 
     Raises:
@@ -128,17 +134,27 @@ def plan_model(model_spec: str | ModelSpec | None, model_args: Sequence[str] = (
     """
     if model_spec is not None:
         import_torch("verifying a model")  # before a family's own module (which imports torch) is looked up
-    spec = model_spec if isinstance(model_spec, ModelSpec) or model_spec is None else \
-        parse_model_spec(model_spec, model_args)
+    spec = (
+        model_spec
+        if isinstance(model_spec, ModelSpec) or model_spec is None
+        else parse_model_spec(model_spec, model_args)
+    )
     if spec is None and (model_args or input_shape is not None):
-        raise UsageError(option("model_args" if model_args else "input_shape", None) + " needs "
-                         + option("model_spec", Metavar("SPEC")))
+        raise UsageError(
+            option("model_args" if model_args else "input_shape", None)
+            + " needs "
+            + option("model_spec", Metavar("SPEC"))
+        )
     shape = parse_input_shape(input_shape) if isinstance(input_shape, str) else input_shape
     if spec is not None and shape is None:
         shape = spec.default_input_shape
         if shape is None:
-            raise UsageError(typed("model_spec", spec.text) + ": say the input shape with "
-                             + option("input_shape", None) + ", e.g. 1,3,224,224")
+            raise UsageError(
+                typed("model_spec", spec.text)
+                + ": say the input shape with "
+                + option("input_shape", None)
+                + ", e.g. 1,3,224,224"
+            )
     return spec, tuple(shape) if shape is not None else None
 
 
@@ -164,7 +180,8 @@ def verify(
     Args:
         path: any checkpoint ckptool reads.
         model_spec: ``torchvision:NAME``, ``training:NAME`` (a registered family) or
-            ``package.module:factory`` (see :mod:`ckptool.verification.models`); without one only the weights are checked.
+            ``package.module:factory`` (see :mod:`ckptool.verification.models`); without one only the weights are
+            checked.
         model_args: extra ``k=v`` keyword arguments for the model builder.
         devices: ``"all"`` (:func:`ckptool.model.devices.available_devices`), a list like ``"cpu,cuda:0"``,
             or a sequence of names and :class:`~ckptool.model.devices.Device` objects (a device of your
@@ -196,12 +213,24 @@ def verify(
     checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=weights)
     spec, shape = plan_model(model_spec, model_args, input_shape)
     device_list = open_devices(devices)
-    other = read_checked(against, allow_globals=allow_globals, allow_expansion=allow_expansion,
-                         weights=against_weights) \
-        if against is not None else None
-    return run_plan(VerifyPlan(checkpoint=checkpoint, devices=device_list, spec=spec, input_shape=shape,
-                               against=other, atol=atol, rtol=rtol, allow_nonfinite=allow_nonfinite,
-                               test_set_size=TEST_SET_SIZE))
+    other = (
+        read_checked(against, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=against_weights)
+        if against is not None
+        else None
+    )
+    return run_plan(
+        VerifyPlan(
+            checkpoint=checkpoint,
+            devices=device_list,
+            spec=spec,
+            input_shape=shape,
+            against=other,
+            atol=atol,
+            rtol=rtol,
+            allow_nonfinite=allow_nonfinite,
+            test_set_size=TEST_SET_SIZE,
+        )
+    )
 
 
 def run_plan(plan: VerifyPlan) -> VerifyReport:
@@ -227,10 +256,23 @@ def _weight_checks(plan: VerifyPlan) -> tuple[VerifyReport, DiffReport | None]:
     diff, made in the same pass as the CPU row (returned, for :func:`_against_check`)."""
     checkpoint = plan.checkpoint
     tensors = checkpoint.tensors
-    report = VerifyReport(path=str(checkpoint.path), format=checkpoint.format, ok=False, model=None, model_class=None,
-                          input_shape=None, dtype=None, atol=None, rtol=None,
-                          load={"ok": True, "tensors": len(tensors), "layout": list(checkpoint.layout or ()),
-                                "prefix": checkpoint.prefix})
+    report = VerifyReport(
+        path=str(checkpoint.path),
+        format=checkpoint.format,
+        ok=False,
+        model=None,
+        model_class=None,
+        input_shape=None,
+        dtype=None,
+        atol=None,
+        rtol=None,
+        load={
+            "ok": True,
+            "tensors": len(tensors),
+            "layout": list(checkpoint.layout or ()),
+            "prefix": checkpoint.prefix,
+        },
+    )
     weights: DiffReport | None = None
     state_dict = to_state_dict(tensors) if plan.needs_torch else None
     for device in plan.devices:
@@ -253,8 +295,9 @@ def _weight_checks(plan: VerifyPlan) -> tuple[VerifyReport, DiffReport | None]:
 
 def _reading(*checkpoints: Checkpoint) -> contextlib.AbstractContextManager[progress.Task]:
     """The progress of the CPU row: every weight byte of ``checkpoints`` streamed from the files."""
-    total = sum(tensor.nbytes for checkpoint in checkpoints if checkpoint.has_weights
-                for tensor in checkpoint.tensors.values())
+    total = sum(
+        tensor.nbytes for checkpoint in checkpoints if checkpoint.has_weights for tensor in checkpoint.tensors.values()
+    )
     return progress.task(total, "verify")
 
 
@@ -263,9 +306,18 @@ def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Refe
     checkpoint, shape = plan.checkpoint, plan.input_shape
     assert shape is not None
     model = _build(spec)
-    report = VerifyReport(path=str(checkpoint.path), format=checkpoint.format, ok=False, model=spec.text,
-                          model_class=model_name(model), input_shape=shape, dtype=None, atol=plan.atol,
-                          rtol=plan.rtol, load={})
+    report = VerifyReport(
+        path=str(checkpoint.path),
+        format=checkpoint.format,
+        ok=False,
+        model=spec.text,
+        model_class=model_name(model),
+        input_shape=shape,
+        dtype=None,
+        atol=plan.atol,
+        rtol=plan.rtol,
+        load={},
+    )
     try:
         load_report = _load(model, checkpoint, CHECKPOINT_KEYS)
     except LoadMismatchError as e:
@@ -274,8 +326,10 @@ def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Refe
         return report, None
     report.load = load_report.to_json()
     if load_report.casts:
-        report.notes.append("the model converted weights on load: "
-                            + ", ".join(f"{count} {cast}" for cast, count in load_report.casts.items()))
+        report.notes.append(
+            "the model converted weights on load: "
+            + ", ".join(f"{count} {cast}" for cast, count in load_report.casts.items())
+        )
     dtype = model_dtype(model)
     default_atol, default_rtol = DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["F32"])
     report.dtype = dtype
@@ -287,9 +341,10 @@ def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Refe
         outputs = run_model(model, inputs)
     except (RuntimeError, TypeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(typed("model_spec", spec.text) + ": the model fails on an input of shape "
-                         f"{','.join(map(str, shape))} ({first}) — pass the right "
-                         + option("input_shape", None)) from e
+        raise UsageError(
+            typed("model_spec", spec.text) + ": the model fails on an input of shape "
+            f"{','.join(map(str, shape))} ({first}) — pass the right " + option("input_shape", None)
+        ) from e
     reference = Reference(inputs, outputs, state, report.atol, report.rtol)
     report.devices = [check_device_with_model(model, reference, device) for device in plan.devices]
     if report.devices:  # the loaded weights themselves, counted once on the CPU copy
@@ -297,8 +352,9 @@ def _model_checks(plan: VerifyPlan, spec: ModelSpec) -> tuple[VerifyReport, Refe
     return report, reference
 
 
-def _against_check(plan: VerifyPlan, other: Checkpoint, reference: Reference | None,
-                   weights: DiffReport | None) -> AgainstResult:
+def _against_check(
+    plan: VerifyPlan, other: Checkpoint, reference: Reference | None, weights: DiffReport | None
+) -> AgainstResult:
     """The weight diff with ``other`` (unless the weight checks made it already) and, with a model,
     ``other`` loaded into a second copy and run on the reference's inputs."""
     if weights is None:
@@ -312,8 +368,9 @@ def _against_check(plan: VerifyPlan, other: Checkpoint, reference: Reference | N
     except LoadMismatchError as e:
         result.ok, result.error = False, f"does not load into {e.diagnosis.model}: {e.diagnosis.message}"
         return result
-    comparison = compare_outputs(run_model(model, reference.inputs), reference.outputs, atol=reference.atol,
-                                 rtol=reference.rtol)
+    comparison = compare_outputs(
+        run_model(model, reference.inputs), reference.outputs, atol=reference.atol, rtol=reference.rtol
+    )
     result.record(comparison)
     result.ok = result.ok and comparison.within
     return result

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ckptool.model.checkpoint import Checkpoint
-from ckptool.ops.diff import ChunkCallback, DiffReport, OpenFiles, diff, tensor_chunks
 from ckptool.model.devices import Device
+from ckptool.ops.diff import ChunkCallback, DiffReport, OpenFiles, diff, tensor_chunks
 from ckptool.tensors.refs import TensorRef
 from ckptool.verification.report import DeviceResult, error_line
 
@@ -31,8 +31,13 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return bool(a.detach().contiguous().reshape(-1).view(_byte_view(a)).equal(
-        b.detach().contiguous().reshape(-1).view(_byte_view(b))))
+    return bool(
+        a.detach()
+        .contiguous()
+        .reshape(-1)
+        .view(_byte_view(a))
+        .equal(b.detach().contiguous().reshape(-1).view(_byte_view(b)))
+    )
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.dtype:
@@ -70,8 +75,9 @@ def _nonfinite_on_cpu(tensor: TensorRef, files: OpenFiles | None = None) -> dict
     return {"nan": nan, "inf": inf} if nan or inf else None
 
 
-def check_cpu_weights(tensors: Mapping[str, TensorRef],
-                      counted: Mapping[str, dict[str, int] | None] | None = None) -> DeviceResult:
+def check_cpu_weights(
+    tensors: Mapping[str, TensorRef], counted: Mapping[str, dict[str, int] | None] | None = None
+) -> DeviceResult:
     """The CPU row without torch: weights on CPU are the file's bytes, so only NaN/Inf are counted.
 
     Every byte is read once (a truncated or unreadable file fails here), one chunk at a time.
@@ -93,8 +99,9 @@ def check_cpu_weights(tensors: Mapping[str, TensorRef],
     return result
 
 
-def check_cpu_weights_against(checkpoint: Checkpoint, other: Checkpoint,
-                              atol: float | None) -> tuple[DeviceResult, DiffReport]:
+def check_cpu_weights_against(
+    checkpoint: Checkpoint, other: Checkpoint, atol: float | None
+) -> tuple[DeviceResult, DiffReport]:
     """The CPU row and the --against weight diff with A read once: every chunk of A the diff reads is
     also counted for NaN/Inf (while it is in cache); only the tensors the diff does not read (keys only
     in A, other shapes) are read afterwards. The same results as :func:`check_cpu_weights`, then ``diff``."""
@@ -120,8 +127,10 @@ def check_cpu_weights_against(checkpoint: Checkpoint, other: Checkpoint,
     except Exception:
         check_cpu_weights(tensors)  # A's own error first, as when A was read whole before the diff
         raise
-    counted = {key: {"nan": tally[0], "inf": tally[1]} if tally and (tally[0] or tally[1]) else None
-               for key, tally in tallies.items()}
+    counted = {
+        key: {"nan": tally[0], "inf": tally[1]} if tally and (tally[0] or tally[1]) else None
+        for key, tally in tallies.items()
+    }
     return check_cpu_weights(tensors, counted), weights
 
 

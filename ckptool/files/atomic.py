@@ -238,7 +238,7 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     pending: list[tuple[int, Any]] = []
-    wanted = [signum for signum in (signal.SIGINT, signal.SIGTERM)]
+    wanted: list[int] = [signal.SIGINT, signal.SIGTERM]
     previous = {signum: signal.getsignal(signum) for signum in wanted}
     for signum in wanted:
         signal.signal(signum, lambda signum, frame: pending.append((signum, frame)))

@@ -24,6 +24,8 @@ from ckptool.base.errors import InputError
 from ckptool.files.crc import crc32
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
     from ckptool.files.remote import RemoteFile, RemotePath
 
 Opened = TypeVar("Opened")
@@ -38,6 +40,13 @@ def is_remote(value: object) -> bool:
     until then nothing can be remote."""
     remote = sys.modules.get(_REMOTE)
     return remote is not None and isinstance(value, (remote.RemotePath, remote.RemoteFile))
+
+
+def is_url(value: object) -> TypeIs[RemotePath]:
+    """Whether ``value`` is a URL (:class:`~ckptool.files.remote.RemotePath`): :func:`is_remote` for a
+    location, which a type checker narrows by."""
+    remote = sys.modules.get(_REMOTE)
+    return remote is not None and isinstance(value, remote.RemotePath)
 
 
 def learnt_size(path: object) -> int | None:

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-crc32: Callable[[Any, int], int]
+
+class _Crc32(Protocol):
+    """``crc32(data, value=0)``: zlib's signature, which ISA-L's shares."""
+
+    def __call__(self, data: Any, value: int = 0, /) -> int: ...
+
+
+crc32: _Crc32
 IMPLEMENTATION = "zlib"
 
 if os.environ.get("CKPTOOL_CRC", "").lower() != "zlib":

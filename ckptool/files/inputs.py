@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from ckptool.base.errors import InputError
-from ckptool.files.byteio import is_remote
+from ckptool.files.byteio import is_remote, is_url
 
 if TYPE_CHECKING:
     from ckptool.files.remote import RemoteFile, RemotePath
@@ -65,16 +65,12 @@ def allowed_roots(folder: Path) -> list[Path]:
     return roots
 
 
-def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: Path | RemotePath | None) -> dict:
+def _remote_member(
+    folder: Path | RemotePath, path: Path | RemotePath, *, what: str, report: Path | RemotePath | None
+) -> dict:
     """The store's description of ``path``, a file of the remote ``folder``: it must lie under the
     folder, be there, and be an object (not a prefix)."""
-    inside = is_remote(path) and path.is_relative_to(folder) and path != folder
-    if inside:  # a store or an HTTP server may resolve "a/../b" to b: no such step is taken
-        base, below = folder.url.split("?", 1)[0].rstrip("/"), path.url.split("?", 1)[0]
-        inside = below.startswith(base + "/") and all(
-            part not in ("", ".", "..") for part in below[len(base) + 1 :].split("/")
-        )
-    if not inside:
+    if not (is_url(folder) and is_url(path) and _lies_under(folder, path)):
         raise InputError(
             f"{what} lies outside the folder — refused (ckptool reads only files inside an input folder)", path=report
         )
@@ -88,6 +84,17 @@ def _remote_member(folder: RemotePath, path: RemotePath, *, what: str, report: P
     return info
 
 
+def _lies_under(folder: RemotePath, path: RemotePath) -> bool:
+    """Whether the URL ``path`` names an object below ``folder``'s prefix."""
+    if not path.is_relative_to(folder) or path == folder:
+        return False
+    # a store or an HTTP server may resolve "a/../b" to b: no such step is taken
+    base, below = folder.url.split("?", 1)[0].rstrip("/"), path.url.split("?", 1)[0]
+    return below.startswith(base + "/") and all(
+        part not in ("", ".", "..") for part in below[len(base) + 1 :].split("/")
+    )
+
+
 class _RemoteStat:
     """What :func:`check_member` returns for a remote file: its size, as ``st_size``."""
 
@@ -95,7 +102,9 @@ class _RemoteStat:
         self.st_size = size
 
 
-def check_member(folder: Path, path: Path, *, what: str, report: Path | None = None) -> os.stat_result:
+def check_member(
+    folder: Path | RemotePath, path: Path | RemotePath, *, what: str, report: Path | RemotePath | None = None
+) -> os.stat_result:
     """Refuse ``path`` (a file of the input ``folder``) unless it is a regular file whose link
     target, if it is a link, stays inside the folder or, for a hub snapshot, its repo's ``blobs/``.
 
@@ -107,9 +116,9 @@ def check_member(folder: Path, path: Path, *, what: str, report: Path | None = N
         InputError: a link leaving the folder, a FIFO/device/directory, or a missing file.
     """
     where = report if report is not None else path
-    if is_remote(folder) or is_remote(path):
-        found = _remote_member(folder, path, what=what, report=where)  # type: ignore[arg-type]
-        return _RemoteStat(int(found.get("size") or 0))  # type: ignore[return-value]
+    if is_url(folder) or is_url(path):
+        found = _remote_member(folder, path, what=what, report=where)
+        return _RemoteStat(int(found.get("size") or 0))  # type: ignore[return-value]  # its st_size is all that is read
     try:
         link = stat.S_ISLNK(os.lstat(path).st_mode)
     except FileNotFoundError as e:
@@ -162,7 +171,11 @@ def describe_remote(path: Path | RemotePath) -> Remote | None:
 
 
 def open_regular(
-    path: Path, *, what: str | None = None, report: Path | None = None, size: int | None = None
+    path: Path | RemotePath,
+    *,
+    what: str | None = None,
+    report: Path | RemotePath | None = None,
+    size: int | None = None,
 ) -> BinaryIO:
     """Open ``path`` for reading without ever blocking, and refuse it unless it is a regular file.
 
@@ -174,8 +187,9 @@ def open_regular(
     """
     where = report if report is not None else path
     label = f"{what} " if what else ""
-    if is_remote(path):  # ``size``: what the store said of it already (no second request)
-        return _open_remote(path, label=label, report=where, size=size)  # type: ignore[arg-type, return-value]
+    if is_url(path):  # ``size``: what the store said of it already (no second request)
+        opened = _open_remote(path, label=label, report=where, size=size)
+        return opened  # type: ignore[return-value]  # a RemoteFile reads as a binary file does
     with contextlib.suppress(OSError):  # a device is not even opened (opening some has effects)...
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
@@ -217,14 +231,13 @@ def _open_remote(
     return RemoteFile(path, size=size)
 
 
-def open_member(folder: Path, path: Path, *, what: str, report: Path | None = None) -> BinaryIO:
+def open_member(
+    folder: Path | RemotePath, path: Path | RemotePath, *, what: str, report: Path | RemotePath | None = None
+) -> BinaryIO:
     """:func:`check_member`, then :func:`open_regular`: how every file of a folder input is opened."""
     info = check_member(folder, path, what=what, report=report)
-    if is_remote(path):  # one request: the size check_member learnt opens it
-        return _open_remote(
-            path,
-            label=f"{what} ",
-            report=report if report is not None else path,  # type: ignore[arg-type]
-            size=info.st_size,
-        )  # type: ignore[return-value]
+    if is_url(path):  # one request: the size check_member learnt opens it
+        where = report if report is not None else path
+        opened = _open_remote(path, label=f"{what} ", report=where, size=info.st_size)
+        return opened  # type: ignore[return-value]  # a RemoteFile reads as a binary file does
     return open_regular(path, what=what, report=report)

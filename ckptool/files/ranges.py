@@ -76,7 +76,7 @@ class LazyByteRange(ByteRange):
         self._offset = offset
         self.path, self.length, self.crc32 = path, length, crc32
 
-    @property  # type: ignore[override]
+    @property
     def offset(self) -> int:
         if self._offset is None:
             assert self._resolve is not None

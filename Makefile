@@ -11,8 +11,7 @@ TEST_WORKERS ?= 2
 
 # the editable install also compiles the C twins of the opcode guard and the zip directory loops in place
 # (optional extensions: without a compiler Python runs them), so a change to their sources installs again
-$(VENV)/.installed: pyproject.toml training/pyproject.toml ckptool/native/_guard.c ckptool/native/_fastload.c \
-		ckptool/native/_zipfast.c
+$(VENV)/.installed: pyproject.toml training/pyproject.toml ckptool/native/_guard.c ckptool/native/_fastload.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[torch,test,remote]' -e ./training  # training/: the runs, a distribution of their own

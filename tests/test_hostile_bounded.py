@@ -259,7 +259,6 @@ STAGED = """
 import signal, sys
 from pathlib import Path
 
-from ckptool.formats import zipio
 from ckptool.pickles import opcode_guard, unpickle
 
 marker = Path(sys.argv.pop(1))
@@ -283,8 +282,7 @@ class Hooked:
         return hooked
 
 
-owner, attribute, function = {"zip-directory": (zipio, "_native", "records"),
-                              "guard-walk": (opcode_guard, "_native", "walk"),
+owner, attribute, function = {"guard-walk": (opcode_guard, "_native", "walk"),
                               "unpickle-run": (unpickle, "_fastload", "load")}[stage]
 setattr(owner, attribute, Hooked(getattr(owner, attribute), function))
 sys.argv[0] = "ckptool"
@@ -322,7 +320,7 @@ def _sigint_as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize(("command", "stage"), [("inspect", "zip-directory"), ("scan", "guard-walk"),
+@pytest.mark.parametrize(("command", "stage"), [("inspect", "unpickle-run"), ("scan", "guard-walk"),
                                                 ("convert", "unpickle-run")])
 @pytest.mark.parametrize(("signum", "exit_code", "line"), [
     (signal.SIGTERM, 143, "ckptool: terminated — nothing was written"),

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM reach a command inside the C loops (``_fastload.c``, ``_zipfast.c``).
+"""Ctrl-C and SIGTERM reach a command inside the C loops (``_fastload.c``).
 
 Python runs a signal's handler between bytecodes; a C loop that holds the interpreter for as long as its
 input lasts would hold the signal too. Each loop whose length an input sets calls ``PyErr_CheckSignals``
@@ -16,18 +16,15 @@ from __future__ import annotations
 import gc
 import math
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from ckptool.formats import zipio
 from ckptool.pickles import unpickle
 
 fastload = unpickle._fastload
-zipfast = zipio._native
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no interval timer here")
 
@@ -104,17 +101,3 @@ def test_the_c_unpickler_ends_on_a_signal_part_way() -> None:
 
     assert _interrupted_part_way(run, lambda: len(target), count)
 
-
-@pytest.mark.skipif(zipfast is None, reason="the C extension (ckptool/native/_zipfast.c) was not built here")
-def test_the_c_zip_loops_end_on_a_signal_part_way() -> None:
-    # one record, met 400,000 times: each Member made holds its name once more
-    count = 400_000
-    name = "archive/data/" + "x" * 20
-    record = (name, name.encode(), 0, 4, 4, 0, 0, 0)
-    records, headers = [record] * count, [len(name)] * count
-    base = sys.getrefcount(name)
-
-    def run() -> None:
-        zipfast.members(records, headers, 1 << 40, zipio.Member)
-
-    assert _interrupted_part_way(run, lambda: sys.getrefcount(name) - base, count)

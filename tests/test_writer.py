@@ -209,20 +209,8 @@ def test_a_byte_changed_on_the_way_is_caught_and_nothing_written(fixtures_dir: P
         middle = size // 2
         return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:] if calls["n"] == 1 and size else data
 
-    real_gather = copying._native_gather()
-
-    def corrupting_gather(fd, offsets, sizes, headers, gap, ahead):  # ... or in C, a run of them at once
-        data = real_gather(fd, offsets, sizes, headers, gap, ahead)
-        calls["n"] += 1
-        if calls["n"] == 1 and type(data) is bytes and sum(sizes):
-            at = (len(headers[0]) if headers else 0) + sizes[0] // 2 if sizes[0] else len(data) - 1
-            data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
-        return data
-
     monkeypatch.setattr(copying, "copy_range", corrupting_copy)
     monkeypatch.setattr(copying, "read_exact", corrupting_read)
-    if real_gather is not None:
-        monkeypatch.setattr(copying, "_GATHER", corrupting_gather)
     with pytest.raises(FingerprintMismatchError, match="reads back different"):
         save(ckptool.load(fixtures_dir / "dp_mlp_wrapped.pt"), tmp_path / f"out{suffix}")
     assert calls["n"] >= 1
@@ -378,24 +366,18 @@ def test_the_write_check_reads_back_its_own_pickle_without_walking_or_checking_i
     assert calls == {"walk": 2, "tree": 2}
 
 
-@pytest.mark.parametrize("in_c", [True, False])
 @pytest.mark.parametrize("with_headers", [False, True])
 @pytest.mark.parametrize("report_every", [None, 4096])
 def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: Path, with_headers: bool,
-                                                                     report_every: int | None, in_c: bool,
+                                                                     report_every: int | None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """DataOut.copy_all (runs of small pieces read in windows in file order, written together; the windows read
-    and cut in C, or in Python) against the bytes of each piece read alone: drawn pieces in any order, overlapping,
+    """DataOut.copy_all (runs of small pieces read in windows in file order, written together) against the bytes of each piece read alone: drawn pieces in any order, overlapping,
     empty, past a window, larger than a small piece, from two files; every non-empty piece reported as one region
     where it landed."""
     import random
 
     from ckptool.files import copying
 
-    if in_c and copying._native_gather() is None:
-        pytest.skip("the C extension (ckptool/native/_zipfast.c) was not built here")
-    if not in_c:
-        monkeypatch.setattr(copying, "_GATHER", None)
     if report_every is not None:  # runs cut often
         monkeypatch.setattr(copying, "REPORT_EVERY", report_every)
     rng = random.Random(20261127)
@@ -440,18 +422,11 @@ def test_copy_all_writes_and_reports_what_a_copy_of_each_piece_would(tmp_path: P
         assert sorted(reported) == regions  # (no piece here is past COPY_STEP, reported in steps)
 
 
-@pytest.mark.parametrize("in_c", [True, False])
-def test_copy_all_of_a_source_cut_short_says_the_file_ends(tmp_path: Path, in_c: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run of small pieces whose source file is cut short after it was read (the C reads hand it back to the
-    Python run) is refused as a file that ends early, naming it; nothing is written of that run."""
+def test_copy_all_of_a_source_cut_short_says_the_file_ends(tmp_path: Path) -> None:
+    """A run of small pieces whose source file is cut short after it was read is refused as a file that ends early, naming it; nothing is written of that run."""
     from ckptool.files import copying
     from ckptool.base.errors import InputError
 
-    if in_c and copying._native_gather() is None:
-        pytest.skip("the C extension (ckptool/native/_zipfast.c) was not built here")
-    if not in_c:
-        monkeypatch.setattr(copying, "_GATHER", None)
     source = tmp_path / "src.bin"
     source.write_bytes(bytes(range(256)) * 40)
     offsets = [index * 100 for index in range(100)]

@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterable
 from itertools import accumulate, chain, repeat
 from operator import add, is_, sub
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.files.byteio import FileCache, Source, is_remote, iter_range, read_exact, read_into
 from ckptool.files.crc import crc32
@@ -32,17 +31,6 @@ COPY_STEP = 16 << 20  # large copies are made (and reported) in steps, so the re
 _BUFFER = 8 << 20  # the buffer of a copy the kernel cannot make, and of a copy that sums its bytes
 
 OnData = Callable[[int, int], None]
-_UNSET: Any = object()
-_GATHER: Any = _UNSET
-
-
-def _native_gather() -> Callable[..., Any] | None:
-    """The C reads of a run of small pieces (``native/_zipfast.c``'s ``gather``), where built;
-    :meth:`DataOut._copy_run`'s Python windows are its reference, and the fallback."""
-    global _GATHER
-    if _GATHER is _UNSET:
-        _GATHER = getattr(native.load("_zipfast"), "gather", None)
-    return _GATHER
 
 
 class DataOut:
@@ -193,12 +181,6 @@ class DataOut:
         self, path: Path, offsets: list[int], sizes: list[int], out_offset: int, headers: list[bytes] | None
     ) -> int:
         fd = self._sources.get(path)
-        gather = _native_gather()
-        if gather is not None and isinstance(fd, int):  # the windows below, read and cut in C (no call per piece)
-            data = gather(fd, offsets, sizes, headers, READ_GAP, READ_AHEAD)
-            if type(data) is bytes:
-                self.handle.write(data)
-                return self._report_run(sizes, out_offset, headers)
         count = len(offsets)
         low, high = min(offsets), max(map(add, offsets, sizes))
         if high - low <= 2 * sum(sizes) + READ_AHEAD:  # they lie close together (a storage after each other): one

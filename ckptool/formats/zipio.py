@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 # the copy engine and CRC combining live in ckptool.files.copying; these names are imported from here too
-from ckptool import native
 from ckptool.base.errors import InputError, OutputError
 from ckptool.base.gcpause import paused
 from ckptool.files import placement
@@ -72,12 +71,6 @@ class Listing:
     problems: list[str]
     directory_start: int
     headers: LocalHeaders | None = None  # a remote archive's: its members are placed when first read
-
-
-# the per-record loops in C (ckptool/native/_zipfast.c), where built; the Python loops here are their
-# reference, and the fallback
-_native: Any = native.load("_zipfast")
-NATIVE = _native is not None  # whether the directory and local headers are read by the C loops
 
 
 NOT_READ = -1  # the data offset of a remote archive's member whose local header is not read yet
@@ -266,17 +259,6 @@ def _members(
 ) -> tuple[list[Member], list[tuple[int, str]]]:
     """A local archive's members, each placed by its local header's lengths (``headers``), and the
     records that could not be: (kind, name), kind an index of :data:`_PLACING`."""
-    if _native is not None:
-        placed = _native.members(records, headers, file_size, Member)
-        if placed is not NotImplemented:
-            return placed  # type: ignore[no-any-return]
-    return _members_py(records, headers, file_size)
-
-
-def _members_py(
-    records: list[tuple[Any, ...]], headers: list[int | None], file_size: int
-) -> tuple[list[Member], list[tuple[int, str]]]:
-    """:func:`_members` in Python: the reference of the C loop, and where it is not built."""
     found: list[Member] = []
     problems: list[tuple[int, str]] = []
     header_size = _LOCAL_HEADER.size
@@ -345,15 +327,6 @@ def _directory(handle: BinaryIO) -> tuple[list[tuple], int] | None:
 def _records(data: bytes, size_cd: int, concat: int) -> list[tuple[Any, ...]] | None:
     """The records of the directory's bytes ``data`` (``size_cd`` of them claimed); None where
     ``zipfile`` refuses one."""
-    if _native is not None:
-        records = _native.records(data, size_cd, concat, zipfile.MAX_EXTRACT_VERSION)
-        if records is not NotImplemented:
-            return records  # type: ignore[no-any-return]
-    return _records_py(data, size_cd, concat)
-
-
-def _records_py(data: bytes, size_cd: int, concat: int) -> list[tuple[Any, ...]] | None:
-    """:func:`_records` in Python: the reference of the C loop, and where it is not built."""
     unpack_from = _CENTRAL.unpack_from
     record_size = _CENTRAL.size
     end = len(data)
@@ -443,15 +416,6 @@ def _local_headers(handle: BinaryIO, offsets: list[int], file_size: int) -> list
     """For each local header offset, the lengths of its name and extra field (which place the data),
     or None where no local header signature lies. Headers lying close together (a checkpoint's
     small members) are read together, a window at a time; each other header alone (30 bytes)."""
-    if _native is not None:
-        headers = _native.local_headers(handle, offsets, file_size, _LOCAL_WINDOW)
-        if headers is not NotImplemented:
-            return headers  # type: ignore[no-any-return]
-    return _local_headers_py(handle, offsets, file_size)
-
-
-def _local_headers_py(handle: BinaryIO, offsets: list[int], file_size: int) -> list[int | None]:
-    """:func:`_local_headers` in Python: the reference of the C loop, and where it is not built."""
     header_size = _LOCAL_HEADER.size
     results: list[int | None] = [None] * len(offsets)
     order = sorted((offset, i) for i, offset in enumerate(offsets) if 0 <= offset and offset + header_size <= file_size)
@@ -535,12 +499,7 @@ class Members(dict):
 
 
 def starting(names: Iterable[str], prefix: str, *, every: bool) -> bool:
-    """Whether every name (``every``) or any name starts with ``prefix``: one C pass over a dict's keys or a list
-    where it is built (100,000 names: ~13 ms as all()/any() over str.startswith, ~1 ms in C)."""
-    if _native is not None:
-        found = _native.starting(names, prefix, every)
-        if found is not NotImplemented:
-            return found
+    """Whether every name (``every``) or any name starts with ``prefix`` (a dict's keys or a list)."""
     tests = map(str.startswith, names, repeat(prefix))
     return all(tests) if every else any(tests)
 
@@ -548,12 +507,6 @@ def starting(names: Iterable[str], prefix: str, *, every: bool) -> bool:
 def _fold(by_name: dict[str, Member], entries: list[Member], folded: dict[str, Member], shared: set[str]) -> None:
     """Fill ``by_name`` (each name's last member), ``folded`` (each folded name's first member) and
     ``shared`` (the folded names several members share)."""
-    if _native is None or _native.fold(by_name, entries, Member, folded, shared) is NotImplemented:
-        _fold_py(by_name, entries, folded, shared)
-
-
-def _fold_py(by_name: dict[str, Member], entries: list[Member], folded: dict[str, Member], shared: set[str]) -> None:
-    """:func:`_fold` in Python: the reference of the C loop, and where it is not built."""
     by_name.update((member.name, member) for member in entries)
     for member in entries:
         name = member.name
@@ -652,15 +605,6 @@ _REFUSALS = (
 
 def _spans(entries: list[Member], directory_start: int) -> tuple[Any, ...] | None:
     """The first reason to refuse the members for loading (see :data:`_REFUSALS`); None: none."""
-    if _native is not None:
-        refusal = _native.spans(entries, Member, directory_start, NOT_READ)
-        if refusal is not NotImplemented:
-            return refusal  # type: ignore[no-any-return]
-    return _spans_py(entries, directory_start)
-
-
-def _spans_py(entries: list[Member], directory_start: int) -> tuple[Any, ...] | None:
-    """:func:`_spans` in Python: the reference of the C loop, and where it is not built."""
     spans: list[tuple[int, int, str]] = []
     append = spans.append
     for name, data_offset, size_, _, compressed, stored_size, header_offset, encrypted, _, _ in entries:
@@ -750,11 +694,11 @@ def _local_header(name: bytes, size: int, crc: int, position: int, residue: int 
     )
 
 
-def _headers_for_py(
+def _headers_for(
     names: list[str], sizes: list[int], crcs: list[int], position: int
 ) -> tuple[list[bytes], list[bytes], list[int], int]:
     """Members written end to end from ``position``: each one's local header, name's UTF-8 and header offset, and
-    where the last one's data ends (the reference of ``_zipfast.local_headers_for``)."""
+    where the last one's data ends."""
     headers, encoded, offsets = [], [], []
     for name, size, crc in zip(names, sizes, crcs):
         encoded_name = name.encode("utf-8")
@@ -766,9 +710,9 @@ def _headers_for_py(
     return headers, encoded, offsets, position
 
 
-def _central_directory_py(entries: list[tuple[bytes, int, int, int]]) -> tuple[bytes, bool]:
+def _central_directory(entries: list[tuple[bytes, int, int, int]]) -> tuple[bytes, bool]:
     """The central directory's records of ``entries`` (name, header offset, size, CRC) end to end, and whether one
-    needed a zip64 extra field (the reference of ``_zipfast.central_directory``)."""
+    needed a zip64 extra field."""
     records: list[bytes] = []
     needs_zip64 = False
     for name, offset, size, crc in entries:
@@ -900,14 +844,7 @@ class ZipWriter:
         """Members end to end from where the archive stands, each one's data at a multiple of :data:`ALIGNMENT`."""
         if not names:
             return
-        made = (
-            _native.local_headers_for(names, sizes, crcs, self.position, ALIGNMENT)
-            if _native is not None
-            else NotImplemented
-        )
-        if made is NotImplemented:
-            made = _headers_for_py(names, sizes, crcs, self.position)
-        headers, encoded, member_offsets, position = made
+        headers, encoded, member_offsets, position = _headers_for(names, sizes, crcs, self.position)
         self.entries.extend(zip(encoded, member_offsets, sizes, crcs))
         end = self.out.copy_all(sources, offsets, sizes, self.position, headers)
         if end != position:
@@ -962,10 +899,7 @@ class ZipWriter:
         self.release()
         central_start = self.position
         needs_zip64 = len(self.entries) >= 0xFFFF
-        made = _native.central_directory(self.entries) if _native is not None else NotImplemented
-        if made is NotImplemented:
-            made = _central_directory_py(self.entries)
-        written, zip64 = made
+        written, zip64 = _central_directory(self.entries)
         self.handle.write(written)
         self.position += len(written)
         needs_zip64 = needs_zip64 or zip64

@@ -1,15 +1,13 @@
 """The C extensions, loaded in one place behind one switch.
 
 Each is the twin of a Python reference that stays in its own module and that tests hold it to, byte
-for byte (``tests/test_twins.py``, ``test_guard_native.py``, ``test_zip_native.py``,
-``test_fastload.py``; ``make fuzz`` under ASan and UBSan):
+for byte (``tests/test_twins.py``, ``test_guard_native.py``, ``test_fastload.py``; ``make fuzz`` under
+ASan and UBSan):
 
 - ``_guard``: the opcode guard's walk (``ckptool.pickles.opcode_guard``);
 - ``_fastload``: the restricted unpickler's run, the emitter's items, safetensors headers read and
   written, the tensor census (``ckptool.pickles.unpickle``, ``emit``, ``ckptool.formats.safetensors``,
-  ``ckptool.tensors.refs``);
-- ``_zipfast``: the per-record loops of a zip's directory and local headers, gathered reads
-  (``ckptool.formats.zipio``, ``ckptool.files.copying``).
+  ``ckptool.tensors.refs``).
 
 They are optional: where they were not built (no C compiler at install) :func:`load` returns None and
 the Python runs. ``CKPTOOL_PURE_PYTHON=1`` runs the Python everywhere.
@@ -25,7 +23,7 @@ PURE_PYTHON = os.environ.get("CKPTOOL_PURE_PYTHON", "") not in ("", "0")
 
 
 def load(name: str) -> ModuleType | None:
-    """The extension ``name`` (``_guard``, ``_fastload``, ``_zipfast``), or None: not built, or turned off."""
+    """The extension ``name`` (``_guard``, ``_fastload``), or None: not built, or turned off."""
     if PURE_PYTHON:
         return None
     try:

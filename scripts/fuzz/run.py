@@ -2,12 +2,12 @@
 
 Steps, in order (``python scripts/fuzz/run.py [STEP ...]`` runs some; none: all four):
 
-    build    build/fuzz/: a copy of ckptool/ and tests/ (the rest linked) whose three extensions are compiled
+    build    build/fuzz/: a copy of ckptool/ and tests/ (the rest linked) whose two extensions are compiled
              with -fsanitize=address,undefined. The in-place .so files of the checkout are never touched.
     canary   proves the sanitizers are live: canary.c, compiled with the same flags and loaded under the same
              environment, must die with ASan's heap-buffer-overflow report and UBSan's signed-overflow report
              (and its clean calls pass); the real extensions must carry the instrumentation (their symbols).
-    tests    the C-vs-Python differential tests (test_guard_native, test_fastload, test_zip_native, test_fuzz)
+    tests    the C-vs-Python differential tests (test_guard_native, test_fastload, test_fuzz)
              run under the sanitized build.
     fuzz     mutants of the fixtures, the hostile corpus and ../shared/corpus/ through every twin and the public
              API (worker.py, twins.py) for FUZZ_SECONDS (default 120). A memory error, a hang, a difference
@@ -39,13 +39,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BUILD = REPO / "build" / "fuzz"
-EXTENSIONS = ("ckptool/native/_guard.c", "ckptool/native/_fastload.c", "ckptool/native/_zipfast.c")
+EXTENSIONS = ("ckptool/native/_guard.c", "ckptool/native/_fastload.c")
 COPIED = ("ckptool", "tests")  # the tests are copied too: conftest.py puts its own parent first on sys.path
 NOT_LINKED = {"build", ".git", ".venv", "ckptool", "tests", "demo-out", ".pytest_cache", ".hypothesis"}
 SANITIZE = ("-fsanitize=address,undefined", "-fsanitize=float-cast-overflow", "-fno-sanitize-recover=all")
 CFLAGS = ("-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer", "-Wall", "-Wno-unused-function", *SANITIZE)
-DIFFERENTIAL_TESTS = ("tests/test_guard_native.py", "tests/test_fastload.py", "tests/test_zip_native.py",
-                      "tests/test_fuzz.py")
+DIFFERENTIAL_TESTS = ("tests/test_guard_native.py", "tests/test_fastload.py", "tests/test_fuzz.py")
 SHARED_CORPUS = REPO.parent / "shared" / "corpus"
 # symbols only an instrumented object calls: their absence means a flag was lost
 ASAN_SYMBOL, UBSAN_SYMBOL = "__asan_report_load", "__ubsan_handle_"

@@ -7,10 +7,9 @@ Every C extension of ckptool is the exact twin of a Python reference (README, "H
     unpickle    ckptool/native/_fastload.c (run, tree)     CPython's unpickler          unpickle.FAST
     header      ckptool/native/_fastload.c parse_header    json + _each_tensor          safetensors.PURE_PYTHON_HEADER
     emit        ckptool/native/_fastload.c emit_items      emit.py's dict emitter       emit._emit_items
-    zip         ckptool/native/_zipfast.c                  zipio's *_py loops           zipio._native, copying._GATHER
 
 :func:`check` runs one input file through all of them: the guard's two walks over every pickle in it,
-zipio's loops both ways over its bytes, ``ckptool.load`` with every twin in C and with each in Python
+``ckptool.load`` with every twin in C and with each in Python
 (their results compared node by node, sharing included), and where it loads, ``save`` to .pt and
 .safetensors both ways (the outputs compared byte for byte); then ``load``, ``inspect`` and ``scan``
 must raise nothing but a CkptError about the input (never InternalError). It returns the problems found,
@@ -32,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import ckptool
-from ckptool.files import copying
 from ckptool import pickles
 from ckptool.base.errors import CkptError, InputError, InternalError
-from ckptool.formats import safetensors, zipio
+from ckptool.formats import safetensors
 from ckptool.pickles import emit, limits, opcode_guard, unpickle
 from ckptool.pickles.opcode_guard import Truncated
 
-TWINS = ("guard", "unpickle", "header", "emit", "zip")
+TWINS = ("guard", "unpickle", "header", "emit")
 MAX_PICKLES = 6  # consecutive pickles walked in one file (a legacy file holds five)
 MAX_MEMBER = 4 << 20  # a zip member read for its pickle: larger ones are left to the load
 SAVE_LIMIT = 16 << 20  # outputs written only for loads whose tensors come to at most this much
@@ -48,7 +46,7 @@ _ATOMS = (int, float, str, bytes, bool, type(None), complex)
 
 def native_modules() -> dict[str, Any]:
     """The C extension modules as imported (None where not built): the driver checks where they came from."""
-    return {"guard": opcode_guard._native, "fastload": unpickle._fastload, "zipfast": zipio._native}
+    return {"guard": opcode_guard._native, "fastload": unpickle._fastload}
 
 
 # ------------------------------------------------------------------------------------------------ switching
@@ -57,8 +55,7 @@ def native_modules() -> dict[str, Any]:
 @contextlib.contextmanager
 def python_for(twins: tuple[str, ...] | frozenset[str]) -> Iterator[None]:
     """Within the block, the named twins run their Python reference; the others stay as they were."""
-    saved = (opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER, emit._emit_items, zipio._native,
-             copying._GATHER)
+    saved = (opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER, emit._emit_items)
     try:
         if "guard" in twins:
             opcode_guard.NATIVE = False
@@ -68,13 +65,9 @@ def python_for(twins: tuple[str, ...] | frozenset[str]) -> Iterator[None]:
             safetensors.PURE_PYTHON_HEADER = True
         if "emit" in twins:
             emit._emit_items = None
-        if "zip" in twins:
-            zipio._native = None
-            copying._GATHER = None
         yield
     finally:
-        (opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER, emit._emit_items, zipio._native,
-         copying._GATHER) = saved
+        opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER, emit._emit_items = saved
 
 
 # ------------------------------------------------------------------------------------------------ comparing
@@ -214,49 +207,6 @@ def check_guard_file(data: bytes) -> list[str]:
     return problems
 
 
-# ------------------------------------------------------------------------------------------------ zip loops
-
-
-def _shape(value: Any) -> Any:
-    """``value`` with every type spelled out (True and 1, a Member and a tuple, are not alike here)."""
-    if isinstance(value, zipio.Members):
-        return ("Members", _shape(list(value.items())), _shape(list(value._folded.items())), sorted(value._shared),
-                value.folded_alike, _shape(value.entries), value.headers, value.path)
-    if isinstance(value, zipio.Listing):
-        return ("Listing", _shape(value.members), _shape(value.problems), _shape(value.directory_start),
-                value.headers)
-    if isinstance(value, tuple | list):
-        return (type(value).__name__, [_shape(item) for item in value])
-    if isinstance(value, dict):
-        return ("dict", [_shape(item) for item in value.items()])
-    if isinstance(value, set):
-        return ("set", sorted(value))
-    return (type(value).__name__, value)
-
-
-def _zip_outcome(call: Callable[[], Any]) -> Any:
-    try:
-        return ("returned", _shape(call()))
-    except Exception as e:  # noqa: BLE001 — the exception is part of the result compared
-        return ("raised",) + _error(e)
-
-
-def check_zip(data: bytes, path: Path) -> list[str]:
-    """zipio's directory, listing and members of ``data``, read by the C loops and by the Python loops."""
-    if zipio._native is None:
-        return []
-    problems = []
-    for name, read in (("_directory", lambda handle: zipio._directory(handle)),
-                       ("list_members", lambda handle: zipio.list_members(path, handle, size=len(data))),
-                       ("read_members", lambda handle: zipio.read_members(path, handle, size=len(data)))):
-        fast = _zip_outcome(lambda: read(io.BytesIO(data)))
-        with python_for(("zip",)):
-            slow = _zip_outcome(lambda: read(io.BytesIO(data)))
-        if fast != slow:
-            problems.append(f"zip: {name} differs: {_differs(fast, slow)}")
-    return problems
-
-
 # ------------------------------------------------------------------------------------------------ whole loads
 
 
@@ -393,7 +343,6 @@ def check_report(path: Path, work: Path) -> tuple[list[str], str]:
     """:func:`check`, and how far the load went: "read", or the name of the error that refused the file."""
     data = path.read_bytes()
     problems = check_guard_file(data)
-    problems += check_zip(data, path)
     found, checkpoint, outcome = check_load(path)
     problems += found
     problems += check_save(checkpoint, path, work)

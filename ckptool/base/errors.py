@@ -126,7 +126,7 @@ class InternalError(CkptError):
     exit_code = exitcodes.INTERNAL
 
 
-class MissingExtraError(CkptError, ImportError):
+class MissingExtraError(CkptError, ImportError):  # type: ignore[misc]  # path: a CkptError Location, not a module path
     """The work needs an optional dependency that is not installed (PyTorch: ``pip install 'ckptool[torch]'``).
 
     An ``ImportError`` too, so ``except ImportError`` around an optional feature catches it.

@@ -147,6 +147,6 @@ def schema(kind: str) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of the ``kind`` document, as shipped in the package."""
     from importlib import resources  # here, not at import: it pulls in tempfile, shutil, bz2, lzma (~10 ms a command)
 
-    text = resources.files("ckptool").joinpath("schemas", f"{kind}.schema.json").read_text(encoding="utf-8")
+    text = resources.files("ckptool").joinpath("schemas").joinpath(f"{kind}.schema.json").read_text(encoding="utf-8")
     loaded: dict[str, Any] = json.loads(text)
     return loaded

@@ -125,7 +125,7 @@ def terminal_bars(stream: TextIO) -> BarFactory:
     """Byte bars on ``stream`` (a terminal), drawn by tqdm; each is removed when its job ends."""
 
     def make(total: int | None, description: str) -> Bar:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
         from ckptool.base.text import printable
 

@@ -82,7 +82,7 @@ METADATA_GLOBALS: dict[str, Any] = {
 
 for _function in (_get_layout, _mem_format, _path):
     # BUILD on a shared function would change it (its __defaults__) for every later load
-    _function.__setstate__ = refuse_build  # type: ignore[attr-defined]
+    _function.__setstate__ = refuse_build  # type: ignore[union-attr]
 
 
 class MetadataResolver(pickles.GlobalResolver):
@@ -323,7 +323,7 @@ def parse_metadata(directory: Path, resolver: pickles.GlobalResolver) -> Metadat
         dtype = _dtype(tensor_fields.get("properties"), directory, fqn)
         size = _ints(tensor_fields.get("size"), directory, f"{what} size")
         raw_chunks = tensor_fields.get("chunks")
-        if not isinstance(raw_chunks, list) or (not raw_chunks and math.prod(size)):
+        if not isinstance(raw_chunks, list) or (not raw_chunks and math.prod(size) != 0):
             raise corrupt(f"tensor {what} lists no chunks", directory)
         budget -= len(raw_chunks)
         if budget < 0:

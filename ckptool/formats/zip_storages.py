@@ -91,7 +91,7 @@ def storage_loader(
                 path=path,
             )
         # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
-        crc32 = member.crc32
+        crc32: int | None = member.crc32
         if size != nbytes or not (crc32 or not nbytes):
             crc32 = None
         data_offset = member.data_offset

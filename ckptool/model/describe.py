@@ -88,8 +88,8 @@ def entry_type(value: Any) -> str:
         return "optimizer_state"
     if isinstance(value, OpaqueObject):
         return "object"
-    for kind, name in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (set | frozenset, "set")):
-        if isinstance(value, kind):
+    for container, name in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (set | frozenset, "set")):
+        if isinstance(value, container):
             return name
     return type(value).__name__
 
@@ -144,8 +144,8 @@ def describe_optimizer_state(value: dict) -> str:
     exp_avg_sq), 104 B`` — what an optimizer's own state_dict holds: the optimizer it came from as
     far as its names tell (:func:`ckptool.model.optimizers.optimizer_kind`; else ``per parameter``) and
     torch's per-parameter keys."""
-    state = dict.get(value, "state")
-    groups = len(dict.get(value, "param_groups"))
+    state = optimizers.per_parameter_state(value)
+    groups = len(optimizers.param_groups(value))
     tensors = [tensor for _, tensor in iter_tensors(value)]
     names = optimizers.state_names(value)
     kind = optimizers.optimizer_kind(value)

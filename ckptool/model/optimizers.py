@@ -11,7 +11,7 @@ rest (parameter groups, non-tensor per-parameter values, the integer keys) rides
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ckptool.base.errors import InputError
 from ckptool.base.text import value_str
@@ -30,15 +30,25 @@ def is_optimizer_state(value: Any) -> bool:
     )
 
 
+def per_parameter_state(value: dict) -> dict[Any, Any]:
+    """The per-parameter state of an optimizer state dict (:func:`is_optimizer_state` checked it is a dict)."""
+    return cast("dict[Any, Any]", dict.get(value, "state"))
+
+
+def param_groups(value: dict) -> list[Any]:
+    """The parameter groups of an optimizer state dict (:func:`is_optimizer_state` checked they are a list)."""
+    return cast("list[Any]", dict.get(value, "param_groups"))
+
+
 def _keys(value: dict) -> tuple[set[str], set[str]]:
     """The per-parameter state's names and the parameter groups' option names, over all of them."""
     state_names = {
         str(name)
-        for per_parameter in dict.values(dict.get(value, "state"))
+        for per_parameter in dict.values(per_parameter_state(value))
         if isinstance(per_parameter, dict)
         for name in per_parameter
     }
-    group_names = {str(name) for group in dict.get(value, "param_groups") if isinstance(group, dict) for name in group}
+    group_names = {str(name) for group in param_groups(value) if isinstance(group, dict) for name in group}
     return state_names, group_names
 
 
@@ -72,9 +82,7 @@ def optimizer_kind(value: dict) -> str | None:
         if state_names & state_marks or group_names & group_marks:
             return name
     if "amsgrad" in group_names:
-        decoupled = [
-            group.get("decoupled_weight_decay") for group in dict.get(value, "param_groups") if isinstance(group, dict)
-        ]
+        decoupled = [group.get("decoupled_weight_decay") for group in param_groups(value) if isinstance(group, dict)]
         if any(flag is True for flag in decoupled):
             return "AdamW"
         return "Adam" if decoupled and all(flag is False for flag in decoupled) else "Adam/AdamW"
@@ -86,7 +94,7 @@ def optimizer_kind(value: dict) -> str | None:
 def state_names(value: dict) -> list[str]:
     """The per-parameter state's names in the order the state dict first gives them (``step, exp_avg, ...``)."""
     names: list[str] = []
-    for per_parameter in dict.values(dict.get(value, "state")):
+    for per_parameter in dict.values(per_parameter_state(value)):
         if isinstance(per_parameter, dict):
             names += [value_str(key) for key in per_parameter if value_str(key) not in names]
     return names

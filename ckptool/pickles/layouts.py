@@ -49,7 +49,9 @@ class Layout(OpaqueObject):
     """``torch.serialization._get_layout(name)``: how torch pickles a ``torch.layout``."""
 
     _global = "torch.serialization._get_layout"
-    __setstate__ = _refuse_build
+
+    def __setstate__(self, state: Any) -> None:
+        _refuse_build(state)
 
     def __init__(self, *args: Any) -> None:
         self._mode = "reduce"
@@ -85,7 +87,8 @@ def _size(value: Any) -> tuple[int, ...]:
 class LayoutTensor(OpaqueObject):
     """A tensor torch rebuilds from component tensors; its rebuild call is kept as it was."""
 
-    __setstate__ = _refuse_build
+    def __setstate__(self, state: Any) -> None:
+        _refuse_build(state)
 
     @property
     def layout(self) -> str:
@@ -488,4 +491,4 @@ WRAPPED_REBUILDS: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
 }
 for _function in WRAPPED_REBUILDS.values():
-    _function.__setstate__ = _refuse_build  # type: ignore[attr-defined]
+    _function.__setstate__ = _refuse_build

@@ -65,14 +65,20 @@ class OpaqueObject:
     # a nested name read as pickle's protocol-2 spelling getattr(parent, attribute) (see attribute_type)
     _parent: type | None = None
     _attribute: str = ""
+    # per instance, set by __new__ and __init__ (annotations only: no class attribute)
+    _args: tuple[Any, ...]
+    _mode: str
+    _state: Any
+    _items: list[Any]
+    _setitems: list[Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
         obj = object.__new__(cls)
         obj._args = (args, kwargs) if kwargs else args
         obj._mode = "newobj_ex" if kwargs else "newobj"
         obj._state = None
-        obj._items: list = []
-        obj._setitems: list = []
+        obj._items = []
+        obj._setitems = []
         return obj
 
     def __init__(self, *args: Any) -> None:

@@ -50,6 +50,7 @@ class QuantizedType:
     def __init__(self, torch_name: str, storage_class: str, itemsize: int, repr_name: str, bits: int) -> None:
         # not registered in dtypes.BY_NAME: no plain tensor, safetensors file or cast has this type
         self.dtype = DType(torch_name.upper(), itemsize, torch_name, storage_class, False)
+        self.storage_class = storage_class
         self.repr_dtype = BY_NAME[repr_name]
         self.bits = bits
 
@@ -498,7 +499,7 @@ class _QuantizedStorageType(StorageTypeRef):
 GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_qtensor": QuantizedTensor,
     **{
-        f"torch.{q.dtype.storage_class}": _QuantizedStorageType("torch", q.dtype.storage_class, q.dtype)
+        f"torch.{q.storage_class}": _QuantizedStorageType("torch", q.storage_class, q.dtype)
         for q in QUANTIZED_TYPES.values()
     },
     **{f"torch.{name}": DTypeRef("torch", name) for name in QUANTIZED_TYPES},  # a dtype is data

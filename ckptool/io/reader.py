@@ -13,7 +13,7 @@ from ckptool.base.suggest import Metavar
 from ckptool.base.suggest import option as suggest_option
 from ckptool.files import inputs
 from ckptool.files.byteio import forget_windows, use_storage_options
-from ckptool.files.inputs import location
+from ckptool.files.inputs import located
 from ckptool.model import modules
 from ckptool.model.checkpoint import Checkpoint, find_layout
 from ckptool.model.tree import get_at
@@ -65,7 +65,7 @@ def load(
         ('torch-zip', 'module.', 10)
     """
     use_storage_options(storage_options)
-    path = location(path)
+    path = located(path)
     if not isinstance(path, Path):
         forget_windows()  # a remote file's bytes are read as they are now, not as an earlier read saw them
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
@@ -154,7 +154,7 @@ def load_member(
     except pickles.RefusedGlobal as e:
         raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
     except CkptError as e:
-        if e.path is None or Path(e.path) == folder:
+        if e.path is None or e.path == folder:
             raise type(e)(e.wording or e.message, path=path) from e
         raise
 
@@ -214,7 +214,8 @@ def _checkpoint(
         layout: tuple | None = contents.layout
     else:
         layout = () if fmt.weights_only else find_layout(contents.container)
-    found = layout is not None and modules.is_module(get_at(contents.container, layout))
+    node = get_at(contents.container, layout) if layout is not None else None
+    found = layout is not None and modules.is_module(node)
     return Checkpoint(
         path=path,
         format=fmt.name,
@@ -225,7 +226,7 @@ def _checkpoint(
         files=contents.files,
         notes=contents.notes,
         allow_globals=resolver.allow_globals,
-        module_class=modules.class_name(get_at(contents.container, layout)) if found else None,
+        module_class=modules.class_name(node) if found else None,
         flattened=contents.flattened,
         folder=contents.folder,
     )

@@ -29,7 +29,7 @@ from ckptool import formats, pickles
 from ckptool.base.errors import CkptError, InputError, UnsupportedFormatError
 from ckptool.files import inputs
 from ckptool.files.byteio import learnt_size, use_storage_options
-from ckptool.files.inputs import location
+from ckptool.files.inputs import located
 from ckptool.formats import npy
 from ckptool.tensors import dtypes
 from ckptool.tensors.refs import StorageRef
@@ -98,12 +98,12 @@ def static_globals(data: bytes) -> tuple[list[str], Counter, str | None]:
                     found.append("<unresolved STACK_GLOBAL>")
             elif name in _STRING_OPS:
                 strings.append(arg.decode("latin1") if isinstance(arg, bytes) else str(arg))
-            elif name in ("BINPUT", "LONG_BINPUT", "PUT") and strings:
-                memo[int(arg)] = strings[-1]
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT") and strings and isinstance(arg, int):  # genops: an int
+                memo[arg] = strings[-1]
             elif name == "MEMOIZE" and strings:
                 memo[len(memo)] = strings[-1]
-            elif name in ("BINGET", "LONG_BINGET", "GET") and int(arg) in memo:
-                strings.append(memo[int(arg)])
+            elif name in ("BINGET", "LONG_BINGET", "GET") and isinstance(arg, int) and arg in memo:
+                strings.append(memo[arg])
     except Exception as e:  # genops raises ValueError and friends on malformed input
         error = f"{type(e).__name__}: {str(e)[:120]}"
     return found, opcodes, error
@@ -189,31 +189,11 @@ def scan(
         (True, [])
     """
     use_storage_options(storage_options)
-    path, allow_globals = location(path), tuple(allow_globals)
-    remote = inputs.describe_remote(path)  # a URL: one request says whether it is there, and what
-    if not (path.exists() if remote is None else remote.exists):
-        raise InputError(
-            "does not exist — check the path" if remote is None else "does not exist (404) — check the URL", path=path
-        )
-    is_dir = path.is_dir() if remote is None else remote.is_dir
-    if not is_dir and remote is None and not path.is_file():  # opening a FIFO would wait forever for a writer
-        raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
+    path, allow_globals = located(path), tuple(allow_globals)
+    is_dir = _is_folder(path)
     fmt = formats.sniff(None, path) if is_dir else None
     if is_dir and fmt is None:  # a folder of safetensors: nothing pickled
-        from ckptool.io.reader import load
-
-        checkpoint = load(path, allow_globals=allow_globals)
-        return ScanReport(
-            path=str(path),
-            format=checkpoint.format,
-            safe=True,
-            unsafe=[],
-            globals={},
-            opcodes={},
-            pickles=[],
-            verdict=SAFE,
-            readable=True,
-        )
+        return _unpickled_folder(path, allow_globals)
     cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
     fmt, found = _found_pickles(path, fmt, allow_globals, cache)
     blobs = found.blobs
@@ -259,6 +239,37 @@ def scan(
         raise load_error
     report.format = format_name
     return report
+
+
+def _is_folder(path: Path) -> bool:
+    """Whether the input ``path`` is a folder; refused when it is missing or, local, not a regular file."""
+    remote = inputs.describe_remote(path)  # a URL: one request says whether it is there, and what
+    if not (path.exists() if remote is None else remote.exists):
+        raise InputError(
+            "does not exist — check the path" if remote is None else "does not exist (404) — check the URL", path=path
+        )
+    is_dir = path.is_dir() if remote is None else remote.is_dir
+    if not is_dir and remote is None and not path.is_file():  # opening a FIFO would wait forever for a writer
+        raise UnsupportedFormatError("is not a regular file (a FIFO, socket or device) — not a checkpoint", path=path)
+    return is_dir
+
+
+def _unpickled_folder(path: Path, allow_globals: tuple[str, ...]) -> ScanReport:
+    """The report on a folder of safetensors: read as a load reads it, with nothing pickled to judge."""
+    from ckptool.io.reader import load
+
+    checkpoint = load(path, allow_globals=allow_globals)
+    return ScanReport(
+        path=str(path),
+        format=checkpoint.format,
+        safe=True,
+        unsafe=[],
+        globals={},
+        opcodes={},
+        pickles=[],
+        verdict=SAFE,
+        readable=True,
+    )
 
 
 def _found_pickles(

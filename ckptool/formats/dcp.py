@@ -25,13 +25,13 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptool import pickles
 from ckptool.base.errors import InputError, UnsupportedFormatError
 from ckptool.files import inputs
 from ckptool.files.byteio import FileCache
-from ckptool.files.inputs import location
+from ckptool.files.inputs import located
 from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions, torch_zip, zip_storages, zipio
 from ckptool.formats.dcp_metadata import (
     METADATA_NAME,
@@ -86,9 +86,14 @@ class _Window(io.RawIOBase):
         if not count:
             return 0
         self._handle.seek(self._offset + self._position)
-        got = self._handle.readinto(view[:count])
+        got = self._handle.readinto(view[:count])  # type: ignore[attr-defined]  # open_member's files are buffered
         self._position += got or 0
         return got or 0
+
+
+def _handle(window: _Window) -> BinaryIO:
+    """The window as zipio takes an archive: a seekable binary file, which a window (an io.RawIOBase) is."""
+    return cast(BinaryIO, window)
 
 
 class _Files(FileCache[BinaryIO]):
@@ -115,8 +120,8 @@ def _archive(
             "serialization format?); ckptool reads DCP checkpoints written by FileSystemWriter's default format",
             path=directory,
         )
-    where = location(f"{storage.file}@{storage.offset}")
-    members = zipio.read_members(where, window, size=storage.length)
+    where = located(f"{storage.file}@{storage.offset}")
+    members = zipio.read_members(where, _handle(window), size=storage.length)
     return window, members, torch_zip.archive_folder(where, members)
 
 
@@ -124,13 +129,13 @@ def _pickle_bytes(window: _Window, members: dict[str, zipio.Member], top: str, w
     member = members.get(f"{top}/data.pkl")
     if member is None:
         raise InputError("embedded archive has no data.pkl — the checkpoint is corrupt", path=where)
-    return zipio.read_member(where, window, member, limit=pickles.MAX_PICKLE_BYTES)
+    return zipio.read_member(where, _handle(window), member, limit=pickles.MAX_PICKLE_BYTES)
 
 
 def _read_archive(files: _Files, storage: Storage, resolver: pickles.GlobalResolver, what: str, directory: Path) -> Any:
     """Unpickle one embedded ``torch.save`` archive; storages point at their bytes in the data file."""
     window, members, top = _archive(files, storage, what, directory)
-    where = location(f"{storage.file}@{storage.offset}")
+    where = located(f"{storage.file}@{storage.offset}")
     data = _pickle_bytes(window, members, top, where)
     storages: dict[str, StorageRef] = {}
     persistent_load = zip_storages.storage_loader(
@@ -282,15 +287,15 @@ def _nest(values: list[tuple[str, Any]], paths: dict[str, tuple[str | int, ...]]
                 raise corrupt(f"the key path of {fqn[:80]!r} indexes a list where there is none", directory)
             if isinstance(key, str) and not isinstance(node, dict):
                 raise corrupt(f"the key path of {fqn[:80]!r} names a key inside a list", directory)
-            if isinstance(node, list):
+            if isinstance(node, list) and isinstance(key, int):  # a str key into a list was refused above
                 node.extend([None] * (key + 1 - len(node)))
             if last:
-                existing = node[key] if isinstance(node, list) else node.get(key)
+                existing = node.get(key) if isinstance(node, dict) else node[key]
                 if existing is not None:
                     raise corrupt(f"two entries nest to the same place as {fqn[:80]!r}", directory)
                 node[key] = value
                 break
-            child = node[key] if isinstance(node, list) else node.get(key)
+            child = node.get(key) if isinstance(node, dict) else node[key]
             if child is None:
                 child = {} if isinstance(path[position + 1], str) else []
                 node[key] = child
@@ -360,7 +365,7 @@ def _pickle_blobs(directory: Path, resolver: pickles.GlobalResolver) -> list[tup
             storages = [entry.storage] if isinstance(entry, BytesEntry) else [c.storage for c in entry.chunks]
             for storage in storages:
                 window, members, top = _archive(files, storage, repr(entry.fqn[:120]), directory)
-                where = location(f"{storage.file}@{storage.offset}")
+                where = located(f"{storage.file}@{storage.offset}")
                 blobs.append(
                     (f"{storage.file.name}@{storage.offset}/{top}/data.pkl", _pickle_bytes(window, members, top, where))
                 )

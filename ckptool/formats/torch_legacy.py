@@ -35,7 +35,7 @@ PROTOCOL_VERSION = 1001
 
 def sniff(head: bytes | None, path: Path) -> bool:
     """A file opening with a pickle opcode (checked after every other format's signature)."""
-    return bool(head) and head[0] in PICKLE_FIRST_BYTES
+    return bool(head and head[0] in PICKLE_FIRST_BYTES)
 
 
 def read(path: Path, options: ReadOptions) -> Contents:

@@ -24,7 +24,7 @@ from ckptool.base import suggest
 from ckptool.base.errors import CkptError, UsageError
 from ckptool.base.gcpause import keep
 from ckptool.base.suggest import Metavar, option
-from ckptool.files.inputs import location
+from ckptool.files.inputs import located
 
 if TYPE_CHECKING:  # the writer is imported by the job that writes, so --help stays fast
     from ckptool.io.writer import SaveReport
@@ -75,10 +75,11 @@ def _target(ckpt: Path, out: Path | None, in_place: bool, checkpoint: Checkpoint
         if in_place:
             folder = checkpoint.folder if checkpoint is not None else None
             if (
-                folder is not None
+                checkpoint is not None
+                and folder is not None
                 and folder.read is not None
                 and [file.name for file in checkpoint.files] == [folder.read]
-            ):  # type: ignore[union-attr]
+            ):
                 return ckpt / folder.read  # a training folder's one weights file, rewritten where it is
             return ckpt
         raise UsageError(
@@ -111,7 +112,7 @@ def strip(
     from ckptool.io.reader import load
     from ckptool.io.writer import rewrite_format, save
 
-    ckpt, out = location(ckpt), _optional_path(out)
+    ckpt, out = located(ckpt), _optional_path(out)
     mapping = tuple(mapping)
     mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
@@ -167,7 +168,7 @@ def add_prefix(
     from ckptool.io.reader import load
     from ckptool.io.writer import rewrite_format, save
 
-    ckpt, out = location(ckpt), _optional_path(out)
+    ckpt, out = located(ckpt), _optional_path(out)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
@@ -212,7 +213,7 @@ def remap(
     from ckptool.io.reader import load
     from ckptool.io.writer import rewrite_format, save
 
-    ckpt, out = location(ckpt), _optional_path(out)
+    ckpt, out = located(ckpt), _optional_path(out)
     mapper = _mapper(to_device, mapping)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     _has_location_tags(checkpoint, ckpt)
@@ -271,7 +272,7 @@ def count_keys(state_dict: Any, *, prefix: str | None = None) -> int:
 
 
 def _optional_path(path: Path | str | None) -> Path | None:
-    return location(path) if path is not None else None
+    return located(path) if path is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -354,7 +355,7 @@ def plan_convert(
     """
     from ckptool.formats.safetensors import parse_size
 
-    sources = [location(source) for source in sources]
+    paths = [located(source) for source in sources]
     shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if (out is None) == (out_dir is None):
         raise UsageError(
@@ -365,7 +366,7 @@ def plan_convert(
             + " (any number of inputs)"
         )
     if out is not None:
-        if len(sources) != 1:
+        if len(paths) != 1:
             raise UsageError(
                 option("out", None)
                 + " takes one input; use "
@@ -374,11 +375,11 @@ def plan_convert(
             )
         if isinstance(out, str) and out.endswith(("/", os.sep)) and shard_bytes is None and to != "pt":
             shard_bytes = parse_size("5GB")  # "out/": a folder of shards (the writer's default size), as no suffix says
-        return ConvertPlan([(sources[0], location(out))], True, shard_bytes)
+        return ConvertPlan([(paths[0], located(out))], True, shard_bytes)
     from ckptool.io.writer import plan_outputs
 
     assert out_dir is not None
-    return ConvertPlan(plan_outputs(sources, location(out_dir), to), False, shard_bytes)
+    return ConvertPlan(plan_outputs(paths, located(out_dir), to), False, shard_bytes)
 
 
 def convert_file(

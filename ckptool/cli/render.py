@@ -235,27 +235,27 @@ def verify(report: VerifyReport) -> None:
                 echo(f"           {name}: {counts['nan']} NaN, {counts['inf']} Inf")
     against = report.against
     if against is not None:
-        weights = against.diff
-        if weights.identical:
-            text = f"weights identical ({weights.byte_identical} of {weights.compared} tensors byte-identical)"
+        compared = against.diff
+        if compared.identical:
+            text = f"weights identical ({compared.byte_identical} of {compared.compared} tensors byte-identical)"
         else:
             text = (
-                f"weights DIFFER: {len(weights.changed)} changed, {len(weights.only_in_a)} only here, "
-                f"{len(weights.only_in_b)} only there"
+                f"weights DIFFER: {len(compared.changed)} changed, {len(compared.only_in_a)} only here, "
+                f"{len(compared.only_in_b)} only there"
             )
         if against.within_tolerance is not None:
             text += f"; outputs max abs err {_fmt_err(against.max_abs_err)}" + (
                 "" if against.within_tolerance else " (beyond tolerance)"
             )
         echo(f"  against  {against.path} ({against.format}): {text}")
-        for change in weights.changed[:5]:
+        for change in compared.changed[:5]:
             echo(
                 f"           {change.name}: {' and '.join(change.kinds)}"
                 + (f", max abs diff {_fmt_err(change.max_abs_diff)}" if change.max_abs_diff is not None else "")
             )
         if against.error:
             echo(f"           {against.error}")
-        for note in weights.notes:
+        for note in compared.notes:
             echo(f"           note: {note}")
     for note in report.notes:
         echo(f"  note     {note}")

@@ -94,10 +94,12 @@ def _short(value: Any) -> str:
 
 
 def describe_optimizer(container: Any) -> tuple[str, dict[str, Any]]:
-    state = dict.get(container, "state")
-    groups = dict.get(container, "param_groups")
+    """An optimizer's state (:func:`~ckptool.model.optimizers.is_optimizer_state` said it is one):
+    a line, and the details."""
+    state = optimizers.per_parameter_state(container)
+    groups = optimizers.param_groups(container)
     tensors = [tensor for _, tensor in iter_tensors(container)]
-    details = {
+    details: dict[str, Any] = {
         "optimizer": optimizers.optimizer_kind(container),
         "params": len(state),
         "param_groups": len(groups),

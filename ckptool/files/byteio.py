@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar, Union, overload
 
 from ckptool.base.errors import InputError
 from ckptool.files.crc import crc32
@@ -199,10 +199,18 @@ class FileCache(Generic[Opened]):
     never keep what :meth:`get` returned across a yield — another reader may have closed it meanwhile.
     """
 
+    @overload
+    def __init__(self: FileCache[Source], *, limit: int | None = 32) -> None: ...
+
+    @overload
+    def __init__(
+        self, opener: Callable[[Path], Opened], closer: Callable[[Opened], Any], *, limit: int | None = 32
+    ) -> None: ...
+
     def __init__(
         self,
-        opener: Callable[[Path], Opened] = open_source,  # type: ignore[assignment]
-        closer: Callable[[Opened], Any] = close_source,  # type: ignore[assignment]
+        opener: Callable[[Path], Any] = open_source,
+        closer: Callable[[Any], Any] = close_source,
         *,
         limit: int | None = 32,
     ) -> None:

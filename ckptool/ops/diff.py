@@ -37,7 +37,8 @@ from ckptool.tensors.refs import TensorRef, check_expansion
 CHUNK_SIZE = 256 * 1024
 
 # called with each chunk of A's bytes (element-aligned, valid only during the call)
-ChunkCallback = Callable[[bytes | bytearray], None]
+Chunk = bytes | bytearray | memoryview  # a piece of a tensor's bytes, maybe a reused buffer
+ChunkCallback = Callable[[Chunk], None]
 # called with (A's key as stored, its TensorRef) before A's bytes are read; returns a ChunkCallback or None
 ChunkHook = Callable[[str, TensorRef], ChunkCallback | None]
 
@@ -136,7 +137,7 @@ def json_float(value: float | None) -> float | str | None:
 # ---------------------------------------------------------------------------------------------- streaming
 
 
-def element_chunks(tensor: TensorRef, elements: int) -> Iterator[bytes]:
+def element_chunks(tensor: TensorRef, elements: int) -> Iterator[Chunk]:
     """The tensor's C-order bytes in pieces of ``elements`` elements (the last may be shorter).
 
     A piece may be a reused buffer: compare or decode it before asking for the next.
@@ -157,7 +158,7 @@ def element_chunks(tensor: TensorRef, elements: int) -> Iterator[bytes]:
         yield pending
 
 
-def decode(raw: memoryview | bytes, dtype: DType) -> Any:
+def decode(raw: Chunk, dtype: DType) -> Any:
     """Raw little-endian bytes of ``dtype`` as a numpy array of float64 (complex128 for complex)."""
     import numpy as np
 
@@ -248,7 +249,7 @@ _INTEGER_UNITS = {
 }
 
 
-def exact_diff(raw_a: memoryview | bytes, raw_b: memoryview | bytes, dtype: DType) -> Any:
+def exact_diff(raw_a: Chunk, raw_b: Chunk, dtype: DType) -> Any:
     """Element-wise ``|a - b|`` of two integer (or bool) chunks of one dtype, exact, as uint64.
 
     ``max - min`` taken modulo 2**64 is the exact distance, since no two 64-bit integers lie 2**64
@@ -294,7 +295,7 @@ def _spans(tensor: TensorRef) -> tuple[ByteRange, ...] | None:
     return None if span is None else (span,)
 
 
-def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source]) -> Iterator[bytes | bytearray]:
+def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source]) -> Iterator[Chunk]:
     """The bytes of ``spans`` end to end in pieces of ``size`` bytes (the last may be shorter), read
     straight into one reused buffer: each piece is valid only until the next is asked for."""
     total = sum(span.length for span in spans)
@@ -325,7 +326,7 @@ def _read_spans(spans: tuple[ByteRange, ...], size: int, files: FileCache[Source
 
 def tensor_chunks(
     tensor: TensorRef, elements: int | None = None, files: FileCache[Source] | None = None
-) -> Iterator[bytes | bytearray]:
+) -> Iterator[Chunk]:
     """:func:`element_chunks` (by default of :data:`CHUNK_SIZE` bytes), read with ``os.preadv`` through
     ``files`` when the bytes lie in the file as they are. A chunk may be a reused buffer."""
     if elements is None:
@@ -335,7 +336,7 @@ def tensor_chunks(
         spans = None  # a URL's bytes: streamed by parts fetched one ahead, not a request per chunk
     chunks = (
         element_chunks(tensor, elements)
-        if spans is None
+        if spans is None or files is None  # (spans are found only with files to read them through)
         else _read_spans(spans, elements * tensor.dtype.itemsize, files)
     )
     for chunk in chunks:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ckptool.model.checkpoint import Checkpoint
 from ckptool.model.devices import Device
-from ckptool.ops.diff import ChunkCallback, DiffReport, OpenFiles, diff, tensor_chunks
+from ckptool.ops.diff import Chunk, ChunkCallback, DiffReport, OpenFiles, diff, tensor_chunks
 from ckptool.tensors.refs import TensorRef
 from ckptool.verification.report import DeviceResult, error_line
 
@@ -115,7 +115,7 @@ def check_cpu_weights_against(
             return None
         tally = tallies[key] = [0, 0]
 
-        def count(chunk: bytes | bytearray) -> None:
+        def count(chunk: Chunk) -> None:
             nan, inf = _count_nonfinite(chunk, name)
             tally[0] += nan
             tally[1] += inf

@@ -246,7 +246,7 @@ def test_every_fuzz_finding_stays_fixed(path: Path, tmp_path: Path) -> None:
 
 def test_the_fuzz_oracles_pass_every_fixture(fixtures_dir: Path, tmp_path: Path) -> None:
     """The oracles hold on real checkpoints (so a finding is the input's doing, not the oracle's), and reach
-    the deep ones: a load, a save both ways, an emit both ways."""
+    the deep ones: a load, a save both ways."""
     twins = _twins()
     outcomes = Counter()
     for path in sorted(fixtures_dir.rglob("*")):

@@ -6,8 +6,8 @@
   and the Python parse reads no header the safetensors library refuses (a lone surrogate escape, a
   second ``__metadata__``, a field twice, ``-0``), and reads the same names and metadata where both read.
 - A ``.pt`` written from a safetensors file or a torch.save'd container: the same pickle bytes and the
-  same storages whichever parse read the header, whichever unpickler read the pickle and whichever
-  emitter wrote it (``PURE_PYTHON_HEADER``, ``unpickle.FAST``, the emitter's ``_emit_items``), and the same file bytes but
+  same storages whichever parse read the header and whichever unpickler read the pickle
+  (``PURE_PYTHON_HEADER``, ``unpickle.FAST``), and the same file bytes but
   its random serialization id: which tuple objects the reader shares between tensors does not show.
 """
 
@@ -31,13 +31,13 @@ from ckptool.tensors import dtypes
 from ckptool import pickles
 from ckptool.base.errors import CkptError, InputError
 from ckptool.formats import safetensors
-from ckptool.pickles import emit, unpickle
+from ckptool.pickles import unpickle
 from ckptool.io.writer import pt_container
 
 torch = pytest.importorskip("torch")
 safe_open = pytest.importorskip("safetensors").safe_open
 
-pytestmark = pytest.mark.skipif(unpickle._fastload is None or emit._emit_items is None,
+pytestmark = pytest.mark.skipif(unpickle._fastload is None,
                                 reason="the C extension (ckptool/native/_fastload.c) was not built here")
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None,
@@ -149,17 +149,16 @@ def _read(tmp_path: Path, raw: bytes, size: int, *, pure: bool) -> safetensors.S
         safetensors.PURE_PYTHON_HEADER = previous
 
 
-# ----------------------------------------------------------------------------------------- the emitter
+# ------------------------------------------------------------------------------------- the .pt written
 
 
-PATHS = [(header, emitter) for header in ("c", "python") for emitter in ("c", "python")]
+PATHS = ["c", "python"]
 
 
-def _emitted(path: Path, header: str, emitter: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """The pickle a ``.pt`` write of ``path`` emits and its storages, read and written on the paths named."""
+def _emitted(path: Path, header: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """The pickle a ``.pt`` write of ``path`` emits and its storages, read on the path named."""
     monkeypatch.setattr(safetensors, "PURE_PYTHON_HEADER", header == "python")
     monkeypatch.setattr(unpickle, "FAST", header == "c")
-    monkeypatch.setattr(emit, "_emit_items", ORIGINAL_EMIT if emitter == "c" else None)
     try:
         checkpoint = ckptool.load(path)
         blob, storages = pickles.dump(pt_container(checkpoint), renumber_storages=True)
@@ -169,7 +168,6 @@ def _emitted(path: Path, header: str, emitter: str, monkeypatch: pytest.MonkeyPa
                   for key, storage in storages]
 
 
-ORIGINAL_EMIT = emit._emit_items
 NAMES = st.one_of(st.sampled_from(["w", "a.b", "layer.0.weight", "é", "n" * 70, "ü" * 40]),
                   st.text(st.characters(blacklist_categories=["Cs"]), max_size=12))
 
@@ -201,7 +199,7 @@ def test_a_pt_from_safetensors_is_the_same_bytes_on_every_path(tmp_path: Path, m
                                                               drawn: tuple) -> None:
     path = tmp_path / "drawn.safetensors"
     _write_safetensors(path, *drawn)
-    results = {which: _emitted(path, *which, monkeypatch) for which in PATHS}
+    results = {which: _emitted(path, which, monkeypatch) for which in PATHS}
     assert len({repr(result) for result in results.values()}) == 1, results
 
 
@@ -227,7 +225,7 @@ def test_a_pt_rewrite_is_the_same_bytes_on_every_path(tmp_path: Path, monkeypatc
                                                       container: Any) -> None:
     path = tmp_path / "drawn.pt"
     torch.save(container, path)
-    results = {which: _emitted(path, *which, monkeypatch) for which in PATHS}
+    results = {which: _emitted(path, which, monkeypatch) for which in PATHS}
     assert len({repr(result) for result in results.values()}) == 1, results
 
 
@@ -243,13 +241,12 @@ def test_a_converted_file_is_the_same_bytes_on_every_path(tmp_path: Path, monkey
     _write_safetensors(source, {f"blocks.{i}.{kind}": (DTYPES[i % len(DTYPES)], shapes[i % 4])
                                 for i in range(40) for kind in ("weight", "bias")}, {"format": "pt"})
     written = []
-    for header, emitter in PATHS:
+    for header in PATHS:
         monkeypatch.setattr(safetensors, "PURE_PYTHON_HEADER", header == "python")
-        monkeypatch.setattr(emit, "_emit_items", ORIGINAL_EMIT if emitter == "c" else None)
-        out = tmp_path / f"{header}-{emitter}.pt"
+        out = tmp_path / f"{header}.pt"
         ckptool.save(ckptool.load(source), out)
         written.append(_members(out))
     assert all(members == written[0] for members in written[1:])
     assert len(written[0]) > 80
-    loaded = torch.load(io.BytesIO((tmp_path / "c-c.pt").read_bytes()), weights_only=True)
+    loaded = torch.load(io.BytesIO((tmp_path / "c.pt").read_bytes()), weights_only=True)
     assert len(loaded) == 80

@@ -38,7 +38,7 @@ from ckptool.files.copying import SMALL_MEMBER, DataOut
 from ckptool.formats import Contents, Format, Pickles, ReadOptions
 from ckptool.formats.hf_index import INDEX_NAME as INDEX_NAME
 from ckptool.formats.hf_index import find_index
-from ckptool.pickles.unpickle import FAST, _fastload, new
+from ckptool.pickles.unpickle import FAST, _fastload
 from ckptool.tensors import dtypes
 from ckptool.tensors.refs import (
     _DTYPE_NAME,
@@ -252,8 +252,7 @@ def _refuse_surrogates(header: dict, path: Path) -> None:
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _DTYPES = {name: dtypes.BY_NAME[name] for name in FORMAT_DTYPES if name in dtypes.BY_NAME}  # what a header may name
 _HEADER_CONSTANTS = (ByteRange, StorageRef, TensorRef, _DTYPES, contiguous_stride, "cpu", json.loads)  # the C parse's
-# True: every header is read with json and the entry checks, and written in Python (the C passes' reference;
-# the tests turn it on)
+# True: every header is read with json and the entry checks (the reference of the C parse; the tests turn it on)
 PURE_PYTHON_HEADER = False
 
 
@@ -316,8 +315,8 @@ def _each_tensor(header: dict, path: Path, data_start: int, file_size: int) -> d
             )
         spans.append((begin, end, name))
         shape = tuple(shape)
-        storage = new(StorageRef, name, dtype, numel, "cpu", new(ByteRange, path, data_start + begin, nbytes))
-        tensors[name] = new(TensorRef, storage, dtype, shape, contiguous_stride(shape))
+        storage = StorageRef(name, dtype, numel, "cpu", ByteRange(path, data_start + begin, nbytes))
+        tensors[name] = TensorRef(storage, dtype, shape, contiguous_stride(shape))
     # the data section must be tiled exactly: no gaps, no overlaps, nothing trailing
     position = 0
     for begin, end, name in sorted(spans):
@@ -574,16 +573,10 @@ def _encode_header(
     """The header's JSON for the tensors ``order`` names (their dtypes' names, shapes and byte counts) laid out end
     to end in that order: the bytes of ``json.dumps`` of it, compact.
 
-    Written from columns (100,000 entries): in C where built (``_fastload.encode_header``: names that need no
-    escape copied, others escaped by json's own ASCII encoder; a shape of other than ints declines to Python);
-    else names escaped by json's ASCII encoder, each dtype's and shape's text made once by ``json.dumps``, the
-    entries formatted by one ``str.format`` mapped over them. ``PURE_PYTHON_HEADER`` writes in Python.
+    Written from columns (100,000 entries): names escaped by json's ASCII encoder, each dtype's and shape's text
+    made once by ``json.dumps``, the entries formatted by one ``str.format`` mapped over them.
     """
     parts = ['"__metadata__":' + json.dumps(_unicode_metadata(metadata), separators=(",", ":"))] if metadata else []
-    if FAST and not PURE_PYTHON_HEADER:  # in one C pass (100,000 entries: 0.04-0.07 s, not 0.2-0.27)
-        encoded = _fastload.encode_header(order, dtype_names, shapes, nbytes, "".join(parts), encode_basestring_ascii)
-        if encoded is not NotImplemented:
-            return encoded
     dtype_texts = {name: json.dumps(name) for name in set(dtype_names)}
     keys = list(map(repr, shapes))  # by repr: 2 and True are equal keys, but json writes them apart
     shape_texts = {

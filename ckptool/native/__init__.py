@@ -5,9 +5,8 @@ for byte (``tests/test_twins.py``, ``test_guard_native.py``, ``test_fastload.py`
 ASan and UBSan):
 
 - ``_guard``: the opcode guard's walk (``ckptool.pickles.opcode_guard``);
-- ``_fastload``: the restricted unpickler's run, the emitter's items, safetensors headers read and
-  written, the tensor census (``ckptool.pickles.unpickle``, ``emit``, ``ckptool.formats.safetensors``,
-  ``ckptool.tensors.refs``).
+- ``_fastload``: the restricted unpickler's run, and a safetensors header's parse
+  (``ckptool.pickles.unpickle``, ``ckptool.formats.safetensors``).
 
 They are optional: where they were not built (no C compiler at install) :func:`load` returns None and
 the Python runs. ``CKPTOOL_PURE_PYTHON=1`` runs the Python everywhere.

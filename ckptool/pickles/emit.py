@@ -22,7 +22,6 @@ import struct
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.gcpause import paused
 from ckptool.pickles.placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
@@ -46,8 +45,9 @@ class _Emitter:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # keep memoized objects alive so ids stay unique
         self.global_memo: dict[str, int] = {}
-        # the memo index the next PUT takes: one more for each PUT written. Not the memo's size: the C emitter
-        # writes a PUT and memoises nothing for an object nothing else refers to (it cannot be met again)
+        # the memo index the next PUT takes: one more for each PUT written. Not the memo's size: a plain
+        # tensor's emission (:meth:`_plain_tensor`) writes a PUT and memoises nothing for an object nothing
+        # else refers to (it cannot be met again)
         self.next_index = 0
         self.dotted = False  # a global named as a nested class (module + "Outer.Inner") was written
         self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
@@ -151,14 +151,14 @@ class _Emitter:
         elif type(obj) is dict:
             self.write(_P.EMPTY_DICT)
             self._put(obj)
-            self._setitems(list(dict.items(obj)), pairs=True)
+            self._setitems(list(dict.items(obj)))
         elif isinstance(obj, Counter):
             self._reduce_call("collections.Counter", (dict(obj),), obj)
         elif isinstance(obj, OrderedDict):
             self.global_("collections.OrderedDict")
             self.write(_P.EMPTY_TUPLE + _P.REDUCE)
             self._put(obj)
-            self._setitems(list(dict.items(obj)), pairs=True)
+            self._setitems(list(dict.items(obj)))
             state = getattr(obj, "__dict__", None)
             if state:
                 self.save(dict(state))
@@ -255,10 +255,8 @@ class _Emitter:
                 self.save(item)
             self.write(_P.APPENDS)
 
-    def _setitems(self, items: list, pairs: bool = False) -> None:
-        """SETITEM(S) in batches of 1000, as pickle writes them. ``pairs``: ``items`` is a list of
-        (key, value) tuples (a dict's), which the C emitter writes where it was built."""
-        emit_items = _emit_items if pairs else None
+    def _setitems(self, items: list) -> None:
+        """SETITEM(S) in batches of 1000, as pickle writes them: ``items`` is a list of (key, value) tuples."""
         for start in range(0, len(items), 1000):
             batch = items[start : start + 1000]
             if len(batch) == 1:
@@ -267,12 +265,9 @@ class _Emitter:
                 self.write(_P.SETITEM)
                 continue
             self.write(_P.MARK)
-            if emit_items is not None:
-                emit_items(self, batch, _EMIT_CONSTANTS)
-            else:
-                for key, value in batch:
-                    self.save(key)
-                    self.save(value)
+            for key, value in batch:
+                self.save(key)
+                self.save(value)
             self.write(_P.SETITEMS)
 
     def _reduce_call(self, full_name: str, args: tuple, obj: Any) -> None:
@@ -453,11 +448,6 @@ _REBUILD_V2_KEY = "torch._utils\n_rebuild_tensor_v2"
 _ORDERED_DICT_KEY = "collections\nOrderedDict"
 _TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
 
-
-# the C emitter of a dict's str keys and plain tensors (ckptool/native/_fastload.c), where it was built:
-# byte for byte what save() writes (tests/test_fastload.py); else Python
-_emit_items = getattr(native.load("_fastload"), "emit_items", None)
-_EMIT_CONSTANTS = (TensorRef, StorageRef, OrderedDict, StateDict, _REBUILD_V2, _REBUILD_V2_KEY, _ORDERED_DICT_KEY)
 
 _OP_INDEX = struct.Struct("<BI").pack
 _SMALL_INTS = [_P.BININT1 + bytes([value]) for value in range(256)]

@@ -58,13 +58,6 @@ if FAST:
     _register_constructors()
 
 
-def _call(cls: Any, *args: Any) -> Any:
-    return cls(*args)
-
-
-# ``new(cls, *args)`` is ``cls(*args)``; for TensorRef, StorageRef and ByteRange, built as the C run builds
-# them (their slots set: a format's reader that makes 100,000 of each saves 0.2 s)
-new = _fastload.make if FAST else _call
 # the opcodes the C run does not take (by the guard's counts): CPython's unpickler runs at once
 _FAST_TAKEN = frozenset(b"\x80}])(X\x8cqr\x94hjKMJ\x8aG\x88\x89Nt\x85\x86\x87c\x93RQsuaeb.")
 _FAST_NOT_TAKEN = tuple(code for code in range(256) if code not in _FAST_TAKEN)
@@ -295,16 +288,9 @@ def check_tree(root: Any, *, source_bytes: int = 0) -> None:
     the pickle's length) — one 8 MiB string referenced 300 times is 2.4 GiB once json writes it.
 
     Atoms and empty containers are counted where they are referenced, never visited: a list of 10
-    million empty lists costs one pass over it, not a record per list. Where the C run is built (:data:`FAST`),
-    it walks the tree (a 100,000-tensor state dict: 0.02 s, not 0.08), the Python children of the rarer objects
-    deciding what they hold; :func:`_check_tree` is the same walk in Python."""
+    million empty lists costs one pass over it, not a record per list (:func:`_check_tree`)."""
     text_limit = max(limits.MAX_EXPANDED_TEXT, 16 * source_bytes)
-    if FAST:
-        verdict = _fastload.check_tree(
-            root, (TensorRef, _tree_children, limits.MAX_NESTING, limits.MAX_EXPANDED_NODES, text_limit)
-        )
-    else:
-        verdict = _check_tree(root, text_limit)
+    verdict = _check_tree(root, text_limit)
     if verdict == 1:
         raise refuse(f"nests its objects over {limits.MAX_NESTING} levels deep")
     if verdict == 2:

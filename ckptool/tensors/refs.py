@@ -20,16 +20,12 @@ from operator import attrgetter, contains, gt, mul, or_
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from ckptool import native
 from ckptool.base.errors import InputError
 from ckptool.base.suggest import option
 from ckptool.files.ranges import CHUNK_SIZE, ByteRange
 from ckptool.tensors.dtypes import DType
 
 _INT64_MAX = (1 << 63) - 1  # torch's element counts are int64: SECURITY.md's "< 2^63" limit
-
-# the C passes over many tensors (ckptool/native/_fastload.c), where built
-_fastload: Any = native.load("_fastload")
 
 
 def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -436,7 +432,7 @@ def expansion(tensors: Mapping[str, Any], *, shared: bool | None = None) -> Expa
         untied = not shared if shared is not None else len(set(views_of)) == len(views_of)  # (identity hashes)
         if untied:  # a storage per tensor: nothing is tied
             whole = whole_plain(values)
-            if whole is not None:  # each all of its storage, end to end: none expands (one pass in C)
+            if whole is not None:  # each all of its storage, end to end: none expands
                 return Expansion(sum(map(mul, map(_NUMEL, views_of), map(_ITEMSIZE, views_of))), sum(whole[1]), ())
             return _expansion_untied(list(tensors), values, views_of)
     storages: dict[int, int] = {}
@@ -509,8 +505,7 @@ _IS_TENSOR_REF = functools.partial(type.__instancecheck__, TensorRef)  # isinsta
 
 
 def total_nbytes(views: Iterable[TensorRef]) -> int:
-    """The bytes of all ``views`` (their :attr:`TensorRef.nbytes` summed: one C pass for the usual ones, else C-speed
-    passes)."""
+    """The bytes of all ``views`` (their :attr:`TensorRef.nbytes` summed, in C-speed passes)."""
     views = list(views)
     whole = whole_plain(views) if all(map(_IS_TENSOR_REF, views)) else None
     if whole is not None:
@@ -522,14 +517,7 @@ def whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | N
     """When every one of ``views`` is the usual tensor (:meth:`TensorRef.plain_data`) and all of its storage's
     bytes: each one's ``plain_data()`` and byte count, in order. Else None (the per-tensor paths decide).
 
-    One pass in C where the extension was built (ckptool/native/_fastload.c), else C-speed passes over the columns
-    (100,000 tensors), no call per tensor."""
-    if _fastload is not None:
-        return _fastload.whole_plain(views)
-    return _whole_plain(views)
-
-
-def _whole_plain(views: list[TensorRef]) -> tuple[list[ByteRange], list[int]] | None:
+    C-speed passes over the columns (100,000 tensors), no call per tensor."""
     storages = list(map(_STORAGE, views))
     datas = list(map(_DATA, storages))
     shapes = list(map(_SHAPE, views))
@@ -562,16 +550,7 @@ class Census(NamedTuple):
 
 
 def census(views: list[TensorRef]) -> Census:
-    """The :class:`Census` of ``views``: one pass in C where the extension was built (100,000 tensors: ~10 ms,
-    against ~80 ms of the passes of :func:`_census`, its reference), else those passes."""
-    if _fastload is not None:
-        found = _fastload.census(views, TensorRef)
-        if found is not NotImplemented:
-            return Census(*found)
-    return _census(views)
-
-
-def _census(views: list[TensorRef]) -> Census:
+    """The :class:`Census` of ``views``, in C-speed passes over their columns (100,000 tensors: ~80 ms)."""
     numels = list(map(math.prod, map(_SHAPE, views)))
     storages = list(map(_STORAGE, views))
     return Census(

@@ -4,9 +4,8 @@ Every C extension of ckptool is the exact twin of a Python reference (README, "H
 
     twin        C                                   Python reference             switched by
     guard       ckptool/native/_guard.c  (the walk)        opcode_guard._python_walk    opcode_guard.NATIVE
-    unpickle    ckptool/native/_fastload.c (run, tree)     CPython's unpickler          unpickle.FAST
+    unpickle    ckptool/native/_fastload.c load            CPython's unpickler          unpickle.FAST
     header      ckptool/native/_fastload.c parse_header    json + _each_tensor          safetensors.PURE_PYTHON_HEADER
-    emit        ckptool/native/_fastload.c emit_items      emit.py's dict emitter       emit._emit_items
 
 :func:`check` runs one input file through all of them: the guard's two walks over every pickle in it,
 ``ckptool.load`` with every twin in C and with each in Python
@@ -31,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import ckptool
-from ckptool import pickles
 from ckptool.base.errors import CkptError, InputError, InternalError
 from ckptool.formats import safetensors
-from ckptool.pickles import emit, limits, opcode_guard, unpickle
+from ckptool.pickles import limits, opcode_guard, unpickle
 from ckptool.pickles.opcode_guard import Truncated
 
-TWINS = ("guard", "unpickle", "header", "emit")
+TWINS = ("guard", "unpickle", "header")
 MAX_PICKLES = 6  # consecutive pickles walked in one file (a legacy file holds five)
 MAX_MEMBER = 4 << 20  # a zip member read for its pickle: larger ones are left to the load
 SAVE_LIMIT = 16 << 20  # outputs written only for loads whose tensors come to at most this much
@@ -55,7 +53,7 @@ def native_modules() -> dict[str, Any]:
 @contextlib.contextmanager
 def python_for(twins: tuple[str, ...] | frozenset[str]) -> Iterator[None]:
     """Within the block, the named twins run their Python reference; the others stay as they were."""
-    saved = (opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER, emit._emit_items)
+    saved = (opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER)
     try:
         if "guard" in twins:
             opcode_guard.NATIVE = False
@@ -63,11 +61,9 @@ def python_for(twins: tuple[str, ...] | frozenset[str]) -> Iterator[None]:
             unpickle.FAST = False
         if "header" in twins:
             safetensors.PURE_PYTHON_HEADER = True
-        if "emit" in twins:
-            emit._emit_items = None
         yield
     finally:
-        opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER, emit._emit_items = saved
+        opcode_guard.NATIVE, unpickle.FAST, safetensors.PURE_PYTHON_HEADER = saved
 
 
 # ------------------------------------------------------------------------------------------------ comparing
@@ -288,25 +284,7 @@ def check_save(checkpoint: Any, path: Path, work: Path) -> list[str]:
             problems.append(f"save{suffix}: C and Python write differently: {_differs(shown_fast, shown_slow)}")
         for name in ("c", "py"):
             (work / name / f"out{suffix}").unlink(missing_ok=True)
-    for blob_fast, blob_slow in _emitted_both(checkpoint):
-        if blob_fast != blob_slow:
-            problems.append(f"emit: C and Python emit differently: {_differs(blob_fast, blob_slow)}")
     return problems
-
-
-def _emitted_both(checkpoint: Any) -> Iterator[tuple[tuple, tuple]]:
-    for renumber in (False, True):
-        outcomes: list[tuple] = []
-        for twins in ((), ("emit",)):
-            with python_for(twins):
-                try:
-                    blob, storages = pickles.dump(checkpoint.container, renumber_storages=renumber)
-                    outcomes.append(("dumped", blob, [(key, id(storage)) for key, storage in storages]))
-                except CkptError as e:
-                    outcomes.append(_error(e))
-                except Exception as e:  # noqa: BLE001 — compared too
-                    outcomes.append(("escaped",) + _error(e))
-        yield outcomes[0], outcomes[1]
 
 
 # ------------------------------------------------------------------------------------------------ the API

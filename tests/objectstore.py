@@ -1252,6 +1252,12 @@ class _LyingHandler(BaseHTTPRequestHandler):
         mode, _, name = path.lstrip("/").partition("/")
         return mode, name, metadata
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        super().send_response(code, message)
+        if code in (200, 206):  # as every store dates what it serves (object_store's GCS client needs both)
+            self.send_header("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT")
+            self.send_header("ETag", '"1"')
+
     def _plain(self, status: int, body: bytes, headers: Mapping[str, str] = {}) -> None:
         self.send_response(status)
         for key, value in headers.items():

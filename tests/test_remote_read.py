@@ -411,10 +411,11 @@ def test_storage_option_must_be_key_value(memory: str) -> None:
 
 
 def test_without_fsspec_a_url_names_the_extra(tmp_path: Path) -> None:
-    """The core install has no fsspec: a URL is one line naming the extra, exit 3; a local file still reads."""
+    """The core install has neither obstore nor fsspec: a URL is one line naming the extra, exit 3; a local file
+    still reads."""
     blocker = tmp_path / "site"
     blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['fsspec'] = None\n")
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['fsspec'] = sys.modules['obstore'] = None\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
     run = subprocess.run([sys.executable, "-m", "ckptool", "inspect", "s3://bucket/model.pt"], env=env,
                          capture_output=True, text=True, timeout=120)

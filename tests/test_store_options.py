@@ -1,13 +1,11 @@
-"""s3:// reads without s3fs (ckptool/files/s3read.py) against a real SeaweedFS that verifies SigV4 signatures.
-
-The light reader must give the bytes s3fs gives, the same one-line errors, retry throttling as botocore does,
-leave s3fs to do the work wherever it cannot reproduce botocore's credentials, and keep ``inspect`` free of
-s3fs, aiobotocore and botocore.
+"""How the storage options and the environment become obstore's configuration (ckptool/files/store_options.py), and
+the reader that obstore's stores answer through (ckptool/files/stores.py), against a real SeaweedFS that checks
+signatures: s3fs's and gcsfs's option names, credentials from the options, the environment or a profile, the
+region, retries and a bucket in another AWS region; ``inspect`` of a URL imports neither s3fs nor botocore.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
@@ -16,284 +14,200 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("s3fs", reason="s3:// needs the remote extra")
+pytest.importorskip("obstore", reason="URLs need the remote extra")
 
-from ckptool.files import remote, s3read  # noqa: E402
 from ckptool.base.errors import InputError  # noqa: E402
-from ckptool.files.remote import RemoteFile, RemotePath  # noqa: E402
+from ckptool.files import remote, store_options, stores  # noqa: E402
+from ckptool.files.remote import RemotePath  # noqa: E402
+from ckptool.files.store_options import OptionError, gcs_config, http_config, s3_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODULE_RECORDER = Path(__file__).resolve().parent / "no_torch"
-KEYS = ["plain.bin", "with space/and more.bin", "unicodé/ü-データ.bin", "plus+sign.bin", "eq=uals/a=b+c.bin",
-        "deep/er/still/nested.bin"]
 PAYLOAD = bytes(range(256)) * 1200 + b"tail"  # 307,204 bytes
+NO_FILES = {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """No AWS_* setting of the machine, fast backoff, no storage options or cached readers left behind."""
-    for name in [k for k in os.environ if k.startswith("AWS_") or k.lower().endswith("_proxy")]:
+    """No AWS_* setting of the machine, no storage options or cached readers left behind."""
+    for name in [k for k in os.environ if k.startswith(("AWS_", "GOOGLE_")) or k.lower().endswith("_proxy")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(s3read, "BACKOFF_BASE_S", 0.01)
+    for name, value in {**NO_FILES, "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     remote.set_storage_options(None)
-    s3read._readers.clear()
+    stores.clear()
     yield
     remote.set_storage_options(None)
-    s3read._readers.clear()
-    s3read.POOL.clear()
+    stores.clear()
 
 
-def _options(endpoint: Any, **extra: Any) -> dict[str, Any]:
-    return {**endpoint.storage_options, **extra}
+# -- the options, without a store -------------------------------------------------------------------------
 
 
-def test_signature_matches_the_published_sigv4_example() -> None:
-    """The S3 documentation's GET-with-Range example (examplebucket, 2013-05-24) signs to its published value."""
-    credentials = s3read.Credentials("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", None)
-    headers = s3read.sign("GET", "examplebucket.s3.amazonaws.com", "/test.txt", {}, {"Range": "bytes=0-9"},
-                          credentials, "us-east-1", datetime.datetime(2013, 5, 24, tzinfo=datetime.timezone.utc))
-    assert headers["authorization"] == (
-        "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request, "
-        "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, "
-        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")
+def test_s3fs_option_names_map_onto_obstores_keys() -> None:
+    options = {"key": "AKID", "secret": "s3cr3t", "token": "tok", "endpoint_url": "http://127.0.0.1:9",
+               "client_kwargs": {"region_name": "eu-west-3"}, "skip_instance_cache": True,
+               "config_kwargs": {"retries": {"max_attempts": 2}, "connect_timeout": 3}}
+    config, client, attempts = s3_config(options, NO_FILES)
+    assert config == {"access_key_id": "AKID", "secret_access_key": "s3cr3t", "session_token": "tok",
+                      "endpoint": "http://127.0.0.1:9", "region": "eu-west-3"}
+    assert client == {"connect_timeout": "3s", "allow_http": True}
+    assert attempts == 3  # botocore's max_attempts counts the retries
+    assert s3_config({"config_kwargs": {"retries": {"total_max_attempts": 7}}}, NO_FILES)[2] == 7
+    assert s3_config({"anon": True}, NO_FILES)[0] == {"skip_signature": True, "region": "us-east-1"}
+    assert s3_config({"request_payer": True, "checksum_algorithm": "SHA256"}, NO_FILES)[0]["request_payer"] is True
 
 
-def test_a_session_token_is_sent_and_signed(s3_faults: Any, bucket: str) -> None:
-    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
-    reader = s3read.reader_for(_options(s3_faults, token="session-token-value"), {})
-    assert reader is not None and reader.credentials is not None and reader.credentials.token == "session-token-value"
-    try:
-        reader.info(f"{bucket[5:]}/plain.bin")
-    except s3read.S3Error as refused:  # a store that checks tokens refuses a made-up one; the header went anyway
-        assert refused.status == 403
-    head = s3_faults.seen(method="HEAD")[-1].headers
-    assert head["x-amz-security-token"] == "session-token-value"
-    assert "x-amz-security-token" in head["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
-    assert "session-token-value" not in repr(reader.credentials)
+@pytest.mark.parametrize("options", [{"version_aware": True}, {"client_kwargs": {"verify": False}},
+                                     {"config_kwargs": {"retries": 3}}])
+def test_an_option_s3_does_not_take_is_refused_by_name(options: dict[str, Any]) -> None:
+    with pytest.raises(OptionError):
+        s3_config(options, NO_FILES)
 
 
-def test_heads_and_ranges_equal_s3fs_for_awkward_keys(seaweedfs: Any, bucket: str) -> None:
-    fs = seaweedfs.filesystem()
-    name = bucket[5:]
-    for number, key in enumerate(KEYS):
-        fs.pipe(f"{name}/{key}", PAYLOAD[number:])
-    reader = s3read.reader_for(seaweedfs.storage_options, {})
-    assert reader is not None
-    for number, key in enumerate(KEYS):
-        path = f"{name}/{key}"
-        size = len(PAYLOAD) - number
-        assert reader.info(path)["size"] == fs.info(path)["size"] == size, key
-        assert reader.info(path)["type"] == "file"
-        for start, end in [(0, 10), (1000, 70_000), (size - 5, size), (size - 5, size + 100), (None, None)]:
-            assert reader.cat_file(path, start, end) == fs.cat_file(path, start=start, end=end), (key, start, end)
-        assert reader.cat_ranges([path] * 3, [0, 5, 100], [4, 300_000, 101]) == \
-            [PAYLOAD[number:][0:4], PAYLOAD[number:][5:300_000], PAYLOAD[number:][100:101]]
-    assert reader.info(f"{name}/deep/er")["type"] == "directory"
-    with pytest.raises(FileNotFoundError):
-        reader.info(f"{name}/deep/e")
+def test_the_environment_names_the_endpoint_and_region(tmp_path: Path) -> None:
+    env = {**NO_FILES, "AWS_ENDPOINT_URL": "https://elsewhere.example", "AWS_ENDPOINT_URL_S3": "http://s3.example"}
+    config, client, _ = s3_config({}, env)
+    assert config["endpoint"] == "http://s3.example" and client == {"allow_http": True}
+    assert "endpoint" not in s3_config({}, NO_FILES)[0]
+    assert "region" not in s3_config({}, {**NO_FILES, "AWS_REGION": "ap-south-1"})[0]  # obstore reads AWS_REGION
+    (tmp_path / "config").write_text("[profile work]\nregion = eu-west-3\n[default]\nregion = us-west-2\n")
+    files = {"AWS_CONFIG_FILE": str(tmp_path / "config"), "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    assert s3_config({}, {**files, "AWS_PROFILE": "work"})[0]["region"] == "eu-west-3"
+    assert s3_config({}, files)[0]["region"] == "us-west-2"
+    assert s3_config({"client_kwargs": {"region_name": "ap-south-1"}}, files)[0]["region"] == "ap-south-1"
 
 
-def test_remote_reads_go_through_the_light_reader_and_count_as_before(seaweedfs: Any, bucket: str) -> None:
-    seaweedfs.filesystem().pipe(f"{bucket[5:]}/with space/ü+=.bin", PAYLOAD)
-    remote.set_storage_options(seaweedfs.storage_options)
-    path = RemotePath(f"{bucket}/with space/ü+=.bin")
-    sent = s3read.COUNTS["requests"]
-    remote.STATS.reset()
-    assert isinstance(path.reading_filesystem()[0], s3read.S3Reader)
-    assert path.is_file() and path.exists() and path.size() == len(PAYLOAD)
-    with RemoteFile(path) as handle:
-        assert handle.read(10) == PAYLOAD[:10]
-        assert handle.pread(50_000, len(PAYLOAD) - 50_000) == PAYLOAD[-50_000:]
-        assert b"".join(handle.iter_chunks(7, len(PAYLOAD) - 7, chunk_size=65_536)) == PAYLOAD[7:]
-    stats = remote.STATS.as_dict()
-    assert stats["requests"] == 4 + 1 + 1 + 5  # 3 checks and the open's size, 2 windows, 5 chunks
-    assert s3read.COUNTS["requests"] - sent == stats["requests"]
-    assert not RemotePath(f"{bucket}/nothing-here.bin").exists()
+def test_a_shared_credentials_profile_gives_the_keys(tmp_path: Path) -> None:
+    (tmp_path / "credentials").write_text("[default]\naws_access_key_id = A\naws_secret_access_key = B\n"
+                                          "[work]\naws_access_key_id = C\naws_secret_access_key = D\n"
+                                          "aws_session_token = E\n")
+    env = {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials")}
+    assert s3_config({}, env)[0]["access_key_id"] == "A"
+    work = s3_config({}, {**env, "AWS_PROFILE": "work"})[0]
+    assert (work["access_key_id"], work["secret_access_key"], work["session_token"]) == ("C", "D", "E")
+    assert "access_key_id" not in s3_config({}, {**env, "AWS_ACCESS_KEY_ID": "X"})[0]  # the environment's own
+    assert "access_key_id" not in s3_config({"anon": True}, env)[0]
+    assert s3_config({"key": "K", "secret": "S"}, env)[0]["access_key_id"] == "K"
 
 
-def test_a_wrong_secret_is_the_access_denied_line(seaweedfs: Any, bucket: str) -> None:
-    seaweedfs.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
-    wrong = seaweedfs.endpoint.with_credentials(seaweedfs.credentials[0], "not-the-secret-at-all")
-    remote.set_storage_options(wrong.storage_options)
-    path = RemotePath(f"{bucket}/plain.bin")
-    assert isinstance(path.reading_filesystem()[0], s3read.S3Reader)
+def test_a_role_profile_is_read_through_boto3_only_where_it_is_installed(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config").write_text("[profile ci]\nrole_arn = arn:aws:iam::123:role/r\nsource_profile = base\n")
+    env = {"AWS_CONFIG_FILE": str(tmp_path / "config"), "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+           "AWS_PROFILE": "ci"}
+    monkeypatch.setitem(sys.modules, "boto3", None)  # not installed: obstore's own chain
+    assert store_options.profile_provider({}, env) is None
+    made: list[Any] = []
+
+    class Session:
+        def __init__(self, profile_name: str | None = None) -> None:
+            made.append(profile_name)
+
+    class Provider:
+        def __init__(self, session: Session) -> None:
+            self.session = session
+
+    monkeypatch.setitem(sys.modules, "boto3", type(sys)("boto3"))
+    sys.modules["boto3"].Session = Session  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "obstore.auth.boto3", type(sys)("obstore.auth.boto3"))
+    sys.modules["obstore.auth.boto3"].Boto3CredentialProvider = Provider  # type: ignore[attr-defined]
+    assert isinstance(store_options.profile_provider({}, env), Provider) and made == ["ci"]
+    assert store_options.profile_provider({"access_key_id": "K"}, env) is None  # keys given: no provider
+    assert store_options.profile_provider({}, {**env, "AWS_PROFILE": "other"}) is None  # no such profile
+
+
+def test_gcsfs_and_http_options_map_and_others_are_refused() -> None:
+    assert gcs_config({"token": "anon", "project": "p"}, {})[0] == {"skip_signature": True}
+    assert gcs_config({"token": "/keys/sa.json"}, {})[0] == {"service_account": "/keys/sa.json"}
+    config, client, _ = gcs_config({}, {"STORAGE_EMULATOR_HOST": "127.0.0.1:4443"})
+    assert config == {"base_url": "http://127.0.0.1:4443"} and client == {"allow_http": True}
+    with pytest.raises(OptionError):
+        gcs_config({"requester_pays": True}, {})
+    assert http_config({"headers": {"X-A": "1"}})[1]["default_headers"] == {"X-A": "1"}
+    with pytest.raises(OptionError):
+        http_config({"key": "K"})
+
+
+def test_an_unknown_option_is_one_line_naming_it(seaweedfs: Any, bucket: str) -> None:
+    remote.set_storage_options({**seaweedfs.storage_options, "version_aware": True})
     with pytest.raises(InputError) as refused:
-        path.size()
-    message = str(refused.value)
-    assert "access denied (403" in message and "\n" not in message
-    assert "not-the-secret-at-all" not in message and wrong.key not in message
-
-
-def test_a_missing_key_is_the_404_line(seaweedfs: Any, bucket: str) -> None:
-    remote.set_storage_options(seaweedfs.storage_options)
-    path = RemotePath(f"{bucket}/absent.pt")
-    with pytest.raises(InputError, match=r"does not exist \(404\)"):
-        RemoteFile(path)
-    reader = s3read.reader_for(seaweedfs.storage_options, {})
-    assert reader is not None
-    with pytest.raises(s3read.S3Error) as missing:
-        reader.cat_file(f"{bucket[5:]}/absent.pt", 0, 10)
-    assert missing.value.status == 404
-    assert "does not exist (404)" in str(remote.remote_error(missing.value, path))
-
-
-def test_slow_down_is_retried_then_succeeds(s3_faults: Any, bucket: str) -> None:
-    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
-    s3_faults.reset_counts()
-    remote.set_storage_options(s3_faults.storage_options)
-    s3_faults.slow_down(times=2, method="GET")
-    s3_faults.drop(times=1, method="GET", after_bytes=100)
-    with RemoteFile(RemotePath(f"{bucket}/plain.bin")) as handle:
-        assert handle.pread(1000, 5) == PAYLOAD[5:1005]
-    assert s3_faults.count(method="GET") == 4  # two 503s, a dropped answer, then the bytes
-
-
-def test_slow_down_forever_is_the_throttled_line(s3_faults: Any, bucket: str) -> None:
-    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
-    s3_faults.reset_counts()
-    remote.set_storage_options(s3_faults.storage_options)
-    s3_faults.slow_down(times=None, method="GET")
-    with RemoteFile(RemotePath(f"{bucket}/plain.bin")) as handle, pytest.raises(InputError) as refused:
-        handle.pread(10, 0)
-    assert "throttling requests (503 SlowDown)" in str(refused.value)
-    assert s3_faults.count(method="GET") == s3read.MAX_ATTEMPTS
-    s3_faults.reset_counts()
-    remote.set_storage_options(_options(s3_faults, config_kwargs={"retries": {"total_max_attempts": 2}}))
-    with RemoteFile(RemotePath(f"{bucket}/plain.bin"), size=len(PAYLOAD)) as handle, pytest.raises(InputError):
-        handle.pread(10, 0)
-    assert s3_faults.count(method="GET") == 2
-
-
-def test_a_store_that_is_not_there_is_the_cannot_connect_line(seaweedfs: Any) -> None:
-    import socket
-
-    with socket.socket() as unused:  # a loopback port nothing listens on (bound, never listening)
-        unused.bind(("127.0.0.1", 0))
-        closed = seaweedfs.endpoint.__class__(f"http://127.0.0.1:{unused.getsockname()[1]}", *seaweedfs.credentials)
-        remote.set_storage_options(closed.storage_options)
-        path = RemotePath("s3://some-bucket/model.pt")
-        assert isinstance(path.reading_filesystem()[0], s3read.S3Reader)
-        with pytest.raises(InputError, match="cannot connect to the store"):
-            path.size()
-
-
-def test_anon_sends_unsigned_requests(s3_faults: Any, bucket: str) -> None:
-    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
-    remote.set_storage_options({"anon": True, "endpoint_url": s3_faults.endpoint_url})
-    path = RemotePath(f"{bucket}/plain.bin")
-    reader = path.reading_filesystem()[0]
-    assert isinstance(reader, s3read.S3Reader) and reader.credentials is None
-    with pytest.raises(InputError, match=r"access denied \(403"):  # this store lets no anonymous reader in
-        path.size()
-    head = s3_faults.seen(method="HEAD")[-1].headers
-    assert "authorization" not in head and "x-amz-date" not in head
-
-
-def test_a_slow_store_is_the_timed_out_line(s3_faults: Any, bucket: str) -> None:
-    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
-    remote.set_storage_options(_options(s3_faults, config_kwargs={"read_timeout": 0.3,
-                                                                  "retries": {"total_max_attempts": 2}}))
-    s3_faults.delay(2.0, method="GET")
-    with RemoteFile(RemotePath(f"{bucket}/plain.bin"), size=len(PAYLOAD)) as handle, \
-            pytest.raises(InputError, match="timed out talking to the store"):
-        handle.pread(10, 0)
+        RemotePath(f"{bucket}/model.pt").size()
+    assert "the storage options are not ones s3:// takes (version_aware)" in str(refused.value)
 
 
 def test_a_bucket_in_another_aws_region_is_asked_again_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    reader = s3read.S3Reader(s3read.Credentials("AKIDEXAMPLE", "s", None), None, "us-east-1")
-    asked: list[str] = []
+    """AWS answers 301 for a bucket of another region: its region is asked once, and the request made again there."""
+    reader = stores.reader_for("s3", {"key": "AKID", "secret": "s"}, NO_FILES)
+    asked: list[str | None] = []
+    probes: list[str] = []
 
-    def once(method: str, bucket: str, key: str, query: Any, headers: Any, region: str, span: Any = None) -> Any:
+    def head(store: Any, key: str) -> dict[str, Any]:
+        region = store.config.get("region")
         asked.append(region)
-        if region == "us-east-1":
-            return 301, {"x-amz-bucket-region": "eu-central-1"}, b""
-        return 200, {"content-length": "7"}, b""
+        if region != "eu-central-1":
+            raise stores.StoreError(301, "PermanentRedirect")
+        return {"size": 7, "e_tag": "x"}
 
-    monkeypatch.setattr(reader, "_once", once)
-    assert reader.info("far-bucket/model.pt")["size"] == 7
-    assert reader.info("far-bucket/model.pt")["size"] == 7  # the bucket's region is remembered
-    assert asked == ["us-east-1", "eu-central-1", "eu-central-1"]
+    monkeypatch.setattr("obstore.head", head)
+    monkeypatch.setattr(stores, "bucket_region", lambda bucket, seconds: probes.append(bucket) or "eu-central-1")
+    assert reader.head("far-bucket/model.pt")["size"] == 7
+    assert reader.head("far-bucket/model.pt")["size"] == 7  # the bucket's region is remembered
+    assert asked == ["us-east-1", "eu-central-1", "eu-central-1"] and probes == ["far-bucket"]
+    endpoint = stores.reader_for("s3", {"key": "AKID", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}, NO_FILES)
+    with pytest.raises(stores.StoreError):  # a store of its own (an endpoint) is not AWS: not asked again
+        endpoint.head("far-bucket/model.pt")
+    assert probes == ["far-bucket"]
 
 
-def test_a_shared_credentials_profile_is_used(seaweedfs: Any, bucket: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+# -- against the store ------------------------------------------------------------------------------------
+
+
+def test_credentials_from_a_profile_read_the_store(seaweedfs: Any, bucket: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     seaweedfs.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
     key, secret = seaweedfs.credentials
     (tmp_path / "credentials").write_text(f"[default]\naws_access_key_id = nope\naws_secret_access_key = nope\n"
                                           f"[work]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
-    monkeypatch.setenv("AWS_PROFILE", "work")
     monkeypatch.setenv("AWS_ENDPOINT_URL", seaweedfs.endpoint_url)
     path = RemotePath(f"{bucket}/plain.bin")
-    assert isinstance(path.reading_filesystem()[0], s3read.S3Reader)
-    assert path.size() == len(PAYLOAD)
+    with pytest.raises(InputError, match=r"access denied \(403"):  # the default profile's keys are wrong
+        path.size()
+    monkeypatch.setenv("AWS_PROFILE", "work")
+    assert RemotePath(f"{bucket}/plain.bin").size() == len(PAYLOAD)
 
 
-def test_aws_addressing_and_the_profile_region(tmp_path: Path) -> None:
-    (tmp_path / "config").write_text("[profile work]\nregion = eu-west-3\n")
-    env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s", "AWS_PROFILE": "work",
-           "AWS_CONFIG_FILE": str(tmp_path / "config"), "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-    reader = s3read.reader_for({}, env)
-    assert reader is not None and reader.endpoint is None and reader.region == "eu-west-3"
-    assert reader._target("my-bucket", "a b/ü+=.pt", "eu-west-3") == (
-        "https", "my-bucket.s3.eu-west-3.amazonaws.com", 443, "my-bucket.s3.eu-west-3.amazonaws.com",
-        "/a%20b/%C3%BC%2B%3D.pt")
-    assert reader._target("my.dotted.bucket", "k", "eu-west-3")[1:] == (
-        "s3.eu-west-3.amazonaws.com", 443, "s3.eu-west-3.amazonaws.com", "/my.dotted.bucket/k")
-    assert s3read.reader_for({"client_kwargs": {"region_name": "ap-south-1"}}, env).region == "ap-south-1"
+def test_anon_sends_unsigned_requests(s3_faults: Any, bucket: str) -> None:
+    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
+    remote.set_storage_options({"anon": True, "endpoint_url": s3_faults.endpoint_url})
+    with pytest.raises(InputError, match=r"access denied \(403"):  # this store lets no anonymous reader in
+        RemotePath(f"{bucket}/plain.bin").size()
+    head = s3_faults.seen(method="HEAD")[-1].headers
+    assert "authorization" not in head and "x-amz-date" not in head
 
 
-@pytest.mark.parametrize("case", ["no credentials", "a role in the profile", "an unknown option",
-                                  "partial credentials", "an endpoint in the profile"])
-def test_s3fs_does_the_work_where_the_credentials_are_not_ours(case: str, seaweedfs: Any, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import s3fs
-
-    options: dict[str, Any] = {"client_kwargs": {"endpoint_url": seaweedfs.endpoint_url}}
-    if case == "a role in the profile":
-        (tmp_path / "config").write_text("[default]\nrole_arn = arn:aws:iam::123:role/r\nsource_profile = base\n")
-        (tmp_path / "credentials").write_text("[default]\naws_access_key_id = a\naws_secret_access_key = b\n")
-        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
-    elif case == "an endpoint in the profile":
-        (tmp_path / "config").write_text("[default]\nendpoint_url = http://127.0.0.1:1\n")
-        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
-        options = seaweedfs.storage_options
-    elif case == "an unknown option":
-        options = {**seaweedfs.storage_options, "requester_pays": True}
-    elif case == "partial credentials":
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.credentials[0])
-    remote.set_storage_options(options)
-    fallbacks = s3read.COUNTS["fallbacks"]
-    fs, key = RemotePath("s3://some-bucket/model.pt").reading_filesystem()
-    assert isinstance(fs, s3fs.S3FileSystem) and key == "some-bucket/model.pt"
-    assert s3read.COUNTS["fallbacks"] == fallbacks + 1
+def test_throttling_is_retried_as_many_times_as_asked(s3_faults: Any, bucket: str) -> None:
+    s3_faults.filesystem().pipe(f"{bucket[5:]}/plain.bin", PAYLOAD)
+    remote.set_storage_options({**s3_faults.storage_options, "config_kwargs": {"retries": {"total_max_attempts": 3}}})
+    s3_faults.slow_down(times=2, method="HEAD")
+    assert RemotePath(f"{bucket}/plain.bin").size() == len(PAYLOAD)
+    s3_faults.slow_down(times=None, method="HEAD")
+    stores.clear()
+    with pytest.raises(InputError, match=r"throttling requests \(503"):
+        RemotePath(f"{bucket}/other.bin").size()
 
 
-def _inspect(endpoint: Any, tmp_path: Path, url: str, *options: str) -> tuple[subprocess.CompletedProcess[str],
-                                                                            set[str]]:
-    modules = tmp_path / f"modules-{len(list(tmp_path.glob('modules-*')))}.txt"
-    env = endpoint.subprocess_env()
-    env.update(CKPTOOL_TEST_MODULES_OUT=str(modules), PYTHONPATH=os.pathsep.join([str(MODULE_RECORDER), str(REPO)]))
-    command = [sys.executable, "-m", "ckptool", "inspect", url, "--json"]
-    for option in options:
-        command += ["--storage-option", option]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    return done, set(modules.read_text().split()) if modules.exists() else set()
-
-
-def test_cli_inspect_reads_s3_without_s3fs_and_prints_what_s3fs_gives(seaweedfs: Any, bucket: str,
-                                                                     tmp_path: Path) -> None:
+def test_cli_inspect_of_a_url_imports_no_s3fs_nor_botocore(seaweedfs: Any, bucket: str, tmp_path: Path) -> None:
     url = f"{bucket}/ckpt dir/wrapped+1.pt"
     seaweedfs.filesystem().put(str(REPO / "fixtures" / "ddp_lenet_wrapped.pt"), url[5:])
-    light, light_modules = _inspect(seaweedfs, tmp_path, url)
-    assert light.returncode == 0, light.stderr
-    assert light_modules and not {"s3fs", "aiobotocore", "botocore", "aiohttp", "fsspec"} & light_modules
-    heavy, heavy_modules = _inspect(seaweedfs, tmp_path, url, "version_aware=false")  # an option only s3fs takes
-    assert heavy.returncode == 0, heavy.stderr
-    assert "s3fs" in heavy_modules
-    assert light.stdout == heavy.stdout
-    assert '"requests": 3' in light.stdout
+    modules = tmp_path / "modules.txt"
+    env = seaweedfs.subprocess_env()
+    env.update(CKPTOOL_TEST_MODULES_OUT=str(modules), PYTHONPATH=os.pathsep.join([str(MODULE_RECORDER), str(REPO)]))
+    done = subprocess.run([sys.executable, "-m", "ckptool", "inspect", url, "--json"], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    loaded = set(modules.read_text().split())
+    assert "obstore" in loaded and not {"s3fs", "aiobotocore", "botocore", "aiohttp", "fsspec"} & loaded
+    assert '"requests": 3' in done.stdout

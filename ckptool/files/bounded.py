@@ -23,6 +23,7 @@ under the same clock (:func:`call`). Other filesystems (``memory://``) are in-pr
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import re
 import sys
@@ -133,7 +134,7 @@ async def _within(seconds: float, make: Callable[[], Awaitable[Any]]) -> Any:
 
 def _sync(fs: Any, function: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """``function(*args)`` run on ``fs``'s event loop, from this thread."""
-    from fsspec.asyn import sync
+    sync = importlib.import_module("fsspec.asyn").sync  # (untyped: looked up, not imported by name)
 
     try:
         return sync(fs.loop, function, *args)
@@ -238,7 +239,7 @@ async def _s3fs_range(fs: Any, path: str, start: int, end: int) -> bytes:
             body.close()
 
     try:  # s3fs's own retries of a read (a body cut short, a dropped connection), as its cat_file has them
-        from s3fs.core import _error_wrapper
+        _error_wrapper = importlib.import_module("s3fs.core")._error_wrapper
     except ImportError:
         return await once()
     return await _error_wrapper(once, retries=fs.retries)
@@ -246,7 +247,7 @@ async def _s3fs_range(fs: Any, path: str, start: int, end: int) -> bytes:
 
 async def _gcs_range(fs: Any, path: str, start: int, end: int) -> bytes:
     """gcsfs: its session and credentials; an error's body read up to :data:`ERROR_BODY_LIMIT` for its code."""
-    from gcsfs.retry import validate_response
+    validate_response = importlib.import_module("gcsfs.retry").validate_response
 
     async def once() -> bytes:
         await fs._set_session()
@@ -263,7 +264,7 @@ async def _gcs_range(fs: Any, path: str, start: int, end: int) -> bytes:
             return await read_body(answer.content.read, length, refuse_more)
 
     try:
-        from gcsfs.retry import retry_request
+        retry_request = importlib.import_module("gcsfs.retry").retry_request
     except ImportError:
         return await once()
     return await retry_request(retries=getattr(fs, "retries", 6))(once)()

@@ -17,14 +17,16 @@ Every request reads no further than it asked and ends within a wall-clock limit
 other is refused in one line naming them, before a request is made. :func:`identity` gives an object
 one spelling whatever the user typed, so an output is compared with its inputs by what it names.
 
-fsspec (and s3fs/gcsfs for their protocols) is imported only when a URL is used: the core install
-does not need it, and a URL without it is one line naming ``pip install 'ckptool[remote]'``. Their
+``s3://``, ``gs://`` and ``http(s)://`` are read and written through obstore (:mod:`.stores`); fsspec
+serves only its in-process ``memory://``. Either is imported only when a URL is used: the core install
+does not need them, and a URL without them is one line naming ``pip install 'ckptool[remote]'``. Their
 loggers and warnings are kept off the terminal (:func:`_quiet_libraries`): a failure is ckptool's one line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import logging
@@ -58,7 +60,6 @@ SUPPORTED = {
 }
 SUPPORTED_SHOWN = "s3:// (s3a://, s3n://), gs:// (gcs://), https://, http:// and local paths (file://)"
 SUPPORTED_WRITTEN = "s3:// (s3a://, s3n://), gs:// (gcs://) and local paths (file://)"
-PACKAGE_FOR = {"s3": "s3fs", "s3a": "s3fs", "s3n": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 S3_NAMES = frozenset({"s3", "s3a", "s3n"})
 _BUCKETED = frozenset({"s3", "gs", "memory"})  # a URL's "host" is the first folder (bucket) of one path
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -235,7 +236,7 @@ class RemotePath:
         return filesystem_for(self)
 
     def reading_filesystem(self) -> tuple[Any, str]:
-        """(what reads this object: :mod:`.s3read`'s light reader where it can stand in for s3fs, else the
+        """(what reads this object: :mod:`.stores`'s light reader where it can stand in for s3fs, else the
         fsspec filesystem; the path it knows this object by)."""
         return reading_filesystem_for(self)
 
@@ -397,7 +398,7 @@ def _quiet_libraries() -> None:
 def _fsspec() -> Any:
     _quiet_libraries()
     try:
-        import fsspec
+        fsspec = importlib.import_module("fsspec")  # (untyped: looked up, not imported by name)
     except ImportError as e:
         raise MissingExtraError(f"URLs need fsspec, which is not installed — {INSTALL}") from e
     return fsspec
@@ -433,93 +434,58 @@ def check_supported(path: RemotePath, *, writing: bool = False) -> str:
 
 
 def filesystem_for(path: RemotePath) -> tuple[Any, str]:
-    """The fsspec filesystem for ``path``'s protocol (made once per protocol and options) and its path there."""
+    """What serves ``path`` and the path it knows the object by: :mod:`.stores`'s obstore reader for
+    ``s3://``, ``gs://`` and ``http(s)://`` (made once per protocol and options), fsspec's filesystem for
+    its in-process ``memory://``."""
     protocol = check_supported(path)
+    if protocol != "memory":
+        return _reader(path, protocol)
     fsspec = _fsspec()
     key = (protocol, json.dumps(_options, sort_keys=True, default=str))
     with _lock:
         fs = _filesystems.get(key)
     if fs is None:
         try:
-            fs = _make_filesystem(fsspec, protocol)
-        except ImportError as e:
-            package = PACKAGE_FOR.get(path.protocol, "the fsspec package for it")
-            raise MissingExtraError(
-                f"{path.protocol}:// URLs need {package}, which is not installed — {INSTALL}", path=path
-            ) from e
+            fs = fsspec.filesystem(protocol, **_options)
         except (TypeError, ValueError) as e:  # an option this protocol does not take
-            from ckptool.base.suggest import Metavar, option
-
-            raise InputError(
-                f"the storage options are not ones {path.protocol}:// takes ({type(e).__name__}) — "
-                "check each " + option("storage_options", Metavar("KEY=VALUE")),
-                path=path,
-            ) from None
+            raise _option_refusal(path, type(e).__name__) from None
         with _lock:
             _filesystems[key] = fs
-    url = path.url if protocol == path.protocol else protocol + path.url[len(path.protocol) :]
-    return fs, fs._strip_protocol(url)
+    return fs, fs._strip_protocol(path.url)
 
 
-def _make_filesystem(fsspec: Any, protocol: str) -> Any:
-    options = {**_default_options(protocol), **_options}
-    if protocol == "gs" and (options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")):
-        # gcsfs's default class asks Google's control plane (gRPC) about a bucket's layout, which no other
-        # endpoint (an emulator, a gateway) serves: it retries for a minute. Objects need only the JSON API.
-        from gcsfs.core import GCSFileSystem
+def _option_refusal(path: RemotePath, what: str) -> InputError:
+    from ckptool.base.suggest import Metavar, option
 
-        return GCSFileSystem(**options)
-    return fsspec.filesystem(protocol, **options)
+    return InputError(
+        f"the storage options are not ones {path.protocol}:// takes ({what}) — "
+        "check each " + option("storage_options", Metavar("KEY=VALUE")),
+        path=path,
+    )
+
+
+def _reader(path: RemotePath, protocol: str) -> tuple[Any, str]:
+    _quiet_libraries()
+    try:
+        from ckptool.files import stores
+
+        with _lock:
+            options = dict(_options)
+        reader = stores.reader_for(protocol, options)
+    except ImportError as e:
+        raise MissingExtraError(
+            f"{path.protocol}:// URLs need obstore, which is not installed — {INSTALL}", path=path
+        ) from e
+    except stores.OptionError as e:
+        raise _option_refusal(path, str(e)) from None
+    if protocol in ("http", "https"):
+        return reader, path.url
+    return reader, path.url.split("://", 1)[1].lstrip("/").rstrip("/")
 
 
 def reading_filesystem_for(path: RemotePath) -> tuple[Any, str]:
-    """For reads: :mod:`.s3read`'s reader for an ``s3://`` object when the storage options and environment are
-    ones it reproduces botocore for (no fsspec, s3fs or botocore imported), else :func:`filesystem_for`."""
-    check_supported(path)
-    if path.protocol in S3_NAMES:
-        bucket_key = path.url.split("://", 1)[1].rstrip("/")
-        if (
-            "?" not in bucket_key
-            and "@" not in bucket_key.split("/", 1)[0]
-            and "/" in bucket_key.strip("/")
-            and _s3fs_installed()
-        ):
-            from ckptool.files import s3read
-
-            with _lock:
-                options = dict(_options)
-            reader = s3read.reader_for(options)
-            if reader is not None:
-                return reader, bucket_key
+    """For reads: the same as :func:`filesystem_for` (kept for its callers)."""
     return filesystem_for(path)
-
-
-def _s3fs_installed() -> bool:
-    """Whether the remote extra is there (found, not imported): without it a URL is the one line naming it."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("s3fs") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _default_options(protocol: str) -> dict[str, Any]:
-    """Options ckptool sets unless the user does: S3 retries throttling with backoff (botocore's
-    standard mode); the standard ``AWS_ENDPOINT_URL`` names an S3-compatible store."""
-    if protocol != "s3":
-        return {}
-    defaults: dict[str, Any] = {}
-    if "config_kwargs" not in _options:
-        defaults["config_kwargs"] = {
-            "retries": {"max_attempts": 5, "mode": "standard"},
-            "connect_timeout": 10,
-            "read_timeout": 60,
-        }
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint and "endpoint_url" not in _options and "endpoint_url" not in _options.get("client_kwargs", {}):
-        defaults["endpoint_url"] = endpoint
-    return defaults
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -28,18 +28,15 @@ is removed before the first of them, so a reader never finds the old index besid
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import os
 import re
 import shutil
 import tempfile
-import time
+import threading
 import uuid
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +50,7 @@ from ckptool.files.remote import STATS, RemotePath, check_supported, remote_erro
 PART_SIZE = 8 * 1024 * 1024  # bytes per part (S3: at least 5 MiB but the last; at most 10,000 parts)
 MAX_PARTS = 10_000
 PARTS_IN_FLIGHT = 2  # parts being sent at once (each one is in memory until sent)
-ABORT_ATTEMPTS = 3  # an abort that fails is tried again this many times in all (after the client's retries)
-ABORT_BACKOFF_S = 0.5  # doubling between abort attempts
 STAGING_PREFIX = "ckptool-staging-"
-_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 _COMPOSITE = re.compile(r"^([0-9a-f]{32})-(\d+)$")
 S3_PROTOCOLS = ("s3", "s3a", "s3n")
 
@@ -219,14 +213,14 @@ def _info(out: RemotePath) -> dict[str, Any] | None:
 
 
 def _check_bucket(out: RemotePath) -> None:
-    """An S3 output's bucket must exist and answer before a byte is staged (one HEAD request)."""
+    """An S3 output's bucket must exist and answer before a byte is staged (one listing request)."""
     if out.protocol not in S3_PROTOCOLS:
         return
-    fs, key = out.filesystem()
+    reader, key = out.filesystem()
     bucket = key.split("/", 1)[0]
     try:
         STATS.add(requests=1)
-        bounded.call(fs, "call_s3", "head_bucket", Bucket=bucket)
+        reader.is_prefix(key)
     except Exception as e:
         error = remote_error(e, out, writing=True)
         if "(404)" in error.message:
@@ -274,130 +268,115 @@ class _Upload:
         raise NotImplementedError
 
 
-class _S3Upload(_Upload):
+class _StoreUpload(_Upload):
+    """s3:// and gs://: one multipart upload through obstore (:meth:`ckptool.files.stores.Reader.put`), fed the
+    staged file's parts on a thread of its own. ``send`` returns once every part is handed over (the upload
+    held open: nothing visible); ``complete`` lets the parts end, which completes the upload, then compares
+    the object's size (and S3's composite ETag) with the bytes sent; ``abort`` makes the parts raise, on
+    which obstore aborts the upload (no object, no parts)."""
+
     def __init__(self, local: Path, remote: RemotePath) -> None:
         self.local = local
         self.remote = remote
-        self.fs, path = remote.filesystem()
-        self.path = path
-        self.bucket, self.key = path.split("/", 1)
+        self.reader, self.path = remote.filesystem()
         self.size = local.stat().st_size
         self.part_size = max(PART_SIZE, -(-self.size // MAX_PARTS))
-        self.upload_id: str | None = None
-        self.parts: list[tuple[int, str, bytes]] = []  # (number, ETag, MD5 digest)
+        self.digests: list[bytes] = []
+        self.result: dict[str, Any] = {}
+        self._sent = threading.Event()
+        self._go = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
-    def _call(self, method: str, **kwargs: Any) -> Any:
-        STATS.add(requests=1)
-        return bounded.call(self.fs, "call_s3", method, Bucket=self.bucket, Key=self.key, **kwargs)
+    def _parts(self) -> Iterator[bytes]:
+        with open(self.local, "rb") as handle:
+            while True:
+                if self._stop.is_set():
+                    raise _Aborted()
+                data = handle.read(self.part_size)
+                if not data:
+                    break
+                yield self.part(len(self.digests) + 1, data)
+                del data
+        self._sent.set()
+        while not self._go.wait(0.05):  # held open: the object appears only when the set is complete
+            if self._stop.is_set():
+                raise _Aborted()
 
-    def _clear_stale(self) -> None:
-        """Abort the incomplete uploads of this key an earlier write left (its abort could not reach the store)."""
+    def part(self, number: int, data: bytes) -> bytes:
+        """Part ``number`` on its way: its MD5 kept (for the object's check at completion), counted; the
+        bytes to send."""
+        self.digests.append(_md5(data).digest())
+        STATS.add(requests=1, written=len(data))
+        progress.advance(len(data))
+        return data
+
+    def _run(self) -> None:
         try:
-            STATS.add(requests=1)
-            answer = bounded.call(self.fs, "call_s3", "list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
-        except Exception:
-            return  # listing uploads may be refused: nothing to clear, as far as we can tell
-        for upload in answer.get("Uploads", []):
-            if upload.get("Key") == self.key:
-                with contextlib.suppress(Exception):
-                    self._call("abort_multipart_upload", UploadId=upload["UploadId"])
+            self.result = self.reader.put(self.path, self._parts(), part_size=self.part_size, in_flight=PARTS_IN_FLIGHT)
+        except BaseException as e:  # noqa: BLE001 (handed to the thread that waits)
+            self._error = e
+        finally:
+            self._sent.set()
 
     def send(self) -> None:
-        self._clear_stale()
-        self.upload_id = self._call("create_multipart_upload")["UploadId"]
-        pending: deque[Future[tuple[int, str, bytes]]] = deque()
-        with ThreadPoolExecutor(max_workers=PARTS_IN_FLIGHT) as pool:
-            try:
-                with open(self.local, "rb") as handle:
-                    number = 0
-                    while True:
-                        data = handle.read(self.part_size)
-                        if number and not data:
-                            break
-                        number += 1
-                        while len(pending) >= PARTS_IN_FLIGHT:
-                            self._collect(pending.popleft().result())
-                        pending.append(pool.submit(send_part, self, number, data))
-                        del data  # the part lives in its future only, until sent
-                        if handle.tell() >= self.size:
-                            break
-                while pending:
-                    self._collect(pending.popleft().result())
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise  # the pool waits for a part being sent; the caller aborts the upload after it
-
-    def _collect(self, part: tuple[int, str, bytes]) -> None:
-        self.parts.append(part)
-        progress.advance(min(self.part_size, self.size - (part[0] - 1) * self.part_size))
+        self._thread = threading.Thread(target=self._run, name="ckptool-upload", daemon=True)
+        self._thread.start()
+        while not self._sent.wait(0.1):
+            pass
+        if self._error is not None:
+            raise self._error
 
     def complete(self) -> None:
-        assert self.upload_id is not None
-        parts = [{"PartNumber": number, "ETag": f'"{etag}"'} for number, etag, _ in self.parts]
-        answer = self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+        assert self._thread is not None
+        self._go.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
         self.completed = True
-        self.fs.invalidate_cache(self.path)
-        head = self._call("head_object")
-        stored = int(head.get("ContentLength", -1))
-        etag = str(answer.get("ETag") or head.get("ETag") or "").strip('"')
+        STATS.add(requests=1)
+        head = self.reader.head(self.path)
+        stored = int(head.get("size", -1))
+        etag = str(self.result.get("e_tag") or head.get("ETag") or "").strip('"')
         composite = _COMPOSITE.match(etag)
-        expected = _md5(b"".join(digest for _, _, digest in self.parts)).hexdigest()
+        expected = _md5(b"".join(self.digests)).hexdigest()
         problem = None
         if stored != self.size:
             problem = f"the store holds {stored} bytes where {self.size} were uploaded"
-        elif composite is not None and int(composite.group(2)) == len(self.parts) and composite.group(1) != expected:
+        elif composite is not None and int(composite.group(2)) == len(self.digests) and composite.group(1) != expected:
             problem = f"the store's checksum of the parts ({etag}) is not that of the bytes uploaded"
         if problem is not None:
             with contextlib.suppress(Exception):
-                self._call("delete_object")
+                self.reader.delete(self.path)
             raise OutputError(f"{problem} — the object was deleted; try again", path=self.remote)
 
     def abort(self) -> str | None:
-        if self.upload_id is None or self.completed:
+        """Stop the upload (obstore aborts it); None, or why the store may still hold its parts: the request
+        that failed could not reach the store, and the store does not answer now either, so obstore's abort
+        most likely did not reach it."""
+        if self._thread is None or self.completed:
             return None
-        last = ""
-        for attempt in range(ABORT_ATTEMPTS):
-            try:
-                self._call("abort_multipart_upload", UploadId=self.upload_id)
-                return None
-            except KeyboardInterrupt:
-                return "interrupted"
-            except FileNotFoundError:  # s3fs's word for NoSuchUpload: it is gone already
-                return None
-            except Exception as e:
-                code = (
-                    str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
-                    if isinstance(getattr(e, "response", None), dict)
-                    else ""
-                )
-                if code == "NoSuchUpload":
-                    return None
-                last = remote_error(e, self.remote, writing=True).message.split(" — ")[0]
-            if attempt + 1 < ABORT_ATTEMPTS:
-                time.sleep(ABORT_BACKOFF_S * 2**attempt)
-        return last or "the store did not answer"
+        self._stop.set()
+        self._thread.join()
+        if self._error is None or isinstance(self._error, (_Aborted, KeyboardInterrupt, CkptError)):
+            return None
+        if not isinstance(self._error, (ConnectionError, TimeoutError, OSError)) or isinstance(
+            self._error, FileNotFoundError
+        ):
+            return None
+        try:
+            STATS.add(requests=1)
+            self.reader.head(self.path)
+        except FileNotFoundError:
+            return None  # the store answers: it took the abort too
+        except Exception as e:
+            return remote_error(e, self.remote, writing=True).message.split(" — ")[0]
+        return None
 
 
-def send_part(upload: _S3Upload, number: int, data: bytes) -> tuple[int, str, bytes]:
-    """Send part ``number`` of ``upload`` with its Content-MD5; return (number, ETag, MD5 digest)."""
-    digest = _md5(data).digest()
-    answer = upload._call(
-        "upload_part",
-        UploadId=upload.upload_id,
-        PartNumber=number,
-        Body=data,
-        ContentMD5=base64.b64encode(digest).decode(),
-    )
-    etag = str(answer.get("ETag", "")).strip('"')
-    if _MD5_HEX.match(etag) and etag != digest.hex():
-        raise OutputError(
-            f"the store acknowledged part {number} with a checksum ({etag}) that is not that of the "
-            "bytes sent — the upload was aborted; try again",
-            path=upload.remote,
-        )
-    STATS.add(written=len(data))
-    return number, etag, digest
+class _Aborted(Exception):
+    """Raised into obstore's upload so that it aborts it."""
 
 
 class _StreamUpload(_Upload):
@@ -499,7 +478,7 @@ def write_error(error: BaseException, path: RemotePath) -> CkptError:
 
 
 def _upload_for(local: Path, remote: RemotePath) -> _Upload:
-    return _S3Upload(local, remote) if remote.protocol in S3_PROTOCOLS else _StreamUpload(local, remote)
+    return _StreamUpload(local, remote) if remote.protocol == "memory" else _StoreUpload(local, remote)
 
 
 def publish(
@@ -553,8 +532,8 @@ def publish(
             )
         elif failed:
             message += (
-                f"; aborting the upload failed too ({failed[0]}): its parts stay in the store until the "
-                "next write to this URL, or the bucket's lifecycle rule, removes them"
+                f"; aborting the upload may have failed too ({failed[0]}): no object was written, but its "
+                "parts may stay in the store until the bucket's lifecycle rule for incomplete uploads removes them"
             )
         else:
             message += "; the upload was aborted: nothing was written"

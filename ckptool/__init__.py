@@ -89,8 +89,10 @@ def _only_ckpt_errors(function: Callable[..., Any]) -> Callable[..., Any]:
                 "free memory or run it on a larger machine"
             ) from e
         except Exception as e:  # not the input's fault as far as ckptool can tell: a bug, said as one
+            from pathlib import Path
+
             first = args[0] if args else None
-            path = first if isinstance(first, str | os.PathLike) else None
+            path = first if isinstance(first, str | Path) else Path(first) if isinstance(first, os.PathLike) else None
             raise InternalError(
                 f"internal error in ckptool.{function.__name__}: {type(e).__name__}: {e} — a bug "
                 "in ckptool, not a verdict on the input; please report it",

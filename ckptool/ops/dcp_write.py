@@ -57,8 +57,8 @@ def _as_torch(value: Any, path: tuple[Any, ...], left: list[str]) -> Any:
         items = ((key, _as_torch(item, (*path, key), left)) for key, item in dict.items(value))
         return {key: item for key, item in items if item is not _LEFT_OUT}
     if isinstance(value, list | tuple):
-        items = [_as_torch(item, (*path, index), left) for index, item in enumerate(value)]
-        kept = [item for item in items if item is not _LEFT_OUT]
+        converted = [_as_torch(item, (*path, index), left) for index, item in enumerate(value)]
+        kept = [item for item in converted if item is not _LEFT_OUT]
         return kept if isinstance(value, list) else tuple(kept)
     return value
 

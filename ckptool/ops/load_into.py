@@ -107,7 +107,7 @@ def materialize_storage(storage: StorageRef, *, mmap: bool = True, alignment: in
         mapped = np.memmap(span.path, dtype=np.uint8, mode="c", offset=span.offset, shape=(span.length,))
         return torch.from_numpy(mapped).untyped_storage()
     buffer = torch.empty(span.length, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
+    view = buffer.numpy().data  # a memoryview of the tensor's bytes
     with open(span.path, "rb") as handle:
         handle.seek(span.offset)
         filled = handle.readinto(view)
@@ -175,7 +175,7 @@ def to_state_dict(tensors: Mapping[str, TensorRef], *, mmap: bool = True) -> dic
             # the bits torch's _rebuild_tensor_v2 sets from the same metadata: a lazy conjugate or
             # negative view, exactly as torch.load returns it (copies and load_state_dict resolve it)
             bits = {key: True for key, value in (("conj", tensor.conj), ("neg", tensor.neg)) if value}
-            torch._C._set_tensor_metadata(state_dict[name], bits)
+            torch._C._set_tensor_metadata(state_dict[name], bits)  # type: ignore[attr-defined]  # not in torch's stubs
     if not layout_values:
         return state_dict
     for name, value in layout_values.items():

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptool.base.errors import MissingExtraError, UsageError
-from ckptool.base.suggest import Wording, given, option, typed
+from ckptool.base.suggest import Option, Wording, given, option, typed
 from ckptool.base.torch_import import INSTALL
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -124,7 +124,7 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def parse_kwargs(pairs: Iterable[str], *, where: str | Wording) -> dict[str, Any]:
+def parse_kwargs(pairs: Iterable[str], *, where: str | Option | Wording) -> dict[str, Any]:
     """``["num_classes=10", "dropout=0.1"]`` -> ``{"num_classes": 10, "dropout": 0.1}``."""
     kwargs: dict[str, Any] = {}
     for pair in pairs:
@@ -297,7 +297,7 @@ def _registered_family(name: str, text: str) -> ModelFamily:
 
 def _torchvision_builder(text: str, name: str) -> Any:
     try:
-        from torchvision import models
+        from torchvision import models  # type: ignore[import-untyped]  # torchvision ships no type information
     except ImportError as e:
         raise MissingExtraError(typed("model_spec", text) + f": torchvision is not installed — {INSTALL}") from e
     try:

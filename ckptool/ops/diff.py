@@ -392,6 +392,84 @@ def compare_values(
 # ---------------------------------------------------------------------------------------------- diff
 
 
+def _note_prefixes(
+    report: DiffReport,
+    left: Checkpoint,
+    right: Checkpoint,
+    a_tensors: dict[str, TensorRef],
+    b_tensors: dict[str, TensorRef],
+    align_prefixes: bool,
+) -> tuple[dict[str, TensorRef], dict[str, TensorRef], dict[str, str]]:
+    """Keys that differ only by wrapper prefixes: stripped with ``align_prefixes``, else a note says how.
+    Returns the tensors to compare and, for each compared key, A's key as stored."""
+    a_keys = {key: key for key in a_tensors}  # the key as compared -> A's key as stored
+    prefixes = prefix_note(left, right) if left.has_weights and right.has_weights else None
+    if prefixes is not None and align_prefixes:
+        report.aligned = prefixes
+        a_keys = {
+            (key[len(prefixes[0]) :] if prefixes[0] and key.startswith(prefixes[0]) else key): key for key in a_tensors
+        }  # as _strip: on a clash the last key wins
+        a_tensors, b_tensors = _strip(a_tensors, prefixes[0]), _strip(b_tensors, prefixes[1])
+        report.notes.append(f'keys compared without their wrapper prefixes (A: "{prefixes[0]}", B: "{prefixes[1]}")')
+    elif prefixes is not None:
+        sides = [
+            (side, prefix, checkpoint)
+            for side, prefix, checkpoint in (("A", prefixes[0], left), ("B", prefixes[1], right))
+            if prefix
+        ]
+        which = " and ".join(f'"{prefix}" on {side}' for side, prefix, _ in sides)
+        commands = suggest.each([_strip_command(checkpoint, prefix) for _, prefix, checkpoint in sides])
+        noun = "prefix" if len(sides) == 1 else "prefixes"
+        report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
+    return a_tensors, b_tensors, a_keys
+
+
+def _compare_tensors(
+    report: DiffReport,
+    a_tensors: dict[str, TensorRef],
+    b_tensors: dict[str, TensorRef],
+    a_keys: dict[str, str],
+    *,
+    atol: float,
+    chunk_hook: ChunkHook | None,
+) -> None:
+    """Compare the tensors both sides hold under one key, into ``report``: dtypes, shapes, then values."""
+    total = sum(
+        tensor.nbytes + b_tensors[name].nbytes
+        for name, tensor in a_tensors.items()
+        if name in b_tensors and tuple(tensor.shape) == tuple(b_tensors[name].shape)
+    )
+    with progress.task(total, "diff"), FileCache() as files:
+        for name, tensor_a in a_tensors.items():
+            tensor_b = b_tensors.get(name)
+            if tensor_b is None:
+                continue
+            report.compared += 1
+            change = TensorChange(
+                name, [], tensor_a.dtype.name, tensor_b.dtype.name, tuple(tensor_a.shape), tuple(tensor_b.shape)
+            )
+            if tensor_a.dtype != tensor_b.dtype:
+                change.kinds.append("dtype")
+            if tuple(tensor_a.shape) != tuple(tensor_b.shape):
+                change.kinds.append("shape")
+            else:
+                on_a_chunk = chunk_hook(a_keys[name], tensor_a) if chunk_hook is not None else None
+                identical, max_diff, differing, beyond = compare_values(
+                    tensor_a, tensor_b, atol=atol, files=files, on_a_chunk=on_a_chunk
+                )
+                report.byte_identical += identical
+                report.max_abs_diff = max(report.max_abs_diff, max_diff)
+                change.max_abs_diff, change.differing, change.beyond_atol = max_diff, differing, beyond
+                if beyond:
+                    change.kinds.append("values")
+                elif not identical and not change.kinds and differing == 0:
+                    report.notes.append(
+                        f"{name}: bytes differ but every value is equal (-0.0 against 0.0 or NaN payloads)"
+                    )
+            if change.kinds:
+                report.changed.append(change)
+
+
 def _open(
     path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str], weights: str | None = None
 ) -> Checkpoint:
@@ -475,7 +553,6 @@ def diff(
         a_tensors, b_tensors = left.tensors_by_place(), right.tensors_by_place()
     for side, tensors in ((left, a_tensors), (right, b_tensors)):
         check_expansion(tensors, allow=allow_expansion, path=side.path, doing="compare")
-    a_keys = {key: key for key in a_tensors}  # the key as compared -> A's key as stored
     report = DiffReport(
         a=str(left.path),
         b=str(right.path),
@@ -485,58 +562,8 @@ def diff(
         b_tensors=len(b_tensors),
         atol=atol,
     )
-    prefixes = prefix_note(left, right) if left.has_weights and right.has_weights else None
-    if prefixes is not None and align_prefixes:
-        report.aligned = prefixes
-        a_keys = {
-            (key[len(prefixes[0]) :] if prefixes[0] and key.startswith(prefixes[0]) else key): key for key in a_tensors
-        }  # as _strip: on a clash the last key wins
-        a_tensors, b_tensors = _strip(a_tensors, prefixes[0]), _strip(b_tensors, prefixes[1])
-        report.notes.append(f'keys compared without their wrapper prefixes (A: "{prefixes[0]}", B: "{prefixes[1]}")')
-    elif prefixes is not None:
-        sides = [
-            (side, prefix, checkpoint)
-            for side, prefix, checkpoint in (("A", prefixes[0], left), ("B", prefixes[1], right))
-            if prefix
-        ]
-        which = " and ".join(f'"{prefix}" on {side}' for side, prefix, _ in sides)
-        commands = suggest.each([_strip_command(checkpoint, prefix) for _, prefix, checkpoint in sides])
-        noun = "prefix" if len(sides) == 1 else "prefixes"
-        report.notes.append(f"the keys differ only by the {noun} {which} — run: {commands}")
+    a_tensors, b_tensors, a_keys = _note_prefixes(report, left, right, a_tensors, b_tensors, align_prefixes)
     report.only_in_a = [key for key in a_tensors if key not in b_tensors]
     report.only_in_b = [key for key in b_tensors if key not in a_tensors]
-    total = sum(
-        tensor.nbytes + b_tensors[name].nbytes
-        for name, tensor in a_tensors.items()
-        if name in b_tensors and tuple(tensor.shape) == tuple(b_tensors[name].shape)
-    )
-    with progress.task(total, "diff"), FileCache() as files:
-        for name, tensor_a in a_tensors.items():
-            tensor_b = b_tensors.get(name)
-            if tensor_b is None:
-                continue
-            report.compared += 1
-            change = TensorChange(
-                name, [], tensor_a.dtype.name, tensor_b.dtype.name, tuple(tensor_a.shape), tuple(tensor_b.shape)
-            )
-            if tensor_a.dtype != tensor_b.dtype:
-                change.kinds.append("dtype")
-            if tuple(tensor_a.shape) != tuple(tensor_b.shape):
-                change.kinds.append("shape")
-            else:
-                on_a_chunk = chunk_hook(a_keys[name], tensor_a) if chunk_hook is not None else None
-                identical, max_diff, differing, beyond = compare_values(
-                    tensor_a, tensor_b, atol=atol, files=files, on_a_chunk=on_a_chunk
-                )
-                report.byte_identical += identical
-                report.max_abs_diff = max(report.max_abs_diff, max_diff)
-                change.max_abs_diff, change.differing, change.beyond_atol = max_diff, differing, beyond
-                if beyond:
-                    change.kinds.append("values")
-                elif not identical and not change.kinds and differing == 0:
-                    report.notes.append(
-                        f"{name}: bytes differ but every value is equal (-0.0 against 0.0 or NaN payloads)"
-                    )
-            if change.kinds:
-                report.changed.append(change)
+    _compare_tensors(report, a_tensors, b_tensors, a_keys, atol=atol, chunk_hook=chunk_hook)
     return report

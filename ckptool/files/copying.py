@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate, chain, repeat
 from operator import add, is_, sub
 from pathlib import Path
@@ -185,9 +185,9 @@ class DataOut:
         low, high = min(offsets), max(map(add, offsets, sizes))
         if high - low <= 2 * sum(sizes) + READ_AHEAD:  # they lie close together (a storage after each other): one
             window = memoryview(read_exact(fd, low, high - low, path))  # read, sliced in C-speed passes
-            at = list(map(sub, offsets, repeat(low)))
-            parts = list(map(window.__getitem__, map(slice, at, map(add, at, sizes))))
-            return self._write_run(parts, sizes, out_offset, headers)
+            starts = list(map(sub, offsets, repeat(low)))
+            slices = list(map(window.__getitem__, map(slice, starts, map(add, starts, sizes))))
+            return self._write_run(slices, sizes, out_offset, headers)
         parts: list[bytes | memoryview] = [b""] * count
         order = sorted(range(count), key=offsets.__getitem__)
         k = 0
@@ -208,7 +208,7 @@ class DataOut:
         return self._write_run(parts, sizes, out_offset, headers)
 
     def _write_run(
-        self, parts: list[bytes | memoryview], sizes: list[int], out_offset: int, headers: list[bytes] | None
+        self, parts: Sequence[bytes | memoryview], sizes: list[int], out_offset: int, headers: list[bytes] | None
     ) -> int:
         """Write a run's pieces (each after its header, if given) in one write, their regions reported in a batch."""
         if headers is None:

@@ -73,7 +73,9 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._resolver = resolver
         # handed to the C unpickler itself (its persistent_load setter): no Python frame between
         # it and the format's loader for each of 100,000 storages
-        self.persistent_load = persistent_load if persistent_load is not None else _no_persistent_ids
+        self.persistent_load = (  # type: ignore[method-assign]
+            persistent_load if persistent_load is not None else _no_persistent_ids
+        )
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D102 — the only door to globals
         return self._resolver.resolve(module, name)

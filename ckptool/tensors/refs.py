@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import attrgetter, contains, gt, mul, or_
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 from ckptool.base.errors import InputError
 from ckptool.base.suggest import option
@@ -233,7 +233,11 @@ class TensorRef:
                 return
             start = self.offset * self.dtype.itemsize
             # the usual case (a cast, an assembled DCP tensor) is the whole storage: no slicing copy
-            yield data if start == 0 and len(data) == self.nbytes else bytes(data[start : start + self.nbytes])
+            yield (
+                cast(bytes, data)
+                if start == 0 and len(data) == self.nbytes
+                else bytes(data[start : start + self.nbytes])
+            )
             return
         span = self.contiguous_byte_range()
         if span is not None:
@@ -573,10 +577,11 @@ def shared_storages(tensors: Iterable[Any]) -> set[int]:
 
 def human_size(count: int) -> str:
     """``count`` bytes for a message: ``4 B``, ``256.0 MiB``."""
+    value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if count < 1024 or unit == "EiB":
-            return f"{count} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
+        if value < 1024 or unit == "EiB":
+            return f"{count} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
     return f"{count} B"
 
 

@@ -31,7 +31,7 @@ _EXPORTS = {
     "DiffReport": "ops.diff",
     "diff": "ops.diff",
     "fingerprint": "tensors.digest",
-    "LoadMismatchError": "ops.load_into",
+    "LoadMismatchError": "ops.key_fitting",
     "LoadReport": "ops.load_into",
     "load_into": "ops.load_into",
     "load": "io.reader",
@@ -136,7 +136,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs ("X as X": ex
     from ckptool.ops.diff import diff as diff
     from ckptool.ops.inspect import Summary as Summary
     from ckptool.ops.inspect import inspect as inspect
-    from ckptool.ops.load_into import (
+    from ckptool.ops.key_fitting import (
         LoadMismatchError as LoadMismatchError,
     )
     from ckptool.ops.load_into import (

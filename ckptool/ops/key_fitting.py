@@ -298,6 +298,75 @@ def _last_layer(model_keys: list[str]) -> str:
     return module_of(model_keys[-1], depth=64) if model_keys else ""
 
 
+def _prefix_sentence(model: str, model_prefix: str, rewrite: KeyRewrite) -> str:
+    """What the key rewrite that fits says of the two sides' prefixes."""
+    model_side = f'{model}\'s keys start with "{model_prefix}"' if model_prefix else f"{model}'s keys have no prefix"
+    if rewrite.strip and not rewrite.add:
+        return f'every weight key carries "{rewrite.strip}" ({_wrappers(rewrite.strip)}) but {model_side}'
+    if rewrite.add and not rewrite.strip:
+        return (
+            f'{model}\'s keys start with "{rewrite.add}" ({_wrappers(rewrite.add)}) but the weight keys do not carry it'
+        )
+    return f'the weight keys carry "{rewrite.strip}" but {model}\'s keys start with "{rewrite.add}"'
+
+
+def _shape_cause(model: str, model_keys: list[str], fitted: KeyMatch) -> tuple[str, str, str]:
+    """``(cause, sentence, fix)`` when every key fits but some shapes differ: the head, or the architecture."""
+    last = _last_layer(model_keys)
+    if all(module_of(m.key, depth=64) == last for m in fitted.mismatched):
+        head = fitted.mismatched[0]
+        classes = head.checkpoint_shape[0] if head.checkpoint_shape else "?"
+        return (
+            "head",
+            f"the classifier head differs: {head.key} is {_shape(head.checkpoint_shape)} in the "
+            f"checkpoint but {_shape(head.model_shape)} in {model}",
+            f"build the model with a {classes}-class head (e.g. num_classes={classes})",
+        )
+    modules = ", ".join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))
+    return (
+        "architecture",
+        f"holds a different architecture than {model}: {len(fitted.mismatched)} of its {len(model_keys)} "
+        f"tensors have other shapes in the checkpoint ({modules})",
+        "pass the model this checkpoint was trained with",
+    )
+
+
+def _key_cause(model: str, total: int, fitted: KeyMatch) -> tuple[str, str, str]:
+    """``(cause, sentence, fix)`` when keys are missing or unexpected: another architecture, or a few keys."""
+    if fitted.matched < ARCHITECTURE_THRESHOLD * total or len(fitted.mismatched) > 1:
+        missing = ", ".join(group_by_module(fitted.missing)) or "none"
+        extra = ", ".join(group_by_module(fitted.unexpected)) or "none"
+        return (
+            "architecture",
+            f"holds a different architecture than {model}: {fitted.matched} of its {total} tensors "
+            f"found with the right shape (missing: {missing}; unexpected: {extra}"
+            + (
+                f"; other shapes: {', '.join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))}"
+                if fitted.mismatched
+                else ""
+            )
+            + ")",
+            "pass the model this checkpoint was trained with",
+        )
+    parts = []
+    if fitted.missing:
+        parts.append(
+            f"{len(fitted.missing)} of {model}'s keys are missing "
+            f"({', '.join(fitted.missing[:3])}{', ...' if len(fitted.missing) > 3 else ''})"
+        )
+    if fitted.unexpected:
+        parts.append(
+            f"{len(fitted.unexpected)} keys are unexpected "
+            f"({', '.join(fitted.unexpected[:3])}{', ...' if len(fitted.unexpected) > 3 else ''})"
+        )
+    if fitted.mismatched:
+        parts.append(
+            f"{fitted.mismatched[0].key} is {_shape(fitted.mismatched[0].checkpoint_shape)} in the "
+            f"checkpoint but {_shape(fitted.mismatched[0].model_shape)} in {model}"
+        )
+    return "partial", "; ".join(parts), "check that the checkpoint was saved from this version of the model"
+
+
 def diagnose(
     path: Path,
     format_: str,
@@ -320,20 +389,7 @@ def diagnose(
         as_stored.mismatched
     ):
         cause = "prefix"
-        model_side = (
-            f'{model}\'s keys start with "{model_prefix}"' if model_prefix else f"{model}'s keys have no prefix"
-        )
-        if rewrite.strip and not rewrite.add:
-            sentences.append(
-                f'every weight key carries "{rewrite.strip}" ({_wrappers(rewrite.strip)}) but {model_side}'
-            )
-        elif rewrite.add and not rewrite.strip:
-            sentences.append(
-                f'{model}\'s keys start with "{rewrite.add}" ({_wrappers(rewrite.add)}) but the weight keys '
-                "do not carry it"
-            )
-        else:
-            sentences.append(f'the weight keys carry "{rewrite.strip}" but {model}\'s keys start with "{rewrite.add}"')
+        sentences.append(_prefix_sentence(model, model_prefix, rewrite))
         fixes.append(
             "run: "
             + fix_command(
@@ -341,60 +397,16 @@ def diagnose(
             )
         )
     total = len(model_keys)
+    found = None
     if keys_fit and fitted.mismatched:
-        last = _last_layer(model_keys)
-        if all(module_of(m.key, depth=64) == last for m in fitted.mismatched):
-            head = fitted.mismatched[0]
-            classes = head.checkpoint_shape[0] if head.checkpoint_shape else "?"
-            cause = "head" if cause == "partial" else cause
-            sentences.append(
-                f"the classifier head differs: {head.key} is {_shape(head.checkpoint_shape)} in the "
-                f"checkpoint but {_shape(head.model_shape)} in {model}"
-            )
-            fixes.append(f"build the model with a {classes}-class head (e.g. num_classes={classes})")
-        else:
-            cause = "architecture" if cause == "partial" else cause
-            modules = ", ".join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))
-            sentences.append(
-                f"holds a different architecture than {model}: {len(fitted.mismatched)} of its {total} "
-                f"tensors have other shapes in the checkpoint ({modules})"
-            )
-            fixes.append("pass the model this checkpoint was trained with")
+        found = _shape_cause(model, model_keys, fitted)
     elif not keys_fit:
-        if fitted.matched < ARCHITECTURE_THRESHOLD * total or len(fitted.mismatched) > 1:
-            cause = "architecture" if cause == "partial" else cause
-            missing = ", ".join(group_by_module(fitted.missing)) or "none"
-            extra = ", ".join(group_by_module(fitted.unexpected)) or "none"
-            sentences.append(
-                f"holds a different architecture than {model}: {fitted.matched} of its {total} tensors "
-                f"found with the right shape (missing: {missing}; unexpected: {extra}"
-                + (
-                    f"; other shapes: {', '.join(dict.fromkeys(module_of(m.key) for m in fitted.mismatched))}"
-                    if fitted.mismatched
-                    else ""
-                )
-                + ")"
-            )
-            fixes.append("pass the model this checkpoint was trained with")
-        else:
-            parts = []
-            if fitted.missing:
-                parts.append(
-                    f"{len(fitted.missing)} of {model}'s keys are missing "
-                    f"({', '.join(fitted.missing[:3])}{', ...' if len(fitted.missing) > 3 else ''})"
-                )
-            if fitted.unexpected:
-                parts.append(
-                    f"{len(fitted.unexpected)} keys are unexpected "
-                    f"({', '.join(fitted.unexpected[:3])}{', ...' if len(fitted.unexpected) > 3 else ''})"
-                )
-            if fitted.mismatched:
-                parts.append(
-                    f"{fitted.mismatched[0].key} is {_shape(fitted.mismatched[0].checkpoint_shape)} in the "
-                    f"checkpoint but {_shape(fitted.mismatched[0].model_shape)} in {model}"
-                )
-            sentences.append("; ".join(parts))
-            fixes.append("check that the checkpoint was saved from this version of the model")
+        found = _key_cause(model, total, fitted)
+    if found is not None:
+        kind, sentence, step = found
+        cause = kind if cause == "partial" else cause
+        sentences.append(sentence)
+        fixes.append(step)
     if not sentences:  # only reachable if the rewrite alone fits but was not applied
         sentences.append(f"the keys fit {model} only after a rewrite ({rewrite.describe()})")
     problem = "; then ".join(sentences) if cause == "prefix" and len(sentences) > 1 else "; ".join(sentences)

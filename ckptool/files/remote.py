@@ -17,50 +17,62 @@ Every request reads no further than it asked and ends within a wall-clock limit
 other is refused in one line naming them, before a request is made. :func:`identity` gives an object
 one spelling whatever the user typed, so an output is compared with its inputs by what it names.
 
-``s3://``, ``gs://`` and ``http(s)://`` are read and written through obstore (:mod:`.stores`); fsspec
-serves only its in-process ``memory://``. Either is imported only when a URL is used: the core install
-does not need them, and a URL without them is one line naming ``pip install 'ckptool[remote]'``. Their
-loggers and warnings are kept off the terminal (:func:`_quiet_libraries`): a failure is ckptool's one line.
+``s3://``, ``gs://`` and ``http(s)://`` are read and written through obstore (:mod:`.stores`), fsspec serves
+only ``memory://``; either is imported only when a URL is used (without them, one line names the extra).
+Options, counts and quiet loggers: :mod:`.remote_setup`; the one-line errors: :mod:`.remote_errors`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import io
 import json
-import logging
 import os
 import re
-import threading
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckptool.base.errors import InputError, MissingExtraError
 from ckptool.base.text import shown_url
 from ckptool.files import bounded
+from ckptool.files.remote_errors import S3_NAMES, remote_error, says_missing
+from ckptool.files.remote_setup import (
+    INSTALL,
+    LEARNT_SIZES,
+    STATS,
+    IOStats,
+    _filesystems,
+    _fsspec,
+    _lock,
+    _options,
+    _quiet_libraries,
+    parse_storage_options,
+    set_storage_options,
+)
 
-INSTALL = "pip install 'ckptool[remote]'"
+__all__ = [
+    "INSTALL",
+    "LEARNT_SIZES",
+    "S3_NAMES",
+    "STATS",
+    "IOStats",
+    "RemoteFile",
+    "RemotePath",
+    "parse_storage_options",
+    "remote_error",
+    "set_storage_options",
+]
+
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
 LOCAL_PROTOCOLS = frozenset({"file", "local"})  # fsspec's two names for this machine's files: read as paths
 # the protocols ckptool reads (each by ranges, bounded) -> the fsspec protocol that serves it
-SUPPORTED = {
-    "s3": "s3",
-    "s3a": "s3",
-    "s3n": "s3",
-    "gs": "gs",
-    "gcs": "gs",
-    "http": "http",
-    "https": "https",
-    "memory": "memory",
-}
+_S3 = dict.fromkeys(("s3", "s3a", "s3n"), "s3")
+SUPPORTED = {**_S3, "gs": "gs", "gcs": "gs", "http": "http", "https": "https", "memory": "memory"}
 SUPPORTED_SHOWN = "s3:// (s3a://, s3n://), gs:// (gcs://), https://, http:// and local paths (file://)"
 SUPPORTED_WRITTEN = "s3:// (s3a://, s3n://), gs:// (gcs://) and local paths (file://)"
-S3_NAMES = frozenset({"s3", "s3a", "s3n"})
 _BUCKETED = frozenset({"s3", "gs", "memory"})  # a URL's "host" is the first folder (bucket) of one path
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -247,7 +259,7 @@ class RemotePath:
             with STATS.request():
                 return dict(bounded.call(fs, "info", path))
         except FileNotFoundError as e:
-            if _says_missing(e):
+            if says_missing(e):
                 return None
             raise remote_error(e, self) from None
         except Exception as e:
@@ -311,97 +323,7 @@ class RemotePath:
         return self.read_bytes().decode(encoding)
 
 
-# -- filesystems and options ------------------------------------------------------------------
-
-_options: dict[str, Any] = {}
-_filesystems: dict[tuple[str, str], Any] = {}
-_lock = threading.Lock()
-
-
-def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs (``--storage-option``) as fsspec keyword arguments; a value that reads as
-    JSON (``true``, ``3``, ``{"a": 1}``) is that value, anything else the string. A dotted key sets
-    a nested one (``client_kwargs.region_name=eu-west-1``).
-
-    Raises:
-        ValueError: a pair without ``=``.
-    """
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{key or pair!r} is not KEY=VALUE")
-        try:
-            value: Any = json.loads(raw)
-        except ValueError:
-            value = raw
-        target = options
-        *outer, last = key.split(".")
-        for part in outer:
-            target = target.setdefault(part, {})
-        target[last] = value
-    return options
-
-
-def set_storage_options(options: Mapping[str, Any] | None) -> None:
-    """The fsspec keyword arguments every URL of this process is opened with (``--storage-option``)."""
-    with _lock:
-        _options.clear()
-        _options.update(options or {})
-        _filesystems.clear()
-    _forget_remote_files()
-
-
-def _forget_remote_files() -> None:
-    """The byte-I/O layer's shared windows and range CRCs go when a command starts or the options change."""
-    import sys
-
-    byteio = sys.modules.get("ckptool.files.byteio")
-    if byteio is not None:
-        byteio.forget_remote()
-
-
-# the libraries' own loggers: their tracebacks and the stores' raw answers stay off the terminal (a
-# NullHandler keeps Python's last-resort handler quiet; an application's own logging still sees them)
-QUIET_LOGGERS = (
-    "fsspec",
-    "s3fs",
-    "gcsfs",
-    "aiobotocore",
-    "botocore",
-    "aiohttp",
-    "google",
-    "google.auth",
-    "urllib3",
-    "asyncio",
-)
-_QUIET_WARNINGS = r"(fsspec|s3fs|gcsfs|aiobotocore|botocore|aiohttp|google|urllib3)(\.|$)"
-_quieted = False
-
-
-def _quiet_libraries() -> None:
-    global _quieted
-    if _quieted:
-        return
-    import warnings
-
-    for name in QUIET_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(handler, logging.NullHandler) for handler in logger.handlers):
-            logger.addHandler(logging.NullHandler())
-    warnings.filterwarnings("ignore", module=_QUIET_WARNINGS)
-    # gcsfs asks Google's control plane about a bucket over gRPC, whose C core logs to the terminal itself
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    _quieted = True
-
-
-def _fsspec() -> Any:
-    _quiet_libraries()
-    try:
-        fsspec = importlib.import_module("fsspec")  # (untyped: looked up, not imported by name)
-    except ImportError as e:
-        raise MissingExtraError(f"URLs need fsspec, which is not installed — {INSTALL}") from e
-    return fsspec
+# -- filesystems ------------------------------------------------------------------------------
 
 
 def check_supported(path: RemotePath, *, writing: bool = False) -> str:
@@ -486,186 +408,6 @@ def _reader(path: RemotePath, protocol: str) -> tuple[Any, str]:
 def reading_filesystem_for(path: RemotePath) -> tuple[Any, str]:
     """For reads: the same as :func:`filesystem_for` (kept for its callers)."""
     return filesystem_for(path)
-
-
-# -- errors -------------------------------------------------------------------------------------
-
-
-def _status_of(error: BaseException) -> tuple[int | None, str]:
-    """(HTTP status, the store's error code) of a botocore/aiohttp/fsspec error, where it says."""
-    response = getattr(error, "response", None)
-    if isinstance(response, dict):
-        meta = response.get("ResponseMetadata", {})
-        code = str(response.get("Error", {}).get("Code", ""))
-        status = meta.get("HTTPStatusCode")
-        return (int(status) if status else None), code
-    status = getattr(error, "status", None) or getattr(error, "code", None)
-    if isinstance(status, int):
-        return status, ""
-    first = str(error).split(":", 1)[0] if isinstance(error, (OSError, ValueError)) else ""
-    if first in _GCSFS_STATUS:  # gcsfs says these in words, the store's text after them
-        return _GCSFS_STATUS[first], ""
-    return None, ""
-
-
-_GCSFS_STATUS = {"Forbidden": 403, "Bad Request": 400}
-
-
-def _credentials_hint(path: RemotePath) -> Any:
-    """Where the credentials of ``path``'s protocol come from, for a refusal."""
-    from ckptool.base.suggest import Metavar, option
-
-    given = option("storage_options", Metavar("KEY=VALUE"))
-    if path.protocol in S3_NAMES:
-        return "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or " + given + ")"
-    if path.protocol in ("gs", "gcs"):
-        return (
-            "check the credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, or "
-            + given
-            + ")"
-        )
-    return "check the URL and any credentials it needs (" + given + ")"
-
-
-def _endpoint_hint(path: RemotePath) -> Any:
-    """How ``path``'s protocol is pointed at a store, for a refusal."""
-    from ckptool.base.suggest import Metavar, option
-
-    if path.protocol in S3_NAMES:
-        return (
-            "check the endpoint (AWS_ENDPOINT_URL or "
-            + option("storage_options", Metavar("endpoint_url=..."))
-            + ") and that it is up"
-        )
-    if path.protocol in ("gs", "gcs"):
-        return (
-            "check the endpoint (STORAGE_EMULATOR_HOST or "
-            + option("storage_options", Metavar("endpoint_url=..."))
-            + ") and that it is up"
-        )
-    return "check the URL's host and that it is up"
-
-
-def _says_missing(error: FileNotFoundError) -> bool:
-    """Whether a FileNotFoundError means "nothing there": fsspec's HTTP filesystem raises it for any failed
-    request, a 403 or a 500 under it."""
-    current: BaseException | None = error.__cause__ or error.__context__
-    for _ in range(8):
-        if current is None:
-            return True
-        status = _status_of(current)[0]
-        if status is not None:
-            return status in (404, 410)
-        current = current.__cause__ or current.__context__
-    return True
-
-
-def remote_error(error: BaseException, path: RemotePath, *, writing: bool = False) -> InputError:
-    """One line for a failed request: the cause (404, 403, throttled, timeout, an answer other than asked...)
-    and the next step; never the store's raw text (it may quote a signed URL or a credential)."""
-    from ckptool.base.errors import OutputError
-
-    kind = OutputError if writing else InputError
-    chain: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and len(chain) < 8:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    # fsspec's HTTP info turns any failure into FileNotFoundError: the status under it is the cause
-    statuses = [status for status, _ in map(_status_of, chain) if status is not None]
-    if statuses and isinstance(chain[0], FileNotFoundError) and statuses[0] != 404:
-        chain = chain[1:]
-    for item in chain:
-        if isinstance(item, bounded.RangeRefused):  # its text is numbers only, ckptool's own
-            return kind(
-                f"the server {item} — refused (ckptool reads no more than it asks for); it does not serve "
-                "byte ranges as asked: download the file and pass its local path",
-                path=path,
-            )  # type: ignore[return-value]
-        if isinstance(item, bounded.RequestTimedOut):
-            return kind(
-                f"timed out: the store sent no complete answer within {item.seconds:g} s "
-                f"({bounded.TIMEOUT_ENV} sets the limit) — check the network or the endpoint, then retry",
-                path=path,
-            )  # type: ignore[return-value]
-        status, code = _status_of(item)
-        code = "" if code == str(status) else code  # a bodiless answer's only "code" is its status
-        if isinstance(item, FileNotFoundError) or status == 404 or code in ("NoSuchKey", "NoSuchBucket", "404"):
-            what = "its bucket does not exist" if code == "NoSuchBucket" else "does not exist"
-            return kind(f"{what} (404) — check the URL", path=path)  # type: ignore[return-value]
-        if (
-            isinstance(item, PermissionError)
-            or status in (401, 403)
-            or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403")
-        ):
-            return kind(
-                f"access denied ({status or 403}{', ' + code if code else ''}) — " + _credentials_hint(path), path=path
-            )  # type: ignore[return-value]
-        if status in (429, 503) or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
-            return kind(
-                f"the store is throttling requests ({status or 503}{' ' + code if code else ''}) and kept "
-                "refusing after retries with backoff — try again later",
-                path=path,
-            )  # type: ignore[return-value]
-        name = type(item).__name__
-        if isinstance(item, TimeoutError) or "Timeout" in name:
-            return kind("timed out talking to the store — check the network or the endpoint, then retry", path=path)  # type: ignore[return-value]
-        if "Connect" in name or isinstance(item, ConnectionError):
-            return kind("cannot connect to the store — " + _endpoint_hint(path), path=path)  # type: ignore[return-value]
-        if status is not None and status >= 500:
-            return kind(f"the store failed ({status}{' ' + code if code else ''}) — retry later", path=path)  # type: ignore[return-value]
-        if status is not None and status >= 400:
-            return kind(
-                f"the store refused the request ({status}{' ' + code if code else ''}) — check the URL; "
-                + _credentials_hint(path),
-                path=path,
-            )  # type: ignore[return-value]
-    return kind(
-        f"request failed ({type(error).__name__}{': ' + code if (code := _status_of(error)[1]) else ''}) — "
-        "check the URL and the credentials",
-        path=path,
-    )  # type: ignore[return-value]
-
-
-# -- counting -----------------------------------------------------------------------------------
-
-
-class IOStats:
-    """Requests made and bytes read from URLs since :meth:`reset` (``--json``'s ``io``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.bytes_read = 0
-        self.bytes_written = 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self.requests = self.bytes_read = self.bytes_written = 0
-        LEARNT_SIZES.clear()
-        _forget_remote_files()
-
-    @contextlib.contextmanager
-    def request(self, read: int = 0) -> Iterator[None]:
-        with self._lock:
-            self.requests += 1
-            self.bytes_read += read
-        yield
-
-    def add(self, *, requests: int = 0, read: int = 0, written: int = 0) -> None:
-        with self._lock:
-            self.requests += requests
-            self.bytes_read += read
-            self.bytes_written += written
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {"bytes_read": self.bytes_read, "requests": self.requests, "bytes_written": self.bytes_written}
-
-
-STATS = IOStats()
-# the sizes the store told of the files this command opened (``inspect``'s file_bytes costs no request)
-LEARNT_SIZES: dict[RemotePath, int] = {}
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ckptool.io.reader import load
 from ckptool.model.checkpoint import Checkpoint
 from ckptool.model.keys import detect_prefix
 from ckptool.ops.key_fitting import (
+    KeyMatch,
     KeyRewrite,
     LoadDiagnosis,
     LoadMismatchError,
@@ -303,73 +304,47 @@ def load_into(
         raise InputError("holds no weight tensors to load", path=checkpoint.path)
     model_state = model.state_dict()
     model_shapes = {key: tuple(value.shape) for key, value in model_state.items() if hasattr(value, "shape")}
-    checkpoint_shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
-    best = best_rewrite(checkpoint_shapes, model_shapes, checkpoint_prefix=checkpoint.prefix)
-    as_stored = match_keys(checkpoint_shapes, model_shapes)
-    assert as_stored is not None  # the identity rewrite cannot collide
+    as_stored, best = _matches(checkpoint, tensors, model_shapes)
     chosen = best if fix else as_stored
     name = model_name(model)
     if strict and filter_fn is None and not chosen.fits:
-        raise LoadMismatchError(
-            diagnose(
-                checkpoint.path,
-                checkpoint.format,
-                name,
-                list(model_shapes),
-                as_stored,
-                best,
-                checkpoint_prefix=checkpoint.prefix,
-                model_prefix=detect_prefix(model_shapes, lightning=True),
-                allow_globals=checkpoint.allow_globals,
-            )
-        )
-    rewrite = chosen.rewrite
-    state_dict = to_state_dict({rewrite.apply(key): tensor for key, tensor in tensors.items()})
+        raise LoadMismatchError(_diagnosis(checkpoint, name, model_shapes, as_stored, best))
+    state_dict = to_state_dict({chosen.rewrite.apply(key): tensor for key, tensor in tensors.items()})
     skipped: list[str] = []
     if filter_fn is not None:
         filtered = filter_fn(state_dict, model)
         skipped = [key for key in state_dict if key not in filtered]
         state_dict = dict(filtered)
-    fits = {
-        key: value
-        for key, value in state_dict.items()
-        if key in model_shapes and tuple(value.shape) == model_shapes[key]
-    }
-    missing = [key for key in model_shapes if key not in fits]
-    unexpected = [key for key in state_dict if key not in model_shapes]
-    mismatched = [key for key in state_dict if key in model_shapes and key not in fits]
+    keys = _sort_keys(state_dict, model_shapes)
+    fits, missing, unexpected, mismatched = keys
     if strict and (missing or unexpected or mismatched):  # what filter_fn left does not fit the model
         raise LoadMismatchError(
-            diagnose(
-                checkpoint.path,
-                checkpoint.format,
-                name,
-                list(model_shapes),
-                as_stored,
-                best,
-                checkpoint_prefix=checkpoint.prefix,
-                model_prefix=detect_prefix(model_shapes, lightning=True),
-                allow_globals=checkpoint.allow_globals,
-            )
+            _diagnosis(checkpoint, name, model_shapes, as_stored, best)
             if not chosen.fits
             else _filtered_diagnosis(checkpoint, name, chosen, missing, unexpected, skipped)
         )
+    _load_state_dict(model, fits, device=device, strict=strict, path=checkpoint.path)
+    return _report(checkpoint, tensors, model, name, device, chosen.rewrite, model_state, keys, skipped)
+
+
+def _report(
+    checkpoint: Checkpoint,
+    tensors: Mapping[str, TensorRef],
+    model: nn.Module,
+    name: str,
+    device: str | None,
+    rewrite: KeyRewrite,
+    model_state: dict[str, Any],
+    keys: tuple[dict[str, torch.Tensor], list[str], list[str], list[str]],
+    skipped: list[str],
+) -> LoadReport:
+    """What :func:`load_into` did: ``keys`` is :func:`_sort_keys`' answer."""
+    fits, missing, unexpected, mismatched = keys
     casts = Counter(
         f"{dtype_name(value)}->{dtype_name(model_state[key])}"
         for key, value in fits.items()
         if value.dtype != model_state[key].dtype
     )
-    if device is not None:
-        model.to(device)
-    try:
-        model.load_state_dict(fits, strict=strict)
-    except RuntimeError as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CkptError(
-            f"load_state_dict failed after the keys matched ({first_line}) — "
-            "the model's load hooks reject these weights",
-            path=checkpoint.path,
-        ) from e
     storages = Counter(id(tensor.storage) for tensor in tensors.values())
     return LoadReport(
         path=checkpoint.path,
@@ -389,6 +364,67 @@ def load_into(
         unexpected_keys=unexpected,
         mismatched_keys=mismatched,
     )
+
+
+def _matches(
+    checkpoint: Checkpoint, tensors: Mapping[str, TensorRef], model_shapes: dict[str, tuple[int, ...]]
+) -> tuple[KeyMatch, KeyMatch]:
+    """How the checkpoint's keys match the model's as stored, and after the rewrite that fits best."""
+    checkpoint_shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+    best = best_rewrite(checkpoint_shapes, model_shapes, checkpoint_prefix=checkpoint.prefix)
+    as_stored = match_keys(checkpoint_shapes, model_shapes)
+    assert as_stored is not None  # the identity rewrite cannot collide
+    return as_stored, best
+
+
+def _diagnosis(
+    checkpoint: Checkpoint, name: str, model_shapes: dict[str, tuple[int, ...]], as_stored: KeyMatch, best: KeyMatch
+) -> LoadDiagnosis:
+    """Why the checkpoint's keys do not fit the model, and the fix."""
+    return diagnose(
+        checkpoint.path,
+        checkpoint.format,
+        name,
+        list(model_shapes),
+        as_stored,
+        best,
+        checkpoint_prefix=checkpoint.prefix,
+        model_prefix=detect_prefix(model_shapes, lightning=True),
+        allow_globals=checkpoint.allow_globals,
+    )
+
+
+def _sort_keys(
+    state_dict: dict[str, torch.Tensor], model_shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, torch.Tensor], list[str], list[str], list[str]]:
+    """``(fits, missing, unexpected, mismatched)``: the tensors that fit the model by name and shape, and
+    the model's keys missing, the keys it does not have, and those of another shape."""
+    fits = {
+        key: value
+        for key, value in state_dict.items()
+        if key in model_shapes and tuple(value.shape) == model_shapes[key]
+    }
+    missing = [key for key in model_shapes if key not in fits]
+    unexpected = [key for key in state_dict if key not in model_shapes]
+    mismatched = [key for key in state_dict if key in model_shapes and key not in fits]
+    return fits, missing, unexpected, mismatched
+
+
+def _load_state_dict(
+    model: nn.Module, fits: dict[str, torch.Tensor], *, device: str | None, strict: bool, path: Path
+) -> None:
+    """Move the model to ``device`` (when given) and copy the tensors that fit into it."""
+    if device is not None:
+        model.to(device)
+    try:
+        model.load_state_dict(fits, strict=strict)
+    except RuntimeError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CkptError(
+            f"load_state_dict failed after the keys matched ({first_line}) — "
+            "the model's load hooks reject these weights",
+            path=path,
+        ) from e
 
 
 def _filtered_diagnosis(

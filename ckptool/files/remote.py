@@ -36,11 +36,10 @@ from typing import Any
 
 from ckptool.base.errors import InputError, MissingExtraError
 from ckptool.base.text import shown_url
-from ckptool.files import bounded
+from ckptool.files import bounded, remote_setup
 from ckptool.files.remote_errors import S3_NAMES, remote_error, says_missing
 from ckptool.files.remote_setup import (
     INSTALL,
-    LEARNT_SIZES,
     STATS,
     IOStats,
     _filesystems,
@@ -409,6 +408,9 @@ def reading_filesystem_for(path: RemotePath) -> tuple[Any, str]:
     """For reads: the same as :func:`filesystem_for` (kept for its callers)."""
     return filesystem_for(path)
 
+
+# the sizes the store told of the files this command opened (``inspect``'s file_bytes costs no request)
+LEARNT_SIZES: dict[RemotePath, int] = remote_setup.LEARNT_SIZES
 
 # -- reading ------------------------------------------------------------------------------------
 

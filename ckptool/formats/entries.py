@@ -56,8 +56,8 @@ change places).
 
 Reading is bounded (the metadata is the file's, and files are hostile): at most
 :data:`MAX_ENTRIES_CHARS` of JSON, :data:`MAX_DEPTH` levels, :data:`MAX_VALUES` values, and
-:data:`MAX_HASH_COLLISIONS` keys of one dict or set sharing a hash. Anything else malformed is
-refused with one :class:`EntriesError` line.
+:data:`~.entries_decoder.MAX_HASH_COLLISIONS` keys of one dict or set sharing a hash. Anything
+else malformed is refused with one :class:`EntriesError` line.
 
 Example:
     >>> text, dropped = encode({"model": {"w": tensor}, "epoch": 3, "betas": (0.9, 0.99)}, ("model",))  # doctest: +SKIP
@@ -68,45 +68,34 @@ Example:
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.base.errors import InputError
 from ckptool.base.text import value_str
-from ckptool.pickles.allowlist import DEFAULT_EXTRA_GLOBALS
-from ckptool.pickles.placeholders import OpaqueObject, StateDict, opaque_type
-from ckptool.tensors import dtypes
+from ckptool.formats.entries_decoder import (
+    CARRIED_GLOBALS,
+    ENTRIES_KEY,
+    MAX_ARRAY_BYTES,
+    MAX_DEPTH,
+    MAX_ENTRIES_CHARS,
+    MAX_INT_DIGITS,
+    MAX_VALUES,
+    TAG,
+    VERSION,
+    WEIGHTS,
+    EntriesError,
+    _Decoder,
+    _malformed,
+    _refuse_constant,
+)
+from ckptool.pickles.placeholders import OpaqueObject, StateDict
 from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
-
-ENTRIES_KEY = "ckptool.entries"
-VERSION = 1
-TAG = "$ckptool"
-
-# Globals whose objects are carried as the call the pickle makes: the data-only classes ckptool
-# reads by default (SECURITY.md gives each one's reason). A .pt rewrite re-emits them, and the
-# re-read accepts them without any --allow-global; no other global is ever decoded.
-CARRIED_GLOBALS = frozenset(DEFAULT_EXTRA_GLOBALS)
-
-# Limits a reader enforces on ckptool.entries (and a writer keeps to, so that every file it writes
-# reads back): configs, schedulers and metrics are kilobytes; these leave room for far more.
-MAX_ENTRIES_CHARS = 16 << 20
-MAX_DEPTH = 100
-MAX_VALUES = 1_000_000
-MAX_HASH_COLLISIONS = 16
-MAX_INT_DIGITS = 4000  # below Python's own 4300-digit limit on int <-> str
-MAX_ARRAY_BYTES = 1 << 20  # a numpy array's (or a bytes value's) raw bytes carried as base64
 
 OPTIMIZER_ADVICE = "safetensors holds weights only; keep the .pt for resuming"
 TENSOR_ADVICE = "safetensors holds the weights only; keep the .pt for it"
-
-
-class EntriesError(InputError):
-    """The ``ckptool.entries`` metadata of a safetensors file is malformed or over a limit."""
 
 
 @dataclass
@@ -120,16 +109,6 @@ class Decoded:
     notes: list[str] = field(default_factory=list)
     # the weights were flattened: the tree at ``layout`` holds the file's tensors by name (already placed)
     flattened: bool = False
-
-
-class _Weights:
-    """Where the weights go in a decoded container, until the reader puts them there."""
-
-    def __repr__(self) -> str:
-        return "<weights>"
-
-
-WEIGHTS = _Weights()
 
 
 def key_path(path: tuple[Any, ...]) -> str:
@@ -442,204 +421,6 @@ def encode(
 
 
 # ------------------------------------------------------------------------------------------------ decode
-
-
-def _malformed(what: str) -> EntriesError:
-    return EntriesError(
-        f"metadata {ENTRIES_KEY} {what} — the file is corrupt or not from ckptool; "
-        "read its weights with the safetensors library, or remove that metadata entry"
-    )
-
-
-def _refuse_constant(name: str) -> Any:
-    raise _malformed(f"holds the non-JSON number {name} (non-finite floats are records)")
-
-
-class _Decoder:
-    def __init__(self, tensors: dict[str, Any] | None = None) -> None:
-        self.values = 0
-        self.layout: tuple[Any, ...] | None = None
-        self.tensors = tensors  # the file's tensors by name, which a flattened tree's records name
-        self.in_tree = False
-        self.flattened = False
-        self.named: set[str] = set()
-
-    def node(self, node: Any, path: tuple[Any, ...] | None, depth: int) -> Any:
-        """``path``: where this node lies as the weights' layout would reach it (None: a place no
-        layout can reach — a key, a set, an object's arguments)."""
-        self.values += 1
-        if self.values > MAX_VALUES:
-            raise _malformed(f"holds over {MAX_VALUES} values (the limit)")
-        if depth > MAX_DEPTH:
-            raise _malformed(f"nests over {MAX_DEPTH} levels")
-        if node is None or type(node) in (bool, str, float):
-            return node
-        if type(node) is int:
-            return node
-        if type(node) is list:
-            return [
-                self.node(item, None if path is None else path + (index,), depth + 1) for index, item in enumerate(node)
-            ]
-        if type(node) is not dict:
-            raise _malformed(f"holds a {type(node).__name__}")
-        if TAG not in node:
-            return {
-                key: self.node(value, None if path is None else path + (key,), depth + 1) for key, value in node.items()
-            }
-        return self.record(node, path, depth)
-
-    def record(self, node: dict, path: tuple[Any, ...] | None, depth: int) -> Any:
-        tag = node[TAG]
-        fields = set(node) - {TAG}
-
-        def need(*names: str, optional: tuple[str, ...] = ()) -> None:
-            if not set(names) <= fields or not fields <= set(names) | set(optional):
-                raise _malformed(f"has a {str(tag)[:40]!r} record with fields {sorted(fields)[:8]}")
-
-        def items_of(name: str = "items") -> list:
-            items = node[name]
-            if type(items) is not list:
-                raise _malformed(f"has a {tag!r} record whose {name} is not a list")
-            return items
-
-        def pairs() -> Iterator[tuple[Any, Any]]:
-            for pair in items_of():
-                if type(pair) is not list or len(pair) != 2:
-                    raise _malformed(f"has a {tag!r} record whose items are not [key, value] pairs")
-                key = self.key(pair[0], depth)
-                yield key, self.node(pair[1], None if path is None else path + (key,), depth + 1)
-
-        if tag == "weights":
-            need(optional=("tree",))
-            if path is None or self.layout is not None or self.in_tree:
-                raise _malformed("places the weights twice, or where no key path reaches")
-            self.layout = path
-            if "tree" not in node:
-                return WEIGHTS
-            self.in_tree = self.flattened = True
-            try:
-                return self.node(node["tree"], None, depth + 1)
-            finally:
-                self.in_tree = False
-        if tag == "tensor":
-            need("name")
-            name = node["name"]
-            if not self.in_tree or type(name) is not str or name in self.named:
-                raise _malformed("names a tensor outside the weights' tree, or one tensor twice")
-            self.named.add(name)
-            if self.tensors is None:
-                return None  # only the entries' names were asked for
-            if name not in self.tensors:
-                raise _malformed(f"names the tensor {name[:60]!r}, which the file does not hold")
-            return self.tensors[name]
-        if tag == "float":
-            need("value")
-            values = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-            if node["value"] not in values:
-                raise _malformed(f"has a float record of {str(node['value'])[:20]!r}")
-            return values[node["value"]]
-        if tag == "complex":
-            need("real", "imag")
-            parts = [self.node(node[name], None, depth + 1) for name in ("real", "imag")]
-            if not all(type(part) in (float, int) for part in parts):
-                raise _malformed("has a complex record whose parts are not numbers")
-            return complex(*parts)
-        if tag in ("bytes", "bytearray"):
-            need("base64")
-            try:
-                data = base64.b64decode(node["base64"], validate=True) if type(node["base64"]) is str else None
-            except (binascii.Error, ValueError):
-                data = None
-            if data is None:
-                raise _malformed(f"has a {tag} record that is not base64")
-            return bytearray(data) if tag == "bytearray" else data
-        if tag == "tuple":
-            need("items")
-            return tuple(
-                self.node(item, None if path is None else path + (index,), depth + 1)
-                for index, item in enumerate(items_of())
-            )
-        if tag in ("set", "frozenset"):
-            need("items")
-            keys = [self.key(item, depth) for item in items_of()]
-            _check_collisions(keys)
-            return set(keys) if tag == "set" else frozenset(keys)
-        if tag in ("dict", "Counter", "OrderedDict"):
-            need("items", optional=("attrs",) if tag == "OrderedDict" else ())
-            built = list(pairs())
-            _check_collisions([key for key, _ in built])
-            if tag == "dict":
-                return dict(built)
-            if tag == "Counter":
-                return Counter(dict(built))
-            mapping = StateDict(built)
-            if "attrs" in node:
-                mapping.__dict__.update(self.attrs(node["attrs"], depth))
-            return mapping
-        if tag == "torch.device":
-            need("args")
-            args = items_of("args")
-            if not 1 <= len(args) <= 2 or not all(type(arg) in (str, int) for arg in args):  # as the reader's
-                raise _malformed("has a malformed torch.device record")
-            return DeviceRef(tuple(args))
-        if tag == "torch.Size":
-            need("items")
-            sizes = items_of()
-            if len(sizes) > 64 or not all(type(size) is int and 0 <= size < 1 << 63 for size in sizes):
-                raise _malformed("has a malformed torch.Size record")
-            return SizeRef(tuple(sizes))
-        if tag == "torch.dtype":
-            need("name")
-            name = node["name"]
-            if name not in dtypes.BY_TORCH_NAME and name not in dtypes.VALUE_ONLY_TORCH_NAMES:
-                raise _malformed(f"names the unknown torch dtype {str(name)[:30]!r}")
-            return DTypeRef("torch", name)
-        if tag == "global":
-            need("name")
-            return opaque_type(self.carried(node["name"]))
-        if tag == "object":
-            need("global", "build", "args", optional=("state",))
-            cls = opaque_type(self.carried(node["global"]))
-            args = tuple(self.node(item, None, depth + 1) for item in items_of("args"))
-            if node["build"] == "reduce":
-                obj = cls(*args)
-            elif node["build"] == "newobj":
-                obj = cls.__new__(cls, *args)
-            else:
-                raise _malformed(f"has an object record built by {str(node['build'])[:20]!r}")
-            if "state" in node:
-                obj.__setstate__(self.node(node["state"], None, depth + 1))
-            return obj
-        raise _malformed(f"has a record of unknown type {str(tag)[:40]!r} (written by a newer ckptool?)")
-
-    def key(self, node: Any, depth: int) -> Any:
-        key = self.node(node, None, depth + 1)
-        try:
-            hash(key)
-        except TypeError:
-            raise _malformed(f"has a dict key or set item of type {type(key).__name__}, which cannot be one") from None
-        return key
-
-    def attrs(self, node: Any, depth: int) -> dict[str, Any]:
-        attrs = self.node(node, None, depth + 1)
-        if type(attrs) is not dict or not all(
-            type(name) is str and not hasattr(OrderedDict, name) and not name.startswith("__") for name in attrs
-        ):
-            raise _malformed("gives an OrderedDict attributes that would hide its contents")
-        return attrs
-
-    @staticmethod
-    def carried(name: Any) -> str:
-        if name not in CARRIED_GLOBALS:
-            raise _malformed(f"names the global {str(name)[:60]!r}, which it never carries")
-        return name
-
-
-def _check_collisions(keys: list[Any]) -> None:
-    """Keys of one hash (ints, floats and tuples of them hash predictably) make building a dict quadratic."""
-    buckets: Counter = Counter(hash(key) for key in keys)
-    if buckets and max(buckets.values()) > MAX_HASH_COLLISIONS:
-        raise _malformed(f"puts over {MAX_HASH_COLLISIONS} distinct keys with one hash in a dict or set")
 
 
 def decode(json_text: str, tensors: dict[str, Any] | None = None) -> Decoded:

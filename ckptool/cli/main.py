@@ -14,14 +14,11 @@ Text output escapes every control character that came from a file (see :mod:`ckp
 from __future__ import annotations
 
 import atexit
-import contextlib
-import functools
 import gc
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,222 +26,21 @@ import click
 
 from ckptool import __version__
 from ckptool.base import exitcodes, gcpause, jsonout
-from ckptool.base.errors import CkptError, InternalError
 from ckptool.base.suggest import flag
-from ckptool.cli import render
+from ckptool.cli import render, writes
+from ckptool.cli.options import (
+    LOCATION,
+    allow_expansion_option,
+    allow_global_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    shows_progress,
+    storage_options,
+    weights_option,
+)
 
 EXIT_INTERNAL, EXIT_CLOSED_PIPE = exitcodes.INTERNAL, exitcodes.CLOSED_PIPE  # the names tests import
-
-
-def _error_text(error: CkptError) -> str:
-    """The error's one line, each option it asks for spelled as this command line's flag."""
-    return error.render(flag)
-
-
-def _fail(error: CkptError, as_json: bool = False) -> None:
-    if as_json:  # a pipeline reads the failure on stdout too, in the shape it parses
-        click.echo(jsonout.dumps(jsonout.document("error", {"error": jsonout.error_object(error, _error_text)})))
-    render.echo(f"ckptool: error: {_error_text(error)}", err=True)
-    sys.exit(error.exit_code)
-
-
-def _fail_json(as_json: bool, type_: str, message: str, exit_code: int) -> None:
-    """With --json, the error document of a failure that is not a library error (Ctrl-C, a bug)."""
-    if as_json:
-        with contextlib.suppress(Exception):  # stdout may be the thing that failed
-            click.echo(jsonout.dumps(jsonout.error_document(type_, message, exit_code=exit_code)))
-
-
-def _closed_pipe() -> None:
-    """stdout's reader went away (``ckptool inspect x | head -1``): stop quietly, as git does."""
-    try:  # the interpreter flushes stdout once more at exit: let that go nowhere instead of failing
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no real file descriptor (an in-process test runner)
-        pass
-    sys.exit(exitcodes.CLOSED_PIPE)
-
-
-def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into one stderr line and their exit code; never a traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            try:
-                return command(*args, **kwargs)
-            finally:
-                if sys.stdout is not None:  # None when started with stdout closed (>&-)
-                    sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
-        except BrokenPipeError:
-            _closed_pipe()
-        except CkptError as e:
-            if isinstance(e, InternalError) and os.environ.get("CKPTOOL_DEBUG"):
-                raise
-            _fail(e, as_json)
-        except KeyboardInterrupt:
-            _fail_json(as_json, "interrupted", "interrupted — nothing was written", exitcodes.INTERRUPTED)
-            render.echo("ckptool: interrupted — nothing was written", err=True)
-            sys.exit(exitcodes.INTERRUPTED)
-        except (click.exceptions.Exit, click.ClickException, SystemExit):
-            raise
-        except MemoryError:  # the machine's limit, not a bug in ckptool; temp outputs are already removed
-            message = "ran out of memory — nothing was written; free memory or run it on a larger machine"
-            _fail_json(as_json, "memory", message, exitcodes.INPUT)
-            render.echo(f"ckptool: error: {message}", err=True)
-            sys.exit(exitcodes.INPUT)
-        except Exception as e:  # a bug: say so in one line; CKPTOOL_DEBUG=1 shows the traceback
-            if os.environ.get("CKPTOOL_DEBUG"):
-                raise
-            message = (
-                f"{type(e).__name__}: {e} — a bug in ckptool, not a problem with the input; rerun with "
-                "CKPTOOL_DEBUG=1 and report it"
-            )
-            _fail_json(as_json, "internal", message, exitcodes.INTERNAL)
-            render.echo(f"ckptool: internal error: {message}", err=True)
-            sys.exit(exitcodes.INTERNAL)
-
-    return wrapper
-
-
-def _emit_json(command: str, data: dict[str, Any]) -> None:
-    """Print ``command``'s --json document (see :mod:`ckptool.base.jsonout`): ASCII, strict, schema named first.
-    A command that named a URL also reports what it cost: ``io: {bytes_read, requests}``."""
-    if _names_url():
-        from ckptool.files.remote import STATS
-
-        counted = STATS.as_dict()
-        data = {**data, "io": {"bytes_read": counted["bytes_read"], "requests": counted["requests"]}}
-    # ensure_ascii: controls, bidi overrides and lone surrogates come out as \u escapes, exact and inert
-    click.echo(jsonout.dumps(jsonout.document(jsonout.KINDS[command], data)))
-
-
-_URL_NAMED = "ckptool.url_named"
-_REMOTE = "ckptool.files.remote"  # looked up in sys.modules: imported only when a URL is in play
-
-
-def _names_url() -> bool:
-    context = click.get_current_context(silent=True)
-    return context is not None and bool(context.find_root().meta.get(_URL_NAMED))
-
-
-class Location(click.ParamType):
-    """A path argument or option: a local :class:`Path` as before, or a URL (``s3://``, ``gs://``,
-    ``https://``; others refused when used) as a :class:`~ckptool.files.remote.RemotePath` — never normalized
-    into a path (``s3://b/k`` is not ``s3:/b/k``). ``file://`` names a local path."""
-
-    name = "path"
-
-    def __init__(self, *, keep_text: bool = False) -> None:
-        self.keep_text = keep_text  # convert's -o: a str, whose trailing "/" says "a folder"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, Path) or not isinstance(value, (str, bytes)):
-            return value  # a Path, or a RemotePath given by a caller
-        text = os.fsdecode(value) if isinstance(value, bytes) else value
-        if "://" not in text:  # a local path, as before (ckptool.files.remote is not even imported)
-            return text if self.keep_text else Path(text)
-        from ckptool.files.remote import is_url, location
-
-        if is_url(text):
-            if ctx is not None:
-                ctx.find_root().meta[_URL_NAMED] = True
-            return text if self.keep_text else location(text)
-        if self.keep_text:
-            return text
-        return location(text)  # file:// or local://: a local path, percent-decoded
-
-
-LOCATION = Location()
-
-
-def storage_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--storage-option KEY=VALUE`` (repeatable): fsspec options for every URL of the command; and
-    the request and byte counts (``--json``'s ``io``) start at zero for the command."""
-
-    @click.option(
-        "--storage-option",
-        "storage_option",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="An fsspec option for URLs (repeatable): endpoint_url=http://127.0.0.1:8333, anon=true, "
-        "client_kwargs.region_name=eu-west-1. Credentials come from the environment, never printed.",
-    )
-    @functools.wraps(command)
-    def wrapper(*args: Any, storage_option: tuple[str, ...], **kwargs: Any) -> Any:
-        if storage_option or _REMOTE in sys.modules:  # ckptool.files.remote is imported only when URLs are in play
-            from ckptool.files.remote import STATS, parse_storage_options, set_storage_options
-
-            try:
-                options = parse_storage_options(storage_option)
-            except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="'--storage-option'") from None
-            set_storage_options(options)
-            STATS.reset()
-        return command(*args, **kwargs)
-
-    return wrapper
-
-
-allow_global_option = click.option(
-    "--allow-global",
-    "allow_globals",
-    multiple=True,
-    metavar="NAME|PATTERN",
-    help="Accept pickle globals by name (mylib.Config) or shell pattern on the dotted name ('omegaconf.*', "
-    "'*' for all) (repeatable); each is read as an inert record, never imported. Torch's own globals keep "
-    "their checks; a pattern never accepts a global known to run code (os.system): name it exactly.",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object for pipelines.")
-weights_option = click.option(
-    "--weights",
-    default=None,
-    metavar="PATH",
-    help="Which set of weights to take when the file holds several (inspect lists them): keys joined by . or / "
-    "(state_dict_ema, model.ema, ema); a key holding dots is matched whole. Default: the live weights.",
-)
-force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-in_place_option = click.option(
-    "--in-place", is_flag=True, help="Allow OUT to be the input (still written via a temp file)."
-)
-allow_expansion_option = click.option(
-    "--allow-expansion",
-    is_flag=True,
-    help="Materialize tensor views that expand their stored bytes (stride 0, overlaps) more than 4x in full.",
-)
-dry_run_option = click.option(
-    "--dry-run",
-    is_flag=True,
-    help="Make every check and refusal of the write, then stop: say what would be written; write nothing.",
-)
-
-
-def shows_progress(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--quiet``, and a byte progress bar on stderr for the command's long work (past about a second)
-    when stderr is a terminal, unless ``--json`` or ``--quiet``: nothing in a pipe or a log."""
-
-    @click.option(
-        "-q", "--quiet", is_flag=True, help="No progress bar (it shows only on a terminal, for work past a second)."
-    )
-    @functools.wraps(command)
-    def wrapper(*args: Any, quiet: bool, **kwargs: Any) -> Any:
-        from ckptool.base import progress
-
-        stderr = sys.stderr
-        show = not quiet and not kwargs.get("as_json") and stderr is not None and stderr.isatty()
-        with progress.showing(progress.terminal_bars(stderr)) if show else contextlib.nullcontext():
-            return command(*args, **kwargs)
-
-    return wrapper
-
-
-fingerprint_write_option = click.option(
-    "--fingerprint",
-    "with_fingerprint",
-    is_flag=True,
-    help="Also compute the sha256 fingerprint of the weights (reported; kept in safetensors metadata).",
-)
 
 
 GC_YOUNG_ALLOCATIONS = 50_000  # allocations between young collections in a CLI process (Python: 700)
@@ -367,7 +163,7 @@ def inspect(
         weights=weights,
     )
     if as_json:
-        _emit_json("inspect", summary.to_json())
+        emit_json("inspect", summary.to_json())
     else:
         render.summary(summary)
 
@@ -392,326 +188,10 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 
     report = scan_(ckpt, allow_globals=allow_globals)
     if as_json:
-        _emit_json("scan", report.to_json())
+        emit_json("scan", report.to_json())
     else:
         render.scan(report)
     sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
-
-
-# ------------------------------------------------------------------------------------------------ rewrites
-# (operations.py does each job; these parse its options and render its WriteReport)
-
-
-def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(
-        [
-            click.argument("ckpt", type=LOCATION),
-            click.option(
-                "-o",
-                "--out",
-                type=LOCATION,
-                help="Output path; its suffix decides the format (.pt/.pth/.bin/.ckpt or .safetensors; "
-                "another suffix keeps the input's).",
-            ),
-            force_option,
-            in_place_option,
-            json_option,
-            allow_global_option,
-            fingerprint_write_option,
-            weights_option,
-            dry_run_option,
-        ]
-    ):
-        command = option(command)
-    return command
-
-
-@main.command()
-@_rewrite_options
-@click.option("--prefix", default=None, help="Strip this prefix instead of the detected wrapper stack.")
-@click.option(
-    "--to",
-    "to_device",
-    default=None,
-    metavar="DEVICE",
-    help="Also send every saved storage to DEVICE (cpu, cuda:0...), as remap does, in the same write.",
-)
-@click.option("--map", "mapping", multiple=True, metavar="OLD=NEW", help="Also rewrite one device tag (repeatable).")
-@shows_progress
-@storage_options
-@handle_errors
-def strip(
-    ckpt: Path,
-    out: Path | None,
-    force: bool,
-    in_place: bool,
-    as_json: bool,
-    allow_globals: tuple[str, ...],
-    with_fingerprint: bool,
-    weights: str | None,
-    dry_run: bool,
-    prefix: str | None,
-    to_device: str | None,
-    mapping: tuple[str, ...],
-) -> None:
-    """Remove the wrapper prefix (module., _orig_mod., Lightning's model.) from the weight keys.
-
-    By default strips the whole detected stack (e.g. module._orig_mod.); the rest of the
-    container (optimizer, epoch, ...) is kept as it is. Exit 1 if no key carries the prefix.
-
-    Example: ckptool strip ddp.pt -o model.pt
-    """
-    from ckptool.ops import rewrite as operations
-
-    report = operations.strip(
-        ckpt,
-        out,
-        prefix=prefix,
-        force=force,
-        in_place=in_place,
-        allow_globals=allow_globals,
-        fingerprint=with_fingerprint,
-        weights=weights,
-        to_device=to_device,
-        mapping=mapping,
-        dry_run=dry_run,
-    )
-    if as_json:
-        _emit_json("strip", report.to_json())
-    else:
-        details = report.details
-        moved = (
-            f"; devices {details['devices_before']} -> {details['devices_after']}" if "devices_after" in details else ""
-        )
-        render.write(
-            report, f'stripped "{details["prefix"]}" from {details["renamed"]} keys: {ckpt} -> {report.target}{moved}'
-        )
-
-
-@main.command("add-prefix")
-@_rewrite_options
-@click.option("--prefix", default="module.", show_default=True, help="Prefix to put in front of every weight key.")
-@shows_progress
-@storage_options
-@handle_errors
-def add_prefix(
-    ckpt: Path,
-    out: Path | None,
-    force: bool,
-    in_place: bool,
-    as_json: bool,
-    allow_globals: tuple[str, ...],
-    with_fingerprint: bool,
-    weights: str | None,
-    dry_run: bool,
-    prefix: str,
-) -> None:
-    """Put a prefix in front of every weight key (e.g. to resume a DDP run from plain weights).
-
-    Example: ckptool add-prefix model.pt -o ddp.pt --prefix module.
-    """
-    from ckptool.ops import rewrite as operations
-
-    report = operations.add_prefix(
-        ckpt,
-        out,
-        prefix=prefix,
-        force=force,
-        in_place=in_place,
-        allow_globals=allow_globals,
-        fingerprint=with_fingerprint,
-        weights=weights,
-        dry_run=dry_run,
-    )
-    if as_json:
-        _emit_json("add-prefix", report.to_json())
-    else:
-        render.write(report, f'added "{prefix}" to {report.details["renamed"]} keys: {ckpt} -> {report.target}')
-
-
-@main.command()
-@_rewrite_options
-@click.option(
-    "--to", "to_device", default=None, metavar="DEVICE", help="Send every storage to DEVICE (cpu, cuda:0...)."
-)
-@click.option(
-    "--map", "mapping", multiple=True, metavar="OLD=NEW", help="Rewrite one tag, e.g. cuda:1=cuda:0 (repeatable)."
-)
-@shows_progress
-@storage_options
-@handle_errors
-def remap(
-    ckpt: Path,
-    out: Path | None,
-    force: bool,
-    in_place: bool,
-    as_json: bool,
-    allow_globals: tuple[str, ...],
-    with_fingerprint: bool,
-    weights: str | None,
-    dry_run: bool,
-    to_device: str | None,
-    mapping: tuple[str, ...],
-) -> None:
-    """Rewrite saved storage device tags so torch.load works where intended; needs no GPU.
-
-    Tensors are not moved: only the tags torch.load restores them onto change.
-
-    Example: ckptool remap gpu.pt -o cpu.pt --to cpu
-    """
-    from ckptool.ops import rewrite as operations
-
-    report = operations.remap(
-        ckpt,
-        out,
-        to_device=to_device,
-        mapping=mapping,
-        force=force,
-        in_place=in_place,
-        allow_globals=allow_globals,
-        fingerprint=with_fingerprint,
-        weights=weights,
-        dry_run=dry_run,
-    )
-    if as_json:
-        _emit_json("remap", report.to_json())
-    else:
-        render.write(
-            report,
-            f"remapped {ckpt} -> {report.target}: {report.details['devices_before']} -> "
-            f"{report.details['devices_after']}",
-        )
-
-
-# ------------------------------------------------------------------------------------------------ convert
-
-
-@main.command()
-@click.argument("ckpts", nargs=-1, required=True, type=LOCATION)
-@click.option(
-    "-o",
-    "--out",
-    type=Location(keep_text=True),  # a str: a trailing "/" says "a folder"
-    help="Output: .safetensors, .pt/.pth/.bin, or a directory for sharded safetensors.",
-)
-@click.option("--out-dir", type=LOCATION, help="Convert many inputs into this directory (name kept, suffix from --to).")
-@click.option(
-    "--to",
-    "to_format",
-    type=click.Choice(["safetensors", "pt", "dcp"]),
-    default=None,
-    help="Target format (default: from OUT's suffix; safetensors with --out-dir); dcp: a "
-    "torch.distributed.checkpoint folder of the whole checkpoint, for dcp.load (needs torch).",
-)
-@click.option("--strip", "strip_wrappers", is_flag=True, help="Also strip the detected wrapper prefix from the keys.")
-@click.option("--max-shard-size", default=None, metavar="SIZE", help="Shard safetensors output, e.g. 5GB or 500MB.")
-@click.option("--duplicate-tied", is_flag=True, help="Store tied tensors as full copies (for readers without aliases).")
-@click.option(
-    "--nest",
-    type=click.Choice(["model", "state_dict"]),
-    default=None,
-    help="For .pt output from safetensors: wrap the weights as {NEST: weights}.",
-)
-@click.option(
-    "--dtype", default=None, metavar="DTYPE", help="Cast floating weights: bf16, fp16 or fp32 (integers untouched)."
-)
-@click.option(
-    "--allow-overflow",
-    is_flag=True,
-    help="With --dtype: accept a cast that turns finite values into Inf/NaN (refused by default).",
-)
-@click.option(
-    "--drop",
-    multiple=True,
-    metavar="PATTERN",
-    help="Leave out weight keys ('head.*', '*.num_batches_tracked') and top-level entries ('optimizer') a "
-    "shell pattern matches whole (repeatable).",
-)
-@click.option(
-    "--rename",
-    multiple=True,
-    metavar="REGEX=REPL",
-    help=r"Rewrite weight keys with a regex, as re.sub does: '^backbone\.=' or 'blocks\.(\d+)=layers.\1' "
-    "(repeatable, applied in order).",
-)
-@click.option(
-    "--weights-only",
-    is_flag=True,
-    help="Write the weights alone (a bare state dict): no optimizer, epoch or config around them.",
-)
-@allow_expansion_option
-@force_option
-@json_option
-@allow_global_option
-@fingerprint_write_option
-@weights_option
-@dry_run_option
-@shows_progress
-@storage_options
-@handle_errors
-def convert(
-    ckpts: tuple[Path, ...],
-    out: str | None,
-    out_dir: Path | None,
-    to_format: str | None,
-    strip_wrappers: bool,
-    max_shard_size: str | None,
-    duplicate_tied: bool,
-    nest: str | None,
-    dtype: str | None,
-    allow_overflow: bool,
-    drop: tuple[str, ...],
-    rename: tuple[str, ...],
-    weights_only: bool,
-    allow_expansion: bool,
-    force: bool,
-    as_json: bool,
-    allow_globals: tuple[str, ...],
-    with_fingerprint: bool,
-    weights: str | None,
-    dry_run: bool,
-) -> None:
-    """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
-
-    Tied tensors are stored once and re-tied by ckptool (--duplicate-tied for plain copies); the
-    container's plain entries (epoch, config, metrics) go into the safetensors metadata.
-
-    Example: ckptool convert ddp.pt -o model.safetensors --strip
-    """
-    from ckptool.ops import rewrite as operations
-
-    plan = operations.plan_convert(ckpts, out=out, out_dir=out_dir, to=to_format, max_shard_size=max_shard_size)
-    options = operations.ConvertOptions(
-        to=to_format,
-        strip=strip_wrappers,
-        duplicate_tied=duplicate_tied,
-        nest=nest,
-        dtype=dtype,
-        allow_overflow=allow_overflow,
-        allow_expansion=allow_expansion,
-        force=force,
-        allow_globals=allow_globals,
-        fingerprint=with_fingerprint,
-        weights=weights,
-        dry_run=dry_run,
-        drop=drop,
-        rename=rename,
-        weights_only=weights_only,
-    )
-    report = operations.convert(plan, options)  # each output's bar, on a terminal (shows_progress)
-    if as_json:
-        _emit_json("convert", report.to_json(_error_text))
-    else:
-        for result in report.converted:
-            render.write(
-                result,
-                f"{result.input} -> {result.saved.path} ({result.saved.format}, "
-                f"{result.saved.tensors} tensors, {render.human_bytes(result.saved.bytes)})",
-            )
-    for failure in report.failed:
-        render.echo(f"ckptool: error: {_error_text(failure)}", err=True)
-    if report.failed:
-        sys.exit(report.exit_code)
 
 
 # ------------------------------------------------------------------------------------------------ verify, diff
@@ -819,7 +299,7 @@ def verify(
         against_weights=against_weights,
     )
     if as_json:
-        _emit_json("verify", report.to_json(flag))
+        emit_json("verify", report.to_json(flag))
     else:
         render.verify(report)
     if not report.ok:
@@ -875,7 +355,12 @@ def diff(
         weights_b=weights_b,
     )
     if as_json:
-        _emit_json("diff", report.to_json())
+        emit_json("diff", report.to_json())
     else:
         render.diff(report)
     sys.exit(exitcodes.OK if report.identical else exitcodes.PROBLEM)
+
+
+# the commands that write a checkpoint (ckptool/cli/writes.py); click lists every command by name
+for _command in (writes.strip, writes.add_prefix, writes.remap, writes.convert):
+    main.add_command(_command)

@@ -164,16 +164,66 @@ def save(
     # the one place that decides between disk and a URL: a URL is written here and uploaded (ckptool.io.upload)
     destination = location(out)
     url = destination if not isinstance(destination, Path) else None
+    out = cast(Path, destination)  # a RemotePath stands where a Path stands (name, suffix, /, is_dir)
+    target, tensors, plan = _refuse(
+        checkpoint, out, url, to=to, max_shard_size=max_shard_size, duplicate_tied=duplicate_tied,
+        allow_expansion=allow_expansion, fingerprint=fingerprint, force=force, in_place=in_place,
+    )  # fmt: skip
+    if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
+        return SaveReport(
+            path=out,
+            format=target.name,
+            files=[out / name for name in plan.writes] if plan is not None else [out],
+            tensors=len(tensors),
+            bytes=total_nbytes(tensors.values()),
+            dry_run=True,
+            notes=list(plan.notes) if plan is not None else [],
+        )
+    options: dict[str, Any] = {
+        "nest": nest,
+        "duplicate_tied": duplicate_tied,
+        "fingerprint": fingerprint,
+        "views_raw": not target.weights_only,  # a .pt output copies storages raw
+    }
+    if url is not None:
+        report = _save_remote(checkpoint, tensors, url, target, plan, **options)
+    else:
+        # the write's records (100,000 headers, checks, sums) are no garbage while it runs: no collection rescans them
+        with paused():
+            report = _save_local(checkpoint, tensors, out, target, plan, **options)
+    report.tensors = len(tensors)
+    report.bytes = total_nbytes(tensors.values())
+    rewrite_note = formats.for_name(checkpoint.format).rewrite_note
+    if rewrite_note and not target.weights_only:
+        report.notes.append(rewrite_note)
+    return report
+
+
+def _refuse(
+    checkpoint: Checkpoint,
+    out: Path,
+    url: RemotePath | None,
+    *,
+    to: str | None,
+    max_shard_size: int | None,
+    duplicate_tied: bool,
+    allow_expansion: bool,
+    fingerprint: bool,
+    force: bool,
+    in_place: bool,
+) -> tuple[formats.Format, Mapping[str, TensorRef], _ShardPlan | None]:
+    """Every refusal of :func:`save`, before a thread reads the input or a byte is written: (the output's format,
+    the tensors it writes, the shard plan of a folder output)."""
     if url is not None:
         from ckptool.files.remote import check_supported
         from ckptool.io import upload
 
         check_supported(url, writing=True)  # a protocol ckptool does not write: refused before any request
-    out = cast(Path, destination)  # a RemotePath stands where a Path stands (name, suffix, /, is_dir)
-    inputs = tuple(checkpoint.files) + (checkpoint.path,)
-    if url is not None:  # before the format is chosen: that may ask the store about the output
+        # before the format is chosen: that may ask the store about the output
         upload.refuse_input(url, files=checkpoint.files, folder=checkpoint.path)
+    inputs = tuple(checkpoint.files) + (checkpoint.path,)
     target = target_format(out, to, max_shard_size)
+    tensors: Mapping[str, TensorRef]
     if not target.weights_only:
         tensors = checkpoint.tensors if checkpoint.has_weights else {}
     else:  # weights only: one without them is refused (state_dict says so); every refusal comes
@@ -194,61 +244,16 @@ def save(
         plan = _plan_shards(
             tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out, checkpoint.path
         )
-        if url is not None:
-            upload.check_output(
-                url, inputs=inputs, force=force, in_place=in_place, writes=plan.writes, removes=plan.removes
-            )
-        else:
-            check_folder_output(
-                out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force, in_place=in_place
-            )
-    elif url is not None:
-        upload.check_output(url, inputs=inputs, force=force, in_place=in_place)
+    if url is not None:
+        writes = {"writes": plan.writes, "removes": plan.removes} if plan is not None else {}
+        upload.check_output(url, inputs=inputs, force=force, in_place=in_place, **writes)
+    elif plan is not None:
+        check_folder_output(
+            out, writes=plan.writes, removes=plan.removes, inputs=inputs, force=force, in_place=in_place
+        )
     else:
         check_output(out, inputs=inputs, force=force, in_place=in_place)
-    if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
-        files = [out / name for name in plan.writes] if plan is not None else [out]
-        return SaveReport(
-            path=out,
-            format=target.name,
-            files=files,
-            tensors=len(tensors),
-            bytes=total_nbytes(tensors.values()),
-            dry_run=True,
-            notes=list(plan.notes) if plan is not None else [],
-        )
-    if url is not None:
-        report = _save_remote(
-            checkpoint,
-            tensors,
-            url,
-            target,
-            plan,
-            nest=nest,
-            duplicate_tied=duplicate_tied,
-            fingerprint=fingerprint,
-            views_raw=views_raw,
-        )
-    else:
-        # the write's records (100,000 headers, checks, sums) are no garbage while it runs: no collection rescans them
-        with paused():
-            report = _save_local(
-                checkpoint,
-                tensors,
-                out,
-                target,
-                plan,
-                nest=nest,
-                duplicate_tied=duplicate_tied,
-                fingerprint=fingerprint,
-                views_raw=views_raw,
-            )
-    report.tensors = len(tensors)
-    report.bytes = total_nbytes(tensors.values())
-    rewrite_note = formats.for_name(checkpoint.format).rewrite_note
-    if rewrite_note and not target.weights_only:
-        report.notes.append(rewrite_note)
-    return report
+    return target, tensors, plan
 
 
 def _save_remote(

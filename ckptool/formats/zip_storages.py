@@ -41,59 +41,18 @@ def storage_loader(
     type_globals: dict[Any, str] = {}  # by placeholder (held, so by identity): each class's name made once
 
     storage_type_ref = pickles.StorageTypeRef
-    get_member = members.get
     # no two names alike but for case (every archive torch writes): a name's member is the one of that exact name
     exact = dict.get if isinstance(members, zipio.Members) and not members.folded_alike else None
     not_read = zipio.NOT_READ
 
     def persistent_load(pid: Any) -> StorageRef:
-        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise InputError(
-                f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path
-            )
-        _, storage_type, key, location, numel = pid
-        if (
-            not isinstance(storage_type, storage_type_ref)
-            or not isinstance(key, str)
-            or not isinstance(location, str)
-            or type(numel) is not int
-            or numel < 0
-        ):
-            raise InputError(
-                f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path
-            )
+        storage_type, key, location, numel = _storage_record(pid, context, path)
         dtype = storage_type.dtype
         cached = storages.get(key)
         if cached is not None and (cached.nbytes or cached.dtype is dtype):
             return cached
-        name = prefix + key
-        member = exact(members, name) if exact is not None else None
-        if member is None:
-            member = get_member(name)
-            if member is None:
-                raise InputError(
-                    f"{context}storage {pickles.brief(key)} is missing from the archive — the file is "
-                    "truncated or corrupt",
-                    path=path,
-                )
-        if member.compressed:
-            raise InputError(
-                f"{context}storage {pickles.brief(key)} is compressed; PyTorch writes storages "
-                "uncompressed — re-save with torch.save",
-                path=path,
-            )
         nbytes = numel * dtype.itemsize
-        size = member.size
-        if size < nbytes:
-            raise InputError(
-                f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
-                f"{size} — the file is corrupt",
-                path=path,
-            )
-        # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
-        crc32: int | None = member.crc32
-        if size != nbytes or not (crc32 or not nbytes):
-            crc32 = None
+        member, crc32 = _storage_member(members, exact, prefix + key, key, nbytes, context, path)
         data_offset = member.data_offset
         type_global = type_globals.get(storage_type)
         if type_global is None:
@@ -134,6 +93,65 @@ def storage_loader(
             zipio.Member,
         )
     return persistent_load
+
+
+def _storage_record(pid: Any, context: str, path: Path) -> tuple[pickles.StorageTypeRef, str, str, int]:
+    """A persistent record's storage class, key, location and element count, or the file's refusal."""
+    if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+        raise InputError(
+            f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path
+        )
+    _, storage_type, key, location, numel = pid
+    if (
+        not isinstance(storage_type, pickles.StorageTypeRef)
+        or not isinstance(key, str)
+        or not isinstance(location, str)
+        or type(numel) is not int
+        or numel < 0
+    ):
+        raise InputError(
+            f"{context}malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path
+        )
+    return storage_type, key, location, numel
+
+
+def _storage_member(
+    members: dict[str, zipio.Member],
+    exact: Callable[[dict[str, zipio.Member], str], zipio.Member | None] | None,
+    name: str,
+    key: str,
+    nbytes: int,
+    context: str,
+    path: Path,
+) -> tuple[zipio.Member, int | None]:
+    """The member holding storage ``key`` (``exact``: the lookup by exact name, where the archive allows
+    it), checked to be stored and to hold ``nbytes``, and the CRC recorded for those bytes, if any."""
+    member = exact(members, name) if exact is not None else None
+    if member is None:
+        member = members.get(name)
+        if member is None:
+            raise InputError(
+                f"{context}storage {pickles.brief(key)} is missing from the archive — the file is truncated or corrupt",
+                path=path,
+            )
+    if member.compressed:
+        raise InputError(
+            f"{context}storage {pickles.brief(key)} is compressed; PyTorch writes storages "
+            "uncompressed — re-save with torch.save",
+            path=path,
+        )
+    size = member.size
+    if size < nbytes:
+        raise InputError(
+            f"{context}storage {pickles.brief(key)} declares {nbytes} bytes but the archive holds "
+            f"{size} — the file is corrupt",
+            path=path,
+        )
+    # a CRC of 0 is what torch records with CRCs turned off (set_crc32_options(False)): none
+    crc32: int | None = member.crc32
+    if size != nbytes or not (crc32 or not nbytes):
+        crc32 = None
+    return member, crc32
 
 
 def _data_range(

@@ -28,7 +28,7 @@ through torch, one tensor at a time, as before.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -282,6 +282,42 @@ def _overflow_error(names: list[str], dtype: str, path: Path | None) -> InputErr
     )
 
 
+def _cast_tensor(
+    tensor: TensorRef, target: dtypes.DType, key: str, refusal: Callable[[], InputError] | None
+) -> TensorRef:
+    """``tensor`` cast to ``target``: a new storage ``key`` whose bytes are computed when read (``refusal``:
+    what a finite value turning Inf raises; None: allowed)."""
+    if numpy_cast(tensor.dtype.name, target.name):
+        derived = CastBytes(tensor, target, refusal)
+        producer: Any = derived.read
+    else:
+        derived, producer = None, (lambda tensor=tensor: _cast_bytes(tensor, target))
+    storage = StorageRef(
+        key=key,
+        dtype=target,
+        numel=tensor.numel,
+        location=tensor.location,
+        type_global=f"torch.{target.storage_class}" if target.storage_class else "torch.storage.UntypedStorage",
+        producer=producer,
+        derived=derived,
+    )
+    rebuild = "torch._utils._rebuild_tensor_v2" if target.storage_class else "torch._utils._rebuild_tensor_v3"
+    if not target.storage_class:
+        storage = replace(storage, dtype=dtypes.BY_NAME["U8"], numel=tensor.numel * target.itemsize)
+    # the cast bytes are values (bits applied): the result carries no bits and no metadata
+    return replace(
+        tensor,
+        storage=storage,
+        dtype=target,
+        stride=contiguous_stride(tensor.shape),
+        offset=0,
+        rebuild=rebuild,
+        extra=(),
+        conj=False,
+        neg=False,
+    )
+
+
 def cast_weights(
     checkpoint: Checkpoint, dtype: str, *, allow_overflow: bool = False, allow_expansion: bool = False
 ) -> Checkpoint:
@@ -345,35 +381,7 @@ def cast_weights(
             tensor.neg,
         )
         if identity not in memo:
-            if numpy_cast(tensor.dtype.name, target.name):
-                derived = CastBytes(tensor, target, None if allow_overflow else refusal)
-                producer: Any = derived.read
-            else:
-                derived, producer = None, (lambda tensor=tensor: _cast_bytes(tensor, target))
-            storage = StorageRef(
-                key=f"cast:{len(memo)}",
-                dtype=target,
-                numel=tensor.numel,
-                location=tensor.location,
-                type_global=f"torch.{target.storage_class}" if target.storage_class else "torch.storage.UntypedStorage",
-                producer=producer,
-                derived=derived,
-            )
-            rebuild = "torch._utils._rebuild_tensor_v2" if target.storage_class else "torch._utils._rebuild_tensor_v3"
-            if not target.storage_class:
-                storage = replace(storage, dtype=dtypes.BY_NAME["U8"], numel=tensor.numel * target.itemsize)
-            # the cast bytes are values (bits applied): the result carries no bits and no metadata
-            memo[identity] = replace(
-                tensor,
-                storage=storage,
-                dtype=target,
-                stride=contiguous_stride(tensor.shape),
-                offset=0,
-                rebuild=rebuild,
-                extra=(),
-                conj=False,
-                neg=False,
-            )
+            memo[identity] = _cast_tensor(tensor, target, f"cast:{len(memo)}", None if allow_overflow else refusal)
         return memo[identity]
 
     return checkpoint.with_state_dict(map_tensors(checkpoint.state_dict, convert))

@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: venv demo test lint fuzz bench fixtures realworld frameworks clean
 
-# the editable install also compiles the C twins of the opcode guard and the zip directory loops in place
+# the editable install also compiles the C twins of the opcode guard and the unpickler's run in place
 # (optional extensions: without a compiler Python runs them), so a change to their sources installs again
 $(VENV)/.installed: pyproject.toml training/pyproject.toml ckptool/native/_guard.c ckptool/native/_fastload.c
 	$(PYTHON) -m venv $(VENV)

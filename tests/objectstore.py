@@ -1378,7 +1378,8 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     try:
         import botocore  # noqa: F401 - the set-up client
     except ImportError:
-        skip_or_fail("SeaweedFS tests need botocore (pip install 'ckptool[remote]', which brings s3fs)")
+        skip_or_fail("SeaweedFS tests set up and check the store with botocore and s3fs, a client independent of "
+                     "ckptool's (pip install s3fs)")
     try:
         server = SeaweedFS.start(tmp_path_factory.mktemp("seaweedfs"))
     except ObjectStoreUnavailable as failure:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from operator import itemgetter, mul
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptool import pickles
 from ckptool.base import progress
@@ -141,7 +141,8 @@ def write(
             # the usual write: every storage the bytes of a member, its CRC recorded (_add_each's first case, in
             # columns)
             names = list(map(f"{archive_name}/data/".__add__, map(itemgetter(0), storages)))
-            writer.add_copy_columns(names, list(map(_PATH, datas)), list(map(_OFFSET, datas)), sizes, crcs)
+            recorded = cast("list[int]", crcs)  # None is not among them
+            writer.add_copy_columns(names, list(map(_PATH, datas)), list(map(_OFFSET, datas)), sizes, recorded)
         else:
             _add_each(writer, storages, archive_name, trust_recorded_crcs)
         writer.add_bytes(f"{archive_name}/version", b"3\n")

@@ -129,7 +129,7 @@ class ZipWriter:
         """The local header of a member whose header starts where the archive stands."""
         return _local_header(name, size, crc, self.position)
 
-    def add_bytes(self, name: str, data: bytes, crc: int | None = None) -> None:
+    def add_bytes(self, name: str, data: bytes | bytearray, crc: int | None = None) -> None:
         """Add a member from memory, under ``crc`` when one is recorded for it (else its CRC is computed)."""
         encoded = name.encode("utf-8")
         crc = crc32(data) if crc is None else crc

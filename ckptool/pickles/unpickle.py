@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptool import native
 from ckptool.base.errors import InputError
@@ -86,7 +86,9 @@ def _no_persistent_ids(pid: Any) -> Any:
 
 
 def loads(
-    data: bytes | io.BufferedIOBase, resolver: GlobalResolver, persistent_load: Callable[[Any], Any] | None = None
+    data: bytes | io.BufferedIOBase | BinaryIO,
+    resolver: GlobalResolver,
+    persistent_load: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Unpickle ``data`` through ``resolver``; errors surface as RefusedGlobal or InputError.
 

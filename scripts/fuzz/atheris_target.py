@@ -24,7 +24,9 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the Python walk of the guard is left out: instrumented, the reference walk of a 100 KB hostile pickle took
 # minutes; its C twin is what the fuzz is after, and both are run on every input regardless
-with atheris.instrument_imports(include=["ckptool"], exclude=["ckptool.pickles.opcode_guard"]):
+_GUARD_WALK = ["ckptool.pickles.opcode_guard", "ckptool.pickles.guard_records", "ckptool.pickles.guard_steps",
+               "ckptool.pickles.guard_entry"]
+with atheris.instrument_imports(include=["ckptool"], exclude=_GUARD_WALK):
     import twins
 
 import mutate  # noqa: E402

@@ -117,7 +117,12 @@ class _Emitter:
             self.write(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
             if len(data) >= _SHARED_TEXT:  # one string the input shares stays one string, not n copies
                 self._put(obj)
-        elif type(obj) is bytes:
+        else:
+            self._save_other(obj)
+
+    def _save_other(self, obj: Any) -> None:
+        """:meth:`save` for the kinds a state dict holds fewer of, tested in this order (a subclass before its base)."""
+        if type(obj) is bytes:
             self._reduce_call("_codecs.encode", (obj.decode("latin1"), "latin1"), obj)
         elif type(obj) is bytearray:
             self._reduce_call("builtins.bytearray", (bytes(obj),), obj)
@@ -126,14 +131,7 @@ class _Emitter:
         elif isinstance(obj, TensorRef):
             self._tensor(obj)
         elif isinstance(obj, StorageRef):
-            # the persistent id torch writes: ('storage', storage class, key, location, numel)
-            self.write(_P.MARK)
-            self.save("storage")
-            self.global_(obj.type_global or f"torch.{obj.dtype.storage_class or 'UntypedStorage'}")
-            self.save(self._storage_key(obj))
-            self.save(obj.location)
-            self.save(obj.numel)
-            self.write(_P.TUPLE + _P.BINPERSID)
+            self._storage(obj)
         elif isinstance(obj, SizeRef):
             self._reduce_call("torch.Size", (tuple(obj),), obj)
         elif isinstance(obj, tuple):
@@ -155,26 +153,13 @@ class _Emitter:
         elif isinstance(obj, Counter):
             self._reduce_call("collections.Counter", (dict(obj),), obj)
         elif isinstance(obj, OrderedDict):
-            self.global_("collections.OrderedDict")
-            self.write(_P.EMPTY_TUPLE + _P.REDUCE)
-            self._put(obj)
-            self._setitems(list(dict.items(obj)))
-            state = getattr(obj, "__dict__", None)
-            if state:
-                self.save(dict(state))
-                self.write(_P.BUILD)
+            self._ordered_dict(obj)
         elif type(obj) is set:
             self._reduce_call("builtins.set", (list(obj),), obj)
         elif isinstance(obj, OpaqueObject):
             self._opaque(obj)
         elif type(obj) is frozenset:
-            # the reader builds one only from FROZENSET (no frozenset global is allowed by default):
-            # written back the same way, so no global the file did not name appears
-            self.write(_P.MARK)
-            for item in obj:
-                self.save(item)
-            self.write(_P.FROZENSET)
-            self._put(obj)
+            self._frozenset(obj)
         elif isinstance(obj, type) and issubclass(obj, OpaqueObject) and (obj._global or obj._parent is not None):
             # an allowed class passed as a value (numpy's ndarray to _reconstruct, defaultdict's
             # list factory, a config's object_type): the global it was read from, spelled as it was
@@ -183,6 +168,35 @@ class _Emitter:
             self.global_(self._callable_name(obj))  # type: ignore[arg-type]
         else:
             raise InputError(f"cannot write a {type(obj).__name__} into a checkpoint pickle")
+
+    def _storage(self, storage: StorageRef) -> None:
+        """The persistent id torch writes: ('storage', storage class, key, location, numel)."""
+        self.write(_P.MARK)
+        self.save("storage")
+        self.global_(storage.type_global or f"torch.{storage.dtype.storage_class or 'UntypedStorage'}")
+        self.save(self._storage_key(storage))
+        self.save(storage.location)
+        self.save(storage.numel)
+        self.write(_P.TUPLE + _P.BINPERSID)
+
+    def _ordered_dict(self, obj: OrderedDict) -> None:
+        self.global_("collections.OrderedDict")
+        self.write(_P.EMPTY_TUPLE + _P.REDUCE)
+        self._put(obj)
+        self._setitems(list(dict.items(obj)))
+        state = getattr(obj, "__dict__", None)
+        if state:
+            self.save(dict(state))
+            self.write(_P.BUILD)
+
+    def _frozenset(self, obj: frozenset) -> None:
+        # the reader builds one only from FROZENSET (no frozenset global is allowed by default):
+        # written back the same way, so no global the file did not name appears
+        self.write(_P.MARK)
+        for item in obj:
+            self.save(item)
+        self.write(_P.FROZENSET)
+        self._put(obj)
 
     def _class(self, cls: type) -> None:
         """A placeholder class named as the pickle named it, so that it loads as the same object: read from
@@ -327,29 +341,36 @@ class _Emitter:
         )
         if hooks is None:
             hooks = OrderedDict()
-        elif (
-            (type(hooks) is not OrderedDict and type(hooks) is not StateDict)
-            or hooks
-            or getattr(hooks, "__dict__", None)
-            or id(hooks) in memo
-        ):
+        elif not _empty_hooks(hooks, memo):
             return False
-        if (
-            type(storage) is not StorageRef
-            or id(storage) in memo
-            or type(offset) is not int
-            or type(shape) is not tuple
-            or type(stride) is not tuple
-            or len(shape) > 3
-            or len(stride) > 3
-            or type(tensor.requires_grad) is not bool
-            or type(storage.numel) is not int
-            or type(storage.location) is not str
-        ):
+        if not _plain_fields(tensor, memo):
             return False
-        for value in shape + stride:
-            if type(value) is not int:
-                return False
+        found = self._plain_globals(storage)
+        if found is None:
+            return False  # a global's first use: written (and memoised) by the general path
+        rebuild_at, type_at, dict_at = found
+        parts = self._plain_storage(storage, rebuild_at, type_at)
+        if parts is None:
+            return False
+        parts.append(_int_bytes(offset))
+        index = self.next_index
+        for dims in (shape, stride):
+            if not dims:
+                parts.append(_P.EMPTY_TUPLE)
+                continue
+            parts.append(self._plain_dims(dims))
+            parts.append(_put_bytes(index))  # (numbered as pickle numbers it; never looked up: written by value)
+            index += 1
+        parts.append(_P.NEWTRUE if tensor.requires_grad else _P.NEWFALSE)
+        parts.append(_get_bytes(dict_at))
+        args = (storage, offset, shape, stride, tensor.requires_grad, hooks)  # kept: its id stays its own
+        self._plain_puts(parts, index, hooks, args, tensor)
+        self.write(b"".join(parts))
+        return True
+
+    def _plain_globals(self, storage: StorageRef) -> tuple[int, int, int] | None:
+        """The memo indexes of the globals a plain tensor names (its rebuild, its storage's class, the hooks'
+        ``OrderedDict``), or None when one is not memoised yet."""
         global_memo = self.global_memo
         rebuild_at = global_memo.get(_REBUILD_V2_KEY)
         dict_at = global_memo.get(_ORDERED_DICT_KEY)
@@ -360,43 +381,44 @@ class _Emitter:
             type_key = self._global_keys[type_global] = f"{module}\n{name}"
         type_at = global_memo.get(type_key)
         if rebuild_at is None or dict_at is None or type_at is None:
-            return False  # a global's first use: written (and memoised) by the general path
+            return None
+        return rebuild_at, type_at, dict_at
+
+    def _plain_storage(self, storage: StorageRef, rebuild_at: int, type_at: int) -> list[bytes] | None:
+        """A plain tensor's first bytes: its rebuild global, the arguments' MARK, and its storage's persistent id
+        (:meth:`_storage`). None when its key or location is not a string :meth:`save` writes unmemoised."""
         parts = [_get_bytes(rebuild_at), b"((X\x07\x00\x00\x00storage", _get_bytes(type_at)]
         for text in (self._storage_key(storage), storage.location):
             if type(text) is not str:
-                return False
+                return None
             data = text.encode("utf-8", "surrogatepass")
             parts.append(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
             if len(data) >= _SHARED_TEXT:  # the general path memoises such a string: not this one's form
-                return False
+                return None
         parts.append(_int_bytes(storage.numel))
         parts.append(b"tQ")
-        parts.append(_int_bytes(offset))
-        keep = self.keep
-        index = self.next_index
-        small = _SMALL_INTS
-        dims_bytes = self._dims_bytes
-        for dims in (shape, stride):
-            if not dims:
-                parts.append(_P.EMPTY_TUPLE)
-                continue
-            # every value is an int (checked above), so a tuple equal to a cached one writes the same bytes
-            written = dims_bytes.get(dims)
-            if written is None:
-                written = dims_bytes[dims] = (
-                    b"".join([small[value] if 0 <= value < 256 else _int_bytes(value) for value in dims])
-                    + _TUPLES[len(dims)]
-                )
-            parts.append(written)
-            parts.append(_put_bytes(index))  # (numbered as pickle numbers it; never looked up: written by value)
-            index += 1
-        parts.append(_P.NEWTRUE if tensor.requires_grad else _P.NEWFALSE)
-        parts.append(_get_bytes(dict_at))
+        return parts
+
+    def _plain_dims(self, dims: tuple[int, ...]) -> bytes:
+        """A plain tensor's shape or stride (1 to 3 ints) and its TUPLEn, cached by value."""
+        # every value is an int (checked by _plain_fields), so a tuple equal to a cached one writes the same bytes
+        written = self._dims_bytes.get(dims)
+        if written is None:
+            small = _SMALL_INTS
+            written = self._dims_bytes[dims] = (
+                b"".join([small[value] if 0 <= value < 256 else _int_bytes(value) for value in dims])
+                + _TUPLES[len(dims)]
+            )
+        return written
+
+    def _plain_puts(self, parts: list[bytes], index: int, hooks: Any, args: tuple, tensor: TensorRef) -> None:
+        """The end of a plain tensor: the hooks' call, the arguments' TUPLE, the rebuild's REDUCE, each PUT at the
+        memo index :meth:`save` gives it, and memoised."""
+        memo, keep = self.memo, self.keep
         parts.append(b")R")
         parts.append(_put_bytes(index))
         memo[id(hooks)] = index
         keep.append(hooks)
-        args = (storage, offset, shape, stride, tensor.requires_grad, hooks)  # kept: its id stays its own
         parts.append(b"t")
         parts.append(_put_bytes(index + 1))
         memo[id(args)] = index + 1
@@ -406,8 +428,6 @@ class _Emitter:
         memo[id(tensor)] = index + 2
         keep.append(tensor)
         self.next_index = index + 3
-        self.write(b"".join(parts))
-        return True
 
     @staticmethod
     def _tensor_args(tensor: TensorRef) -> tuple:
@@ -447,6 +467,40 @@ _REBUILD_V2 = "torch._utils._rebuild_tensor_v2"
 _REBUILD_V2_KEY = "torch._utils\n_rebuild_tensor_v2"
 _ORDERED_DICT_KEY = "collections\nOrderedDict"
 _TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
+
+
+def _empty_hooks(hooks: Any, memo: dict[int, int]) -> bool:
+    """Whether saved backward hooks write as a fresh empty ``OrderedDict`` would: empty, no attributes, not
+    shared through the memo."""
+    return not (
+        (type(hooks) is not OrderedDict and type(hooks) is not StateDict)
+        or hooks
+        or getattr(hooks, "__dict__", None)
+        or id(hooks) in memo
+    )
+
+
+def _plain_fields(tensor: TensorRef, memo: dict[int, int]) -> bool:
+    """Whether a tensor's storage, offset, shape, stride and flag are what :meth:`_Emitter._plain_tensor` writes
+    in one piece: of their exact types, at most 3 dimensions, ints only, the storage not met before."""
+    storage, shape, stride = tensor.storage, tensor.shape, tensor.stride
+    if (
+        type(storage) is not StorageRef
+        or id(storage) in memo
+        or type(tensor.offset) is not int
+        or type(shape) is not tuple
+        or type(stride) is not tuple
+        or len(shape) > 3
+        or len(stride) > 3
+        or type(tensor.requires_grad) is not bool
+        or type(storage.numel) is not int
+        or type(storage.location) is not str
+    ):
+        return False
+    for value in shape + stride:
+        if type(value) is not int:
+            return False
+    return True
 
 
 _OP_INDEX = struct.Struct("<BI").pack

@@ -27,11 +27,12 @@ test: venv
 	$(PY) -m compileall -q ckptool training  # up-to-date .pyc: the tests start hundreds of processes
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# ruff (lint and format) over the package, as configured in pyproject.toml; the import contract is a test
-# (tests/test_architecture.py)
+# ruff (lint and format) and mypy over the package, as configured in pyproject.toml; the import contract is a
+# test (tests/test_architecture.py)
 lint: venv
 	$(VENV)/bin/ruff check ckptool
 	$(VENV)/bin/ruff format --check ckptool
+	$(VENV)/bin/mypy
 
 # the C extensions rebuilt with ASan and UBSan into build/fuzz/ (the in-place ones untouched), proven live on a
 # planted fault, then held to their Python twins: the differential tests, and FUZZ_SECONDS (default 120) of

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import ckptool  # noqa: E402
 from ckptool.files import remote
-from ckptool.io import upload  # noqa: E402
+from ckptool.io import upload, write_check  # noqa: E402
 from ckptool.base.errors import OutputError, UsageError  # noqa: E402
 from ckptool.io.writer import save  # noqa: E402
 
@@ -577,3 +577,92 @@ def test_cli_connections_lost_mid_part_abort_the_upload_in_one_line(s3_faults: A
     assert "the upload was aborted: nothing was written" in done.stderr
     assert seaweedfs.list_objects(bucket) == {}
     assert seaweedfs.list_multipart_uploads(bucket) == []
+
+
+# ------------------------------------------------------------------------------------------------ streamed
+
+
+def test_a_safetensors_output_is_sent_while_written_and_never_staged_whole(s3: Any, bucket: str, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            _fresh_state: Path) -> None:
+    """Its parts go to the store as the write lands them, and leave the local disk once sent and re-read: the
+    staging folder never holds more than a few parts. Nothing is visible until the check passed."""
+    from ckptool.io import streamed
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 * 1024 * 1024)
+    source = _big_checkpoint(tmp_path / "big.pt", mib=24)
+    url = f"{bucket}/big.safetensors"
+    staged: list[int] = []
+    visible: list[dict[str, int]] = []
+    real_part = upload._StoreUpload.part
+
+    def watching(self: upload._StoreUpload, number: int, data: bytes) -> bytes:
+        staged.append(sum(p.stat().st_blocks * 512 for p in _fresh_state.rglob("*") if p.is_file()))
+        return real_part(self, number, data)
+
+    real_verify = write_check.verify_output
+
+    def verifying(*args: Any, **kwargs: Any) -> int:
+        visible.append(s3.list_objects(bucket))  # every part sent, the check not yet passed
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(upload._StoreUpload, "part", watching)
+    monkeypatch.setattr(write_check, "verify_output", verifying)
+    save(ckptool.load(source), url)
+    stored = _s3fs(s3).cat(url)
+    assert stored == _local_conversion(tmp_path, source, "big.safetensors")
+    assert len(staged) == -(-len(stored) // (5 * 1024 * 1024)) > 4 and visible[0] == {}
+    if streamed._PUNCH is not None:
+        assert max(staged) <= 4 * 5 * 1024 * 1024 < len(stored)  # a few parts on disk, never the whole output
+    assert remote.STATS.bytes_written == len(stored) and s3.list_multipart_uploads(bucket) == []
+
+
+def test_a_streamed_output_whose_check_fails_leaves_nothing(s3: Any, bucket: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every part is with the store when the check runs; a mismatch aborts the upload: no object, no parts."""
+    from ckptool.base.errors import FingerprintMismatchError
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 * 1024 * 1024)
+
+    def mismatch(*args: Any, **kwargs: Any) -> int:
+        raise FingerprintMismatchError("tensor 'layer0.weight' reads back different from what was written")
+
+    monkeypatch.setattr(write_check, "verify_output", mismatch)
+    url = f"{bucket}/big.safetensors"
+    with pytest.raises(FingerprintMismatchError):
+        save(ckptool.load(_big_checkpoint(tmp_path / "big.pt")), url)
+    assert s3.list_objects(bucket) == {}
+    assert s3.list_multipart_uploads(bucket) == []
+
+
+def test_a_write_that_goes_back_over_sent_bytes_aborts_the_upload(s3: Any, bucket: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only final bytes are sent: a writer that rewrote bytes already with the store fails, and nothing is left."""
+    from ckptool.formats import safetensors
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 * 1024 * 1024)
+    real = safetensors.write_file
+
+    def patching(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        result = real(handle, *args, **kwargs)
+        handle.seek(8)
+        handle.write(b"{")  # as a fingerprint patched into the header would
+        return result
+
+    monkeypatch.setattr(safetensors, "write_file", patching)
+    url = f"{bucket}/big.safetensors"
+    with pytest.raises(OutputError) as failed:
+        save(ckptool.load(_big_checkpoint(tmp_path / "big.pt")), url)
+    assert "already sent to the store" in str(failed.value) and "\n" not in str(failed.value)
+    assert s3.list_objects(bucket) == {}
+    assert s3.list_multipart_uploads(bucket) == []
+
+
+def test_a_fingerprinted_or_pt_output_is_staged_then_uploaded(s3: Any, bucket: str, tmp_path: Path) -> None:
+    source = _big_checkpoint(tmp_path / "big.pt", mib=2)
+    fingerprinted = save(ckptool.load(source), f"{bucket}/f.safetensors", fingerprint=True)
+    assert fingerprinted.fingerprint and len(_s3fs(s3).cat(f"{bucket}/f.safetensors")) > 2 * 1024 * 1024
+    save(ckptool.load(source), f"{bucket}/p.pt")
+    fetched = tmp_path / "p.pt"
+    fetched.write_bytes(_s3fs(s3).cat(f"{bucket}/p.pt"))
+    assert ckptool.fingerprint(ckptool.load(fetched).tensors) == fingerprinted.fingerprint

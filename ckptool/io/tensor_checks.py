@@ -4,7 +4,7 @@ themselves (:func:`tensor_checks`). :mod:`ckptool.io.write_check` compares the t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -251,3 +251,20 @@ def _computed_checks(tensors: Mapping[str, TensorRef]) -> dict[str, TensorCheck]
             else tensor_checks({name: tensor}, trust_stored=False).values[name]
         )
     return checks
+
+
+def _later(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` done once, when its result is first asked for (and raised again if it failed)."""
+    done: dict[str, Any] = {}
+
+    def join() -> Any:
+        if not done:
+            try:
+                done["value"] = work()
+            except BaseException as e:
+                done["error"] = e
+        if "error" in done:
+            raise done["error"]
+        return done["value"]
+
+    return join

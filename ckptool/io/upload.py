@@ -30,29 +30,47 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
+import queue
 import re
-import shutil
-import tempfile
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ckptool.base import progress
-from ckptool.base.errors import CkptError, InputError, OutputError, UsageError
-from ckptool.base.suggest import option
+from ckptool.base.errors import CkptError, OutputError
 from ckptool.files import bounded
-from ckptool.files.atomic import TEMP_PREFIX, exists_refusal, folder_holds_refusal, is_input_refusal, signals_deferred
-from ckptool.files.remote import STATS, RemotePath, check_supported, remote_error
+from ckptool.files.atomic import TEMP_PREFIX, signals_deferred
+from ckptool.files.remote import STATS, RemotePath, remote_error
+from ckptool.io.upload_checks import (
+    S3_PROTOCOLS,
+    STAGING_PREFIX,
+    check_output,
+    earlier_shards,
+    named_for_user,
+    refuse_input,
+    staged,
+    staging_root,
+)
+
+__all__ = [
+    "S3_PROTOCOLS",
+    "STAGING_PREFIX",
+    "FedUpload",
+    "check_output",
+    "earlier_shards",
+    "named_for_user",
+    "publish",
+    "refuse_input",
+    "staged",
+    "staging_root",
+]
 
 PART_SIZE = 8 * 1024 * 1024  # bytes per part (S3: at least 5 MiB but the last; at most 10,000 parts)
 MAX_PARTS = 10_000
 PARTS_IN_FLIGHT = 2  # parts being sent at once (each one is in memory until sent)
-STAGING_PREFIX = "ckptool-staging-"
 _COMPOSITE = re.compile(r"^([0-9a-f]{32})-(\d+)$")
-S3_PROTOCOLS = ("s3", "s3a", "s3n")
 
 
 def _md5(data: bytes) -> Any:
@@ -62,191 +80,7 @@ def _md5(data: bytes) -> Any:
 # -- staging ------------------------------------------------------------------------------------------------
 
 
-def staging_root() -> str | None:
-    """Where staging folders are made: ``$CKPTOOL_STAGING_DIR``, else the system's temp folder (None)."""
-    return os.environ.get("CKPTOOL_STAGING_DIR") or None
-
-
-@contextlib.contextmanager
-def staged(out: RemotePath) -> Iterator[Path]:
-    """A local path named like ``out`` in a new private folder, for the checked write; the folder is
-    removed when the block ends, whatever happens."""
-    root = staging_root()
-    try:
-        folder = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
-    except OSError as e:
-        raise OutputError(
-            f"cannot make a staging folder in {root or tempfile.gettempdir()} ({e.strerror or e}) "
-            "— set CKPTOOL_STAGING_DIR to a writable local folder with room for the output; "
-            "nothing was written",
-            path=out,
-        ) from e
-    try:
-        yield folder / (out.name or "output")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def named_for_user(error: CkptError, staged_path: Path, out: RemotePath) -> CkptError:
-    """``error`` from the staged write, naming ``out`` where it named the staging path (a private detail)."""
-    shown = str(staged_path)
-    text = error.message.replace(shown, str(out))
-    if shown not in error.message and error.path is not None and str(error.path).startswith(shown):
-        text = error.message
-    if "no space left" in text:
-        text += (
-            f" (the local staging folder, in {staging_root() or tempfile.gettempdir()}: set "
-            "CKPTOOL_STAGING_DIR to a disk with room for the output)"
-        )
-    path: Any = out
-    if error.path is not None and str(error.path).startswith(shown + "/"):
-        path = out / str(error.path)[len(shown) + 1 :]
-    made = type(error)(text, path=path)
-    made.__cause__ = error
-    return made
-
-
 # -- refusals before anything is written ---------------------------------------------------------------------
-
-
-def check_output(
-    out: RemotePath,
-    *,
-    inputs: Sequence[Any] = (),
-    force: bool = False,
-    in_place: bool = False,
-    writes: list[str] | None = None,
-    removes: Iterable[str] = (),
-) -> None:
-    """Refuse a remote output as :func:`ckptool.files.atomic.check_output` refuses a local one (same wording):
-    an existing object without ``force``, the input itself; for a folder output (``writes``: the
-    files it writes) any file it would replace, without ``force``. Also: a read-only protocol, an
-    in-place rewrite (local files only), and an S3 bucket that is missing or refused.
-
-    Raises:
-        UsageError: a read-only protocol (``https://``), or ``in_place``.
-        OutputError: what exists without ``force``; the input; a bucket missing or refused.
-    """
-    if out.read_only:
-        raise UsageError(f"{out.protocol}:// is read-only — write the output to a local path, s3:// or gs://", path=out)
-    if in_place:
-        raise UsageError(
-            option("in_place")
-            + " rewrites a local file; a URL is written as a new object — drop "
-            + option("in_place")
-            + " and name the output with "
-            + option("out", None),
-            path=out,
-        )
-    check_supported(out, writing=True)
-    # compared by what they name (s3a://B/k/ is s3://b/k), before any request: no spelling of an input is written
-    remote_inputs = {source.identity for source in inputs if isinstance(source, RemotePath)}
-    if writes is None and out.identity in remote_inputs:
-        raise is_input_refusal(out, in_place=False)
-    if writes is not None:
-        if out.identity in remote_inputs:  # a sharded input's folder, by any spelling
-            raise OutputError(
-                "is the input folder; refusing to rewrite it — write elsewhere with " + option("out", None), path=out
-            )
-        for name in [*writes, *removes]:
-            if (out / name).identity in remote_inputs:
-                raise OutputError(
-                    f"holds the input {out / name} as {name}, which this output would replace — "
-                    "choose another " + option("out", None),
-                    path=out,
-                )
-    _check_bucket(out)
-    info = _info(out)
-    if writes is None:
-        if info is not None and info.get("type") == "directory":
-            raise OutputError(
-                "is a folder (objects lie under it), where the output writes one object — choose "
-                "another " + option("out", None),
-                path=out,
-            )
-        if info is not None and not force:
-            raise exists_refusal(out)
-        return
-    if info is not None and info.get("type") != "directory":
-        raise OutputError(
-            "is an object, where the output writes a folder of files — remove it, or choose another "
-            + option("out", None),
-            path=out,
-        )
-    if info is None:
-        return
-    try:
-        present = {child.name for child in out.iterdir()}
-    except InputError as e:
-        raise OutputError(e.message, path=out) from e
-    existing = [name for name in [*writes, *removes] if name in present]
-    if existing and not force:
-        raise folder_holds_refusal(out, writes, existing)
-
-
-def refuse_input(out: RemotePath, *, files: Sequence[Any] = (), folder: Any = None) -> None:
-    """Refuse an output that is an input by any spelling (:func:`ckptool.files.remote.identity`), before any
-    request is made for it: one of the input's ``files``, or its ``folder``.
-
-    Raises:
-        OutputError: ``out`` names an input.
-    """
-    named = out.identity
-    if any(isinstance(file, RemotePath) and file.identity == named for file in files):
-        raise is_input_refusal(out, in_place=False)
-    if isinstance(folder, RemotePath) and folder.identity == named:
-        raise (
-            is_input_refusal(out, in_place=False)
-            if folder in files
-            else OutputError(
-                "is the input folder; refusing to rewrite it — write elsewhere with " + option("out", None), path=out
-            )
-        )
-
-
-def _info(out: RemotePath) -> dict[str, Any] | None:
-    """What the store holds at ``out`` (None: nothing); a failure named as the output's."""
-    try:
-        return out.info()
-    except InputError as e:
-        raise OutputError(e.message, path=out) from e
-
-
-def _check_bucket(out: RemotePath) -> None:
-    """An S3 output's bucket must exist and answer before a byte is staged (one listing request)."""
-    if out.protocol not in S3_PROTOCOLS:
-        return
-    reader, key = out.filesystem()
-    bucket = key.split("/", 1)[0]
-    try:
-        STATS.add(requests=1)
-        reader.is_prefix(key)
-    except Exception as e:
-        error = remote_error(e, out, writing=True)
-        if "(404)" in error.message:
-            raise OutputError(
-                f"its bucket {bucket} does not exist (404) — create it first, or check the URL", path=out
-            ) from None
-        if error.message.startswith("access denied"):
-            return  # credentials that may write but not list the bucket: the write itself will say
-        raise error from None
-
-
-def earlier_shards(out: RemotePath, index_name: str) -> tuple[bool, list[str] | None]:
-    """(whether the folder ``out`` holds ``index_name``, the shard files that index names — None when it
-    cannot be read as an index)."""
-    from ckptool.formats.safetensors import MAX_HEADER_BYTES, shards_named_in
-
-    index = out / index_name
-    info = _info(index)
-    if info is None:
-        return False, []
-    if int(info.get("size") or 0) > MAX_HEADER_BYTES:
-        return True, None
-    try:
-        return True, shards_named_in(index.read_bytes())
-    except InputError as e:
-        raise OutputError(e.message, path=index) from e
 
 
 # -- uploading ------------------------------------------------------------------------------------------------
@@ -275,11 +109,11 @@ class _StoreUpload(_Upload):
     the object's size (and S3's composite ETag) with the bytes sent; ``abort`` makes the parts raise, on
     which obstore aborts the upload (no object, no parts)."""
 
-    def __init__(self, local: Path, remote: RemotePath) -> None:
+    def __init__(self, local: Path | None, remote: RemotePath) -> None:
         self.local = local
         self.remote = remote
         self.reader, self.path = remote.filesystem()
-        self.size = local.stat().st_size
+        self.size = local.stat().st_size if local is not None else 0
         self.part_size = max(PART_SIZE, -(-self.size // MAX_PARTS))
         self.digests: list[bytes] = []
         self.result: dict[str, Any] = {}
@@ -290,6 +124,7 @@ class _StoreUpload(_Upload):
         self._thread: threading.Thread | None = None
 
     def _parts(self) -> Iterator[bytes]:
+        assert self.local is not None
         with open(self.local, "rb") as handle:
             while True:
                 if self._stop.is_set():
@@ -299,8 +134,12 @@ class _StoreUpload(_Upload):
                     break
                 yield self.part(len(self.digests) + 1, data)
                 del data
+        self._held_open()
+
+    def _held_open(self) -> None:
+        """Every part is handed over: the upload stays open (nothing visible) until the set completes."""
         self._sent.set()
-        while not self._go.wait(0.05):  # held open: the object appears only when the set is complete
+        while not self._go.wait(0.05):
             if self._stop.is_set():
                 raise _Aborted()
 
@@ -309,7 +148,8 @@ class _StoreUpload(_Upload):
         bytes to send."""
         self.digests.append(_md5(data).digest())
         STATS.add(requests=1, written=len(data))
-        progress.advance(len(data))
+        if self.local is not None:  # a fed upload's bytes are counted by the write's own progress
+            progress.advance(len(data))
         return data
 
     def _run(self) -> None:
@@ -373,6 +213,57 @@ class _StoreUpload(_Upload):
         except Exception as e:
             return remote_error(e, self.remote, writing=True).message.split(" — ")[0]
         return None
+
+
+class FedUpload(_StoreUpload):
+    """An upload whose parts are fed while the file is written (:class:`ckptool.io.streamed.StreamedFile`): it
+    starts at once; :meth:`feed` blocks while the store is behind (one part waits, :data:`PARTS_IN_FLIGHT` are
+    on their way), and raises, the upload aborted, when the store failed. ``send`` waits for the parts fed."""
+
+    def __init__(self, remote: RemotePath, expected: int) -> None:
+        super().__init__(None, remote)
+        self.part_size = max(PART_SIZE, -(-(expected + (1 << 20)) // MAX_PARTS))  # ``expected``: bytes, about
+        self._fed: queue.Queue[bytes | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, name="ckptool-upload", daemon=True)
+        self._thread.start()
+
+    def feed(self, data: bytes) -> None:
+        while True:
+            if self._error is not None or self._stop.is_set():
+                failed = self._error or _Aborted()
+                if not isinstance(failed, Exception):
+                    raise type(failed)()  # Ctrl-C on the upload's thread: the write stops as at any Ctrl-C
+                reason = self.abort()
+                raise OutputError(write_error(failed, self.remote).message + _abort_note(reason), path=self.remote)
+            try:
+                self._fed.put(data, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def fed(self) -> None:
+        self.feed(None)  # type: ignore[arg-type]
+
+    def _parts(self) -> Iterator[bytes]:
+        while True:
+            try:
+                data = self._fed.get(timeout=0.05)
+            except queue.Empty:
+                if self._stop.is_set():
+                    raise _Aborted() from None
+                continue
+            if data is None:
+                break
+            self.size += len(data)
+            yield self.part(len(self.digests) + 1, data)
+            del data
+        self._held_open()
+
+    def send(self) -> None:
+        while not self._sent.wait(0.1):
+            pass
+        if self._error is not None:
+            raise self._error
 
 
 class _Aborted(Exception):
@@ -477,6 +368,16 @@ def write_error(error: BaseException, path: RemotePath) -> CkptError:
     return remote_error(error, path, writing=True)
 
 
+def _abort_note(failed: str | None) -> str:
+    """What a failed upload's message ends with: its abort, and ``failed``, why it may not have reached the store."""
+    if failed is None:
+        return "; the upload was aborted: nothing was written"
+    return (
+        f"; aborting the upload may have failed too ({failed}): no object was written, but its parts may stay "
+        "in the store until the bucket's lifecycle rule for incomplete uploads removes them"
+    )
+
+
 def _upload_for(local: Path, remote: RemotePath) -> _Upload:
     return _StreamUpload(local, remote) if remote.protocol == "memory" else _StoreUpload(local, remote)
 
@@ -487,11 +388,13 @@ def publish(
     replaces_last: bool = False,
     remove: Iterable[RemotePath] = (),
     label: str | None = None,
+    fed: Mapping[RemotePath, FedUpload] | None = None,
 ) -> list[str]:
     """Upload the staged ``files`` (local, remote) as one set: every file sent, then every upload
     completed in order (the last file last); then ``remove`` the objects the set no longer names.
     ``replaces_last``: the last file's object exists already and goes first, so a reader never finds
-    it beside a part of the new set. Returns notes (an earlier file that could not be removed).
+    it beside a part of the new set. ``fed``: the uploads of the files sent while they were written, by
+    their URL (held open, waiting to complete). Returns notes (an earlier file that could not be removed).
 
     Raises:
         OutputError: a request failed (after the client's retries), or the store's checksum or size
@@ -500,12 +403,13 @@ def publish(
     """
     uploads: list[_Upload] = []
     current: RemotePath | None = None
-    total = sum(local.stat().st_size for local, _ in files)
+    fed = fed or {}
+    total = sum(local.stat().st_size for local, remote in files if remote not in fed)
     try:
         with progress.task(total, f"upload {label or files[-1][1].name}"):
             for local, remote in files:
                 current = remote
-                upload = _upload_for(local, remote)
+                upload = fed.get(remote) or _upload_for(local, remote)
                 uploads.append(upload)
                 upload.send()
         with signals_deferred():  # a few short requests: a Ctrl-C now would leave half a set
@@ -530,13 +434,8 @@ def publish(
                 f"; {done} of {len(files)} files of the set were already in place — the set is incomplete "
                 "(no index was written): write it again"
             )
-        elif failed:
-            message += (
-                f"; aborting the upload may have failed too ({failed[0]}): no object was written, but its "
-                "parts may stay in the store until the bucket's lifecycle rule for incomplete uploads removes them"
-            )
         else:
-            message += "; the upload was aborted: nothing was written"
+            message += _abort_note(failed[0] if failed else None)
         raise OutputError(message, path=named) from e
     notes: list[str] = []
     for stale in remove:

@@ -1,13 +1,12 @@
 """The content check every write passes before it is put in place.
 
-Before the copy starts, a thread works out what every tensor must read back as
-(:class:`TensorCheck`: name, dtype, shape, CRC32 of its bytes), taking the CRC a source zip
-already stores for a storage copied whole (:class:`Expectations`). While the bytes are copied,
-:class:`OutputSums` re-reads each region of the output right behind the writer and starts its
-writeback. When the write ends, the output is fsync'd in one thread while the main thread re-reads
-its structure through the reader and compares every tensor (:func:`verify_output`). A writer gets
-all of it from one context: :func:`checked_output` for a file, :func:`checked_folder` for a
-folder of shards.
+Before the copy starts, a thread works out what every tensor must read back as (:class:`TensorCheck`: name,
+dtype, shape, CRC32 of its bytes), taking the CRC a source zip already stores for a storage copied whole
+(:class:`Expectations`). While the bytes are copied, :class:`OutputSums` re-reads each region of the output
+right behind the writer and starts its writeback (and a URL output's parts go to the store:
+:mod:`ckptool.io.streamed`). When the write ends, the output is fsync'd in one thread while the main thread
+re-reads its structure through the reader and compares every tensor (:func:`verify_output`). A writer gets all
+of it from one context: :func:`checked_output` for a file, :func:`checked_folder` for a folder of shards.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import add, itemgetter, sub
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptool.base import progress
 from ckptool.base.errors import CkptError, FingerprintMismatchError
@@ -33,12 +32,14 @@ from ckptool.files.atomic import atomic_output, folder_output
 from ckptool.files.byteio import RANGE_CRCS, read_into
 from ckptool.files.copying import crc32_combine
 from ckptool.files.crc import crc32
+from ckptool.io.streamed import StreamedFile, feed_for
 from ckptool.io.tensor_checks import (
     Checks,
     StaleSourceCrc,
     Summed,
     TensorCheck,
     _computed_checks,
+    _later,
     _stored_crc,
     describe,
     recorded_checks,
@@ -81,6 +82,8 @@ class OutputSums:
         self.path = path
         self.sums: dict[int, tuple[int, int]] = {}  # region offset -> (length, CRC32)
         self._queue: queue.SimpleQueue[tuple[int, int] | list[tuple[int, int]] | None] = queue.SimpleQueue()
+        self.queued = self.summed = 0  # hand-overs to the worker, and those it has summed (in order)
+        self.listener: Callable[[int, int], None] | None = None  # told of each region too (a streamed output)
         self._error: BaseException | None = None
         self._can_map = True
         self._mapped: dict[int, mmap.mmap] = {}  # the mapping behind each piece handed out, by the piece
@@ -102,7 +105,10 @@ class OutputSums:
 
     def written(self, offset: int, length: int) -> None:
         self._queue.put((offset, length))
+        self.queued += 1
         self._landed(offset + length, length)
+        if self.listener is not None:
+            self.listener(offset, length)
 
     def written_many(self, regions: list[tuple[int, int]], end: int, length: int) -> None:
         """:meth:`written` for many regions at once (a batch of small tensors): one hand-over to the
@@ -110,8 +116,14 @@ class OutputSums:
         ends and ``length`` their bytes summed (kept by the caller as it reported them)."""
         if not regions:
             return
+        listener = self.listener
+        told = list(regions) if listener is not None else ()  # the listener's own copy: the worker extends its
         self._queue.put(regions)
+        self.queued += 1
         self._landed(end, length)
+        if listener is not None:
+            for offset, size in told:
+                listener(offset, size)
 
     def _landed(self, end: int, length: int) -> None:
         """``length`` more bytes are in the file, up to ``end`` at most: start their writeback."""
@@ -151,6 +163,7 @@ class OutputSums:
             # what else is queued was reported too (it is in the file): summed with it, small regions
             # lying close together (a checkpoint's biases and norms) read back in one read
             batch = item if isinstance(item, list) else [item]
+            taken = 1
             while len(batch) < _BATCH:
                 try:
                     more = pending.get_nowait()
@@ -159,16 +172,17 @@ class OutputSums:
                 if more is None:
                     ended = True
                     break
+                taken += 1
                 if isinstance(more, list):
                     batch.extend(more)
                 else:
                     batch.append(more)
-            if self._error is not None or view is None:
-                continue
-            try:
-                self._sum(batch, view)
-            except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads itself
-                self._error = e
+            if self._error is None and view is not None:
+                try:
+                    self._sum(batch, view)
+                except (OSError, CkptError) as e:  # re-read errors surface as a missing sum: the check re-reads
+                    self._error = e
+            self.summed += taken
 
     def _sum(self, regions: list[tuple[int, int]], view: memoryview) -> None:
         """Sum each region; consecutive ones that fit in one buffer together are read in one read."""
@@ -280,23 +294,6 @@ MAP_FROM = 1 << 20  # regions (or windows of small ones) this large are summed f
 _BATCH = 4096  # reported regions summed in one go at most
 FLUSH_EVERY = 128 * 1024 * 1024
 KICK_EVERY = 8 * 1024 * 1024
-
-
-def _later(work: Callable[[], Any]) -> Callable[[], Any]:
-    """``work`` done once, when its result is first asked for (and raised again if it failed)."""
-    done: dict[str, Any] = {}
-
-    def join() -> Any:
-        if not done:
-            try:
-                done["value"] = work()
-            except BaseException as e:
-                done["error"] = e
-        if "error" in done:
-            raise done["error"]
-        return done["value"]
-
-    return join
 
 
 def run_in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -494,16 +491,24 @@ def checked_output(
     """
     with atomic_output(out) as (handle, tmp):
         sums = OutputSums(tmp)
-        output = CheckedFile(handle, sums.written)
+        feed = feed_for(out.name)
+        streamed = StreamedFile(handle, tmp, feed, sums) if feed is not None else None
+        output = CheckedFile(cast(BinaryIO, streamed) if streamed is not None else handle, sums.written)
         try:
-            yield output
-            handle.flush()
-        except BaseException:
-            sums.finish()
-            raise
-        output.checked = verify_output(
-            tmp, expect, read_back, lambda: os.fsync(handle.fileno()), [sums], views_raw=views_raw
-        )
+            try:
+                yield output
+                handle.flush()
+                if streamed is not None:
+                    streamed.finish()
+            except BaseException:
+                sums.finish()
+                raise
+            output.checked = verify_output(
+                tmp, expect, read_back, lambda: os.fsync(handle.fileno()), [sums], views_raw=views_raw
+            )
+        finally:
+            if streamed is not None:
+                streamed.close()
 
 
 class CheckedFolder:
@@ -526,12 +531,19 @@ class CheckedFolder:
         with open(self.directory / name, "w+b") as handle:
             sums = OutputSums(self.directory / name)  # its thread re-reads the file: created first
             self.sums.append(sums)
+            feed = feed_for(name)
+            streamed = StreamedFile(handle, self.directory / name, feed, sums) if feed is not None else None
             try:
-                yield handle, sums
+                yield (cast(BinaryIO, streamed) if streamed is not None else handle), sums
                 handle.flush()
+                if streamed is not None:
+                    streamed.finish()
             except BaseException:
                 sums.finish()
                 raise
+            finally:
+                if streamed is not None:
+                    streamed.close()
             # its writeback started as it was written; waiting for it overlaps the next file's write
             duplicate = os.dup(handle.fileno())  # closed by the thread, after the fsync
             self._syncs.append(run_in_thread(functools.partial(_fsync_close, duplicate)))

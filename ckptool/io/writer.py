@@ -266,23 +266,46 @@ def _save_remote(
 ) -> SaveReport:
     """The local checked write into a staging folder, then its upload to ``out`` (:mod:`ckptool.io.upload`)."""
     from ckptool.io import upload
+    from ckptool.io.streamed import STREAMS
+
+    # a safetensors file or set without a fingerprint (nothing written goes back over its bytes) to S3 or GCS
+    # is sent while it is written and checked (ckptool.io.streamed); anything else is staged, then uploaded
+    streamed = target.weights_only and not options["fingerprint"] and out.protocol != "memory"
+    fed: dict[RemotePath, upload.FedUpload] = {}
+    expected = total_nbytes(tensors.values())
+
+    def feed(name: str) -> upload.FedUpload | None:
+        remote = out if plan is None else out / name
+        if not streamed or (plan is None and name != out.name):
+            return None
+        fed[remote] = upload.FedUpload(remote, expected)
+        return fed[remote]
 
     with upload.staged(out) as local:
+        streams = STREAMS.set(feed)
         try:
-            local_plan = replace(plan, removes=[], notes=[]) if plan is not None else None
-            report = _save_local(checkpoint, tensors, local, target, local_plan, **options)
-        except CkptError as e:
-            raise upload.named_for_user(e, local, out) from e
-        if plan is None:
-            files = [(local, out)]
-        else:
-            files = [(local / name, out / name) for name in plan.writes]
-        notes = upload.publish(
-            files,
-            replaces_last=plan is not None and plan.replaces_index,
-            remove=[out / name for name in plan.removes] if plan is not None else [],
-            label=out.name,
-        )
+            try:
+                local_plan = replace(plan, removes=[], notes=[]) if plan is not None else None
+                report = _save_local(checkpoint, tensors, local, target, local_plan, **options)
+            except CkptError as e:
+                raise upload.named_for_user(e, local, out) from e
+            finally:
+                STREAMS.reset(streams)
+            if plan is None:
+                files = [(local, out)]
+            else:
+                files = [(local / name, out / name) for name in plan.writes]
+            notes = upload.publish(
+                files,
+                replaces_last=plan is not None and plan.replaces_index,
+                remove=[out / name for name in plan.removes] if plan is not None else [],
+                label=out.name,
+                fed=fed,
+            )
+        except BaseException:
+            for started in fed.values():  # a write or check that failed: nothing of it becomes visible
+                started.abort()
+            raise
     report.path = cast(Path, out)  # the report names the URL (a RemotePath stands where a Path stands)
     report.files = [cast(Path, out)] if plan is None else [cast(Path, out / file.name) for file in report.files]
     report.notes = [note.replace(str(local), str(out)) for note in report.notes]

@@ -222,7 +222,8 @@ class FedUpload(_StoreUpload):
 
     def __init__(self, remote: RemotePath, expected: int) -> None:
         super().__init__(None, remote)
-        self.part_size = max(PART_SIZE, -(-(expected + (1 << 20)) // MAX_PARTS))  # ``expected``: bytes, about
+        # ``expected``: the tensors' bytes; the header and a margin on top, within the store's count of parts
+        self.part_size = max(PART_SIZE, -(-(expected + expected // 100 + (64 << 20)) // MAX_PARTS))
         self._fed: queue.Queue[bytes | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="ckptool-upload", daemon=True)
         self._thread.start()

@@ -272,13 +272,14 @@ def _save_remote(
     # is sent while it is written and checked (ckptool.io.streamed); anything else is staged, then uploaded
     streamed = target.weights_only and not options["fingerprint"] and out.protocol != "memory"
     fed: dict[RemotePath, upload.FedUpload] = {}
-    expected = total_nbytes(tensors.values())
+    shards = dict(zip(plan.names, plan.shards)) if plan is not None else {}
 
     def feed(name: str) -> upload.FedUpload | None:
         remote = out if plan is None else out / name
-        if not streamed or (plan is None and name != out.name):
+        if not streamed or (plan is None and name != out.name) or (plan is not None and name not in shards):
             return None
-        fed[remote] = upload.FedUpload(remote, expected)
+        held = tensors.values() if plan is None else [plan.stored[key] for key in shards[name]]
+        fed[remote] = upload.FedUpload(remote, total_nbytes(held))  # its parts sized for its bytes
         return fed[remote]
 
     with upload.staged(out) as local:

@@ -242,8 +242,10 @@ def _watch(process: subprocess.Popen, current: Path, hang: float, limit: float) 
             return process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
-        marker = current / "input.json"
-        since = marker.stat().st_mtime if marker.exists() else None
+        try:  # the worker replaces its marker between inputs: absent for a moment, not an error
+            since: float | None = (current / "input.json").stat().st_mtime
+        except FileNotFoundError:
+            since = None
         if since is not None and time.time() - since > hang or time.monotonic() - started > limit:
             process.kill()
             process.wait()

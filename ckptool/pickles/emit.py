@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool.base.errors import InputError
 from ckptool.base.gcpause import paused
-from ckptool.pickles.placeholders import OpaqueObject, StateDict, StorageTypeRef, TypeRef
+from ckptool.pickles.emit_plain import REBUILD_V2, SHARED_TEXT, PlainTensors, long_bytes, write_pairs
+from ckptool.pickles.placeholders import OpaqueObject, StorageTypeRef, TypeRef
 from ckptool.tensors.refs import DeviceRef, DTypeRef, SizeRef, StorageRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptool.pickles.guard_cache import GuardCache
 
 _P = pickle
-_SHARED_TEXT = 64  # bytes from which a string is memoised (shorter ones cost less than a memo entry)
 
 
 class _Emitter:
@@ -51,8 +51,7 @@ class _Emitter:
         self.next_index = 0
         self.dotted = False  # a global named as a nested class (module + "Outer.Inner") was written
         self._callables: dict[int, str] | None = None  # id of an allowed function -> its global
-        self._global_keys: dict[str, str] = {}  # a storage class's global -> its key in global_memo
-        self._dims_bytes: dict[tuple[int, ...], bytes] = {}  # a plain tensor's shape or stride -> its ints and TUPLEn
+        self.plain = PlainTensors(self)  # the writer of plain tensors in one piece
 
     # memo -------------------------------------------------------------------------------------
     def _put(self, obj: Any) -> None:
@@ -115,7 +114,7 @@ class _Emitter:
         elif type(obj) is str:
             data = obj.encode("utf-8", "surrogatepass")
             self.write(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
-            if len(data) >= _SHARED_TEXT:  # one string the input shares stays one string, not n copies
+            if len(data) >= SHARED_TEXT:  # one string the input shares stays one string, not n copies
                 self._put(obj)
         else:
             self._save_other(obj)
@@ -234,7 +233,7 @@ class _Emitter:
         elif -(2**31) <= value < 2**31:
             self.write(_P.BININT + struct.pack("<i", value))
         else:
-            self.write(_long_bytes(value))
+            self.write(long_bytes(value))
 
     def _tuple(self, obj: tuple) -> None:
         if not obj:
@@ -279,9 +278,7 @@ class _Emitter:
                 self.write(_P.SETITEM)
                 continue
             self.write(_P.MARK)
-            for key, value in batch:
-                self.save(key)
-                self.save(value)
+            write_pairs(self, batch)  # plain tensors under str keys in one piece, the rest by save
             self.write(_P.SETITEMS)
 
     def _reduce_call(self, full_name: str, args: tuple, obj: Any) -> None:
@@ -294,7 +291,7 @@ class _Emitter:
         if (
             tensor.subclass is None
             and tensor.parameter is None
-            and tensor.rebuild == _REBUILD_V2
+            and tensor.rebuild == REBUILD_V2
             and not tensor.extra
             and self._plain_tensor(tensor)
         ):
@@ -326,108 +323,13 @@ class _Emitter:
         self._put(tensor)
 
     def _plain_tensor(self, tensor: TensorRef) -> bool:
-        """A plain ``_rebuild_tensor_v2`` tensor (the state dict's usual entry) written in one piece:
-        exactly the bytes :meth:`save` writes for it value by value (its arguments' tuple, a fresh
-        hooks ``OrderedDict``, each numbered alike; its shape and stride by value, as :meth:`_tensor_args`
-        gives them). False, with nothing written, for any argument that path would write otherwise (shared
-        through the memo, not plain ints)."""
-        memo = self.memo
-        storage, hooks, shape, stride, offset = (
-            tensor.storage,
-            tensor.backward_hooks,
-            tensor.shape,
-            tensor.stride,
-            tensor.offset,
-        )
-        if hooks is None:
-            hooks = OrderedDict()
-        elif not _empty_hooks(hooks, memo):
-            return False
-        if not _plain_fields(tensor, memo):
-            return False
-        found = self._plain_globals(storage)
-        if found is None:
-            return False  # a global's first use: written (and memoised) by the general path
-        rebuild_at, type_at, dict_at = found
-        parts = self._plain_storage(storage, rebuild_at, type_at)
-        if parts is None:
-            return False
-        parts.append(_int_bytes(offset))
-        index = self.next_index
-        for dims in (shape, stride):
-            if not dims:
-                parts.append(_P.EMPTY_TUPLE)
-                continue
-            parts.append(self._plain_dims(dims))
-            parts.append(_put_bytes(index))  # (numbered as pickle numbers it; never looked up: written by value)
-            index += 1
-        parts.append(_P.NEWTRUE if tensor.requires_grad else _P.NEWFALSE)
-        parts.append(_get_bytes(dict_at))
-        args = (storage, offset, shape, stride, tensor.requires_grad, hooks)  # kept: its id stays its own
-        self._plain_puts(parts, index, hooks, args, tensor)
-        self.write(b"".join(parts))
-        return True
-
-    def _plain_globals(self, storage: StorageRef) -> tuple[int, int, int] | None:
-        """The memo indexes of the globals a plain tensor names (its rebuild, its storage's class, the hooks'
-        ``OrderedDict``), or None when one is not memoised yet."""
-        global_memo = self.global_memo
-        rebuild_at = global_memo.get(_REBUILD_V2_KEY)
-        dict_at = global_memo.get(_ORDERED_DICT_KEY)
-        type_global = storage.type_global or f"torch.{storage.dtype.storage_class or 'UntypedStorage'}"
-        type_key = self._global_keys.get(type_global)
-        if type_key is None:
-            module, name = type_global.rsplit(".", 1)
-            type_key = self._global_keys[type_global] = f"{module}\n{name}"
-        type_at = global_memo.get(type_key)
-        if rebuild_at is None or dict_at is None or type_at is None:
-            return None
-        return rebuild_at, type_at, dict_at
-
-    def _plain_storage(self, storage: StorageRef, rebuild_at: int, type_at: int) -> list[bytes] | None:
-        """A plain tensor's first bytes: its rebuild global, the arguments' MARK, and its storage's persistent id
-        (:meth:`_storage`). None when its key or location is not a string :meth:`save` writes unmemoised."""
-        parts = [_get_bytes(rebuild_at), b"((X\x07\x00\x00\x00storage", _get_bytes(type_at)]
-        for text in (self._storage_key(storage), storage.location):
-            if type(text) is not str:
-                return None
-            data = text.encode("utf-8", "surrogatepass")
-            parts.append(_P.BINUNICODE + struct.pack("<I", len(data)) + data)
-            if len(data) >= _SHARED_TEXT:  # the general path memoises such a string: not this one's form
-                return None
-        parts.append(_int_bytes(storage.numel))
-        parts.append(b"tQ")
-        return parts
-
-    def _plain_dims(self, dims: tuple[int, ...]) -> bytes:
-        """A plain tensor's shape or stride (1 to 3 ints) and its TUPLEn, cached by value."""
-        # every value is an int (checked by _plain_fields), so a tuple equal to a cached one writes the same bytes
-        written = self._dims_bytes.get(dims)
+        """A plain tensor (the state dict's usual entry) written in one piece by :class:`PlainTensors`: False, with
+        nothing written, for one it declines."""
+        written = self.plain.tensor(tensor)
         if written is None:
-            small = _SMALL_INTS
-            written = self._dims_bytes[dims] = (
-                b"".join([small[value] if 0 <= value < 256 else _int_bytes(value) for value in dims])
-                + _TUPLES[len(dims)]
-            )
-        return written
-
-    def _plain_puts(self, parts: list[bytes], index: int, hooks: Any, args: tuple, tensor: TensorRef) -> None:
-        """The end of a plain tensor: the hooks' call, the arguments' TUPLE, the rebuild's REDUCE, each PUT at the
-        memo index :meth:`save` gives it, and memoised."""
-        memo, keep = self.memo, self.keep
-        parts.append(b")R")
-        parts.append(_put_bytes(index))
-        memo[id(hooks)] = index
-        keep.append(hooks)
-        parts.append(b"t")
-        parts.append(_put_bytes(index + 1))
-        memo[id(args)] = index + 1
-        keep.append(args)
-        parts.append(b"R")
-        parts.append(_put_bytes(index + 2))
-        memo[id(tensor)] = index + 2
-        keep.append(tensor)
-        self.next_index = index + 3
+            return False
+        self.write(written)
+        return True
 
     @staticmethod
     def _tensor_args(tensor: TensorRef) -> tuple:
@@ -461,81 +363,6 @@ class _Emitter:
         if obj._state is not None:
             self.save(obj._state)
             self.write(_P.BUILD)
-
-
-_REBUILD_V2 = "torch._utils._rebuild_tensor_v2"
-_REBUILD_V2_KEY = "torch._utils\n_rebuild_tensor_v2"
-_ORDERED_DICT_KEY = "collections\nOrderedDict"
-_TUPLES = (b"", _P.TUPLE1, _P.TUPLE2, _P.TUPLE3)
-
-
-def _empty_hooks(hooks: Any, memo: dict[int, int]) -> bool:
-    """Whether saved backward hooks write as a fresh empty ``OrderedDict`` would: empty, no attributes, not
-    shared through the memo."""
-    return not (
-        (type(hooks) is not OrderedDict and type(hooks) is not StateDict)
-        or hooks
-        or getattr(hooks, "__dict__", None)
-        or id(hooks) in memo
-    )
-
-
-def _plain_fields(tensor: TensorRef, memo: dict[int, int]) -> bool:
-    """Whether a tensor's storage, offset, shape, stride and flag are what :meth:`_Emitter._plain_tensor` writes
-    in one piece: of their exact types, at most 3 dimensions, ints only, the storage not met before."""
-    storage, shape, stride = tensor.storage, tensor.shape, tensor.stride
-    if (
-        type(storage) is not StorageRef
-        or id(storage) in memo
-        or type(tensor.offset) is not int
-        or type(shape) is not tuple
-        or type(stride) is not tuple
-        or len(shape) > 3
-        or len(stride) > 3
-        or type(tensor.requires_grad) is not bool
-        or type(storage.numel) is not int
-        or type(storage.location) is not str
-    ):
-        return False
-    for value in shape + stride:
-        if type(value) is not int:
-            return False
-    return True
-
-
-_OP_INDEX = struct.Struct("<BI").pack
-_SMALL_INTS = [_P.BININT1 + bytes([value]) for value in range(256)]
-_SHORT_GETS = [_P.BINGET + bytes([index]) for index in range(256)]
-_SHORT_PUTS = [_P.BINPUT + bytes([index]) for index in range(256)]
-
-
-def _get_bytes(index: int) -> bytes:
-    return _SHORT_GETS[index] if index < 256 else _OP_INDEX(0x6A, index)  # BINGET, LONG_BINGET
-
-
-def _put_bytes(index: int) -> bytes:
-    return _SHORT_PUTS[index] if index < 256 else _OP_INDEX(0x72, index)  # BINPUT, LONG_BINPUT
-
-
-def _int_bytes(value: int) -> bytes:
-    """What :meth:`_Emitter._int` writes for ``value``."""
-    if 0 <= value < 256:
-        return _SMALL_INTS[value]
-    if 0 <= value < 65536:
-        return _P.BININT2 + struct.pack("<H", value)
-    if -(2**31) <= value < 2**31:
-        return _P.BININT + struct.pack("<i", value)
-    return _long_bytes(value)
-
-
-def _long_bytes(value: int) -> bytes:
-    """LONG1, or past 255 bytes (614 digits) LONG4, as pickle (and so torch.save) writes an int. torch's
-    weights_only loader reads no LONG4: an int that long came from a pickle it did not load either (or from a
-    container ckptool carried out of one), and is written back as that pickle held it."""
-    encoded = pickle.encode_long(value)
-    if len(encoded) < 256:
-        return _P.LONG1 + bytes([len(encoded)]) + encoded
-    return _P.LONG4 + struct.pack("<i", len(encoded)) + encoded
 
 
 def dump(

@@ -149,9 +149,6 @@ _IS_TENSOR_REF = functools.partial(type.__instancecheck__, TensorRef)  # isinsta
 def total_nbytes(views: Iterable[TensorRef]) -> int:
     """The bytes of all ``views`` (their :attr:`TensorRef.nbytes` summed, in C-speed passes)."""
     views = list(views)
-    whole = whole_plain(views) if all(map(_IS_TENSOR_REF, views)) else None
-    if whole is not None:
-        return sum(whole[1])
     return sum(map(mul, map(math.prod, map(_SHAPE, views)), map(_ITEMSIZE, views)))
 
 

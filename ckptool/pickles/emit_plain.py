@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -111,7 +112,9 @@ class PlainTensors:
     declines, and the emitter writes that tensor value by value."""
 
     def __init__(self, emitter: Any) -> None:
-        self.emitter = emitter
+        # by weak reference: the emitter holds this writer, and a cycle between them would outlive a dump under a
+        # frozen collector (base.gcpause: a command freezes what its passes built), holding every object it wrote
+        self.emitter: Any = weakref.proxy(emitter)
         self.memo: dict[int, int] = emitter.memo  # (the emitter's own, bound once: one look-up less per tensor)
         self.keep: list[Any] = emitter.keep
         self.storages: dict[int, tuple[str, StorageRef]] = emitter.storages

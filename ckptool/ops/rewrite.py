@@ -110,7 +110,6 @@ def strip(
         UsageError: no ``out`` and not ``in_place``; device tags asked of a format without them.
     """
     from ckptool.io.reader import load
-    from ckptool.io.writer import rewrite_format, save
 
     ckpt, out = located(ckpt), _optional_path(out)
     mapping = tuple(mapping)
@@ -126,17 +125,40 @@ def strip(
         details["devices_before"] = checkpoint.saved_devices()
         stripped = stripped.remap(mapper)
         details["devices_after"] = stripped.saved_devices()
-    saved = save(
-        stripped,
-        target,
-        to=rewrite_format(checkpoint, out, command="strip"),
-        force=force,
-        in_place=in_place,
-        fingerprint=fingerprint,
-        dry_run=dry_run,
-    )
-    keep(checkpoint, stripped)
-    return WriteReport("strip", ckpt, target, saved, whole_model_notes(checkpoint, saved) + saved.notes, details)
+    written = _Written(ckpt, out, target, force, in_place, fingerprint, dry_run)
+    return written.report("strip", checkpoint, stripped, details)
+
+
+@dataclass(frozen=True)
+class _Written:
+    """Where a rewrite of ``ckpt`` goes (``out`` as given, ``target`` as planned) and how it is written."""
+
+    ckpt: Path
+    out: Path | None
+    target: Path
+    force: bool
+    in_place: bool
+    fingerprint: bool
+    dry_run: bool
+
+    def report(
+        self, command: str, checkpoint: Checkpoint, rewritten: Checkpoint, details: dict[str, Any]
+    ) -> WriteReport:
+        """Write ``rewritten`` (``checkpoint`` after ``command``) in the input's format, checked, and report it."""
+        from ckptool.io.writer import rewrite_format, save
+
+        saved = save(
+            rewritten,
+            self.target,
+            to=rewrite_format(checkpoint, self.out, command=command),
+            force=self.force,
+            in_place=self.in_place,
+            fingerprint=self.fingerprint,
+            dry_run=self.dry_run,
+        )
+        keep(checkpoint, rewritten)
+        notes = whole_model_notes(checkpoint, saved, "remap" if command == "remap" else "") + saved.notes
+        return WriteReport(command, self.ckpt, self.target, saved, notes, details)
 
 
 def _mapper(to_device: str | None, mapping: Iterable[str]) -> Any:
@@ -166,30 +188,14 @@ def add_prefix(
 ) -> WriteReport:
     """Put ``prefix`` in front of every weight key and write the result to ``out``."""
     from ckptool.io.reader import load
-    from ckptool.io.writer import rewrite_format, save
 
     ckpt, out = located(ckpt), _optional_path(out)
     checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
     target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
-    saved = save(
-        prefixed,
-        target,
-        to=rewrite_format(checkpoint, out, command="add-prefix"),
-        force=force,
-        in_place=in_place,
-        fingerprint=fingerprint,
-        dry_run=dry_run,
-    )
-    keep(checkpoint, prefixed)
-    return WriteReport(
-        "add-prefix",
-        ckpt,
-        target,
-        saved,
-        whole_model_notes(checkpoint, saved) + saved.notes,
-        {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)},
-    )
+    details = {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)}
+    written = _Written(ckpt, out, target, force, in_place, fingerprint, dry_run)
+    return written.report("add-prefix", checkpoint, prefixed, details)
 
 
 def remap(
@@ -211,7 +217,6 @@ def remap(
         UsageError: neither or both of ``to_device`` and ``mapping``, or a safetensors input (no tags).
     """
     from ckptool.io.reader import load
-    from ckptool.io.writer import rewrite_format, save
 
     ckpt, out = located(ckpt), _optional_path(out)
     mapper = _mapper(to_device, mapping)
@@ -221,24 +226,8 @@ def remap(
     before = checkpoint.saved_devices()
     remapped = checkpoint.remap(mapper)
     after = remapped.saved_devices()
-    saved = save(
-        remapped,
-        target,
-        to=rewrite_format(checkpoint, out, command="remap"),
-        force=force,
-        in_place=in_place,
-        fingerprint=fingerprint,
-        dry_run=dry_run,
-    )
-    keep(checkpoint, remapped)
-    return WriteReport(
-        "remap",
-        ckpt,
-        target,
-        saved,
-        whole_model_notes(checkpoint, saved, "remap") + saved.notes,
-        {"devices_before": before, "devices_after": after},
-    )
+    written = _Written(ckpt, out, target, force, in_place, fingerprint, dry_run)
+    return written.report("remap", checkpoint, remapped, {"devices_before": before, "devices_after": after})
 
 
 def whole_model_notes(checkpoint: Checkpoint, saved: SaveReport, command: str = "") -> list[str]:

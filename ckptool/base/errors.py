@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ckptool.base import exitcodes
 from ckptool.base.suggest import Option, Wording, keyword
-from ckptool.base.text import printable, shown_url
+from ckptool.base.text import printable, shown_url, url_name
 
 
 class Location(Protocol):
@@ -34,7 +34,7 @@ class _UrlText(str):
 
     @property
     def name(self) -> str:
-        return self.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        return url_name(self)
 
 
 def _located(path: str | Location) -> Location:

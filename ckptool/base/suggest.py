@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptool.base.text import url_name
+
 PROGRAM = "ckptool"
 
 # keyword argument -> command-line flag, where the flag is not the keyword spelled with dashes
@@ -221,11 +223,7 @@ def _where(path: Any) -> Any:
 def stem(path: Path | str) -> str:
     """A checkpoint's name without its checkpoint suffixes: ``chgnet_0.3.0.pth.tar`` -> ``chgnet_0.3.0``,
     ``model.safetensors`` -> ``model``, ``run.v2.pt`` -> ``run.v2`` (``checkpoint`` if nothing is left)."""
-    name = (
-        path.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
-        if isinstance(path, str) and "://" in path
-        else _where(path).name
-    )
+    name = url_name(path) if isinstance(path, str) and "://" in path else _where(path).name
     lowered = name.lower()
     for suffix in CHECKPOINT_SUFFIXES:
         if lowered.endswith(suffix):

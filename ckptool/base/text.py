@@ -114,6 +114,11 @@ def value_str(value: object) -> str:
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@]*@")  # user:password@ after any scheme's ://
 
 
+def url_name(url: str) -> str:
+    """The last component of a URL's path, as ``Path.name`` gives a local path's (no query, no trailing ``/``)."""
+    return url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+
+
 def shown_url(url: str) -> str:
     """``url`` as a message may print it: without user:password (a chained URL's inner ones too), and
     with a query (a presigned URL's signature is a credential) shown as ``?...``."""

@@ -32,8 +32,9 @@ def human_bytes(size: int) -> str:
     return human(size)
 
 
-def summary(summary: Summary) -> None:
-    """inspect's description of a checkpoint, then its problems and their fixes."""
+def summary(summary: Summary, *, every_tensor: bool = False) -> None:
+    """inspect's description of a checkpoint, then its problems and their fixes; with ``every_tensor``
+    the tensor listing names every key."""
     echo(f"{summary.path}")
     echo(f"  format         {summary.format}  ({human_bytes(summary.file_bytes)} on disk)")
     folder = summary.training_folder

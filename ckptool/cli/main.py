@@ -124,7 +124,8 @@ def _terminate(signum: int, frame: Any) -> None:
 @main.command()
 @click.argument("ckpt", type=LOCATION)
 @json_option
-@click.option("--tensors", "list_tensors", is_flag=True, help="List every weight tensor.")
+@click.option("--tensors", "list_tensors", is_flag=True, help="List the weight tensors, repeated blocks grouped.")
+@click.option("--all", "every_tensor", is_flag=True, help="List every key, none grouped (implies --tensors).")
 @click.option(
     "--fingerprint",
     "with_fingerprint",
@@ -141,6 +142,7 @@ def inspect(
     ckpt: Path,
     as_json: bool,
     list_tensors: bool,
+    every_tensor: bool,
     with_fingerprint: bool,
     allow_globals: tuple[str, ...],
     allow_expansion: bool,
@@ -158,14 +160,14 @@ def inspect(
         ckpt,
         allow_globals=allow_globals,
         fingerprint=with_fingerprint,
-        tensors=list_tensors,
+        tensors=list_tensors or every_tensor,
         allow_expansion=allow_expansion,
         weights=weights,
     )
     if as_json:
         emit_json("inspect", summary.to_json())
     else:
-        render.summary(summary)
+        render.summary(summary, every_tensor=every_tensor)
 
 
 # ------------------------------------------------------------------------------------------------ scan

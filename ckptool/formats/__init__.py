@@ -31,6 +31,7 @@ REGISTRY: list[str] = [
     ".torch_zip:FORMAT",  # "PK\x03\x04"
     ".safetensors:FORMAT",  # a u64 header length, then "{"
     ".training_folder:FORMAT",  # a folder holding a training run's state (optimizer.pt, random_states_0.pkl...)
+    ".model_folder:FORMAT",  # a folder of components (a pipeline), or weights with configs, variants, a bare .bin
     ".torch_sharded:FORMAT",  # a *.bin.index.json, and a folder holding one (and no safetensors weights)
     ".safetensors:SHARDED",  # a *.safetensors.index.json (and a folder holding one)
     ".torch_legacy:FORMAT",  # a pickle opcode first
@@ -48,11 +49,14 @@ class ReadOptions:
             folder format.
         head: the file's first bytes (up to 64; ``b""`` for a folder).
         resolver: the pickle allowlist of this read; it records every global it resolves.
+        variant: the weights variant asked for in a model folder (``fp16``: ``*.fp16.safetensors``),
+            or None for the default weights.
     """
 
     handle: BinaryIO | None
     head: bytes
     resolver: pickles.GlobalResolver
+    variant: str | None = None
 
 
 @dataclass

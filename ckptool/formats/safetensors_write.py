@@ -322,5 +322,12 @@ def plan_shards(tensors: Mapping[str, TensorRef], max_shard_size: int) -> list[l
     return [shard for shard in shards if shard] or [[]]
 
 
-def shard_file_name(index: int, count: int) -> str:
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+def shard_file_name(index: int, count: int, stem: str = "model", variant: str | None = None) -> str:
+    """A shard's name as transformers and diffusers write it: ``model-00001-of-00002.safetensors``,
+    ``diffusion_pytorch_model.fp16-00001-of-00002.safetensors`` for a variant."""
+    return f"{stem}{'.' + variant if variant else ''}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def index_file_name(stem: str = "model", variant: str | None = None) -> str:
+    """The index of a sharded set: ``model.safetensors.index.json``, ``model.safetensors.index.fp16.json``."""
+    return f"{stem}.safetensors.index{'.' + variant if variant else ''}.json"

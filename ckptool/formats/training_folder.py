@@ -26,18 +26,17 @@ regular file inside it, or in a hub cache snapshot's ``blobs/``).
 
 from __future__ import annotations
 
-import os
 import re
-import stat
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptool.base.errors import InputError
-from ckptool.files import inputs
-from ckptool.files.byteio import is_remote
-from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions
-from ckptool.formats import sniff as sniff_input
+from ckptool.formats import Contents, Format, Pickles, ReadOptions
+from ckptool.formats.model_folder import FolderFile, FolderLayout, components, entries, tree_pickles
+from ckptool.formats.model_folder import loaded_paths as loaded_paths
+from ckptool.formats.model_folder import read_member as read_member
+
+TrainingFolder = FolderLayout  # a training folder's layout is a folder layout with training files
 
 if TYPE_CHECKING:  # pragma: no cover
     from ckptool import pickles
@@ -88,118 +87,46 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".pickle", ".tar")
 MAX_FOLDER_ENTRIES = 100_000  # names looked at in one folder: far more than any training run writes
 
 
-@dataclass(frozen=True)
-class FolderFile:
-    """One file (or a DCP sub-folder) of a training folder and what it holds."""
-
-    name: str
-    role: str
-
-
-@dataclass(frozen=True)
-class TrainingFolder:
-    """What a training folder holds, by names alone.
-
-    Attributes:
-        directory: the folder.
-        kind: ``"transformers Trainer checkpoint"``, ``"accelerate save_state folder"`` or
-            ``"training folder"``.
-        weights: each model's weights file (an index, a single file or a DCP sub-folder), the one
-            read by default first.
-        files: the other files, in role order (optimizer, scheduler, rng state, ...).
-        read: the file the weights were read from (None: none yet, or the folder holds none).
-    """
-
-    directory: Path
-    kind: str
-    weights: tuple[FolderFile, ...]
-    files: tuple[FolderFile, ...]
-    read: str | None = None
-
-    def of_role(self, role: str) -> list[FolderFile]:
-        return [file for file in self.files if file.role == role]
-
-    def named(self, name: str) -> FolderFile | None:
-        """The weights or training file ``name`` names: its file name, or that name without its suffix
-        (``model_1``, ``optimizer_1``)."""
-        for file in (*self.weights, *self.files):
-            if name in (file.name, _stem(file.name)):
-                return file
-        return None
-
-
-def _stem(name: str) -> str:
-    for suffix in (
-        ".safetensors.index.json",
-        ".bin.index.json",
-        ".safetensors",
-        ".bin",
-        ".pt",
-        ".pth",
-        ".pkl",
-        ".json",
-    ):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
-
-
-def _entries(directory: Path) -> dict[str, bool]:
-    """The folder's names -> whether each is a directory (a link is judged when it is opened)."""
-    found: dict[str, bool] = {}
-    if is_remote(directory):  # a folder of a store: one listing says the same
-        return dict(list(directory.listing().items())[:MAX_FOLDER_ENTRIES])  # type: ignore[attr-defined]
-    try:
-        with os.scandir(directory) as listing:
-            for entry in listing:
-                try:
-                    found[entry.name] = entry.is_dir(follow_symlinks=False)
-                except OSError:
-                    found[entry.name] = False
-                if len(found) >= MAX_FOLDER_ENTRIES:
-                    break
-    except OSError:
-        return {}
-    return found
-
-
 def find(directory: Path) -> TrainingFolder | None:
     """The layout of a training folder (a Trainer checkpoint, an accelerate ``save_state`` folder),
     or None when ``directory`` holds no training state by its names. Nothing is opened."""
-    entries = _entries(directory)
+    names = entries(directory)
     files: list[FolderFile] = []
     for role, pattern in _ROLES:
         files += [
             FolderFile(name, role)
-            for name in sorted(entries, key=_numbered)
-            if pattern.fullmatch(name) and not entries[name]
+            for name in sorted(names, key=_numbered)
+            if pattern.fullmatch(name) and not names[name]
         ]
     if not any(file.role != CONFIG for file in files):
         return None
     weights: list[FolderFile] = []
-    first = next((name for name in _FIRST_MODEL if name in entries), None)
+    first = next((name for name in _FIRST_MODEL if name in names), None)
     if first is not None:
         weights.append(FolderFile(first, "weights"))
     numbered: dict[int, str] = {}
-    for name in sorted(entries):
+    for name in sorted(names):
         match = _NUMBERED_MODEL.fullmatch(name)
         if match is not None:
             number = int(next(group for group in match.groups() if group is not None))
             if number > 0:
                 numbered.setdefault(number, name)  # model_N.safetensors before pytorch_model_N.bin (sorted)
     weights += [FolderFile(numbered[number], "weights") for number in sorted(numbered)]
-    adapter = next((name for name in _ADAPTER if name in entries), None)
+    adapter = next((name for name in _ADAPTER if name in names), None)
     if adapter is not None:
         weights.append(FolderFile(adapter, "weights"))
-    names = [file.name for file in files]
+    # components a training script's save hooks wrote (diffusers: unet/, unet_ema/ through save_pretrained)
+    below = [part for part in components(directory, depth=1) if part.directory]
+    weights += [FolderFile(part.name, "weights") for part in below]
+    kinds = [file.name for file in files]
     kind = (
         "transformers Trainer checkpoint"
-        if any(_TRANSFORMERS_SIGNS.fullmatch(name) for name in names)
+        if any(_TRANSFORMERS_SIGNS.fullmatch(name) for name in kinds)
         else "accelerate save_state folder"
-        if any(_ACCELERATE_SIGNS.fullmatch(name) for name in names)
+        if any(_ACCELERATE_SIGNS.fullmatch(name) for name in kinds)
         else "training folder"
     )
-    return TrainingFolder(directory, kind, tuple(weights), tuple(files))
+    return TrainingFolder(directory, kind, tuple(weights), tuple(files), components=tuple(below), training=True)
 
 
 def _numbered(name: str) -> tuple[int, str]:
@@ -211,39 +138,6 @@ def _numbered(name: str) -> tuple[int, str]:
 def sniff(head: bytes | None, path: Path) -> bool:
     """A folder holding a training run's state (optimizer, scheduler, rng state...) by its names."""
     return head is None and find(path) is not None
-
-
-def read_member(folder: Path, name: str, options: ReadOptions) -> Contents:
-    """One file (or DCP sub-folder) of the folder, read by the format it is; ``Contents.format``
-    names that format."""
-    path = folder / name
-    if is_remote(path):
-        is_folder = path.is_dir()
-    else:
-        try:
-            is_folder = stat.S_ISDIR(os.lstat(path).st_mode)  # a link is no sub-folder: opened as a file of the folder
-        except OSError:
-            is_folder = False
-    if is_folder:  # FSDP's DCP weights
-        fmt = sniff_input(None, path)
-        if fmt is None:
-            raise InputError(f"{name} is a folder without a checkpoint", path=folder)
-        contents = fmt.read(path, ReadOptions(None, b"", options.resolver))
-        contents.format = contents.format or fmt.name
-        return contents
-    with inputs.open_member(folder, path, what=name, report=folder) as handle:
-        try:
-            head = handle.read(64)
-        except OSError as e:
-            raise InputError(f"{name} cannot be read ({e.strerror})", path=folder) from e
-        if not head:
-            raise InputError(f"{name} is empty (0 bytes) — the save or copy did not finish", path=folder)
-        fmt = sniff_input(head, path)
-        if fmt is None:
-            raise InputError(f"{name} is not a checkpoint ckptool recognizes", path=folder)
-        contents = fmt.read(path, ReadOptions(handle, head, options.resolver))
-    contents.format = contents.format or fmt.name
-    return contents
 
 
 def read(path: Path, options: ReadOptions) -> Contents:
@@ -267,53 +161,12 @@ def read(path: Path, options: ReadOptions) -> Contents:
 
 
 def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
-    """Every pickle of every file in the folder that may hold one, labelled by file; only the default
-    weights' are read by a load (scan runs the others dry)."""
+    """Every pickle of every file in the folder's tree that may hold one, labelled by file; only the
+    default weights' are read by a load (scan runs the others dry)."""
     layout = find(path)
     assert layout is not None
-    entries = _entries(path)
-    loaded = _loaded_files(path, layout)
-    blobs: list[PickleBlob] = []
-    for name in sorted(entries):
-        if entries[name]:
-            if any(file.name == name for file in layout.weights):  # a DCP sub-folder of weights
-                fmt = sniff_input(None, path / name)
-                if fmt is not None:
-                    found = fmt.scan_pickles(path / name, ReadOptions(None, b"", options.resolver))
-                    blobs += [
-                        PickleBlob(f"{name}/{blob.label}", blob.data, name in loaded, name) for blob in found.blobs
-                    ]
-            continue
-        if not name.lower().endswith(PICKLE_SUFFIXES):
-            continue
-        with inputs.open_member(path, path / name, what=name, report=path) as handle:
-            head = handle.read(64)
-            fmt = sniff_input(head, path / name) if head else None
-            if fmt is None:
-                continue  # not a checkpoint: nothing torch would unpickle as one
-            found = fmt.scan_pickles(path / name, ReadOptions(handle, head, options.resolver))
-        blobs += [
-            PickleBlob(f"{name}: {blob.label}", blob.data, blob.read_by_load and name in loaded, name)
-            for blob in found.blobs
-        ]
-    return Pickles(FORMAT.name, blobs)
-
-
-def _loaded_files(path: Path, layout: TrainingFolder) -> set[str]:
-    """The files a load of the folder reads: the first weights file, or the shards its index names."""
-    if not layout.weights:
-        return set()
-    name = layout.weights[0].name
-    if not name.endswith(".index.json"):
-        return {name}
-    import json
-
-    try:
-        with inputs.open_member(path, path / name, what=name, report=path) as handle:
-            index = json.loads(handle.read(100_000_000))
-        return {str(shard) for shard in index["weight_map"].values()}
-    except (InputError, OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return set()  # the load says what is wrong with it
+    loaded = loaded_paths(layout, list(layout.weights[:1]))
+    return Pickles(FORMAT.name, tree_pickles(path, options, loaded))
 
 
 def scan_resolver(resolver: pickles.GlobalResolver) -> pickles.GlobalResolver:

@@ -27,6 +27,7 @@ def load(
     guard_cache: pickles.GuardCache | None = None,
     weights: str | tuple | list | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    variant: str | None = None,
 ) -> Checkpoint:
     """Read any checkpoint without running its code; tensors stay on disk until used.
 
@@ -46,12 +47,16 @@ def load(
             ``"state"`` (or the optimizer's key path) takes an optimizer's state, its tensors named
             ``state.<param>.<name>``. In a training folder, a file of the folder may be named first
             (``"model_1"``, ``"optimizer.bin"``, ``"model_1.safetensors/..."``); ``"state"`` there
-            is its optimizer file's.
+            is its optimizer file's. In a model folder (a diffusers pipeline), a component
+            (``"unet"``, ``"text_encoder/..."``); with none named, a folder of several components
+            reads them all as one state dict of ``<component>/<key>``.
         storage_options: fsspec options for a URL ``path`` (``s3://``, ``gs://``, ``https://``...),
             as the CLI's ``--storage-option``: an endpoint, a profile, ``anon``. They stay in force for
             the reads that follow (the tensors of a remote checkpoint are read when used). The other
             reading functions (inspect, scan, diff, verify, load_into) take them too.
-
+        variant: in a model folder, the weights variant to read (``"fp16"``:
+            ``diffusion_pytorch_model.fp16.safetensors``); a component without it is read from its
+            default weights. None: the default weights (a folder holding only a variant: that variant).
     Raises:
         InputError: missing, unreadable, truncated or corrupt input.
         UnsafeCheckpointError: the pickle names globals outside the allowlist (``.globals`` lists
@@ -70,7 +75,9 @@ def load(
         forget_windows()  # a remote file's bytes are read as they are now, not as an earlier read saw them
     resolver = pickles.GlobalResolver(allow_globals, guard_cache=guard_cache)
     try:
-        checkpoint = _load(path, resolver)
+        checkpoint = _load(path, resolver, variant=variant)
+        if variant is not None:
+            _check_variant(checkpoint, variant)
         if weights is None:
             return checkpoint
         if checkpoint.folder is not None:
@@ -84,7 +91,22 @@ def load(
         raise
 
 
-def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = None) -> Checkpoint:
+def _check_variant(checkpoint: Checkpoint, variant: str) -> None:
+    """A variant is asked of a folder that holds it."""
+    folder = checkpoint.folder
+    have = folder.variants if folder is not None else []
+    if variant not in have:
+        chooses = f" — {suggest_option('variant', None)} chooses among a model folder's weights files"
+        raise InputError(
+            f"holds no {variant!r} variant of its weights (variants: {', '.join(have) or 'none'})"
+            + ("" if folder is not None else chooses),
+            path=checkpoint.path,
+        )
+
+
+def _load(
+    path: Path, resolver: pickles.GlobalResolver, folder: Path | None = None, *, variant: str | None = None
+) -> Checkpoint:
     """Read ``path``; ``folder`` is the input folder it was found in, whose bounds it must keep."""
     remote = inputs.describe_remote(path) if folder is None else None  # one request: is it there, a folder?
     if folder is None and not (path.exists() if remote is None else remote.exists):
@@ -94,7 +116,7 @@ def _load(path: Path, resolver: pickles.GlobalResolver, folder: Path | None = No
     if folder is None and (path.is_dir() if remote is None else remote.is_dir):
         fmt = formats.sniff(None, path)
         if fmt is not None:
-            return _checkpoint(path, fmt, fmt.read(path, formats.ReadOptions(None, b"", resolver)), resolver)
+            return _checkpoint(path, fmt, fmt.read(path, formats.ReadOptions(None, b"", resolver, variant)), resolver)
         target = formats.in_folder(path)
         if target is None:
             raise UnsupportedFormatError(
@@ -137,6 +159,7 @@ def load_member(
     *,
     allow_globals: tuple[str, ...] | list[str] = (),
     resolver: pickles.GlobalResolver | None = None,
+    variant: str | None = None,
 ) -> Checkpoint:
     """One file of the input ``folder`` (a training folder's optimizer, scheduler...), read as the
     checkpoint it is; it must be a regular file inside the folder (or a link that stays inside).
@@ -144,12 +167,12 @@ def load_member(
     Raises:
         InputError, UnsafeCheckpointError, UnsupportedFormatError: as :func:`load`, naming the file.
     """
-    from ckptool.formats import training_folder
+    from ckptool.formats import model_folder
 
     resolver = resolver if resolver is not None else pickles.GlobalResolver(allow_globals)
     path = folder / name
     try:
-        contents = training_folder.read_member(folder, name, formats.ReadOptions(None, b"", resolver))
+        contents = model_folder.read_member(folder, name, formats.ReadOptions(None, b"", resolver, variant))
         return _checkpoint(path, formats.for_name(contents.format or ""), contents, resolver)
     except pickles.RefusedGlobal as e:
         raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
@@ -195,7 +218,7 @@ def _select_in_folder(
                 + suggest_option("weights", Metavar("PATH")),
                 path=checkpoint.path,
             ) from None
-    member = load_member(folder.directory, chosen.name, allow_globals=resolver.allow_globals)
+    member = load_member(folder.directory, chosen.name, allow_globals=resolver.allow_globals, variant=folder.variant)
     member.path, member.folder = checkpoint.path, dataclasses.replace(folder, read=chosen.name)
     if rest is not None:
         return member.select_weights(rest)

@@ -131,6 +131,8 @@ def save(
     fingerprint: bool = False,
     allow_expansion: bool = False,
     dry_run: bool = False,
+    shard_stem: str = "model",
+    variant: str | None = None,
 ) -> SaveReport:
     """Write ``checkpoint`` to ``out`` atomically and prove every tensor reads back unchanged.
 
@@ -151,6 +153,9 @@ def save(
             they are and needs this only with ``fingerprint``.
         dry_run: make every check and refusal a write would make, then stop: nothing is written and
             no tensor byte is read; the report lists the files that would be written.
+        shard_stem, variant: how a folder of shards names its files (``model`` ->
+            ``model-00001-of-00002.safetensors`` and ``model.safetensors.index.json``; a variant
+            ``fp16`` -> ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json``).
 
     Raises:
         OutputError: exists without ``force``, is the input, or the disk refused the write.
@@ -168,6 +173,7 @@ def save(
     target, tensors, plan = _refuse(
         checkpoint, out, url, to=to, max_shard_size=max_shard_size, duplicate_tied=duplicate_tied,
         allow_expansion=allow_expansion, fingerprint=fingerprint, force=force, in_place=in_place,
+        naming=(shard_stem, variant),
     )  # fmt: skip
     if dry_run:  # every refusal of the write has been made; stop before a byte is read or written
         return SaveReport(
@@ -211,6 +217,7 @@ def _refuse(
     fingerprint: bool,
     force: bool,
     in_place: bool,
+    naming: tuple[str, str | None] = ("model", None),
 ) -> tuple[formats.Format, Mapping[str, TensorRef], _ShardPlan | None]:
     """Every refusal of :func:`save`, before a thread reads the input or a byte is written: (the output's format,
     the tensors it writes, the shard plan of a folder output)."""
@@ -242,7 +249,7 @@ def _refuse(
     plan: _ShardPlan | None = None
     if target.sharded:
         plan = _plan_shards(
-            tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out, checkpoint.path
+            tensors, max_shard_size or safetensors.parse_size("5GB"), duplicate_tied, out, checkpoint.path, naming
         )
     if url is not None:
         writes = {"writes": plan.writes, "removes": plan.removes} if plan is not None else {}
@@ -471,10 +478,11 @@ class _ShardPlan:
     removes: list[str]
     notes: list[str]
     replaces_index: bool = False  # a URL's folder holds an index already (removed first when the set goes up)
+    index_name: str = safetensors.INDEX_NAME
 
     @property
     def writes(self) -> list[str]:
-        return [*self.names, safetensors.INDEX_NAME]
+        return [*self.names, self.index_name]
 
 
 # Shards one write may make: each is a file, a header and a re-read; a few thousand is already a
@@ -483,7 +491,12 @@ MAX_SHARDS = 10_000
 
 
 def _plan_shards(
-    tensors: Mapping[str, TensorRef], max_shard_size: int, duplicate_tied: bool, out: Path, source: Path
+    tensors: Mapping[str, TensorRef],
+    max_shard_size: int,
+    duplicate_tied: bool,
+    out: Path,
+    source: Path,
+    naming: tuple[str, str | None] = ("model", None),
 ) -> _ShardPlan:
     if max_shard_size < 1:
         raise UsageError(suggest.option("max_shard_size", None) + f" must be at least 1 byte, not {max_shard_size}")
@@ -499,38 +512,39 @@ def _plan_shards(
             + f" (at least {floor} bytes)",
             path=source,
         )
-    names = [safetensors.shard_file_name(index, len(shards)) for index in range(len(shards))]
+    from ckptool.formats.safetensors_write import index_file_name, shard_file_name
+
+    names = [shard_file_name(index, len(shards), *naming) for index in range(len(shards))]
+    index_name = index_file_name(*naming)
     removes: list[str] = []
     notes: list[str] = []
     replaces_index = False
     if not isinstance(out, Path):  # a URL: the earlier set as its index names it, read from the store
         from ckptool.io import upload
 
-        replaces_index, named = upload.earlier_shards(out, safetensors.INDEX_NAME)
+        replaces_index, named = upload.earlier_shards(out, index_name)
         if named is None:
             notes.append(
-                f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
-                "if any, were left in place"
+                f"the earlier {index_name} could not be read: shards of the earlier set, if any, were left in place"
             )
         removes = [name for name in (named or []) if name not in names]
     elif out.is_dir():
-        old_index = out / safetensors.INDEX_NAME
+        old_index = out / index_name
         if os.path.lexists(old_index):
             # the earlier set's shards, as its own index names them: nothing else is ever removed
             named = safetensors.shards_named_by(old_index)
             if named is None:
                 notes.append(
-                    f"the earlier {safetensors.INDEX_NAME} could not be read: shards of the earlier set, "
-                    "if any, were left in place"
+                    f"the earlier {index_name} could not be read: shards of the earlier set, if any, were left in place"
                 )
             removes = [name for name in (named or []) if name not in names]
-        single = out / "model.safetensors"
+        single = out / f"{naming[0]}{'.' + naming[1] if naming[1] else ''}.safetensors"
         if os.path.lexists(single):
             notes.append(
-                f"{out} also holds model.safetensors, which loaders such as transformers read before the "
+                f"{out} also holds {single.name}, which loaders such as transformers read before the "
                 "index — remove it if it is an older copy"
             )
-    return _ShardPlan(aliases, stored, shards, names, removes, notes, replaces_index)
+    return _ShardPlan(aliases, stored, shards, names, removes, notes, replaces_index, index_name)
 
 
 def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: Expectations) -> SaveReport:
@@ -545,7 +559,7 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
     total = sum(tensor.nbytes for tensor in plan.stored.values())
     with (
         progress.task(total, out.name),
-        checked_folder(out, expect, read_back(checkpoint), last=safetensors.INDEX_NAME, remove=plan.removes) as folder,
+        checked_folder(out, expect, read_back(checkpoint), last=plan.index_name, remove=plan.removes) as folder,
     ):
         for index, (name, names) in enumerate(zip(plan.names, plan.shards)):
             shard_tensors = {k: plan.stored[k] for k in names}
@@ -569,11 +583,11 @@ def _save_sharded(checkpoint: Checkpoint, out: Path, plan: _ShardPlan, expect: E
         if value:
             index_metadata[FINGERPRINT_KEY] = value
         index_doc = {"metadata": index_metadata, "weight_map": dict(sorted(weight_map.items()))}
-        (folder.directory / safetensors.INDEX_NAME).write_text(json.dumps(index_doc, indent=2) + "\n")
+        (folder.directory / plan.index_name).write_text(json.dumps(index_doc, indent=2) + "\n")
     report = SaveReport(
         path=out,
         format="safetensors-sharded",
-        files=[out / safetensors.INDEX_NAME, *files],
+        files=[out / plan.index_name, *files],
         fingerprint=value,
         checked=folder.checked,
         aliases=plan.aliases,

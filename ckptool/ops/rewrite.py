@@ -280,6 +280,7 @@ class ConvertPlan:
     jobs: list[tuple[Path, Path]]
     one_output: bool
     max_shard_bytes: int | None = None
+    shards_asked: bool = False  # --max-shard-size was given (not implied by an output named "out/")
 
 
 @dataclass
@@ -301,6 +302,7 @@ class ConvertOptions:
     drop: tuple[str, ...] = ()  # shell patterns: weight keys and top-level entries to leave out
     rename: tuple[str, ...] = ()  # PATTERN=REPLACEMENT regex rules for the weight keys, in order
     weights_only: bool = False  # write the weights alone (a bare state dict), no container around them
+    variant: str | None = None  # a model folder's weights variant to read (fp16: *.fp16.safetensors)
 
 
 @dataclass
@@ -364,17 +366,24 @@ def plan_convert(
             )
         if isinstance(out, str) and out.endswith(("/", os.sep)) and shard_bytes is None and to != "pt":
             shard_bytes = parse_size("5GB")  # "out/": a folder of shards (the writer's default size), as no suffix says
-        return ConvertPlan([(paths[0], located(out))], True, shard_bytes)
+        return ConvertPlan([(paths[0], located(out))], True, shard_bytes, max_shard_size is not None)
     from ckptool.io.writer import plan_outputs
 
     assert out_dir is not None
-    return ConvertPlan(plan_outputs(paths, located(out_dir), to), False, shard_bytes)
+    return ConvertPlan(plan_outputs(paths, located(out_dir), to), False, shard_bytes, max_shard_size is not None)
 
 
 def convert_file(
-    source: Path, target: Path, options: ConvertOptions, *, max_shard_bytes: int | None = None
+    source: Path,
+    target: Path,
+    options: ConvertOptions,
+    *,
+    max_shard_bytes: int | None = None,
+    shards_asked: bool | None = None,
 ) -> WriteReport:
-    """Convert ``source`` to ``target``: strip the wrapper prefix and cast if asked, write, check."""
+    """Convert ``source`` to ``target``: strip the wrapper prefix and cast if asked, write, check.
+    A model folder (a pipeline, a model with its configs) converted to a folder is written as the
+    same tree (:mod:`ckptool.ops.convert_folder`)."""
     from ckptool import formats
     from ckptool.io.reader import load
     from ckptool.io.writer import save, target_format
@@ -382,7 +391,16 @@ def convert_file(
     own_writer = formats.for_target(options.to) if options.to is not None else None
     if (own_writer is None or not own_writer.own_saver) and isinstance(target, Path):
         target_format(target, options.to, max_shard_bytes)  # a name no format claims: refused before the input is read
-    checkpoint = loaded = load(source, allow_globals=options.allow_globals, weights=options.weights)
+    checkpoint = loaded = load(
+        source, allow_globals=options.allow_globals, weights=options.weights, variant=options.variant
+    )
+    tree = _folder_tree(checkpoint, target, options)
+    if tree is not None:
+        from ckptool.ops.convert_folder import convert_tree
+
+        asked = shards_asked if shards_asked is not None else max_shard_bytes is not None
+        saved, said = convert_tree(source, target, options, tree, max_shard_bytes=max_shard_bytes if asked else None)
+        return WriteReport("convert", source, target, saved, said)
     notes: list[str] = []
     if options.strip and checkpoint.prefix:
         notes.append(f'stripped "{checkpoint.prefix}" from the keys')
@@ -447,6 +465,29 @@ def convert_file(
     return WriteReport("convert", source, target, saved, notes + whole_model_notes(checkpoint, saved) + saved.notes)
 
 
+def _folder_tree(checkpoint: Checkpoint, target: Path, options: ConvertOptions) -> Any:
+    """The layout of a model folder input written as a tree (a folder output, no component chosen), or
+    None. A folder of several components written to one file is refused: no library loads that."""
+    from ckptool import formats
+
+    folder = checkpoint.folder
+    if folder is None or folder.training or options.weights is not None:
+        return None
+    suffixes = tuple(suffix for fmt in formats.registered() for suffix in fmt.suffixes)
+    to_folder = target.suffix.lower() not in suffixes or (isinstance(target, Path) and target.is_dir())
+    if to_folder and options.to in (None, "safetensors"):
+        return folder
+    if folder.composite:
+        names = ", ".join(component.name for component in folder.components[:4])
+        raise UsageError(
+            f"is a model folder of {len(folder.components)} components ({names}"
+            f"{', ...' if len(folder.components) > 4 else ''}): convert it to a folder (-o OUT/), or choose one "
+            + option("weights", Metavar("COMPONENT")),
+            path=checkpoint.path,
+        )
+    return None
+
+
 def _reshape(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> Checkpoint:
     """Rename the weight keys, drop keys and entries, keep the weights alone: as ``options`` asks."""
     from ckptool.model.keys import parse_rename
@@ -495,7 +536,11 @@ def convert(
     report = ConvertReport(plan)
     for source, target in plan.jobs if jobs is None else jobs:
         try:
-            report.converted.append(convert_file(source, target, options, max_shard_bytes=plan.max_shard_bytes))
+            report.converted.append(
+                convert_file(
+                    source, target, options, max_shard_bytes=plan.max_shard_bytes, shards_asked=plan.shards_asked
+                )
+            )
         except CkptError as e:
             if len(plan.jobs) == 1:
                 raise

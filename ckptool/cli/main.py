@@ -37,6 +37,7 @@ from ckptool.cli.options import (
     json_option,
     shows_progress,
     storage_options,
+    variant_option,
     weights_option,
 )
 
@@ -135,6 +136,7 @@ def _terminate(signum: int, frame: Any) -> None:
 @allow_global_option
 @allow_expansion_option
 @weights_option
+@variant_option
 @shows_progress
 @storage_options
 @handle_errors
@@ -147,6 +149,7 @@ def inspect(
     allow_globals: tuple[str, ...],
     allow_expansion: bool,
     weights: str | None,
+    variant: str | None,
 ) -> None:
     """Describe a checkpoint: format, where the weights are, wrapper prefix, devices, entries.
 
@@ -163,6 +166,7 @@ def inspect(
         tensors=list_tensors or every_tensor,
         allow_expansion=allow_expansion,
         weights=weights,
+        variant=variant,
     )
     if as_json:
         emit_json("inspect", summary.to_json())
@@ -251,6 +255,7 @@ def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
 @allow_global_option
 @allow_expansion_option
 @weights_option
+@variant_option
 @click.option("--against-weights", default=None, metavar="PATH", help="--weights for OTHER.")
 @shows_progress
 @storage_options
@@ -270,6 +275,7 @@ def verify(
     allow_globals: tuple[str, ...],
     allow_expansion: bool,
     weights: str | None,
+    variant: str | None,
     against_weights: str | None,
 ) -> None:
     """Prove the weights load strictly and evaluate identically on CPU and every device.
@@ -298,6 +304,7 @@ def verify(
         allow_expansion=allow_expansion,
         allow_nonfinite=allow_nonfinite or nonfinite_keys,
         weights=weights,
+        variant=variant,
         against_weights=against_weights,
     )
     if as_json:
@@ -323,6 +330,7 @@ def verify(
 @allow_global_option
 @allow_expansion_option
 @weights_option
+@variant_option
 @click.option("--weights-b", default=None, metavar="PATH", help="--weights for B (--weights applies to A).")
 @shows_progress
 @storage_options
@@ -335,6 +343,7 @@ def diff(
     allow_globals: tuple[str, ...],
     allow_expansion: bool,
     weights: str | None,
+    variant: str | None,
     weights_b: str | None,
 ) -> None:
     """Compare the weights of two checkpoints in any formats: keys, dtypes, shapes, values.
@@ -354,6 +363,7 @@ def diff(
         allow_globals=allow_globals,
         allow_expansion=allow_expansion,
         weights_a=weights,
+        variant=variant,
         weights_b=weights_b,
     )
     if as_json:

@@ -190,7 +190,15 @@ weights_option = click.option(
     default=None,
     metavar="PATH",
     help="Which set of weights to take when the file holds several (inspect lists them): keys joined by . or / "
-    "(state_dict_ema, model.ema, ema); a key holding dots is matched whole. Default: the live weights.",
+    "(state_dict_ema, model.ema, ema), or a model folder's component (unet); a key holding dots is matched "
+    "whole. Default: the live weights (a folder of components: all of them).",
+)
+variant_option = click.option(
+    "--variant",
+    default=None,
+    metavar="NAME",
+    help="In a model folder, read the weights variant NAME (fp16: diffusion_pytorch_model.fp16.safetensors); "
+    "a component without it is read from its default weights. Default: the default weights.",
 )
 force_option = click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 in_place_option = click.option(

@@ -30,6 +30,7 @@ from ckptool.cli.options import (
     json_option,
     shows_progress,
     storage_options,
+    variant_option,
     weights_option,
 )
 
@@ -54,6 +55,7 @@ def _rewrite_options(command: Callable[..., Any]) -> Callable[..., Any]:
             allow_global_option,
             fingerprint_write_option,
             weights_option,
+            variant_option,
             dry_run_option,
         ]
     ):
@@ -84,6 +86,7 @@ def strip(
     allow_globals: tuple[str, ...],
     with_fingerprint: bool,
     weights: str | None,
+    variant: str | None,
     dry_run: bool,
     prefix: str | None,
     to_device: str | None,
@@ -107,6 +110,7 @@ def strip(
         allow_globals=allow_globals,
         fingerprint=with_fingerprint,
         weights=weights,
+        variant=variant,
         to_device=to_device,
         mapping=mapping,
         dry_run=dry_run,
@@ -138,6 +142,7 @@ def add_prefix(
     allow_globals: tuple[str, ...],
     with_fingerprint: bool,
     weights: str | None,
+    variant: str | None,
     dry_run: bool,
     prefix: str,
 ) -> None:
@@ -156,6 +161,7 @@ def add_prefix(
         allow_globals=allow_globals,
         fingerprint=with_fingerprint,
         weights=weights,
+        variant=variant,
         dry_run=dry_run,
     )
     if as_json:
@@ -184,6 +190,7 @@ def remap(
     allow_globals: tuple[str, ...],
     with_fingerprint: bool,
     weights: str | None,
+    variant: str | None,
     dry_run: bool,
     to_device: str | None,
     mapping: tuple[str, ...],
@@ -206,6 +213,7 @@ def remap(
         allow_globals=allow_globals,
         fingerprint=with_fingerprint,
         weights=weights,
+        variant=variant,
         dry_run=dry_run,
     )
     if as_json:
@@ -280,6 +288,7 @@ def remap(
 @allow_global_option
 @fingerprint_write_option
 @weights_option
+@variant_option
 @dry_run_option
 @shows_progress
 @storage_options
@@ -304,6 +313,7 @@ def convert(
     allow_globals: tuple[str, ...],
     with_fingerprint: bool,
     weights: str | None,
+    variant: str | None,
     dry_run: bool,
 ) -> None:
     """Convert between .pt and safetensors (single or sharded); the output is re-read and checked.
@@ -328,6 +338,7 @@ def convert(
         allow_globals=allow_globals,
         fingerprint=with_fingerprint,
         weights=weights,
+        variant=variant,
         dry_run=dry_run,
         drop=drop,
         rename=rename,

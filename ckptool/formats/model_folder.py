@@ -322,8 +322,29 @@ def find(directory: Path, variant: str | None = None) -> FolderLayout | None:
     if not below and not others and not bare_bin and not parts[0].variants:
         return None  # one weights file or one index: read as that file
     weights = tuple(FolderFile(part.name if part.directory else part.path(variant), "weights") for part in parts)
-    files = tuple(FolderFile(name, CONFIG) for name in sorted(others) if not name.startswith("."))
+    files = tuple(FolderFile(name, CONFIG) for name in _other_files(directory, parts))
     return FolderLayout(directory, kind_of(top, parts), weights, files, components=tuple(parts), variant=variant)
+
+
+MAX_LISTED_FILES = 1_000  # the other files a layout names (a tokenizer folder holds a handful)
+
+
+def _other_files(directory: Path, parts: list[Component]) -> list[str]:
+    """The tree's files that are no component's weights (configs, tokenizer, scheduler, model card),
+    from the top, hidden ones and those of skipped folders left out."""
+    folders = {part.directory for part in parts}
+    dcp = tuple(f"{part.directory}/" for part in parts if part.files == {"": ""})
+    found: list[str] = []
+    for name, is_dir in walk(directory, depth=COMPONENT_DEPTH + 1):
+        folder, _, base = name.rpartition("/")
+        if is_dir or base.startswith(".") or name.startswith(dcp) or any(p in SKIPPED_FOLDERS for p in name.split("/")):
+            continue
+        if folder in folders and _belongs_to_weights(base):
+            continue
+        found.append(name)
+        if len(found) >= MAX_LISTED_FILES:
+            break
+    return sorted(found, key=lambda name: ("/" in name, name))
 
 
 def _belongs_to_weights(name: str) -> bool:

@@ -471,11 +471,14 @@ def _compare_tensors(
 
 
 def _open(
-    path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str], weights: str | None = None
+    path: Path | str | Checkpoint,
+    allow_globals: tuple[str, ...] | list[str],
+    weights: str | None = None,
+    variant: str | None = None,
 ) -> Checkpoint:
     if isinstance(path, Checkpoint):
         return path if weights is None else path.select_weights(weights)
-    return load(path, allow_globals=allow_globals, weights=weights)
+    return load(path, allow_globals=allow_globals, weights=weights, variant=variant)
 
 
 def _strip(tensors: Mapping[str, TensorRef], prefix: str) -> dict[str, TensorRef]:
@@ -517,6 +520,7 @@ def diff(
     weights_a: str | None = None,
     weights_b: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    variant: str | None = None,
 ) -> DiffReport:
     """Compare the weights of two checkpoints: keys, dtypes, shapes and values.
 
@@ -539,6 +543,7 @@ def diff(
             :data:`ckptool.tensors.refs.EXPANSION_FACTOR` in full; without it such a checkpoint is refused.
         weights_a, weights_b: which set of weights of A / B to compare (``"state_dict_ema"``; see
             :func:`ckptool.load`); None: the default one.
+        variant: a model folder's weights variant to read in both (``"fp16"``; see :func:`ckptool.load`).
 
     Example:
         >>> report = ckptool.diff("model.pt", "model.safetensors")   # doctest: +SKIP
@@ -546,7 +551,7 @@ def diff(
         (True, 8)
     """
     use_storage_options(storage_options)
-    left, right = _open(a, allow_globals, weights_a), _open(b, allow_globals, weights_b)
+    left, right = _open(a, allow_globals, weights_a, variant), _open(b, allow_globals, weights_b, variant)
     if left.has_weights or right.has_weights:
         a_tensors, b_tensors = left.tensors, right.tensors
     else:  # neither names its weights (bare tensors, lists): compare every tensor by where it lies

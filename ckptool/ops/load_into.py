@@ -236,11 +236,14 @@ class LoadReport:
 
 
 def _open(
-    path: Path | str | Checkpoint, allow_globals: tuple[str, ...] | list[str], weights: str | None = None
+    path: Path | str | Checkpoint,
+    allow_globals: tuple[str, ...] | list[str],
+    weights: str | None = None,
+    variant: str | None = None,
 ) -> Checkpoint:
     if isinstance(path, Checkpoint):
         return path if weights is None else path.select_weights(weights)
-    return load(path, allow_globals=allow_globals, weights=weights)
+    return load(path, allow_globals=allow_globals, weights=weights, variant=variant)
 
 
 def _model_device(model: nn.Module) -> str:
@@ -261,6 +264,7 @@ def load_into(
     allow_globals: tuple[str, ...] | list[str] = (),
     weights: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    variant: str | None = None,
 ) -> LoadReport:
     """Load any checkpoint's weights into ``model``, fixing wrapper prefixes on the way.
 
@@ -282,7 +286,9 @@ def load_into(
             it: called on the rewritten state dict before the load; the keys it drops are reported
             as ``skipped`` (with ``strict=True`` the model's keys it drops must be none).
         allow_globals: extra pickle globals to accept by name.
-        weights: which set of weights to load (``"state_dict_ema"``, ``"ema"``; see :func:`ckptool.load`).
+        weights: which set of weights to load (``"state_dict_ema"``, ``"ema"``, a model folder's
+            ``"unet"``; see :func:`ckptool.load`).
+        variant: a model folder's weights variant (``"fp16"``; see :func:`ckptool.load`).
 
     Raises:
         LoadMismatchError: the keys or shapes do not fit (exit code 1); ``.diagnosis`` has the detail.
@@ -298,7 +304,7 @@ def load_into(
     """
     import_torch("loading into a model")
     use_storage_options(storage_options)
-    checkpoint = _open(path, allow_globals, weights)
+    checkpoint = _open(path, allow_globals, weights, variant)
     tensors = checkpoint.tensors
     if not tensors:
         raise InputError("holds no weight tensors to load", path=checkpoint.path)

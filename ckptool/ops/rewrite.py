@@ -98,6 +98,7 @@ def strip(
     allow_globals: tuple[str, ...] = (),
     fingerprint: bool = False,
     weights: str | None = None,
+    variant: str | None = None,
     to_device: str | None = None,
     mapping: Iterable[str] = (),
     dry_run: bool = False,
@@ -114,7 +115,7 @@ def strip(
     ckpt, out = located(ckpt), _optional_path(out)
     mapping = tuple(mapping)
     mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
-    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
+    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant)
     target = _target(ckpt, out, in_place, checkpoint)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(used)  # (the prefix detected once)
@@ -184,13 +185,14 @@ def add_prefix(
     allow_globals: tuple[str, ...] = (),
     fingerprint: bool = False,
     weights: str | None = None,
+    variant: str | None = None,
     dry_run: bool = False,
 ) -> WriteReport:
     """Put ``prefix`` in front of every weight key and write the result to ``out``."""
     from ckptool.io.reader import load
 
     ckpt, out = located(ckpt), _optional_path(out)
-    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
+    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant)
     target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
     details = {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)}
@@ -209,6 +211,7 @@ def remap(
     allow_globals: tuple[str, ...] = (),
     fingerprint: bool = False,
     weights: str | None = None,
+    variant: str | None = None,
     dry_run: bool = False,
 ) -> WriteReport:
     """Rewrite the saved storage device tags (every one to ``to_device``, or ``mapping``'s ``old=new``).
@@ -220,7 +223,7 @@ def remap(
 
     ckpt, out = located(ckpt), _optional_path(out)
     mapper = _mapper(to_device, mapping)
-    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights)
+    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant)
     _has_location_tags(checkpoint, ckpt)
     target = _target(ckpt, out, in_place, checkpoint)
     before = checkpoint.saved_devices()

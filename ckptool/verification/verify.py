@@ -108,12 +108,17 @@ class VerifyPlan:
 
 
 def read_checked(
-    path: Path | str, *, allow_globals: Sequence[str] = (), allow_expansion: bool = False, weights: str | None = None
+    path: Path | str,
+    *,
+    allow_globals: Sequence[str] = (),
+    allow_expansion: bool = False,
+    weights: str | None = None,
+    variant: str | None = None,
 ) -> Checkpoint:
     """A checkpoint to verify, read (lazily: no tensor bytes yet); views expanding their storage are
     refused unless ``allow_expansion``, and so is a sparse or nested tensor torch.load refuses (its index
     parts read: :func:`ckptool.tensors.refs.check_wholes`)."""
-    checkpoint = load(path, allow_globals=tuple(allow_globals), weights=weights)
+    checkpoint = load(path, allow_globals=tuple(allow_globals), weights=weights, variant=variant)
     check_expansion(
         checkpoint.tensors if checkpoint.has_weights else {},
         allow=allow_expansion,
@@ -173,6 +178,7 @@ def verify(
     allow_nonfinite: bool | Sequence[str] = False,
     weights: str | None = None,
     against_weights: str | None = None,
+    variant: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Prove a checkpoint loads and evaluates identically on CPU and every device.
@@ -197,6 +203,7 @@ def verify(
             all, or shell patterns of the keys that may (``["*.mask"]``: -inf attention masks).
         weights, against_weights: which set of weights of the checkpoint / of ``against`` to check
             (``"state_dict_ema"``; see :func:`ckptool.load`); None: the default one.
+        variant: a model folder's weights variant to read in both (``"fp16"``; see :func:`ckptool.load`).
 
     Returns:
         A :class:`VerifyReport`; ``ok`` is False when the load or any check failed (weights
@@ -210,11 +217,19 @@ def verify(
     """
     # the plan, in the order its arguments are judged: the checkpoint, the model, the devices, the other
     use_storage_options(storage_options)
-    checkpoint = read_checked(path, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=weights)
+    checkpoint = read_checked(
+        path, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=weights, variant=variant
+    )
     spec, shape = plan_model(model_spec, model_args, input_shape)
     device_list = open_devices(devices)
     other = (
-        read_checked(against, allow_globals=allow_globals, allow_expansion=allow_expansion, weights=against_weights)
+        read_checked(
+            against,
+            allow_globals=allow_globals,
+            allow_expansion=allow_expansion,
+            weights=against_weights,
+            variant=variant,
+        )
         if against is not None
         else None
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter, mul
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,9 @@ from ckptool.io.reader import load
 from ckptool.model import optimizers
 from ckptool.model.checkpoint import Checkpoint, spell_weights
 from ckptool.model.describe import describe_optimizer_state, entry_record, human_bytes, is_optimizer_state
+from ckptool.ops.tensor_groups import ModuleTotal, TensorGroup, component_totals, group_tensors, module_totals
 from ckptool.pickles import OpaqueObject, layouts
-from ckptool.tensors.refs import TensorRef, census, check_expansion, expansion, shared_storages
+from ckptool.tensors.refs import PartRef, TensorRef, census, check_expansion, expansion, shared_storages
 
 _WRAPPER_NAMES = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile", "model.": "Lightning"}
 
@@ -159,9 +162,21 @@ class Summary:
     # a training folder input: its kind, weights files, the step reached and every other file,
     # each with a line saying what it holds (training_state.FolderState); None for any other input
     training_folder: Any = None
+    # the weights' tensors, elements and bytes per top-level module (the first component of a key after the
+    # wrapper prefix), first met first; keys named "component/key" (a model folder's) by component, then
+    # module, each row with its component, and summed per component in ``components`` (else empty)
+    modules: list[ModuleTotal] = field(default_factory=list)
+    components: list[ModuleTotal] = field(default_factory=list)
+
+    def tensor_groups(self) -> list[TensorGroup]:
+        """With --tensors: the listing's rows, repeated blocks grouped (``tensor_groups.group_tensors`` of
+        ``state_dict``: 100,000 keys in ~0.2 s). Not in --json, which lists every key."""
+        return group_tensors(self.state_dict) if self.state_dict is not None else []
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data["modules"] = [module.to_json() for module in self.modules]
+        data["components"] = [component.to_json() for component in self.components]
         if self.tensor_list is None:
             data.pop("tensor_list")
         if self.state_dict is None:
@@ -385,6 +400,23 @@ def _loose_tensors_note(checkpoint: Checkpoint) -> list[str]:
     return [f"{len(loose)} tensor(s) outside any mapping of names, by place: {shown} — diff compares them by place"]
 
 
+def tensor_totals(tensors: Mapping[Any, TensorRef], prefix: str) -> list[ModuleTotal]:
+    """:func:`tensor_groups.module_totals` of the weights' tensors (a sparse or nested tensor's parts under
+    the key they are parts of), in C-speed passes: 100,000 tensors in ~40 ms."""
+    names = list(tensors)
+    if set(map(type, names)) != {str}:
+        names = [name if isinstance(name, str) else value_str(name) for name in names]
+    views = list(tensors.values())
+    if PartRef.made and PartRef in set(map(type, views)):  # a part is named "key[layout size/role]"
+        names = [name.rpartition("[")[0] or name if type(view) is PartRef else name for name, view in zip(names, views)]
+    parameters = list(map(math.prod, map(_SHAPE, views)))
+    return module_totals(names, parameters, list(map(mul, parameters, map(_ITEMSIZE, views))), prefix=prefix)
+
+
+_SHAPE = attrgetter("shape")
+_ITEMSIZE = attrgetter("dtype.itemsize")
+
+
 def summarize(
     checkpoint: Checkpoint, *, with_fingerprint: bool = False, with_tensors: bool = False, allow_expansion: bool = False
 ) -> Summary:
@@ -418,6 +450,8 @@ def summarize(
         notes=list(checkpoint.notes),
     )
     summary.module_class = checkpoint.module_class
+    summary.modules = tensor_totals(tensors, summary.prefix)
+    summary.components = component_totals(summary.modules)
     if checkpoint.folder is not None:
         from ckptool.ops.training_state import describe_folder
 

@@ -5,6 +5,7 @@ prefixes, GPU location tags, pickle), convert it, and verify the weights are the
 
 Example:
     >>> import ckptool
+    >>> state_dict = ckptool.load_state_dict("model.pt")       # doctest: +SKIP
     >>> ckpt = ckptool.load("ddp.pt")                           # doctest: +SKIP
     >>> ckptool.save(ckpt.strip_prefix(), "model.safetensors")  # doctest: +SKIP
 """
@@ -35,6 +36,7 @@ _EXPORTS = {
     "LoadReport": "ops.load_into",
     "load_into": "ops.load_into",
     "load": "io.reader",
+    "load_state_dict": "ops.state_dict",
     "ScanReport": "ops.scan",
     "scan": "ops.scan",
     "Summary": "ops.inspect",
@@ -48,7 +50,7 @@ _EXPORTS = {
 __all__ = ["__version__", *sorted(_EXPORTS)]
 # the functions that read, write or compare files: whatever goes wrong inside them reaches the
 # caller as a CkptError — InputError and friends for the input's faults, InternalError for a bug
-_BOUNDARY = {"diff", "fingerprint", "inspect", "load", "load_into", "save", "scan", "verify"}
+_BOUNDARY = {"diff", "fingerprint", "inspect", "load", "load_into", "load_state_dict", "save", "scan", "verify"}
 
 
 def __getattr__(name: str) -> Any:
@@ -147,6 +149,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs ("X as X": ex
     )
     from ckptool.ops.scan import ScanReport as ScanReport
     from ckptool.ops.scan import scan as scan
+    from ckptool.ops.state_dict import load_state_dict as load_state_dict
     from ckptool.tensors.digest import fingerprint as fingerprint
     from ckptool.verification.verify import VerifyReport as VerifyReport
     from ckptool.verification.verify import verify as verify

@@ -6,6 +6,7 @@ Every line goes through :func:`echo`, which escapes whatever came from a file (s
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -67,6 +68,8 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
         f"  tensors        {summary.tensors}  "
         f"({summary.parameters:,} parameters, {human_bytes(summary.bytes)}; {dtypes})"
     )
+    if summary.state_dict is None:  # (--tensors gives the whole table)
+        _module_block(summary)
     devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
     echo(f"  saved devices  {devices}  (storages per location tag)")
     if summary.tied:
@@ -87,23 +90,125 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
         echo(f"  fingerprint    {summary.fingerprint}")
     for note in summary.notes:
         echo(f"  note           {note}")
-    if summary.state_dict is not None:  # each key as torch's state dict holds it (a sparse tensor whole)
+    if summary.state_dict is not None:
         echo("")
-        width = max((len(t.name) for t in summary.state_dict), default=4)
-        dtype_width = max((len(t.dtype) for t in summary.state_dict), default=5)  # QUINT4X2 included
-        for tensor in summary.state_dict:
-            shape = "[" + ", ".join("*" if d is None else str(d) for d in tensor.shape) + "]"  # *: varies by piece
-            layout = (
-                ""
-                if tensor.layout == "strided"
-                else f"  {tensor.layout}" + (f" {tensor.qscheme}" if tensor.qscheme else "")
-            )
-            echo(f"  {tensor.name:<{width}}  {tensor.dtype:<{dtype_width}} {shape:<20} {tensor.device}{layout}")
+        if every_tensor:
+            _every_tensor(summary)
+        else:
+            _grouped_tensors(summary)
     if summary.hints:
         echo("")
         for hint in summary.hints:
             echo(f"  ! {hint.problem}")
             echo(f"    fix: {hint.fix}")
+
+
+MODULE_ROWS = 12  # the modules plain inspect shows; the rest are summed in one line
+
+
+def _module_block(summary: Summary) -> None:
+    """Plain inspect's parameters per top-level module (per component for a model folder's keys),
+    when there is more than one."""
+    rows, label = (summary.components, "components") if len(summary.components) > 1 else (summary.modules, "modules")
+    if len(rows) < 2:
+        return
+    shown = rows[: MODULE_ROWS - 1] if len(rows) > MODULE_ROWS else rows
+    rest = rows[len(shown) :]
+    totals = [(row.name, row.tensors, row.parameters, row.bytes) for row in shown]
+    if rest:
+        totals.append(
+            (
+                f"... {len(rest)} more",
+                sum(row.tensors for row in rest),
+                sum(row.parameters for row in rest),
+                sum(row.bytes for row in rest),
+            )
+        )
+    counts = max(len(str(count)) for _, count, _, _ in totals)
+    numbers = max(len(f"{parameters:,}") for _, _, parameters, _ in totals)
+    cells = [
+        (
+            name,
+            f"{count:>{counts}} tensor" + ("" if count == 1 else "s"),
+            f"{parameters:>{numbers},} parameters",
+            human_bytes(size),
+        )
+        for name, count, parameters, size in totals
+    ]
+    for number, line in enumerate(_table(cells, right=(3,))):
+        echo(f"  {label if number == 0 else '':<14} {line}")
+
+
+def _table(cells: Sequence[Sequence[str]], *, right: tuple[int, ...] = ()) -> list[str]:
+    """Rows of cells as aligned columns (those in ``right`` aligned right), two spaces apart; a column
+    empty in every row is left out."""
+    widths = [max(len(row[column]) for row in cells) for column in range(len(cells[0]))] if cells else []
+    return [
+        "  ".join(
+            cell.rjust(width) if column in right else cell.ljust(width)
+            for column, (cell, width) in enumerate(zip(row, widths))
+            if width
+        ).rstrip()
+        for row in cells
+    ]
+
+
+def _shape(shape: Any) -> str:
+    return "[" + ", ".join("*" if size is None else str(size) for size in shape) + "]"  # *: varies by piece
+
+
+def _every_tensor(summary: Summary) -> None:
+    """--tensors --all: each key as torch's state dict holds it (a sparse tensor whole)."""
+    records = summary.state_dict or []
+    width = max((len(t.name) for t in records), default=4)
+    dtype_width = max((len(t.dtype) for t in records), default=5)  # QUINT4X2 included
+    for tensor in records:
+        layout = (
+            ""
+            if tensor.layout == "strided"
+            else f"  {tensor.layout}" + (f" {tensor.qscheme}" if tensor.qscheme else "")
+        )
+        shape = _shape(tensor.shape)
+        echo(f"  {tensor.name:<{width}}  {tensor.dtype:<{dtype_width}} {shape:<20} {tensor.device}{layout}")
+
+
+def _grouped_tensors(summary: Summary) -> None:
+    """--tensors: one row per repeated tensor (``layers.{0..31}.q.weight  ×32``), then the parameters per module."""
+    groups = summary.tensor_groups()
+    cells = []
+    for group in groups:
+        kind = "" if group.layout == "strided" else group.layout + (f" {group.qscheme}" if group.qscheme else "")
+        if group.device == "meta":
+            kind = (kind + " meta").strip()
+        cells.append(
+            (
+                group.pattern,
+                f"×{group.count}" if group.count > 1 else "",
+                group.dtype,
+                _shape(group.shape),
+                "-" if group.device == "meta" else human_bytes(group.bytes),
+                kind,
+            )
+        )
+    for line in _table(cells, right=(1, 4)):
+        echo(f"  {line}")
+    if len(groups) < len(summary.state_dict or []):
+        echo(f"  ({len(summary.state_dict or [])} keys in {len(groups)} rows; --all lists every key)")
+    if len(summary.modules) >= len(summary.state_dict or []):  # (each key its own module: the rows say it all)
+        return
+    echo("")
+    rows = [("module", "tensors", "parameters", "size")]
+    components = {row.name: row for row in summary.components}
+    last = None
+    for module in summary.modules:
+        if module.component is not None and module.component != last:
+            last = module.component
+            whole = components[last]
+            rows.append((f"{last}/", str(whole.tensors), f"{whole.parameters:,}", human_bytes(whole.bytes)))
+        name = module.name if module.component is None else f"  {module.name}"
+        rows.append((name, str(module.tensors), f"{module.parameters:,}", human_bytes(module.bytes)))
+    for line in _table(rows, right=(1, 2, 3)):
+        echo(f"  {line}")
 
 
 def scan(report: ScanReport) -> None:

@@ -253,19 +253,20 @@ class ModuleTotal:
 
 
 def module_of(name: str, prefix: str = "") -> tuple[str | None, str]:
-    """The component (None when ``name`` has no ``component/``) and top-level module of a key: its first
-    dotted component after the component and the wrapper ``prefix``.
+    """The component (what comes before a ``/``; None without one) and top-level module of a key: the
+    first dotted component after the component and the wrapper ``prefix`` (and before any other ``/``).
+    :func:`module_totals` reads components only when every key has one.
 
     Example:
         >>> module_of("module.model.layers.0.mlp.weight", "module.")
         (None, 'model')
-        >>> module_of("unet/conv_in.weight")
-        ('unet', 'conv_in')
+        >>> module_of("unet/conv_in.weight"), module_of("bert/encoder/layer_0/kernel")
+        (('unet', 'conv_in'), ('bert', 'encoder'))
     """
     component, slash, key = name.partition("/")
     if not slash:
         return None, _head(name, prefix)
-    return component, _head(key, prefix)
+    return component, _head(key, prefix).partition("/")[0]
 
 
 def module_totals(

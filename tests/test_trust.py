@@ -141,7 +141,7 @@ def test_a_call_that_converts_an_omegaconf_container_is_dangerous(tmp_path: Path
 
 def test_a_flood_of_globals_is_refused_in_linear_time_and_bounded_memory() -> None:
     def names(count: int) -> bytes:
-        return hostile.whole(b"](" + b"".join(b"cm%d\nN\n0" % k for k in range(count)) + b"e")
+        return hostile.whole(b"](" + b"".join(b"cm%d\nN\n)R0" % k for k in range(count)) + b"e")  # each one called
 
     with pytest.raises(pickles.RefusedGlobal) as refused:  # every name, each once (a list lookup made it quadratic)
         pickles.loads(names(60_000), pickles.GlobalResolver())

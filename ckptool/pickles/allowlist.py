@@ -342,11 +342,17 @@ class GlobalResolver:
         # data classes a call iterates or converts while unpickling (builtins.dict(<DictConfig>)): the class's own
         # code then runs, so it needs the caller's trust (name -> the call)
         self.called_on: dict[str, str] = {}
+        # refused globals that may yet be data (never called, held only as values; references.py): name -> whether
+        # the pickle has called it (placeholders.WATCHED); and those the read accepted so
+        self.references: dict[str, bool] = {}
+        self.referenced: list[str] = []
+        self._references_kept: dict[str, bool] = {}
         if len(_OPAQUE_TYPES) > _OPAQUE_TYPES_KEPT:  # placeholders of earlier reads: no read holds them by name
             _OPAQUE_TYPES.clear()
 
     def records(self) -> tuple[dict[str, int], int, int]:
-        """What resolving has recorded so far, for :meth:`restore`."""
+        """What resolving has recorded so far, for :meth:`restore` (which calls the pickle made: kept here)."""
+        self._references_kept = dict(self.references)
         return dict(self.seen), len(self.refused), len(self._lookups)
 
     def restore(self, records: tuple[dict[str, int], int, int]) -> None:
@@ -357,6 +363,8 @@ class GlobalResolver:
         del self.refused[refused:]
         self._refused = set(self.refused)
         del self._lookups[lookups:]
+        self.references.clear()
+        self.references.update(self._references_kept)
 
     def is_allowed(self, full_name: str) -> bool:
         full_name = python3_name(full_name)
@@ -368,6 +376,13 @@ class GlobalResolver:
         if full_name not in self._refused:
             self._refused.add(full_name)
             self.refused.append(full_name)
+
+    def _refuse_class(self, full_name: str) -> None:
+        """Refuse a global the pickle names (GLOBAL, STACK_GLOBAL, a nested name): refused for good if it runs
+        code; else it may yet be read as data, if the pickle never calls it (:meth:`data_references`)."""
+        self._refuse(full_name)
+        if not full_name.startswith("<") and not runs_code(full_name):
+            self.references.setdefault(full_name, False)
 
     def _matches(self, full_name: str) -> bool:
         """Whether one of the user's patterns allows ``full_name`` (a Python 3 name): by matching it,
@@ -387,7 +402,7 @@ class GlobalResolver:
         if full_name in TORCH_GLOBALS:  # before any pattern: torch's globals keep their checks under '*'
             return TORCH_GLOBALS[full_name]
         if not (full_name in self.extra or self._matches(full_name)):
-            self._refuse(full_name)  # an inert placeholder all the same lets the walk go on to every other one
+            self._refuse_class(full_name)  # an inert placeholder all the same lets the walk go on to every other one
         return opaque_type(full_name, module)
 
     def _count(self, spelled: str) -> None:
@@ -458,7 +473,7 @@ class GlobalResolver:
         full_name = f"{parent._global}.{attribute}"  # type: ignore[attr-defined]
         self._count(full_name)
         if not (full_name in self.extra or self._matches(full_name)):
-            self._refuse(full_name)
+            self._refuse_class(full_name)
         return attribute_type(parent, attribute)
 
     def _record_lookup(self, spelled: str) -> None:
@@ -466,12 +481,31 @@ class GlobalResolver:
         if ATTRIBUTE_LOOKUP not in self.extra:
             self._refuse(ATTRIBUTE_LOOKUP)
 
-    def refusal(self, *, complete: bool = True) -> RefusedGlobal | None:
-        """The one refusal naming every global refused so far (none in permissive mode, or if none was)."""
+    def _settle_lookups(self) -> None:
         for lookup in self._lookups:  # a getattr the pickle named but never called: the function itself
             if not lookup._use:  # type: ignore[attr-defined]
                 lookup._use = "called"  # type: ignore[attr-defined]
                 self._record_lookup(lookup._spelled)  # type: ignore[attr-defined]
+
+    def data_references(self) -> list[str]:
+        """The globals refused so far when each of them may be data: named by the pickle, known to run no code,
+        and never called (no object of it built); else none. The read accepts them when its tree holds them only
+        as values (:func:`ckptool.pickles.references.accept_data_references`)."""
+        self._settle_lookups()
+        if self.permissive or not self.refused or any(self.references.get(name, True) for name in self.refused):
+            return []
+        return list(self.refused)
+
+    def accept(self, names: list[str]) -> None:
+        """Read ``names`` (refused so far) as data after all: the pickle holds them only as values."""
+        gone = set(names)
+        self.refused[:] = [name for name in self.refused if name not in gone]
+        self._refused -= gone
+        self.referenced += [name for name in names if name not in self.referenced]
+
+    def refusal(self, *, complete: bool = True) -> RefusedGlobal | None:
+        """The one refusal naming every global refused so far (none in permissive mode, or if none was)."""
+        self._settle_lookups()
         if self.permissive or not self.refused:
             return None
         return RefusedGlobal(self.refused, complete=complete, called_on=self.called_on)

@@ -11,6 +11,7 @@ readers build too; these types exist only because a pickle names them.)
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextvars import ContextVar
 from typing import Any
 
 from ckptool.base.errors import InputError
@@ -50,6 +51,24 @@ class StorageTypeRef:
         refuse_build(state)
 
 
+# The refused globals a read watches while its unpickler runs (see unpickle.loads): name -> whether the pickle
+# has called it. A refused class the pickle never calls and holds only as a value is data (references.py); an
+# object of one is made here, however the pickle calls it (REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST; by a GLOBAL,
+# the memo, an extension code), so every such call is seen.
+WATCHED: ContextVar[dict[str, bool] | None] = ContextVar("ckptool_watched_globals", default=None)
+
+
+def watched_names(cls: type) -> list[str]:
+    """The globals a placeholder class stands for: its own and, for a nested name read from
+    ``getattr(<parent>, 'name')``, each enclosing one (calling ``Outer.Inner`` uses ``Outer`` too)."""
+    names: list[str] = []
+    node: Any = cls
+    while node is not None:
+        names.append(node._global)
+        node = node._parent
+    return names
+
+
 class OpaqueObject:
     """An allowed object of a class ckptool does not model: its construction is recorded, never run.
 
@@ -73,6 +92,11 @@ class OpaqueObject:
     _setitems: list[Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
+        watched = WATCHED.get()
+        if watched:  # a call of a global the read refused: it is then no mere value
+            for name in watched_names(cls):
+                if name in watched:
+                    watched[name] = True
         obj = object.__new__(cls)
         obj._args = (args, kwargs) if kwargs else args
         obj._mode = "newobj_ex" if kwargs else "newobj"

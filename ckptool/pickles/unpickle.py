@@ -22,7 +22,8 @@ from ckptool.pickles.allowlist import TORCH_GLOBALS, GlobalResolver, RefusedGlob
 from ckptool.pickles.guard_cache import GuardCache
 from ckptool.pickles.limits import refuse
 from ckptool.pickles.opcode_guard import Truncated, guard, guard_stats
-from ckptool.pickles.placeholders import OpaqueObject, StateDict
+from ckptool.pickles.placeholders import WATCHED, OpaqueObject, StateDict
+from ckptool.pickles.references import accept_data_references
 from ckptool.tensors.refs import DeviceRef, StorageRef, TensorRef, human_size
 
 # the C run of the unpickler over torch's usual opcodes (ckptool/native/_fastload.c), where it was built;
@@ -123,6 +124,7 @@ def loads(
     # every refused global; what the walk then meets (a rebuild given a placeholder, a corrupt
     # tail) ends it with the refusal of the names found so far
     with paused():  # the tree is the result: nothing it builds is garbage
+        watching = WATCHED.set(getattr(resolver, "references", None))  # the refused classes the pickle calls
         try:
             obj = _unpickle(blob, resolver, persistent_load, counts)
         except (RefusedGlobal, InputError) as e:
@@ -130,11 +132,14 @@ def loads(
             if refusal is not None and not isinstance(e, RefusedGlobal):
                 raise refusal from None
             raise
+        finally:
+            WATCHED.reset(watching)
         if not emitted:
             check_tree(obj, source_bytes=len(blob))
         if hasattr(resolver, "may_convert") and resolver.may_convert():
             for call in _calls(obj):
                 resolver.called(call)
+        accept_data_references(resolver, obj, _tree_children)  # classes it only refers to, never calls: data
         refusal = resolver.refusal()
         if refusal is not None:
             raise refusal

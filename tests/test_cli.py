@@ -82,10 +82,11 @@ def test_refusal_names_the_global_to_allow_as_a_shell_word(tmp_path: Path, monke
 
     torch = pytest.importorskip("torch")
     module = types.ModuleType("a b;c")
-    module.d = type("d", (), {"__module__": "a b;c", "__qualname__": "d"})
+    # an object pickled as a call of the class (a class only referred to, never called, is read as data)
+    module.d = type("d", (), {"__module__": "a b;c", "__qualname__": "d", "__reduce__": lambda self: (type(self), ())})
     monkeypatch.setitem(sys.modules, "a b;c", module)  # so that pickle can name the class
     odd = tmp_path / "odd.pt"
-    torch.save({"w": torch.ones(2), "kind": module.d}, odd)
+    torch.save({"w": torch.ones(2), "kind": module.d()}, odd)
     code, _, err = run("inspect", odd)
     assert code == 3 and "pickle imports a b;c.d" in err, err
     suggested = err.rsplit("allow it by name: ", 1)[1].rstrip(")\n")

@@ -123,7 +123,7 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory, subprocess_env: dict[s
 
 def test_manifest_covers_every_fixture_file(fixtures_dir: Path) -> None:
     on_disk = {str(p.relative_to(fixtures_dir)) for p in fixtures_dir.rglob("*") if p.is_file()}
-    on_disk -= {"make_fixtures.py", "make_wild.py", "manifest.json", "README.md"}
+    on_disk -= {"make_fixtures.py", "make_wild.py", "make_sd_ckpt.py", "manifest.json", "README.md"}
     # frameworks/: files training frameworks wrote, described by their own cases.json (tests/test_frameworks*.py);
     # gpu/: files a real GPU wrote, described by their own recorded.json (tests/test_gpu_recorded.py)
     on_disk = {name for name in on_disk
@@ -301,7 +301,7 @@ def test_readme_sha256_table_matches_every_file_on_disk(fixtures_dir: Path) -> N
     listed = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{64})` \|$", table, flags=re.MULTILINE))
     on_disk = {str(p.relative_to(fixtures_dir)): sha256_of(p) for p in fixtures_dir.rglob("*")
                if p.is_file() and not {"__pycache__", "standins", "frameworks", "gpu"} & set(p.relative_to(fixtures_dir).parts)
-               and p.name not in ("make_fixtures.py", "make_wild.py", "manifest.json", "README.md")}
+               and p.name not in ("make_fixtures.py", "make_wild.py", "make_sd_ckpt.py", "manifest.json", "README.md")}
     assert listed == on_disk
 
 

@@ -14,7 +14,7 @@ from ckptool.base.suggest import Metavar
 from ckptool.base.suggest import option as suggest_option
 from ckptool.base.text import value_str
 from ckptool.model import keys as keys_
-from ckptool.model import modules, optimizers
+from ckptool.model import lit_ema, modules, optimizers
 from ckptool.model.tree import (
     contains,
     copy_mapping,
@@ -29,6 +29,7 @@ from ckptool.model.tree import (
 from ckptool.model.weight_sets import (
     OPTIMIZER_STATE,
     WeightSet,
+    lit_ema_set,
     resolve_weights,
     spell_weights,
     weight_set_at,
@@ -102,6 +103,10 @@ class Checkpoint:
     keep_modules: bool = False
     flattened: bool = False
     folder: Any = None
+    # weights derived from the container, not lying in it (``"ema"``, a LitEma copy: model/lit_ema.py): their name,
+    # and the container as read (``container`` holds them in place, at ``layout``, so that writes find them)
+    derived: str | None = None
+    read_container: Any = field(default=None, repr=False, compare=False)
     # the state dict read from a module record, once (a transform's copy reads its own)
     _module_weights: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -143,7 +148,7 @@ class Checkpoint:
 
     def weight_sets(self) -> list[WeightSet]:
         """Every set of weights the container holds (see :func:`weight_sets`); the chosen one included."""
-        found = weight_sets(self.container)
+        found = weight_sets(self.container if self.derived is None else self.read_container)
         if self.layout is not None and all(found_set.layout != self.layout for found_set in found):
             node = get_at(self.container, self.layout)
             found.insert(0, weight_set_at(node, self.layout) or WeightSet(self.layout, "state dict"))
@@ -157,7 +162,24 @@ class Checkpoint:
             InputError: nothing at that path, or what is there holds no tensors; the message lists
                 the sets of weights the container holds.
         """
+        if self.derived is not None:  # chosen among the sets the container as read holds
+            return replace(self, container=self.read_container, derived=None, read_container=None).select_weights(
+                weights
+            )
         layout = resolve_weights(self.container, weights)
+        ema = lit_ema_set(self.container) if layout is None and weights == lit_ema.NAME else None
+        if ema is not None:  # no key: the LitEma copy mapped onto the weights it averages
+            return replace(
+                self,
+                container=lit_ema.with_ema(self.container, ema.layout, path=self.path),
+                layout=ema.layout,
+                module_class=None,
+                selected=True,
+                notes=list(self.notes),
+                flattened=False,
+                derived=lit_ema.NAME,
+                read_container=self.container,
+            )
         shown = weights if isinstance(weights, str) else "/".join(map(value_str, weights))
         if (
             layout
@@ -175,7 +197,9 @@ class Checkpoint:
         ):
             found = WeightSet(layout, "state dict")  # fewer tensors than other entries: still the caller's choice
         if found is None:
-            candidates = ", ".join(repr(spell_weights(self.container, w.layout)) for w in self.weight_sets()[:8])
+            candidates = ", ".join(
+                repr(w.derived or spell_weights(self.container, w.layout)) for w in self.weight_sets()[:8]
+            )
             what = "nothing is there" if layout is None else "what is there holds no tensors"
             if not candidates:  # a scheduler's, a scaler's or the RNG's state: nothing to pick
                 raise InputError(

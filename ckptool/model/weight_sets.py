@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptool.base.text import value_str
-from ckptool.model import modules, optimizers
-from ckptool.model.tree import iter_tensors, order_key
+from ckptool.model import lit_ema, modules, optimizers
+from ckptool.model.tree import get_at, iter_tensors, order_key
 from ckptool.pickles import OpaqueObject
 from ckptool.pickles.layouts import LayoutTensor
 from ckptool.tensors.refs import TensorRef
@@ -106,11 +106,14 @@ class WeightSet:
             ``"optimizer state"`` (an optimizer's state dict, its tensors named by key path:
             :func:`ckptool.model.optimizers.flatten`).
         module_class: the module's class, for a whole-model pickle.
+        derived: for a set derived from the state dict at ``layout`` rather than lying in the container, the
+            weights path naming it (``"ema"``: the EMA copy a LitEma keeps in it, :mod:`ckptool.model.lit_ema`).
     """
 
     layout: tuple[Any, ...]
     kind: str
     module_class: str | None = None
+    derived: str | None = None
 
 
 OPTIMIZER_STATE = "optimizer state"
@@ -170,7 +173,22 @@ def weight_sets(container: Any) -> list[WeightSet]:
             for key, value in reversed(dict.items(node))
             if isinstance(value, dict | OpaqueObject)
         )
+    ema = lit_ema_set(container, found)
+    if ema is not None:  # listed after the state dict it comes from
+        found.insert(next(i for i, w in enumerate(found) if w.layout == ema.layout) + 1, ema)
     return found
+
+
+def lit_ema_set(container: Any, found: list[WeightSet] | None = None) -> WeightSet | None:
+    """The set ``"ema"`` names: the LitEma copy in the first state dict of ``container`` (of the sets ``found``
+    there) that holds one, when no key path spells ``ema``."""
+    sets = weight_sets(container) if found is None else found
+    for weight_set in sets:
+        if weight_set.kind == "state dict" and lit_ema.has_ema(get_at(container, weight_set.layout)):
+            if resolve_weights(container, lit_ema.NAME) is not None:
+                return None  # a key spells it: that is what the name chooses
+            return WeightSet(weight_set.layout, lit_ema.KIND, derived=lit_ema.NAME)
+    return None
 
 
 def resolve_weights(container: Any, path: str | tuple[Any, ...] | list[Any]) -> tuple[Any, ...] | None:

@@ -371,18 +371,19 @@ def weight_candidates(checkpoint: Checkpoint, chosen_tensors: int | None = None)
     found: list[dict[str, Any]] = []
     for weight_set in checkpoint.weight_sets():
         entry: dict[str, Any] = {
-            "weights": spell_weights(checkpoint.container, weight_set.layout),
+            "weights": weight_set.derived or spell_weights(checkpoint.container, weight_set.layout),
             "layout": list(weight_set.layout),
             "kind": weight_set.kind,
             "module_class": weight_set.module_class,
             "tensors": None,
-            "chosen": weight_set.layout == checkpoint.layout,
+            "chosen": weight_set.layout == checkpoint.layout and weight_set.derived == checkpoint.derived,
         }
         try:
             if entry["chosen"] and chosen_tensors is not None:
                 entry["tensors"] = chosen_tensors
             else:
-                chosen = checkpoint if entry["chosen"] else checkpoint.select_weights(weight_set.layout)
+                named = weight_set.derived or weight_set.layout
+                chosen = checkpoint if entry["chosen"] else checkpoint.select_weights(named)
                 entry["tensors"] = len(chosen.tensors)
         except InputError as e:
             entry["problem"] = e.message

@@ -14,10 +14,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +31,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ADDED_PREFIX = "module."  # a known wrapper: strip of add-prefix's output is a round trip
 COMMAND_TIMEOUT_S = 600
 EXIT_OK, EXIT_PROBLEM, EXIT_REFUSED = 0, 1, 3
-WEIGHT_FILE_PATTERNS = ("model*.safetensors", "pytorch_model*.bin", "diffusion_pytorch_model*.safetensors")
+# a weights file as the libraries name it in a model folder: <stem>[.<variant>][-0000N-of-0000M].<kind>
+WEIGHTS_NAME = re.compile(r"(?P<stem>model|pytorch_model|diffusion_pytorch_model|adapter_model|pytorch_lora_weights)"
+                          r"(?:\.(?P<variant>\w+))?(?P<shard>-\d{5}-of-\d{5})?\.(?P<kind>safetensors|bin)")
+INDEX_NAME = re.compile(r".+\.(safetensors|bin)\.index(\.\w+)?\.json")
+# the name a library reads a weights file by once it is safetensors (transformers: model.safetensors)
+SAFETENSORS_STEM = {"pytorch_model": "model"}
 
 
 @dataclass
@@ -52,6 +59,7 @@ class CaseRun:
     flags_seen: list[str] | None = None  # the --allow-global patterns a refusal printed (None: no refusal)
     report: dict = field(default_factory=dict)  # inspect --json of the input ({} when it failed)
     strip_prefix: str = ""  # the input's own wrapper prefix that strip removed ("" : strip was a round trip)
+    parts: list[Part] = field(default_factory=list)  # the whole input, or each component a case names
 
 
 def in_subprocess(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -144,30 +152,48 @@ def run_step(args: list[str], declared: list[str], *, rerun_args: list[str] | No
 
 # ---------------------------------------------------------------------------------------------- torch's view
 
+def source_key(source: Path | tuple[Path, str | None]) -> str:
+    """The key :func:`torch_view` files a source's reading under."""
+    path, variant = source if isinstance(source, tuple) else (source, None)
+    return f"{path}#{variant}" if variant else str(path)
 
-def torch_view(paths: list[Path], work: Path) -> dict[str, dict]:
-    """scripts/realworld_reference.py's reading of each path (a throwaway subprocess; a folder: its weight files,
-    top-level dicts merged)."""
+
+def weight_files(folder: Path, variant: str | None) -> list[Path]:
+    """The weights files the libraries name in ``folder`` (not below it), of one variant."""
+    found: list[Path] = []
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.iterdir()):
+        match = WEIGHTS_NAME.fullmatch(path.name)
+        if match and path.is_file() and match["variant"] == variant:
+            found.append(path)
+    return found
+
+
+def torch_view(sources: list[Path | tuple[Path, str | None]], work: Path) -> dict[str, dict]:
+    """scripts/realworld_reference.py's reading of each source (a throwaway subprocess), by :func:`source_key`;
+    a folder: its weight files of the variant asked for, top-level dicts merged."""
     files: list[Path] = []
-    members: dict[Path, list[Path]] = {}
-    for path in paths:
-        if path.is_dir():
-            found = sorted({p for pattern in WEIGHT_FILE_PATTERNS for p in path.glob(pattern)})
-            members[path] = found
+    members: dict[str, list[Path]] = {}
+    for source in sources:
+        path, variant = source if isinstance(source, tuple) else (source, None)
+        if path.is_dir() or isinstance(source, tuple):
+            found = weight_files(path, variant)
+            members[source_key(source)] = found
             files.extend(found)
         else:
             files.append(path)
-    views = reference_view(files, work, timeout=COMMAND_TIMEOUT_S)
-    for folder, found in members.items():
+    views = reference_view(sorted(set(files)), work, timeout=COMMAND_TIMEOUT_S)
+    for key, found in members.items():
         merged: dict[str, object] = {}
         errors = [views[str(p)]["error"] for p in found if views[str(p)]["error"]]
         for p in found:
             for key_path, tensors in views[str(p)]["dicts"]:
                 if not key_path:
                     merged.update(tensors)
-        views[str(folder)] = {"loader": "folder", "error": errors[0] if errors else
-                              (None if found else "no weight files in the folder"),
-                              "locations": {}, "dicts": [([], merged)] if merged else []}
+        views[key] = {"loader": "folder", "error": errors[0] if errors else
+                      (None if found else "no weight files in the folder"),
+                      "locations": {}, "dicts": [([], merged)] if merged else []}
     return views
 
 
@@ -189,9 +215,74 @@ def weights_with_keys(view: dict, keys: set[str]) -> dict | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------- a folder's tree
+
+
+def converted_name(name: str) -> str | None:
+    """What convert of a folder writes a weights file of the input as (None: not a weights file, copied as it is):
+    safetensors under the name its library reads first, a variant and a shard number kept."""
+    match = WEIGHTS_NAME.fullmatch(name)
+    if match is None:
+        return None
+    stem = SAFETENSORS_STEM.get(match["stem"], match["stem"])
+    return f"{stem}{'.' + match['variant'] if match['variant'] else ''}{match['shard'] or ''}.safetensors"
+
+
+def tree_problem(source: Path, out: Path, variant: str | None = None) -> str | None:
+    """None when ``out`` is convert's folder of ``source``: the same tree, every weights file (of ``variant`` when
+    one is asked for) written as safetensors under its library's name, every other file copied byte for byte, no
+    pickled weights left and no file added but an index."""
+    if not out.is_dir():
+        return f"{out} is not a folder"
+    made = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    expected: set[str] = set()
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        relative = path.relative_to(source)
+        if INDEX_NAME.fullmatch(path.name):
+            continue  # a sharded set's index is written anew with its shards
+        target = converted_name(path.name)
+        if target is None:
+            if str(relative) not in made:
+                return f"{relative} was not copied"
+            if (out / relative).read_bytes() != path.read_bytes():
+                return f"{relative} was copied with other bytes"
+            expected.add(str(relative))
+            continue
+        wanted = variant is None or WEIGHTS_NAME.fullmatch(path.name)["variant"] == variant
+        converted = str(relative.with_name(target))
+        if wanted and converted not in made:
+            return f"{relative}: no {converted} in the output (it holds {sorted(made)})"
+        if converted in made:
+            expected.add(converted)
+    extra = sorted(name for name in made - expected if not INDEX_NAME.fullmatch(Path(name).name))
+    pickled = sorted(name for name in made if converted_name(Path(name).name) and not name.endswith(".safetensors"))
+    if extra or pickled:
+        return f"the output holds files the input did not: {extra or pickled}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- one case
+
+
+@dataclass
+class Part:
+    """What one case's commands read: the whole input, or one component of a model folder (``--weights NAME``)."""
+
+    component: str  # "" for the whole input
+    selection: list[str]  # the flags every command reading the input gets (--weights NAME, --variant V)
+    reference: tuple[Path, str | None]  # what torch reads for the values: the input, or the component's folder
+    report: dict = field(default_factory=dict)  # inspect --json --fingerprint with the selection ({}: it failed)
+    strip_prefix: str = ""  # the wrapper prefix strip removed ("": strip was a round trip of add-prefix's output)
+    outputs: dict[str, str] = field(default_factory=dict)  # this part's outputs, by their name in CaseRun.outputs
+    tree: tuple[Path, str | None] | None = None  # the component's folder in convert's output tree
+
+
+def case_components(case: dict) -> list[str]:
+    """The case's ``weights``: the components every weights command runs on, one by one (``[]``: the whole)."""
+    weights = case.get("weights")
+    if weights is None:
+        return []
+    return [weights] if isinstance(weights, str) else list(weights)
 
 
 def is_safetensors(path: Path) -> bool:
@@ -214,164 +305,239 @@ def refused_or(step: Step, weightless: bool) -> str | None:
     return last_line(completed)
 
 
-def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bool = True,
-               state_weights: bool = False) -> CaseRun:
-    """Every command on ``path`` (the case's file or folder), outputs under ``work`` (emptied first).
+class CaseChecks:
+    """The commands of one case, their outcomes and outputs (:attr:`run`)."""
 
-    ``state_weights``: also ask a file without model weights to convert what it holds (``--weights state``).
-    """
-    run = CaseRun()
-    declared = list(case.get("allow_globals") or [])
-    work.mkdir(parents=True, exist_ok=True)
-    for old in work.iterdir():
-        if old.is_dir():
-            import shutil
+    def __init__(self, framework: str, case: dict, path: Path, work: Path) -> None:
+        self.framework, self.case, self.path, self.work = framework, case, path, work
+        self.declared = list(case.get("allow_globals") or [])
+        self.variant = case.get("variant")
+        self.run = CaseRun()
+        work.mkdir(parents=True, exist_ok=True)
+        for old in work.iterdir():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
 
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+    def record(self, check: str, problem: str | None, detail: str = "") -> None:
+        self.run.outcomes.append(Outcome(self.framework, self.case["id"], check, problem is None, problem or detail))
 
-    def record(check: str, problem: str | None, detail: str = "") -> None:
-        run.outcomes.append(Outcome(framework, case["id"], check, problem is None, problem or detail))
+    def note_flags(self, step: Step) -> None:
+        if step.refused and self.run.flags_seen is None:
+            self.run.flags_seen = step.flags
 
-    def note_flags(step: Step) -> None:
-        if step.refused and run.flags_seen is None:
-            run.flags_seen = step.flags
+    def write(self, part: Part, name: str, args: list[str], out: Path, needs: list[str] | None = None) -> Step:
+        step = run_step([*args, "-o", str(out)], self.declared if needs is None else needs,
+                        rerun_args=[*args, "-o", str(out), "--force"])
+        self.note_flags(step)
+        if step.problem is None and step.completed.returncode == EXIT_OK:
+            key = f"{name}:{part.component}" if part.component else name
+            self.run.outputs[key] = part.outputs[key] = str(out)
+        return step
 
-    suffix = ".safetensors" if is_safetensors(path) else ".pt"
-    source = str(path)
+    def output(self, part: Part, name: str) -> str | None:
+        return part.outputs.get(f"{name}:{part.component}" if part.component else name)
 
-    # inspect: human text, then --json with the fingerprint (where the weights are, prefix)
-    step = run_step(["inspect", source], declared)
-    note_flags(step)
-    record("inspect", step.problem or (None if step.completed.returncode == EXIT_OK else last_line(step.completed)),
-           f"flags {step.flags}" if step.flags else "no flag")
-    flags = flags_for(step.flags)
-    report: dict = {}
-    completed = ckptool("inspect", "--json", "--fingerprint", source, *flags)
-    if completed.returncode == EXIT_OK:
-        report = json.loads(completed.stdout)
-    record("inspect --json", None if completed.returncode == EXIT_OK else last_line(completed),
-           f"{report.get('tensors')} tensors at {report.get('layout')}, prefix {report.get('prefix')!r}")
+    def inspect(self, part: Part, tag: str) -> list[str]:
+        """inspect (human text, then --json with the fingerprint); the --allow-global flags a refusal printed."""
+        source = [str(self.path), *part.selection]
+        step = run_step(["inspect", *source], self.declared)
+        self.note_flags(step)
+        ok = step.problem or (None if step.completed.returncode == EXIT_OK else last_line(step.completed))
+        self.record(f"inspect{tag}", ok, f"flags {step.flags}" if step.flags else "no flag")
+        flags = flags_for(step.flags)
+        completed = ckptool("inspect", "--json", "--fingerprint", *source, *flags)
+        if completed.returncode == EXIT_OK:
+            part.report = json.loads(completed.stdout)
+        report = part.report
+        self.record(f"inspect --json{tag}", None if completed.returncode == EXIT_OK else last_line(completed),
+                    f"{report.get('tensors')} tensors at {report.get('layout')}, prefix {report.get('prefix')!r}")
+        return flags
 
-    # scan: never dangerous; safe with the flags a refusal printed (unknown without them)
-    completed = ckptool("scan", "--json", source)
-    if completed.returncode not in (EXIT_OK, EXIT_PROBLEM):
-        record("scan", last_line(completed))
-    else:
-        verdict = json.loads(completed.stdout).get("verdict")
-        problem = None
+    def scan(self) -> None:
+        """scan: never dangerous; safe with the flags a refusal printed (unknown without them)."""
+        source, declared = str(self.path), self.declared
+        completed = ckptool("scan", "--json", source)
+        if completed.returncode not in (EXIT_OK, EXIT_PROBLEM):
+            self.record("scan", last_line(completed))
+            return
+        document = json.loads(completed.stdout)
+        verdict, problem = document.get("verdict"), None
         if verdict == "dangerous":
-            problem = f"scan calls a framework's file dangerous: {json.loads(completed.stdout).get('dangerous')}"
+            problem = f"scan calls a framework's file dangerous: {document.get('dangerous')}"
         elif declared and verdict != "unknown":
             problem = f"verdict {verdict!r} for a file that needs {declared}"
-        elif not declared and verdict != "safe" and not (path.is_dir() and verdict == "unknown"):
+        elif not declared and verdict != "safe" and not (self.path.is_dir() and verdict == "unknown"):
             # a training folder's weights read with no flag while a side file (training_args.bin) needs trust:
             # scan judges every pickle in the folder, so unknown is its right verdict there
-            problem = f"verdict {verdict!r} for a file that reads with no flag: {json.loads(completed.stdout).get('unsafe')}"
+            problem = f"verdict {verdict!r} for a file that reads with no flag: {document.get('unsafe')}"
         if problem is None and declared:
             allowed = ckptool("scan", "--json", source, *flags_for(declared))
             allowed_verdict = json.loads(allowed.stdout).get("verdict") if allowed.stdout.strip() else None
             if allowed.returncode != EXIT_OK or allowed_verdict != "safe":
                 problem = f"with {declared}: verdict {allowed_verdict!r}, {last_line(allowed)}"
-        record("scan", problem, f"verdict {verdict}")
+        self.record("scan", problem, f"verdict {verdict}")
 
-    def write(name: str, args: list[str], out: Path, needs: list[str] | None = None) -> Step:
-        needs = declared if needs is None else needs
-        step = run_step([*args, "-o", str(out)], needs, rerun_args=[*args, "-o", str(out), "--force"])
-        note_flags(step)
-        if step.problem is None and step.completed.returncode == EXIT_OK:
-            run.outputs[name] = str(out)
-        return step
+    def rewrites(self, part: Part, work: Path, tag: str) -> bool:
+        """add-prefix, then strip (of the input's own wrapper; of add-prefix's output when it has none), remap.
+        Whether the part holds no model weights (those commands then refuse it in one line)."""
+        report, source = part.report, [str(self.path), *part.selection]
+        suffix = ".safetensors" if is_safetensors(self.path / part.component) else ".pt"
+        weightless = bool(report) and report.get("layout") is None
+        step = self.write(part, "add-prefix", ["add-prefix", *source, "--prefix", ADDED_PREFIX],
+                          work / f"added{suffix}")
+        self.record(f"add-prefix{tag}", refused_or(step, weightless))
+        part.strip_prefix = prefix = report.get("prefix") or ""
+        added = self.output(part, "add-prefix")
+        if weightless or prefix:
+            step = self.write(part, "strip", ["strip", *source], work / f"stripped{suffix}")
+            self.record(f"strip{tag}", refused_or(step, weightless), f"stripped {prefix!r}" if prefix else "")
+        elif added is None:
+            self.record(f"strip{tag}", "no add-prefix output to strip")
+        else:
+            # add-prefix's output needs the input's flags only if it kept the classes (a whole pickled model is
+            # written as a plain state dict, which needs none)
+            scanned = ckptool("scan", "--json", added)
+            safe = scanned.stdout.strip() and json.loads(scanned.stdout).get("verdict") == "safe"
+            step = self.write(part, "strip", ["strip", added], work / f"stripped{suffix}", [] if safe else None)
+            self.record(f"strip{tag}", refused_or(step, weightless), "round trip of add-prefix's output")
+        if not str(report.get("format", "")).startswith("safetensors"):  # safetensors has no device tags
+            step = self.write(part, "remap", ["remap", *source, "--to", "cpu"], work / "remapped.pt")
+            self.record(f"remap --to cpu{tag}", refused_or(step, False))
+        return weightless
 
-    # a file without model weights (optimizer, scheduler, RNG state): the commands that rewrite weights refuse it
-    # in one line that says what it holds
-    weightless = bool(report) and report.get("layout") is None
-
-    # add-prefix, then strip (of the input's own wrapper; of add-prefix's output when it has none)
-    step = write("add-prefix", ["add-prefix", source, "--prefix", ADDED_PREFIX], work / f"added{suffix}")
-    record("add-prefix", refused_or(step, weightless))
-    prefix = report.get("prefix") or ""
-    strip_source = source if prefix else run.outputs.get("add-prefix")
-    if weightless:
-        step = write("strip", ["strip", source], work / f"stripped{suffix}")
-        record("strip", refused_or(step, weightless))
-    elif strip_source is None:
-        record("strip", "no add-prefix output to strip")
-    else:
-        # add-prefix's output needs the input's flags only if it kept the classes (a whole pickled model is
-        # written as a plain state dict, which needs none)
-        needs = declared
-        if strip_source != source:
-            scanned = ckptool("scan", "--json", strip_source)
-            if scanned.stdout.strip() and json.loads(scanned.stdout).get("verdict") == "safe":
-                needs = []
-        step = write("strip", ["strip", strip_source], work / f"stripped{suffix}", needs)
-        detail = f"stripped {prefix!r}" if prefix else "round trip of add-prefix's output"
-        record("strip", refused_or(step, weightless), detail)
-
-    # remap --to cpu: pickles only (safetensors has no device tags)
-    if not str(report.get("format", "")).startswith("safetensors"):
-        step = write("remap", ["remap", source, "--to", "cpu"], work / "remapped.pt")
-        record("remap --to cpu", refused_or(step, False))
-
-    # convert to safetensors (a folder input: a folder of shards + index), then that back to .pt
-    if path.is_dir():  # a name without a suffix is a folder output
-        step = write("safetensors", ["convert", source], work / "converted")
-    else:
-        step = write("safetensors", ["convert", source], work / "converted.safetensors")
-    record("convert .safetensors", refused_or(step, weightless))
-    if "safetensors" in run.outputs:
-        converted = Path(run.outputs["safetensors"])
-        back = work / "back.pt"
-        completed = ckptool("convert", str(converted), "-o", str(back))
+    def converts(self, part: Part, work: Path, tag: str, flags: list[str], weightless: bool) -> None:
+        """convert to safetensors (a folder input as a whole: a folder), that back to .pt, verify, diff."""
+        source = [str(self.path), *part.selection]
+        folder_out = self.path.is_dir() and not part.component  # a name without a suffix is a folder output
+        out = work / ("converted" if folder_out else "converted.safetensors")
+        step = self.write(part, "safetensors", ["convert", *source], out)
+        self.record(f"convert .safetensors{tag}", refused_or(step, weightless))
+        converted = self.output(part, "safetensors")
+        if converted is None:
+            if not weightless:
+                for check in ("convert back to .pt", "verify --against", "diff"):
+                    self.record(f"{check}{tag}", "no safetensors output")
+            return
+        if folder_out and self.case.get("tree"):
+            self.record("convert tree", tree_problem(self.path, out, self.variant),
+                        "every weights file as safetensors, every other file copied byte for byte")
+        completed = ckptool("convert", converted, "-o", str(work / "back.pt"))
         if completed.returncode == EXIT_OK:
-            run.outputs["pt"] = str(back)
-        record("convert back to .pt", None if completed.returncode == EXIT_OK else last_line(completed))
-        completed = ckptool("verify", str(converted), "--against", source, "--devices", "cpu", *flags)
-        record("verify --against", None if completed.returncode == EXIT_OK else last_line(completed))
-        completed = ckptool("diff", source, str(converted), *flags)
-        record("diff", None if completed.returncode == EXIT_OK else last_line(completed))
-    elif not weightless:
-        for check in ("convert back to .pt", "verify --against", "diff"):
-            record(check, "no safetensors output")
-    if weightless and state_weights:  # what a file without model weights holds, written when asked
-        completed = ckptool("convert", source, "-o", str(work / "state.safetensors"), "--weights", "state", *flags)
-        holds_state = any(candidate.get("kind") == "optimizer state" for candidate in report.get("candidates") or [])
-        if holds_state:  # an optimizer's state: its tensors go to safetensors
-            record("convert --weights state", None if completed.returncode == EXIT_OK else last_line(completed))
-        else:  # a scheduler's, the RNG's, the training arguments: refused in one line that says so
-            refused = completed.returncode == EXIT_REFUSED and completed.stderr.count("\n") == 1 \
-                and "optimizer state" in completed.stderr and not (work / "state.safetensors").exists()
-            record("convert --weights state", None if refused else f"expected one refusal line, got exit "
-                   f"{completed.returncode}: {last_line(completed)}", "refused: no optimizer state in it")
+            key = f"pt:{part.component}" if part.component else "pt"
+            self.run.outputs[key] = part.outputs[key] = str(work / "back.pt")
+        self.record(f"convert back to .pt{tag}", None if completed.returncode == EXIT_OK else last_line(completed))
+        # a component is compared with its folder in convert's tree (--variant, like --weights, then names the
+        # same weights on both sides); its single-file output's values are compared with torch's reading
+        against, against_weights = converted, []
+        if part.tree is not None and part.tree[0].is_dir():
+            against = str(part.tree[0].parent)
+            against_weights = ["--against-weights", part.component]
+        completed = ckptool("verify", *source, "--against", against, *against_weights, "--devices", "cpu", *flags)
+        self.record(f"verify --against{tag}", None if completed.returncode == EXIT_OK else last_line(completed),
+                    f"against {'the tree' if against_weights else 'the .safetensors'}")
+        weights_b = ["--weights-b", part.component] if against_weights else []
+        completed = ckptool("diff", *source, against, *weights_b, *flags)
+        self.record(f"diff{tag}", None if completed.returncode == EXIT_OK else last_line(completed),
+                    f"against {'the tree' if against_weights else 'the .safetensors'}")
 
-    run.report, run.strip_prefix = report, prefix
+    def folder_tree(self, whole: Part, flags: list[str]) -> None:
+        """A model folder of components: convert writes the same tree (a folder output), checked file by file;
+        diff and verify compare the folders as wholes (every component)."""
+        out = self.work / "converted"
+        step = self.write(whole, "safetensors", ["convert", str(self.path), *whole.selection], out)
+        self.record("convert .safetensors", refused_or(step, False), "a folder output")
+        if "safetensors" not in self.run.outputs:
+            self.record("convert tree", "no output folder")
+            return
+        self.record("convert tree", tree_problem(self.path, out, self.variant),
+                    "every weights file as safetensors, every other file copied byte for byte")
+        if self.variant:  # the output holds that variant alone: compared component by component
+            return
+        completed = ckptool("diff", str(self.path), str(out), *flags)
+        self.record("diff", None if completed.returncode == EXIT_OK else last_line(completed), "every component")
+        completed = ckptool("verify", str(out), "--against", str(self.path), "--devices", "cpu", *flags)
+        self.record("verify --against", None if completed.returncode == EXIT_OK else last_line(completed))
+
+
+def check_case(framework: str, case: dict, path: Path, work: Path, *, values: bool = True,
+               state_weights: bool = False) -> CaseRun:
+    """Every command on ``path`` (the case's file or folder), outputs under ``work`` (emptied first).
+
+    A case with ``weights`` (a model folder of components) is inspected, scanned and converted as a whole (the
+    output a folder of the same tree), and every other command runs on each component it names with
+    ``--weights NAME`` (and ``--variant`` when the case has one); its check names end in `` [NAME]``.
+    ``state_weights``: also ask a file without model weights to convert what it holds (``--weights state``).
+    """
+    checks = CaseChecks(framework, case, path, work)
+    run, variant = checks.run, case.get("variant")
+    whole = Part("", ["--variant", variant] if variant else [], (path, variant))
+    flags = checks.inspect(whole, "")
+    checks.scan()
+    components = case_components(case)
+    if not components:
+        run.parts.append(whole)
+        weightless = checks.rewrites(whole, work, "")
+        checks.converts(whole, work, "", flags, weightless)
+        if weightless and state_weights:
+            state_check(checks, whole, flags)
+    else:
+        checks.folder_tree(whole, flags)
+        for component in components:
+            tree = Path(run.outputs["safetensors"]) / component if "safetensors" in run.outputs else None
+            part = Part(component, ["--weights", component, *whole.selection], (path / component, variant),
+                        tree=(tree, variant) if tree else None)
+            tag = f" [{component}]"
+            part_flags = checks.inspect(part, tag)
+            (work / component).mkdir()
+            weightless = checks.rewrites(part, work / component, tag)
+            checks.converts(part, work / component, tag, part_flags, weightless)
+            run.parts.append(part)
+    run.report, run.strip_prefix = whole.report, whole.strip_prefix
     if values:
         check_values(framework, case, path, run, torch_view(value_sources(path, run), work))
     return run
 
 
-def value_sources(path: Path, run: CaseRun) -> list[Path]:
-    """The files whose torch reading :func:`check_values` needs: the input and every output."""
-    return [path, *map(Path, run.outputs.values())] if run.report else []
+def state_check(checks: CaseChecks, whole: Part, flags: list[str]) -> None:
+    """What a file without model weights holds, written when asked (``--weights state``)."""
+    work, source, report = checks.work, str(checks.path), whole.report
+    completed = ckptool("convert", source, "-o", str(work / "state.safetensors"), "--weights", "state", *flags)
+    holds_state = any(candidate.get("kind") == "optimizer state" for candidate in report.get("candidates") or [])
+    if holds_state:  # an optimizer's state: its tensors go to safetensors
+        checks.record("convert --weights state", None if completed.returncode == EXIT_OK else last_line(completed))
+    else:  # a scheduler's, the RNG's, the training arguments: refused in one line that says so
+        refused = completed.returncode == EXIT_REFUSED and completed.stderr.count("\n") == 1 \
+            and "optimizer state" in completed.stderr and not (work / "state.safetensors").exists()
+        checks.record("convert --weights state", None if refused else f"expected one refusal line, got exit "
+                      f"{completed.returncode}: {last_line(completed)}", "refused: no optimizer state in it")
+
+
+def value_sources(path: Path, run: CaseRun) -> list[Path | tuple[Path, str | None]]:
+    """What :func:`check_values` needs torch to read: each part's reference and outputs (``path`` is the input)."""
+    sources: list[Path | tuple[Path, str | None]] = []
+    for part in run.parts:
+        if part.report:
+            sources += [part.reference, *map(Path, part.outputs.values()), *([part.tree] if part.tree else [])]
+    return sources
 
 
 def check_values(framework: str, case: dict, path: Path, run: CaseRun, views: dict[str, dict]) -> None:
     """Every output's tensors against torch's own reading of the input (``views``: :func:`torch_view` of
-    :func:`value_sources`); one ``values`` outcome."""
+    :func:`value_sources`); one ``values`` outcome per part."""
+    for part in run.parts:
+        problem, detail = part_values(part, views)
+        check = f"values [{part.component}]" if part.component else "values"
+        run.outcomes.append(Outcome(framework, case["id"], check, problem is None, problem or detail))
 
-    def record(problem: str | None, detail: str = "") -> None:
-        run.outcomes.append(Outcome(framework, case["id"], "values", problem is None, problem or detail))
 
-    report = run.report
+def part_values(part: Part, views: dict[str, dict]) -> tuple[str | None, str]:
+    """The problem with one part's outputs' values (None: none), and what was compared."""
+    report = part.report
     if not report:
-        return
-    outputs = {name: Path(out) for name, out in run.outputs.items()}
-    reference = views[str(path)]
+        return "no inspect --json report to compare with", ""
+    outputs = {name.split(":")[0]: Path(out) for name, out in part.outputs.items()}
+    reference = views[source_key(part.reference)]
     if reference["error"]:
-        record(None, f"not compared: torch does not read the input ({reference['error'][:160]})")
-        return
+        return None, f"not compared: torch does not read the input ({reference['error'][:160]})"
     problems = []
     if "remap" in outputs:  # remap keeps everything: every tensor dict of the file, not only the weights
         view = views[str(outputs["remap"])]
@@ -385,15 +551,19 @@ def check_values(framework: str, case: dict, path: Path, run: CaseRun, views: di
             if set(view["locations"]) - {"cpu"}:
                 problems.append(f"remap: output still tagged {sorted(set(view['locations']) - {'cpu'})}")
     if report.get("layout") is None:
-        record("; ".join(problems) or None,
-               f"no model weights; remap's output holds every tensor torch reads in the input ({reference['loader']})")
-        return
-    expected = weights_at(reference, report["layout"])
+        return ("; ".join(problems) or None,
+                f"no model weights; remap's output holds every tensor torch reads in the input ({reference['loader']})")
+    expected = weights_at(reference, [] if part.component else report["layout"])
     if not expected:
-        record(f"torch finds no tensors at ckptool's layout {report['layout']} ({reference['loader']})")
-        return
+        return f"torch finds no tensors at ckptool's layout {report['layout']} ({reference['loader']})", ""
+    if part.tree is not None:
+        outputs["convert tree"] = part.tree[0]
+        view = views[source_key(part.tree)]
+        problem = view["error"] or compare(expected, weights_at(view, []))
+        if problem:
+            problems.append(f"the tree's {part.component}/: {problem}")
     for name, out in outputs.items():
-        if name == "remap":
+        if name in ("remap", "convert tree"):
             continue
         view = views[str(out)]
         if view["error"]:
@@ -403,9 +573,9 @@ def check_values(framework: str, case: dict, path: Path, run: CaseRun, views: di
         if name == "add-prefix":
             rename = lambda key: ADDED_PREFIX + key  # noqa: E731
         elif name == "strip":
-            rename = lambda key: key.removeprefix(run.strip_prefix)  # noqa: E731
+            rename = lambda key: key.removeprefix(part.strip_prefix)  # noqa: E731
         problem = compare(expected, weights_with_keys(view, {rename(key) for key in expected}), rename)
         if problem:
             problems.append(f"{name}: {problem}")
-    record("; ".join(problems) or None,
-           f"{len(expected)} tensors of {len(outputs)} outputs equal torch's reading ({reference['loader']})")
+    return ("; ".join(problems) or None,
+            f"{len(expected)} tensors of {len(outputs)} outputs equal torch's reading ({reference['loader']})")

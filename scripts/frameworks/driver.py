@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # the distributions whose versions a run records (those absent from the venv are left out)
 RECORDED = ("torch", "torchvision", "lightning", "transformers", "accelerate", "timm", "mmengine", "mmcv",
-            "ultralytics", "safetensors", "numpy", "omegaconf")
+            "ultralytics", "diffusers", "peft", "huggingface_hub", "safetensors", "numpy", "omegaconf")
 
 
 def versions() -> dict[str, str]:

@@ -87,10 +87,16 @@ def refresh_fixtures(name: str, base: Path, report: dict, runs: dict[str, CaseRu
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     kept = []
+    copied: dict[str, dict] = {}  # cases reading the same file or folder (another --variant) share one copy
     for case in report["cases"]:
         if not case.get("fixture"):
             continue
         source = base / case["path"]
+        if case["path"] in copied:
+            shared = copied[case["path"]]
+            kept.append({**{key: value for key, value in case.items() if key != "fixture"},
+                         "path": shared["path"], "written_as": case["path"], "sha256": shared["sha256"]})
+            continue
         size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file()) if source.is_dir() \
             else source.stat().st_size
         if size > FIXTURE_LIMIT_BYTES:
@@ -107,6 +113,7 @@ def refresh_fixtures(name: str, base: Path, report: dict, runs: dict[str, CaseRu
         files = sorted(p for p in destination.rglob("*") if p.is_file()) if destination.is_dir() else [destination]
         entry["sha256"] = {str(p.relative_to(target)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
         kept.append(entry)
+        copied[case["path"]] = entry
     (target / "cases.json").write_text(json.dumps({
         "framework": name,
         "regenerate": f"python scripts/frameworks/run.py --refresh-fixtures --only {name}",
@@ -121,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], help="a framework (fw_NAME.py); repeatable")
     parser.add_argument("--rewrite", action="store_true", help="write the framework files again (else cached)")
     parser.add_argument("--refresh-fixtures", action="store_true",
-                        help="copy the cases marked 'fixture' into fixtures/frameworks/NAME/ (with --rewrite: freshly written)")
+                        help="copy the cases marked 'fixture' into fixtures/frameworks/NAME/ "
+                             "(with --rewrite: freshly written)")
     parser.add_argument("--json-out", type=Path, help="also write every outcome as JSON here")
     args = parser.parse_args(argv)
     names = [name for name in frameworks() if not args.only or name in args.only]

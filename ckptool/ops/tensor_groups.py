@@ -196,7 +196,7 @@ def _pattern(template: str, sets: Sets) -> str:
     return "".join(out)
 
 
-Sets = tuple[tuple[int, ...], ...]  # per varying index, the values it takes
+Sets = tuple[tuple[int, ...], ...]  # per integer component of a pattern, the values it takes
 
 
 def _exact(found: list[tuple[str, ...]], members: list[int]) -> list[tuple[Sets, list[int]]]:

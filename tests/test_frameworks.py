@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import types
@@ -61,7 +62,7 @@ CASES = all_cases()
 
 def test_every_framework_has_committed_files() -> None:
     frameworks = {framework for framework, _case, _path in CASES}
-    assert {"lightning", "transformers", "accelerate"} <= frameworks, frameworks
+    assert {"lightning", "transformers", "accelerate", "diffusers", "peft"} <= frameworks, frameworks
     for _framework, case, path in CASES:
         assert path.exists(), path
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
@@ -96,15 +97,28 @@ def test_every_command_on_a_framework_file(framework: str, case: dict, path: Pat
     run = runs[f"{framework}/{case['id']}"]
     failed = [f"{outcome.check}: {outcome.detail}" for outcome in run.outcomes if not outcome.passed]
     assert not failed, "\n".join(failed)
-    checked = {outcome.check for outcome in run.outcomes}
-    assert {"inspect", "scan", "add-prefix", "strip", "convert .safetensors", "values"} <= checked, checked
-    if run.report.get("layout") is not None:  # weights: every output made, each read back equal
-        assert {"convert back to .pt", "verify --against", "diff"} <= checked
-        assert {"add-prefix", "strip", "safetensors", "pt"} <= set(run.outputs), run.outputs
     if case["allow_globals"]:  # the refusal's flags were checked against these; one was seen
         assert run.flags_seen, "the case declares allow_globals, but no command refused the file"
     else:
         assert run.flags_seen is None, run.flags_seen
+    checked = {outcome.check for outcome in run.outcomes}
+    components = checks.case_components(case)
+    if components:  # a model folder: converted as a whole into a tree, every other command per component
+        assert {"inspect", "scan", "convert .safetensors", "convert tree"} <= checked, checked
+        for component in components:
+            tag = f" [{component}]"
+            assert {f"{check}{tag}" for check in ("inspect --json", "add-prefix", "strip", "convert .safetensors",
+                                                  "convert back to .pt", "verify --against", "diff", "values")} \
+                <= checked, checked
+            assert {f"{name}:{component}" for name in ("add-prefix", "strip", "safetensors", "pt")} \
+                <= set(run.outputs), run.outputs
+        return
+    assert {"inspect", "scan", "add-prefix", "strip", "convert .safetensors", "values"} <= checked, checked
+    if run.report.get("layout") is not None:  # weights: every output made, each read back equal
+        assert {"convert back to .pt", "verify --against", "diff"} <= checked
+        assert {"add-prefix", "strip", "safetensors", "pt"} <= set(run.outputs), run.outputs
+    if case.get("tree"):
+        assert "convert tree" in checked, checked
 
 
 def test_a_wrong_allow_globals_list_is_caught(runs: dict[str, checks.CaseRun]) -> None:
@@ -147,3 +161,224 @@ def test_lightning_metric_scores_are_not_a_set_of_weights(tmp_path: Path) -> Non
     for ckpt in committed.glob("*.ckpt"):  # the real file holds such scores too; only its state_dict is listed
         result = in_process(["inspect", "--json", str(ckpt)])
         assert [c["weights"] for c in json.loads(result.stdout)["candidates"]] == ["state_dict"]
+
+
+# ---------------------------------------------------------------------------------------------- model folders
+# diffusers pipelines and training folders, PEFT adapters, a transformers folder with one .bin: each committed
+# layout read by every command, and convert's output tree checked file by file against plain torch/safetensors
+
+
+def committed(framework: str, case_id: str) -> Path:
+    """The committed file or folder of one case of fixtures/frameworks/<framework>/cases.json."""
+    for found_framework, case, path in CASES:
+        if found_framework == framework and case["id"] == case_id:
+            return path
+    raise LookupError(f"{framework}/{case_id} is not in fixtures/frameworks/{framework}/cases.json")
+
+
+PIPELINE = ("unet", "vae", "text_encoder")
+# (framework, case id, sub-folder of the case's folder, the components inspect must list; () for one set)
+LAYOUTS = [
+    ("diffusers", "pipeline-safetensors", "", PIPELINE),
+    ("diffusers", "pipeline-bin", "", PIPELINE),
+    ("diffusers", "pipeline-bin", "unet", ()),  # a folder with one diffusion_pytorch_model.bin and no index
+    ("diffusers", "pipeline-variants", "", PIPELINE),
+    ("diffusers", "training-checkpoint", "", ("unet", "unet_ema")),
+    ("peft", "llama-single-bin", "", ()),
+    ("peft", "lora-llama", "", ()),
+    ("peft", "lora-llama-bin", "", ()),
+    ("peft", "lora-unet", "", ()),
+]
+LAYOUT_IDS = [f"{framework}/{case_id}{'/' + below if below else ''}" for framework, case_id, below, _ in LAYOUTS]
+
+
+def layout_path(framework: str, case_id: str, below: str) -> Path:
+    path = committed(framework, case_id)
+    return path / below if below else path
+
+
+def weights_file(path: Path) -> dict:
+    """A weights file as plain torch or safetensors reads it: ``torch.load(weights_only=True)`` of a ``.bin``,
+    ``safetensors.torch.load_file`` of a ``.safetensors``."""
+    import torch
+    from safetensors.torch import load_file
+
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    assert isinstance(loaded, dict), (path, type(loaded))
+    return loaded
+
+
+def assert_same_tensors(got: dict, expected: dict, where: str) -> None:
+    assert set(got) == set(expected), (where, sorted(set(got) ^ set(expected))[:5])
+    for key, tensor in expected.items():
+        assert checks.same_tensor(got[key], tensor), f"{where}: {key} differs (dtype, shape or bytes)"
+
+
+def names_in(document: object, keys: tuple[str, ...] = ("name", "weights")) -> set[str]:
+    """Every string held under one of ``keys`` anywhere in a JSON document."""
+    found: set[str] = set()
+    if isinstance(document, dict):
+        for key, value in document.items():
+            if key in keys and isinstance(value, str):
+                found.add(value)
+            found |= names_in(value, keys)
+    elif isinstance(document, list):
+        for value in document:
+            found |= names_in(value, keys)
+    return found
+
+
+@pytest.mark.parametrize(("framework", "case_id", "below", "components"), LAYOUTS, ids=LAYOUT_IDS)
+def test_inspect_lists_a_model_folders_components(framework: str, case_id: str, below: str,
+                                                  components: tuple[str, ...]) -> None:
+    folder = layout_path(framework, case_id, below)
+    text = in_process(["inspect", str(folder)])
+    assert text.returncode == 0, text.stderr
+    for component in components:
+        assert component in text.stdout, (component, text.stdout)
+    document = in_process(["inspect", str(folder), "--json"])
+    assert document.returncode == 0, document.stderr
+    report = json.loads(document.stdout)
+    assert report["schema"] == "ckptool.inspect/1"
+    assert set(components) <= names_in(report), (components, names_in(report))
+    for component in components:  # each one chosen by --weights, read as its own library file holds it
+        chosen = in_process(["inspect", str(folder), "--weights", component, "--json"])
+        assert chosen.returncode == 0, chosen.stderr
+        [weights] = checks.weight_files(folder / component, None)
+        assert json.loads(chosen.stdout)["tensors"] == len(weights_file(weights)), component
+    if not components:  # one set of weights: every tensor of the folder's one weights file
+        [weights] = checks.weight_files(folder, None)
+        assert report["tensors"] == len(weights_file(weights))
+
+
+@pytest.mark.parametrize(("framework", "case_id", "below", "components"), LAYOUTS, ids=LAYOUT_IDS)
+def test_scan_calls_a_model_folder_safe(framework: str, case_id: str, below: str,
+                                        components: tuple[str, ...]) -> None:
+    folder = layout_path(framework, case_id, below)
+    result = in_process(["scan", str(folder), "--json"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["verdict"] == "safe"
+
+
+def assert_converted_tree(source: Path, out: Path, variant: str | None = None) -> int:
+    """``out`` is convert's tree of ``source``: each weights file (of ``variant`` if given) as safetensors under
+    its library's name, holding the tensors plain torch reads in the input; every other file the same bytes.
+    The number of weights files compared."""
+    problem = checks.tree_problem(source, out, variant)
+    assert problem is None, problem
+    compared = 0
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        relative = path.relative_to(source)
+        target = checks.converted_name(path.name)
+        if target is None:
+            assert (out / relative).read_bytes() == path.read_bytes(), f"{relative} not copied byte for byte"
+            continue
+        match = checks.WEIGHTS_NAME.fullmatch(path.name)
+        assert match is not None
+        converted = out / relative.with_name(target)
+        if variant is not None and match["variant"] != variant:
+            assert not converted.exists(), f"{converted.name}: written, but --variant {variant} was asked for"
+            continue
+        assert_same_tensors(weights_file(converted), weights_file(path), str(relative))
+        compared += 1
+    assert not [p for p in out.rglob("*.bin") if checks.converted_name(p.name)], "pickled weights left"
+    return compared
+
+
+@pytest.mark.parametrize(("framework", "case_id", "below", "components"), LAYOUTS, ids=LAYOUT_IDS)
+def test_convert_writes_a_model_folder_as_the_same_tree(framework: str, case_id: str, below: str,
+                                                        components: tuple[str, ...], tmp_path: Path) -> None:
+    folder = layout_path(framework, case_id, below)
+    out = tmp_path / "converted"
+    result = in_process(["convert", str(folder), "-o", f"{out}/"])
+    assert result.returncode == 0, result.stderr
+    weights = [p for p in folder.rglob("*") if checks.converted_name(p.name)]
+    assert assert_converted_tree(folder, out) == len(weights) >= max(len(components), 1)
+    for component in components:  # each component's folder of the tree reads as the input's component
+        assert (out / component).is_dir(), sorted(p.name for p in out.iterdir())
+
+
+def test_a_training_folder_converts_to_a_tree_with_its_state_copied(tmp_path: Path) -> None:
+    """diffusers' training checkpoint-N/: unet/ and unet_ema/ as safetensors, optimizer.bin, scheduler.bin and
+    random_states_0.pkl copied as they are (accelerate's load_state reads them by name)."""
+    folder = committed("diffusers", "training-checkpoint")
+    out = tmp_path / "checkpoint-2"
+    result = in_process(["convert", str(folder), "-o", f"{out}/"])
+    assert result.returncode == 0, result.stderr
+    assert assert_converted_tree(folder, out) == 2
+    for state in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+        assert (out / state).read_bytes() == (folder / state).read_bytes(), state
+
+
+def test_variant_chooses_the_fp16_weights_of_a_pipeline(tmp_path: Path) -> None:
+    import torch
+
+    folder = committed("diffusers", "pipeline-variants")
+    for variant, dtype in ((None, "F32"), ("fp16", "F16")):
+        flags = ["--variant", variant] if variant else []
+        for component in PIPELINE:
+            result = in_process(["inspect", str(folder), "--weights", component, "--json", *flags])
+            assert result.returncode == 0, result.stderr
+            assert set(json.loads(result.stdout)["dtypes"]) == {dtype}, (component, variant)
+    out = tmp_path / "fp16"
+    result = in_process(["convert", str(folder), "-o", f"{out}/", "--variant", "fp16"])
+    assert result.returncode == 0, result.stderr
+    assert assert_converted_tree(folder, out, "fp16") == len(PIPELINE)
+    unet = weights_file(out / "unet" / "diffusion_pytorch_model.fp16.safetensors")
+    assert {tensor.dtype for tensor in unet.values()} == {torch.float16}
+    both = tmp_path / "both"  # no --variant: every variant, side by side as the input has them
+    result = in_process(["convert", str(folder), "-o", f"{both}/"])
+    assert result.returncode == 0, result.stderr
+    assert assert_converted_tree(folder, both) == 2 * len(PIPELINE)
+
+
+def hostile_pickle(command: str) -> bytes:
+    """A protocol 2 pickle that calls ``os.system(command)`` when unpickled, written opcode by opcode (never
+    loaded here): PROTO 2, GLOBAL 'os system', BINUNICODE command, TUPLE1, REDUCE, STOP."""
+    argument = command.encode()
+    return (b"\x80\x02" + b"cos\nsystem\n" + b"X" + len(argument).to_bytes(4, "little") + argument
+            + b"\x85" + b"R" + b".")
+
+
+def test_a_pipeline_with_a_hostile_text_encoder_is_refused(tmp_path: Path) -> None:
+    """text_encoder/pytorch_model.bin replaced by a torch zip whose data.pkl calls os.system: scan says
+    dangerous (exit 1), every other command refuses the folder in one line (exit 3), nothing runs or is written."""
+    import zipfile
+
+    folder = tmp_path / "pipeline"
+    shutil.copytree(committed("diffusers", "pipeline-bin"), folder)
+    marker = tmp_path / "ran"
+    hostile = folder / "text_encoder" / "pytorch_model.bin"
+    hostile.unlink()
+    with zipfile.ZipFile(hostile, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("pytorch_model/data.pkl", hostile_pickle(f"touch {marker}"))
+        archive.writestr("pytorch_model/byteorder", "little")
+        archive.writestr("pytorch_model/version", "3\n")
+    scanned = in_process(["scan", str(folder), "--json"])
+    assert scanned.returncode == 1, scanned.stdout + scanned.stderr
+    document = json.loads(scanned.stdout)
+    assert document["verdict"] == "dangerous"
+    assert "os.system" in json.dumps(document)
+    clean = committed("diffusers", "pipeline-bin")
+    out = tmp_path / "out"
+    commands = [
+        ["inspect", str(folder)],
+        ["inspect", str(folder), "--json"],
+        ["inspect", str(folder), "--weights", "text_encoder"],
+        ["convert", str(folder), "-o", f"{out}/"],
+        ["convert", str(folder), "--weights", "text_encoder", "-o", str(out.with_suffix(".safetensors"))],
+        ["strip", str(folder), "--weights", "text_encoder", "-o", str(out.with_suffix(".pt"))],
+        ["add-prefix", str(folder), "--weights", "text_encoder", "-o", str(out.with_suffix(".pt"))],
+        ["remap", str(folder), "--weights", "text_encoder", "--to", "cpu", "-o", str(out.with_suffix(".pt"))],
+        ["diff", str(folder), str(clean)],
+        ["verify", str(folder), "--against", str(clean), "--devices", "cpu"],
+    ]
+    for args in commands:
+        result = in_process(args)
+        assert result.returncode == 3, (args, result.returncode, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "os.system" in lines[0], (args, result.stderr)
+    assert not marker.exists(), "the pickle's code ran"
+    assert not any(tmp_path.glob("out*")), sorted(p.name for p in tmp_path.iterdir())

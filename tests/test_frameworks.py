@@ -183,6 +183,8 @@ LAYOUTS = [
     ("diffusers", "pipeline-bin", "", PIPELINE),
     ("diffusers", "pipeline-bin", "unet", ()),  # a folder with one diffusion_pytorch_model.bin and no index
     ("diffusers", "pipeline-variants", "", PIPELINE),
+    ("diffusers", "lora-weights", "", ()),  # pytorch_lora_weights.safetensors alone
+    ("diffusers", "lora-weights-bin", "", ()),
     ("diffusers", "training-checkpoint", "", ("unet", "unet_ema")),
     ("peft", "llama-single-bin", "", ()),
     ("peft", "lora-llama", "", ()),

@@ -21,6 +21,7 @@ STEPS = 2  # denoising steps of the load-back comparison
 TRAIN_STEPS = 2
 COMPONENTS = ("unet", "vae", "text_encoder")  # the pipeline's parts that hold weights
 IMAGE_TOLERANCE = 1e-6
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 # ---------------------------------------------------------------------------------------------- the tiny parts
@@ -184,6 +185,24 @@ def register_hooks(accelerator, ema_unet) -> None:  # noqa: ANN001
     accelerator.register_load_state_pre_hook(load_model_hook)
 
 
+def save_lora(out: Path) -> None:
+    """A UNet LoRA as diffusers' examples/text_to_image/train_text_to_image_lora.py saves it: ``unet.add_adapter``,
+    then ``StableDiffusionPipeline.save_lora_weights`` (``pytorch_lora_weights.safetensors``, or ``.bin``)."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet = tiny_unet()
+    torch.manual_seed(SEED + 3)
+    # init_lora_weights=False: random up and down weights, so that a loaded LoRA changes the images
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=LORA_TARGETS))
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    StableDiffusionPipeline.save_lora_weights(out / "lora", unet_lora_layers=layers)
+    StableDiffusionPipeline.save_lora_weights(out / "lora_bin", unet_lora_layers=layers, safe_serialization=False)
+
+
 # ---------------------------------------------------------------------------------------------- write
 
 
@@ -197,6 +216,7 @@ def write(out: Path) -> list[dict]:
     tiny_pipeline().save_pretrained(out / "pipeline_variants")
     tiny_pipeline().to(torch.float16).save_pretrained(out / "pipeline_variants", variant="fp16")
     checkpoint = train(out).relative_to(out)
+    save_lora(out)
     for folder in ("pipeline", "pipeline_bin", "pipeline_variants"):
         missing = [name for name in COMPONENTS if not any((out / folder / name).glob("*model*"))]
         if missing:
@@ -225,6 +245,13 @@ def write(out: Path) -> list[dict]:
         {"id": "pipeline-variants-fp16", "path": "pipeline_variants", "allow_globals": [], "load_back": "pipeline",
          "weights": components, "variant": "fp16", "fixture": True,
          "about": "the same folder read with --variant fp16: the float16 weights"},
+        {"id": "lora-weights", "path": "lora", "allow_globals": [], "load_back": "load_lora_weights",
+         "fixture": True, "tree": True,
+         "about": "StableDiffusionPipeline.save_lora_weights(unet_lora_layers=...) of a UNet LoRA (add_adapter, "
+                  f"{LORA_TARGETS}), as train_text_to_image_lora.py saves it: one pytorch_lora_weights.safetensors"},
+        {"id": "lora-weights-bin", "path": "lora_bin", "allow_globals": [], "load_back": "load_lora_weights",
+         "fixture": True, "tree": True,
+         "about": "the same, save_lora_weights(safe_serialization=False): one pytorch_lora_weights.bin"},
         {"id": "training-checkpoint", "path": str(checkpoint), "allow_globals": [], "load_back": "load_state",
          "weights": ["unet", "unet_ema"], "fixture": True,
          "about": "diffusers' train_text_to_image.py checkpoint: accelerate save_state() with the example's hooks "
@@ -394,9 +421,41 @@ def flat(value):  # noqa: ANN001, ANN201
     return torch.cat(tensors) if tensors else torch.zeros(0)
 
 
+def lora_images(folder: Path | None, weight_name: str | None = None):  # noqa: ANN201
+    """The tiny pipeline with the LoRA in ``folder`` loaded (None: none), run as :func:`images` runs it."""
+    import torch
+
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    if folder is not None:
+        pipe.load_lora_weights(str(folder), weight_name=weight_name)
+    with torch.no_grad():
+        return pipe(PROMPT, num_inference_steps=STEPS, generator=torch.Generator().manual_seed(SEED),
+                    output_type="np", height=SIZE, width=SIZE).images
+
+
+def load_lora(outputs: dict[str, str]) -> str:
+    """``load_lora_weights`` of convert's folder, and of each single-file output, gives the input LoRA's images."""
+    import numpy as np
+
+    expected = lora_images(Path(outputs["input"]))
+    if np.array_equal(expected, lora_images(None)):
+        raise AssertionError("the LoRA leaves the images unchanged: the check has no teeth")
+    same_array("safetensors", lora_images(Path(outputs["safetensors"])), expected)
+    checked = ["convert's folder"]
+    for name in ("strip", "remap", "pt"):
+        if name in outputs:
+            path = Path(outputs[name])
+            same_array(name, lora_images(path.parent, path.name), expected)
+            checked.append(name)
+    return f"load_lora_weights gives the input LoRA's images ({STEPS} steps, seeded): " + ", ".join(checked)
+
+
 def load_back(case: dict, outputs: dict[str, str]) -> str:
     if "safetensors" not in outputs:
         raise AssertionError("no safetensors output to load")
+    if case["load_back"] == "load_lora_weights":
+        return load_lora(outputs)
     if case["load_back"] == "pipeline":
         return load_pipeline(case, outputs)
     if case["load_back"] == "load_state":

@@ -342,3 +342,36 @@ def test_convert_of_many_components_to_one_file_is_refused(tmp_path: Path) -> No
     assert_same(
         load_file(tmp_path / "unet.safetensors"), load_file(root / "unet" / "diffusion_pytorch_model.safetensors")
     )
+
+
+def test_inspect_lists_components_variants_and_configs(tmp_path: Path) -> None:
+    root = pipeline(tmp_path / "sd", fp16=True)
+    code, out, err = run("inspect", root)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert any("3 components, read together" in line for line in lines), out
+    unet = next(line for line in lines if " unet/diffusion_pytorch_model.safetensors " in line)
+    assert "safetensors" in unet and "3 tensors" in unet and "variants: fp16" in unet and "--weights unet" in unet
+    assert any(line.startswith("  variants       fp16") for line in lines), out
+    assert any("model_index.json" in line and "StableDiffusionPipeline" in line for line in lines), out
+    assert any("scheduler/scheduler_config.json" in line and "PNDMScheduler" in line for line in lines), out
+    data = inspect_json(root, "--variant", "fp16")
+    parts = {part["name"]: part for part in data["training_folder"]["components"]}
+    assert parts["unet"]["file"] == "unet/diffusion_pytorch_model.fp16.safetensors"
+    assert parts["unet"]["variant"] == "fp16" and parts["unet"]["dtypes"] == {"F16": 3}
+    assert parts["text_encoder"]["variant"] is None and parts["text_encoder"]["format"] == "torch-zip"
+    assert data["training_folder"]["variants"] == ["fp16"]
+
+
+def test_inspect_says_what_an_adapter_is(tmp_path: Path) -> None:
+    folder = tmp_path / "adapter"
+    write_json(
+        folder / "adapter_config.json",
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+         "base_model_name_or_path": "tiny-llama", "task_type": "CAUSAL_LM"},
+    )  # fmt: skip
+    save_file(weights(4, ("base_model.model.q_proj.lora_A.weight",)), str(folder / "adapter_model.safetensors"))
+    code, out, err = run("inspect", folder)
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if "adapter_config.json" in line)
+    assert "rank 8" in line and "alpha 16" in line and "q_proj" in line and "tiny-llama" in line, line

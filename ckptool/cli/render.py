@@ -40,8 +40,15 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
     echo(f"  format         {summary.format}  ({human_bytes(summary.file_bytes)} on disk)")
     folder = summary.training_folder
     if folder is not None:
-        read = next((c["file"] for c in summary.candidates if c["chosen"]), None)
-        echo(f"  folder         {folder.kind}" + (f": weights from {read}" if read else ": no model weights"))
+        chosen = [c["file"] for c in summary.candidates if c["chosen"]]
+        read = (
+            f": {len(chosen)} components, read together (--weights NAME reads one)"
+            if len(chosen) > 1
+            else f": weights from {chosen[0]}"
+            if chosen
+            else ": no model weights"
+        )
+        echo(f"  folder         {folder.kind}{read}")
     layout = (
         "(top level)"
         if summary.layout == []
@@ -50,8 +57,11 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
     if summary.module_class is not None:
         layout += f" (whole-model pickle: {summary.module_class}, {summary.tensors} tensors)"
     echo(f"  weights at     {layout}")
-    if len(summary.candidates) > 1:  # more than one set of weights: each, and how to pick it
-        for candidate in summary.candidates[:20]:
+    others = [c for c in summary.candidates if "component" not in c]
+    if folder is not None and folder.components:
+        _components(summary)
+    if len(summary.candidates) > 1 and others:  # more than one set of weights: each, and how to pick it
+        for candidate in others[:20]:
             what = candidate["kind"] + (f": {candidate['module_class']}" if candidate["module_class"] else "")
             count = (
                 f"{candidate['tensors']} tensors"
@@ -60,16 +70,16 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
             )
             mark = "(chosen)" if candidate["chosen"] else f"--weights {shlex.quote(candidate['weights'])}"
             echo(f"  weights set    {candidate['weights']}  ({what}, {count})  {mark}")
-        if len(summary.candidates) > 20:
-            echo(f"  weights set    ... and {len(summary.candidates) - 20} more (--json lists them)")
+        if len(others) > 20:
+            echo(f"  weights set    ... and {len(others) - 20} more (--json lists them)")
     echo(f"  wrapper prefix {summary.prefix or '(none)'}")
     dtypes = ", ".join(f"{name}: {count}" for name, count in summary.dtypes.items()) or "-"
     echo(
         f"  tensors        {summary.tensors}  "
         f"({summary.parameters:,} parameters, {human_bytes(summary.bytes)}; {dtypes})"
     )
-    if summary.state_dict is None:  # (--tensors gives the whole table)
-        _module_block(summary)
+    if summary.state_dict is None and not (folder is not None and len(folder.components) > 1):
+        _module_block(summary)  # (--tensors gives the whole table; a folder's components are listed above)
     devices = ", ".join(f"{tag}: {count}" for tag, count in summary.saved_devices.items()) or "-"
     echo(f"  saved devices  {devices}  (storages per location tag)")
     if summary.tied:
@@ -80,7 +90,8 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
         if folder.step is not None:
             echo(f"  step           {folder.step}  ({folder.step_from})")
         for file in folder.files:
-            echo(f"  {file.role:<14} {file.file}: {file.summary}")
+            label = file.role if len(file.role) <= 14 else "file"
+            echo(f"  {label:<14} {file.file}: {file.summary}")
     if summary.globals:
         echo(f"  pickle globals {', '.join(summary.globals)}")
     for key, value in summary.metadata.items():
@@ -101,6 +112,33 @@ def summary(summary: Summary, *, every_tensor: bool = False) -> None:
         for hint in summary.hints:
             echo(f"  ! {hint.problem}")
             echo(f"    fix: {hint.fix}")
+
+
+def _components(summary: Summary) -> None:
+    """A model folder's components: each one's file, format, counts and variants, and how to take it."""
+    folder = summary.training_folder
+    cells = []
+    for part in folder.components[:40]:
+        if part.problem is not None:
+            counts = ["", "", f"unreadable: {part.problem}", ""]
+        else:
+            counts = [
+                f"{part.tensors} tensor" + ("" if part.tensors == 1 else "s"),
+                f"{part.parameters:,} parameters",
+                ", ".join(part.dtypes),
+                human_bytes(part.bytes or 0),
+            ]
+        variants = f"variants: {', '.join(part.variants)}" if part.variants else ""
+        together = all(p.chosen for p in folder.components) and len(folder.components) > 1
+        mark = "(chosen)" if part.chosen and not together else f"--weights {shlex.quote(part.name)}"
+        cells.append([part.name, part.file, part.format or "", *counts, variants, mark])
+    for number, line in enumerate(_table(cells, right=(3, 4, 6))):
+        echo(f"  {'component' if number == 0 else '':<14} {line}")
+    if len(folder.components) > 40:
+        echo(f"  {'':<14} ... and {len(folder.components) - 40} more (--json lists them)")
+    if folder.variants:
+        shown = ", ".join(folder.variants)
+        echo(f"  variants       {shown}  (--variant {shlex.quote(folder.variants[0])} reads one)")
 
 
 MODULE_ROWS = 12  # the modules plain inspect shows; the rest are summed in one line

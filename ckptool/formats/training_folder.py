@@ -116,7 +116,8 @@ def find(directory: Path) -> TrainingFolder | None:
     if adapter is not None:
         weights.append(FolderFile(adapter, "weights"))
     # components a training script's save hooks wrote (diffusers: unet/, unet_ema/ through save_pretrained)
-    below = [part for part in components(directory, depth=1) if part.directory]
+    named = {file.name for file in weights}
+    below = [part for part in components(directory, depth=1) if part.directory and part.name not in named]
     weights += [FolderFile(part.name, "weights") for part in below]
     kinds = [file.name for file in files]
     kind = (

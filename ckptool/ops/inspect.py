@@ -315,13 +315,28 @@ def _folder_hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     return hints
 
 
+def _parts_of(folder: Any) -> list[Any]:
+    """Each weights entry's component (None for a training folder's weights file)."""
+    by_name = {part.name: part for part in folder.components}
+    top = next((part for part in folder.components if not part.directory), None)
+    found = []
+    for file in folder.weights:
+        part = by_name.get(file.name)
+        if part is None and top is not None and file.name == top.path(folder.variant):
+            part = top
+        found.append(part)
+    return found
+
+
 def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str, Any]]:
     """A training folder's sets of weights: each model's file, then each optimizer's state."""
     from ckptool.io.reader import load_member
 
     folder = checkpoint.folder
     found: list[dict[str, Any]] = []
-    for file in folder.weights:
+    state = summary.training_folder
+    parts = {part.name: part for part in state.components} if state is not None else {}
+    for file, part in zip(folder.weights, _parts_of(folder)):
         entry: dict[str, Any] = {
             "weights": file.name,
             "layout": [],
@@ -331,6 +346,19 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
             "chosen": file.name == folder.read and not checkpoint.flattened,
             "file": file.name,
         }
+        described = parts.get(part.name) if part is not None else None
+        if described is not None:  # a component: read once already (ops.components)
+            entry.update(
+                weights=part.name if not part.directory else file.name,
+                chosen=described.chosen and not checkpoint.flattened,
+                tensors=described.tensors,
+                file=described.file,
+                component=part.name,
+            )
+            if described.problem is not None:
+                entry["problem"] = described.problem
+            found.append(entry)
+            continue
         try:
             if entry["chosen"]:
                 entry["tensors"] = len(checkpoint.tensors)
@@ -341,7 +369,6 @@ def folder_candidates(checkpoint: Checkpoint, summary: Summary) -> list[dict[str
         except InputError as e:
             entry["problem"] = e.message
         found.append(entry)
-    state = summary.training_folder
     described = {file.file: file for file in state.files} if state is not None else {}
     from ckptool.formats.training_folder import OPTIMIZER
 
@@ -505,6 +532,7 @@ def inspect(
     allow_expansion: bool = False,
     weights: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    variant: str | None = None,
 ) -> Summary:
     """Describe any checkpoint without running its code or reading its tensor bytes.
 
@@ -514,6 +542,6 @@ def inspect(
         ('torch-zip', ['model'], 'module.', {'cpu': 10})
     """
     use_storage_options(storage_options)
-    checkpoint = load(path, allow_globals=allow_globals, weights=weights)
+    checkpoint = load(path, allow_globals=allow_globals, weights=weights, variant=variant)
     keep(checkpoint)
     return summarize(checkpoint, with_fingerprint=fingerprint, with_tensors=tensors, allow_expansion=allow_expansion)

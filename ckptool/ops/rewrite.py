@@ -478,7 +478,7 @@ def _folder_tree(checkpoint: Checkpoint, target: Path, options: ConvertOptions) 
         return None
     suffixes = tuple(suffix for fmt in formats.registered() for suffix in fmt.suffixes)
     to_folder = target.suffix.lower() not in suffixes or (isinstance(target, Path) and target.is_dir())
-    if to_folder and options.to in (None, "safetensors"):
+    if to_folder and options.to in (None, formats.folder_output().target):
         return folder
     if folder.composite:
         names = ", ".join(component.name for component in folder.components[:4])

@@ -19,7 +19,7 @@ from typing import Any
 from ckptool.base.errors import CkptError, InputError, UnsafeCheckpointError
 from ckptool.files import inputs
 from ckptool.files.byteio import read_capped
-from ckptool.formats import training_folder
+from ckptool.formats import model_folder, training_folder
 from ckptool.formats.training_folder import FolderFile, TrainingFolder
 from ckptool.model import optimizers
 from ckptool.model.tree import iter_tensors
@@ -65,6 +65,9 @@ class FolderState:
     files: list[FileState]
     step: int | None = None
     step_from: str | None = None
+    # a model folder's components, each as --weights NAME reads it (ops.components.ComponentState)
+    components: list[Any] = field(default_factory=list)
+    variants: list[str] = field(default_factory=list)
 
 
 def _human_bytes(size: int) -> str:
@@ -227,6 +230,8 @@ def describe_file(folder: Path, file: FolderFile, allow_globals: tuple[str, ...]
     """One file of the folder, read as what its role says it is (never raises for the file's content)."""
     from ckptool.io.reader import load_member
 
+    if file.role == model_folder.CONFIG:  # a model folder's configs, tokenizer, scheduler, model card
+        return describe_other(folder, file)
     try:
         if file.name.endswith(".json"):
             value = _read_json(folder, file.name)
@@ -265,11 +270,25 @@ def describe_file(folder: Path, file: FolderFile, allow_globals: tuple[str, ...]
     return FileState(file.name, file.role, summary, details)
 
 
+def describe_other(folder: Path, file: FolderFile) -> FileState:
+    """A file of a model folder beside the weights, by what its content says it is."""
+    from ckptool.ops.folder_configs import describe_config
+
+    info = describe_config(folder / file.name, folder=folder)
+    if info is None:
+        return FileState(file.name, "file", "not described")
+    return FileState(file.name, info.kind, info.summary, dict(info.details), problem=info.problem)
+
+
 def describe_folder(folder: TrainingFolder, allow_globals: tuple[str, ...] = ()) -> FolderState:
     """Every file of a training folder beside its weights, and the step the run had reached
     (``global_step`` of ``trainer_state.json``, else the step accelerate records with its rng state)."""
     described = [describe_file(folder.directory, file, allow_globals) for file in folder.files]
-    state = FolderState(folder.kind, [file.name for file in folder.weights], described)
+    state = FolderState(folder.kind, [file.name for file in folder.weights], described, variants=folder.variants)
+    if folder.components:
+        from ckptool.ops.components import describe_components
+
+        state.components = describe_components(folder, allow_globals)
     for file in described:
         step = file.details.get("global_step" if file.role == training_folder.TRAINER_STATE else "step")
         if (

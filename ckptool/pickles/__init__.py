@@ -20,6 +20,7 @@ The modules, each using only those above it:
 - :mod:`.guard_cache` — ``PickleStats`` (what a walk saw) and ``GuardCache`` (what one operation walked);
 - :mod:`.opcode_guard` — ``guard``: the opcode walk refusing what would hang or flood the C unpickler;
 - :mod:`.frames` — ``file_reader_view``: the opcodes a file reader runs where a frame cuts an argument (scan);
+- :mod:`.references` — which refused classes a pickle only refers to, never calls: read as data;
 - :mod:`.unpickle` — ``loads``: guard, restricted unpickler, tree check;
 - :mod:`.emit` — ``dump``, the writer, which needs only the placeholder types.
 

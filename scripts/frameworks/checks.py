@@ -177,7 +177,7 @@ def torch_view(sources: list[Path | tuple[Path, str | None]], work: Path) -> dic
     members: dict[str, list[Path]] = {}
     for source in sources:
         path, variant = source if isinstance(source, tuple) else (source, None)
-        if path.is_dir() or isinstance(source, tuple):
+        if path.is_dir() or not path.exists():  # a folder (one convert did not write: no weight files)
             found = weight_files(path, variant)
             members[source_key(source)] = found
             files.extend(found)

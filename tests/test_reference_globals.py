@@ -333,3 +333,12 @@ def test_torch_refuses_the_referenced_class_ckptool_reads(tmp_path: Path) -> Non
     assert checkpoint.tensors["w"].shape == (4,)
     data = struct.unpack("<4f", b"".join(checkpoint.tensors["w"].iter_bytes()))
     assert data == (1.0, 2.0, 3.0, 4.0)
+
+
+def test_inspect_shows_a_referenced_class_as_python_shows_the_class(tmp_path: Path) -> None:
+    data = hostile.whole(hostile.dct((hostile.text("state_dict"), hostile.dct((hostile.text("w"), hostile.rebuild()))),
+                                     (hostile.text("callbacks"), hostile.dct((CALLBACK, b"N")))))
+    path = tmp_path / "callbacks.pt"
+    path.write_bytes(hostile.make_zip(hostile.torch_members(data, {"0": hostile.FOUR_FLOATS})))
+    entry = ckptool.inspect(path).entries["callbacks"]
+    assert entry == {"type": "dict", "summary": f"{{<class '{FULL}'>: None}}"}  # a class key: no JSON value

@@ -172,7 +172,10 @@ def opaque_type(full_name: str, module: str | None = None) -> type:
     key = full_name if module is None else f"{module}:{full_name[len(module) + 1 :]}"
     cls = _OPAQUE_TYPES.get(key)
     if cls is None:
+        home, _, qualname = full_name.rpartition(".") if module is None else (module, "", full_name[len(module) + 1 :])
         attributes: dict[str, Any] = {"_global": full_name, "__slots__": ()}
+        # named as the global: a class held as a value shows as Python shows that class (<class 'm.Name'>)
+        attributes.update(__module__=home or "builtins", __qualname__=qualname)
         if module is not None:
             attributes["_module"] = module
         cls = type(full_name.rsplit(".", 1)[-1], (OpaqueObject,), attributes)
@@ -194,7 +197,14 @@ def attribute_type(parent: type, attribute: str) -> type:
         cls = type(
             attribute,
             (OpaqueObject,),
-            {"_global": f"{parent_name}.{attribute}", "_parent": parent, "_attribute": attribute, "__slots__": ()},
+            {
+                "_global": f"{parent_name}.{attribute}",
+                "_parent": parent,
+                "_attribute": attribute,
+                "__slots__": (),
+                "__module__": parent.__module__,
+                "__qualname__": f"{parent.__qualname__}.{attribute}",
+            },
         )
         _OPAQUE_TYPES[key] = cls
     return cls

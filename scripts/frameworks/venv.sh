@@ -12,7 +12,7 @@ main() {
   PYTHON="${PYTHON:-python3}"
   # torch pinned to the release ckptool is tested with; the frameworks at what pip resolves against it
   TORCH="torch==2.14.1 torchvision==0.29.1"
-  FRAMEWORKS="lightning transformers accelerate timm mmengine ultralytics safetensors"
+  FRAMEWORKS="lightning transformers accelerate timm mmengine ultralytics safetensors diffusers peft"
   STAMP="$VENV/.ckptool-frameworks-installed"
   WANT="$TORCH $FRAMEWORKS"
   mkdir -p "$(dirname "$VENV")"

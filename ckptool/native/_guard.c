@@ -58,7 +58,7 @@ struct Rec {
 #define MAX_TEXT_DIGITS 4300  /* Python's default int <-> str digit limit: the Python walk's bound */
 
 /* records every walk shares (their values, made at import, live as long as the module) */
-static Rec R_STR, R_BYTES, R_OTHER, R_LIST, R_EMPTY_TUPLE, R_UNKNOWN_GLOBAL, R_NONE, R_TRUE, R_FALSE;
+static Rec R_STR, R_BYTES, R_OTHER, R_LIST, R_EMPTY_TUPLE, R_NONE, R_TRUE, R_FALSE;
 static Rec R_BYTE_INTS[256];
 static PyObject *UNRESOLVED;  /* "<unresolved STACK_GLOBAL>" */
 static PyObject *EMPTY_STR;
@@ -1049,11 +1049,11 @@ static int op_rare(Walk *w, unsigned code) {
         PUSH(r);
         return G_OK;
     }
-    case 0x82: case 0x83: case 0x84:  /* EXT1 EXT2 EXT4 */
+    case 0x82: case 0x83: case 0x84:  /* EXT1 EXT2 EXT4: refused (the Python walk's ext says why) */
         w->at += code == 0x82 ? 1 : code == 0x83 ? 2 : 4;
         if (w->at > w->end) return G_TRUNCATED;
-        PUSH(&R_UNKNOWN_GLOBAL);
-        return G_OK;
+        REFUSE("uses an extension code (EXT1, EXT2, EXT4): the global it names is the loading process's copyreg "
+               "registry's, not the file's, and the unpickler caches it across reads (torch's loader refuses it too)");
     case 0x6F:  /* OBJ */
         TRY(pop_mark(w, &items, &count));
         if (count == 0) REFUSE("has OBJ without a class (corrupt)");
@@ -1482,7 +1482,6 @@ PyMODINIT_FUNC PyInit__guard(void) {
         shared(&R_OTHER, K_OTHER, 0, NULL);
         shared(&R_LIST, K_LIST, 0, NULL);
         shared(&R_EMPTY_TUPLE, K_TUPLE, 1, empty);
-        shared(&R_UNKNOWN_GLOBAL, K_GLOBAL, 1, NULL);
         shared(&R_NONE, K_LITERAL, 1, Py_NewRef(Py_None));
         shared(&R_TRUE, K_LITERAL, 1, Py_NewRef(Py_True));
         shared(&R_FALSE, K_LITERAL, 1, Py_NewRef(Py_False));

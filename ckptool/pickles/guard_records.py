@@ -63,7 +63,6 @@ _BYTES = Value("bytes", None, 1, True, OPAQUE)
 _OTHER = Value("other", None, 1, False, OPAQUE)
 _LIST = Value("list", None, 1, False, OPAQUE)  # lists take APPENDs, never keys: one record serves all
 _EMPTY_TUPLE = Value("tuple", None, 1, True, (), 1)
-_UNKNOWN_GLOBAL = Value("global", None, 1, True, OPAQUE)
 _NONE, _TRUE, _FALSE = (Value("literal", None, 1, True, value) for value in (None, True, False))
 _BYTE_INTS = [Value("literal", None, 1, True, value) for value in range(256)]
 _PLACEHOLDER_COST = 512  # a TensorRef, StorageRef or OpaqueObject record

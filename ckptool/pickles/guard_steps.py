@@ -20,7 +20,6 @@ from ckptool.pickles.guard_records import (
     _OTHER,
     _PLACEHOLDER_COST,
     _STR,
-    _UNKNOWN_GLOBAL,
     OPAQUE,
     Receiver,
     Truncated,
@@ -229,7 +228,12 @@ class WalkState:
         self.at += {0x82: 1, 0x83: 2, 0x84: 4}[code]
         if self.at > self.end:
             raise Truncated()
-        self.stack.append(_UNKNOWN_GLOBAL)
+        # the registry is the process's, and CPython's unpickler keeps what find_class gave for a code in
+        # copyreg's cache for every later read: a read would take a global another read resolved, unjudged
+        raise refuse(
+            "uses an extension code (EXT1, EXT2, EXT4): the global it names is the loading process's copyreg "
+            "registry's, not the file's, and the unpickler caches it across reads (torch's loader refuses it too)"
+        )
 
     def obj(self, code: int) -> None:  # OBJ
         items = self.pop_mark()

@@ -78,7 +78,8 @@ def guard(data: bytes, cache: GuardCache | None = None) -> int:
     """Walk one pickle's opcodes as the unpickler would, refusing what would hang it or blow it up.
 
     Returns the pickle's length (up to and including STOP); raises :class:`Truncated` if ``data``
-    ends first. Refused: BUILD on anything but an OrderedDict or an allowed object placeholder;
+    ends first. Refused: BUILD on anything but an OrderedDict or an allowed object placeholder; extension
+    codes (EXT1/2/4: copyreg's registry names their global, and the unpickler caches it across reads);
     dict keys and set elements that are not plain hashable values, nest over MAX_KEY_NODES values,
     cost more hashing in all than the pickle's length allows, or collide (over MAX_HASH_COLLISIONS
     distinct keys with one hash in one dict); memo indices no pickler writes; over

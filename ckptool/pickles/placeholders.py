@@ -54,7 +54,7 @@ class StorageTypeRef:
 # The refused globals a read watches while its unpickler runs (see unpickle.loads): name -> whether the pickle
 # has called it. A refused class the pickle never calls and holds only as a value is data (references.py); an
 # object of one is made here, however the pickle calls it (REDUCE, NEWOBJ, NEWOBJ_EX, OBJ, INST; by a GLOBAL,
-# the memo, an extension code), so every such call is seen.
+# the memo), so every such call is seen.
 WATCHED: ContextVar[dict[str, bool] | None] = ContextVar("ckptool_watched_globals", default=None)
 
 

@@ -8,8 +8,8 @@ as the placeholder class an ``--allow-global`` read gives it, with no flag, when
 - it is not known to run code or reach the system (:func:`~ckptool.pickles.allowlist.runs_code`: those are
   refused however a pickle uses them);
 - the pickle never calls it: no object of it is built, by REDUCE, NEWOBJ, NEWOBJ_EX, OBJ or INST, from a
-  GLOBAL, the memo or an extension code (:data:`~ckptool.pickles.placeholders.WATCHED` sees each call,
-  whichever way it comes), nor of a nested name spelled through it;
+  GLOBAL or the memo (:data:`~ckptool.pickles.placeholders.WATCHED` sees each call, whichever way it comes),
+  nor of a nested name spelled through it (extension codes, EXT1/2/4, the guard refuses outright);
 - the tree the read built holds it only inside plain containers (dicts, lists, tuples, sets, an
   OrderedDict), as a key, a value or an item, reached from the top through such containers alone: never an
   argument an object keeps, a tensor's hooks or state, an object's state;

@@ -319,8 +319,9 @@ def find(directory: Path, variant: str | None = None) -> FolderLayout | None:
     below = [part for part in parts if part.directory]
     others = [name for name, is_dir in top.items() if not is_dir and not _belongs_to_weights(name)]
     bare_bin = any(part.file_for(None)[0].endswith(".bin") and not part.directory for part in parts)
-    if not below and not others and not bare_bin and not parts[0].variants:
-        return None  # one weights file or one index: read as that file
+    named = stem(parts[0].file_for(None)[0]).split(".")[0] in KNOWN_STEMS[1:]  # a library's own name
+    if not below and not others and not bare_bin and not parts[0].variants and not named:
+        return None  # one model.safetensors or one index alone: read as that file
     weights = tuple(FolderFile(part.name if part.directory else part.path(variant), "weights") for part in parts)
     files = tuple(FolderFile(name, CONFIG) for name in _other_files(directory, parts))
     return FolderLayout(directory, kind_of(top, parts), weights, files, components=tuple(parts), variant=variant)

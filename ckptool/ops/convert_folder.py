@@ -20,6 +20,8 @@ into a folder of the same shape:
 from __future__ import annotations
 
 import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,17 +56,38 @@ class WeightsJob:
 
 
 def output_stem(name: str) -> str:
-    """``pytorch_model.bin`` -> ``model``; ``diffusion_pytorch_model.fp16.bin`` -> ``diffusion_pytorch_model``."""
+    """``pytorch_model.bin`` -> ``model``; ``diffusion_pytorch_model.fp16.bin`` -> ``diffusion_pytorch_model``;
+    accelerate's ``pytorch_model_1.bin`` -> ``model_1``."""
     base = name.split(".")[0] if name else "model"
-    for suffix in ("-00001", "_0"):
-        base = base.removesuffix(suffix)
+    numbered = re.fullmatch(r"pytorch_model_(\d+)", base)
+    if numbered is not None:
+        return f"model_{numbered[1]}"
     return SAFETENSORS_STEM.get(base, base)
+
+
+def tree_components(layout: FolderLayout) -> tuple[Component, ...]:
+    """The components a tree convert writes: a model folder's, and a training folder's weights files at its
+    top too (``model.safetensors``, ``pytorch_model_1.bin``); a DCP sub-folder (FSDP's) is copied as it is."""
+    if not layout.training:
+        return layout.components
+    found = list(layout.components)
+    for file in layout.weights:
+        if layout.component(file.name) is None and not _is_folder(layout.directory / file.name):
+            found.append(Component(model_folder.stem(file.name), "", {"": file.name}))
+    return tuple(found)
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def plan_weights(layout: FolderLayout, variant: str | None, shard: bool) -> list[WeightsJob]:
     """Every weights file the convert writes: each component's variants (or ``variant``'s)."""
     jobs: list[WeightsJob] = []
-    for part in layout.components:
+    for part in tree_components(layout):
         wanted = [variant] if variant is not None else [key or None for key in part.files]
         for chosen in dict.fromkeys(wanted):
             name, has = part.file_for(chosen)
@@ -89,7 +112,7 @@ def plan_weights(layout: FolderLayout, variant: str | None, shard: bool) -> list
 def weights_paths(layout: FolderLayout) -> set[str]:
     """Every file that belongs to a component's weights (each variant's file, an index's shards)."""
     found: set[str] = set()
-    for part in layout.components:
+    for part in tree_components(layout):
         for key in part.files:
             path = part.path(key or None)
             found.add(path)
@@ -98,7 +121,7 @@ def weights_paths(layout: FolderLayout) -> set[str]:
                     FolderLayout(layout.directory, layout.kind, (), (), components=(part,), variant=key or None),
                     None,
                 )
-    dcp = [part.directory for part in layout.components if part.files == {"": ""}]
+    dcp = [part.directory for part in tree_components(layout) if part.files == {"": ""}]
     return found | {f"{folder}/" for folder in dcp}
 
 
@@ -184,7 +207,7 @@ def convert_tree(
     with atomic_directory(target) as tmp:
         for job in jobs:
             checkpoint = load(
-                source, weights=job.component.name, variant=job.variant, allow_globals=options.allow_globals
+                source, weights=_weights_name(layout, job), variant=job.variant, allow_globals=options.allow_globals
             )
             checkpoint = _transformed(checkpoint, options, notes)
             out = tmp / job.target if job.target else tmp
@@ -213,10 +236,17 @@ def convert_tree(
             copy_member(source, name, tmp)
             report.files.append(target / name)
     notes.append(
-        f"wrote {len(jobs)} weights file(s) of {len(layout.components)} component(s) as safetensors and "
+        f"wrote {len(jobs)} weights file(s) of {len(tree_components(layout))} component(s) as safetensors and "
         f"copied {len(copies)} other file(s)"
     )
     return report, notes
+
+
+def _weights_name(layout: FolderLayout, job: WeightsJob) -> str:
+    """What ``--weights`` calls the job's weights: a component's name, or a training folder's file."""
+    if layout.component(job.component.name) is not None or not layout.training:
+        return job.component.name
+    return job.source
 
 
 def _transformed(checkpoint: Checkpoint, options: Any, notes: list[str]) -> Checkpoint:

@@ -474,7 +474,7 @@ def _folder_tree(checkpoint: Checkpoint, target: Path, options: ConvertOptions) 
     from ckptool import formats
 
     folder = checkpoint.folder
-    if folder is None or folder.training or options.weights is not None:
+    if folder is None or options.weights is not None or (folder.training and not isinstance(target, Path)):
         return None
     suffixes = tuple(suffix for fmt in formats.registered() for suffix in fmt.suffixes)
     to_folder = target.suffix.lower() not in suffixes or (isinstance(target, Path) and target.is_dir())

@@ -375,3 +375,21 @@ def test_inspect_says_what_an_adapter_is(tmp_path: Path) -> None:
     assert code == 0, err
     line = next(line for line in out.splitlines() if "adapter_config.json" in line)
     assert "rank 8" in line and "alpha 16" in line and "q_proj" in line and "tiny-llama" in line, line
+
+
+def test_a_refusal_names_the_file_inside_the_folder(tmp_path: Path) -> None:
+    root = pipeline(tmp_path / "sd")
+    (root / "text_encoder" / "pytorch_model.bin").write_bytes(evil_pickle())
+    code, _, err = run("inspect", root)
+    assert code == 3 and "text_encoder/pytorch_model.bin: pickle imports posix.system" in err, err
+
+
+def test_a_variant_names_its_flag_and_reads_in_a_folder_side_only(tmp_path: Path) -> None:
+    root = pipeline(tmp_path / "sd", fp16=True)
+    file = root / "unet" / "diffusion_pytorch_model.fp16.safetensors"
+    code, _, err = run("inspect", file, "--variant", "fp16")
+    assert code == 3 and "--variant chooses among a model folder's weights files" in err and "Option(" not in err
+    code, out, err = run("diff", root, file, "--weights", "unet", "--variant", "fp16")
+    assert code == 0 and "identical" in out, out + err
+    code, out, err = run("verify", root, "--weights", "unet", "--variant", "fp16", "--against", file)
+    assert code == 0, out + err

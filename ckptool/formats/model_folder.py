@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ckptool.base.errors import InputError
+from ckptool.base.errors import InputError, UnsafeCheckpointError
 from ckptool.base.text import value_str
 from ckptool.files import inputs
 from ckptool.files.byteio import is_remote
@@ -41,6 +41,8 @@ from ckptool.formats import Contents, Format, PickleBlob, Pickles, ReadOptions
 from ckptool.formats import sniff as sniff_input
 from ckptool.model.tree import get_at
 from ckptool.model.weight_sets import find_layout
+from ckptool.pickles.allowlist import RefusedGlobal
+from ckptool.pickles.refusal import refusal
 
 MAX_FOLDER_ENTRIES = 100_000  # names looked at in one folder: far more than any library writes
 MAX_TREE_ENTRIES = 200_000  # names looked at in a whole tree
@@ -387,7 +389,10 @@ def read_member(folder: Path, name: str, options: ReadOptions) -> Contents:
         fmt = sniff_input(head, path)
         if fmt is None:
             raise InputError(f"{name} is not a checkpoint ckptool recognizes", path=folder)
-        contents = fmt.read(path, ReadOptions(handle, head, options.resolver, options.variant))
+        try:
+            contents = fmt.read(path, ReadOptions(handle, head, options.resolver, options.variant))
+        except RefusedGlobal as e:  # named by the file of the folder that holds the pickle
+            raise UnsafeCheckpointError(refusal(e), path=path, globals_=e.names) from None
     contents.format = contents.format or fmt.name
     return contents
 

@@ -96,10 +96,11 @@ def _check_variant(checkpoint: Checkpoint, variant: str) -> None:
     folder = checkpoint.folder
     have = folder.variants if folder is not None else []
     if variant not in have:
-        chooses = f" — {suggest_option('variant', None)} chooses among a model folder's weights files"
+        said = f"holds no {variant!r} variant of its weights (variants: {', '.join(have) or 'none'})"
+        if folder is not None:
+            raise InputError(said, path=checkpoint.path)
         raise InputError(
-            f"holds no {variant!r} variant of its weights (variants: {', '.join(have) or 'none'})"
-            + ("" if folder is not None else chooses),
+            said + " — " + suggest_option("variant", None) + " chooses among a model folder's weights files",
             path=checkpoint.path,
         )
 

@@ -24,6 +24,7 @@ from typing import Any
 from ckptool import formats
 from ckptool.base import progress, suggest
 from ckptool.files.byteio import FileCache, Source, is_remote, read_exact, read_into, use_storage_options
+from ckptool.files.inputs import located
 from ckptool.files.ranges import ByteRange
 from ckptool.io.reader import load
 from ckptool.model.checkpoint import Checkpoint
@@ -470,6 +471,14 @@ def _compare_tensors(
                 report.changed.append(change)
 
 
+def _is_folder(path: Path | str | Checkpoint) -> bool:
+    """Whether the other side of a comparison is a folder (the variant asked of one side reads in it too)."""
+    if isinstance(path, Checkpoint):
+        return False
+    where = located(path)
+    return not isinstance(where, Path) or where.is_dir()
+
+
 def _open(
     path: Path | str | Checkpoint,
     allow_globals: tuple[str, ...] | list[str],
@@ -551,7 +560,8 @@ def diff(
         (True, 8)
     """
     use_storage_options(storage_options)
-    left, right = _open(a, allow_globals, weights_a, variant), _open(b, allow_globals, weights_b, variant)
+    left = _open(a, allow_globals, weights_a, variant)
+    right = _open(b, allow_globals, weights_b, variant if _is_folder(b) else None)
     if left.has_weights or right.has_weights:
         a_tensors, b_tensors = left.tensors, right.tensors
     else:  # neither names its weights (bare tensors, lists): compare every tensor by where it lies

@@ -30,6 +30,7 @@ from ckptool.base.errors import UsageError
 from ckptool.base.suggest import Metavar, option, typed
 from ckptool.base.torch_import import import_torch
 from ckptool.files.byteio import use_storage_options
+from ckptool.files.inputs import located
 from ckptool.io.reader import load
 from ckptool.model.checkpoint import Checkpoint
 from ckptool.model.devices import Device, TorchDevice, open_devices, resolve_devices  # noqa: F401  (re-exported)
@@ -105,6 +106,11 @@ class VerifyPlan:
     def fuses_against(self) -> bool:
         """Weights only, CPU only, with --against: one pass over the checkpoint counts NaN/Inf and diffs."""
         return self.spec is None and self.against is not None and [d.name for d in self.devices] == ["cpu"]
+
+
+def _is_folder(path: Path | str) -> bool:
+    where = located(path)
+    return not isinstance(where, Path) or where.is_dir()
 
 
 def read_checked(
@@ -228,7 +234,7 @@ def verify(
             allow_globals=allow_globals,
             allow_expansion=allow_expansion,
             weights=against_weights,
-            variant=variant,
+            variant=variant if _is_folder(against) else None,  # a folder's variant; a file has none
         )
         if against is not None
         else None

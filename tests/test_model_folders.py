@@ -393,3 +393,26 @@ def test_a_variant_names_its_flag_and_reads_in_a_folder_side_only(tmp_path: Path
     assert code == 0 and "identical" in out, out + err
     code, out, err = run("verify", root, "--weights", "unet", "--variant", "fp16", "--against", file)
     assert code == 0, out + err
+
+
+def test_a_pipeline_in_object_storage_reads_as_on_disk(tmp_path: Path) -> None:
+    """A pipeline under a URL (fsspec's memory:// store): the same components, variants and verdict."""
+    import uuid
+
+    import fsspec
+
+    root = pipeline(tmp_path / "sd", fp16=True)
+    fs = fsspec.filesystem("memory")
+    base = f"/t{uuid.uuid4().hex[:12]}/sd"
+    try:
+        for file in sorted(root.rglob("*")):
+            if file.is_file():
+                fs.pipe(f"{base}/{file.relative_to(root).as_posix()}", file.read_bytes())
+        url = f"memory://{base}"
+        assert_same(values(url), torch_values(root))
+        assert_same(values(url, weights="unet", variant="fp16"), values(root, weights="unet", variant="fp16"))
+        assert ckptool.scan(url).verdict == "safe"
+        parts = ckptool.inspect(url).training_folder.components
+        assert [part.file for part in parts] == [part.file for part in ckptool.inspect(root).training_folder.components]
+    finally:
+        fs.rm(base.rsplit("/", 1)[0], recursive=True)

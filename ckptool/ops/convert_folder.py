@@ -85,27 +85,20 @@ def _is_folder(path: Path) -> bool:
 
 
 def plan_weights(layout: FolderLayout, variant: str | None, shard: bool) -> list[WeightsJob]:
-    """Every weights file the convert writes: each component's variants (or ``variant``'s)."""
+    """Every weights file the convert writes: each component's variants, or ``variant``'s (a component
+    without it: its default weights)."""
     jobs: list[WeightsJob] = []
     for part in tree_components(layout):
-        wanted = [variant] if variant is not None else [key or None for key in part.files]
-        for chosen in dict.fromkeys(wanted):
+        if variant is None:
+            wanted: list[str | None] = [key or None for key in part.files]
+        else:
+            wanted = [variant if variant in part.files else None]
+        for chosen in wanted:
             name, has = part.file_for(chosen)
-            if chosen is not None and has != chosen:
-                continue  # this component lacks the variant: its default weights are written once, below
             sharded = shard or ".index." in name
-            stem = output_stem(name) if name else "model"
-            tag = f".{has}" if has else ""
-            base = part.directory
-            target = base if sharded else f"{base}/{stem}{tag}.safetensors".lstrip("/")
-            jobs.append(WeightsJob(part, has, part.path(chosen), target, stem, sharded))
-        if variant is not None and part.file_for(variant)[1] != variant:
-            name, has = part.file_for(None)
             stem = output_stem(name)
-            sharded = shard or ".index." in name
-            tag = f".{has}" if has else ""
-            target = part.directory if sharded else f"{part.directory}/{stem}{tag}.safetensors".lstrip("/")
-            jobs.append(WeightsJob(part, has, part.path(None), target, stem, sharded))
+            target = part.directory if sharded else f"{part.directory}/{stem}{f'.{has}' if has else ''}.safetensors"
+            jobs.append(WeightsJob(part, has, part.path(chosen), target.lstrip("/"), stem, sharded))
     return jobs
 
 

@@ -416,3 +416,12 @@ def test_a_pipeline_in_object_storage_reads_as_on_disk(tmp_path: Path) -> None:
         assert [part.file for part in parts] == [part.file for part in ckptool.inspect(root).training_folder.components]
     finally:
         fs.rm(base.rsplit("/", 1)[0], recursive=True)
+
+
+@pytest.mark.parametrize("command", [["strip"], ["add-prefix"], ["remap", "--to", "cpu"]])
+def test_a_rewrite_of_many_components_names_one(tmp_path: Path, command: list[str]) -> None:
+    root = pipeline(tmp_path / "sd")
+    code, _, err = run(command[0], root, "-o", tmp_path / "out.pt", *command[1:])
+    assert code == 2 and "--weights COMPONENT" in err and not (tmp_path / "out.pt").exists(), err
+    code, _, err = run(command[0], root, "--weights", "text_encoder", "-o", tmp_path / "te.pt", *command[1:])
+    assert code in (0, 1), err  # strip of keys without a prefix: nothing to do (1)

@@ -115,7 +115,7 @@ def strip(
     ckpt, out = located(ckpt), _optional_path(out)
     mapping = tuple(mapping)
     mapper = _mapper(to_device, mapping) if to_device is not None or mapping else None
-    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant)
+    checkpoint = _one_set(load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant))
     target = _target(ckpt, out, in_place, checkpoint)
     used = prefix if prefix is not None else checkpoint.prefix
     stripped = checkpoint.strip_prefix(used)  # (the prefix detected once)
@@ -162,6 +162,22 @@ class _Written:
         return WriteReport(command, self.ckpt, self.target, saved, notes, details)
 
 
+def _one_set(checkpoint: Checkpoint) -> Checkpoint:
+    """A rewrite writes one set of weights as one file: a model folder read as all of its components is
+    refused (``--weights`` names one; ``convert`` writes the whole folder)."""
+    folder = checkpoint.folder
+    if folder is None or not folder.composite:
+        return checkpoint
+    names = ", ".join(component.name for component in folder.components[:4])
+    raise UsageError(
+        f"is a model folder of {len(folder.components)} components ({names}"
+        f"{', ...' if len(folder.components) > 4 else ''}): rewrite one with "
+        + option("weights", Metavar("COMPONENT"))
+        + ", or write the whole folder with convert (-o OUT/)",
+        path=checkpoint.path,
+    )
+
+
 def _mapper(to_device: str | None, mapping: Iterable[str]) -> Any:
     from ckptool.model.devices import location_mapper
 
@@ -192,7 +208,7 @@ def add_prefix(
     from ckptool.io.reader import load
 
     ckpt, out = located(ckpt), _optional_path(out)
-    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant)
+    checkpoint = _one_set(load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant))
     target = _target(ckpt, out, in_place, checkpoint)
     prefixed = checkpoint.add_prefix(prefix)
     details = {"prefix": prefix, "renamed": count_keys(checkpoint.state_dict)}
@@ -223,7 +239,7 @@ def remap(
 
     ckpt, out = located(ckpt), _optional_path(out)
     mapper = _mapper(to_device, mapping)
-    checkpoint = load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant)
+    checkpoint = _one_set(load(ckpt, allow_globals=allow_globals, weights=weights, variant=variant))
     _has_location_tags(checkpoint, ckpt)
     target = _target(ckpt, out, in_place, checkpoint)
     before = checkpoint.saved_devices()

@@ -425,3 +425,24 @@ def test_a_rewrite_of_many_components_names_one(tmp_path: Path, command: list[st
     assert code == 2 and "--weights COMPONENT" in err and not (tmp_path / "out.pt").exists(), err
     code, _, err = run(command[0], root, "--weights", "text_encoder", "-o", tmp_path / "te.pt", *command[1:])
     assert code in (0, 1), err  # strip of keys without a prefix: nothing to do (1)
+
+
+def test_a_pipeline_saved_on_a_gpu_is_told_to_convert(tmp_path: Path) -> None:
+    """A component torch.save'd on cuda:1 (tags as a GPU run writes them, no GPU needed): inspect's fix is a
+    convert of the whole folder, which loads on any machine."""
+    from ckptool.io.writer import save
+
+    root = pipeline(tmp_path / "sd")
+    te = root / "text_encoder" / "pytorch_model.bin"
+    checkpoint = ckptool.load(te)
+    save(checkpoint.remap(lambda tag: "cuda:1"), te, to="pt", force=True, in_place=True)
+    assert "cuda:1" in ckptool.inspect(te).saved_devices
+    code, out, err = run("inspect", root)
+    assert code == 0, err
+    fix = next(line for line in out.splitlines() if "fix:" in line)
+    assert "ckptool convert" in fix and str(tmp_path / "sd-safetensors") in fix, out
+    command = fix.split("fix: ", 1)[1].split()
+    code, _, err = run(*command[1:])
+    assert code == 0, err
+    converted = Path(command[command.index("-o") + 1])
+    assert_same(values(converted / "text_encoder" / "model.safetensors"), values(te))

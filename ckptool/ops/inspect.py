@@ -208,6 +208,16 @@ def _hints(checkpoint: Checkpoint, summary: Summary) -> list[Hint]:
     hints: list[Hint] = []
     gpu = sorted(tag for tag in summary.saved_devices if tag != "cpu")
     on_gpu = f"saved on {', '.join(gpu)}: torch.load fails on a machine without that GPU"
+    if checkpoint.folder is not None and checkpoint.folder.composite:  # a folder's rewrite is its convert
+        if gpu:
+            out = path.parent / f"{path.name}-safetensors"  # (no suffix: a folder, written as the same tree)
+            hints.append(
+                Hint(
+                    on_gpu + " (safetensors records no device)",
+                    suggest.command("convert", path, out=out, allow_globals=list(checkpoint.allow_globals)),
+                )
+            )
+        return hints + _folder_hints(checkpoint, summary)
     if summary.prefix:
         wrappers = " + ".join(_WRAPPER_NAMES.get(p + ".", p) for p in summary.prefix.rstrip(".").split(".") if p)
         carry = f'keys carry "{summary.prefix}" ({wrappers}); a bare model reports them as unexpected keys'

@@ -178,26 +178,77 @@ def inspect(
 
 
 @main.command()
-@click.argument("ckpt", type=LOCATION)
+@click.argument("paths", nargs=-1, required=True, type=LOCATION)
 @json_option
+@click.option(
+    "--sarif",
+    "sarif_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the findings as SARIF 2.1.0 to this file (for code-scanning dashboards).",
+)
+@click.option(
+    "--fail-on",
+    type=click.Choice(["unknown", "dangerous"]),
+    default="unknown",
+    show_default=True,
+    help="The verdict that makes the exit code 1: unknown (or dangerous) globals, or dangerous ones only.",
+)
 @allow_global_option
 @storage_options
 @handle_errors
-def scan(ckpt: Path, as_json: bool, allow_globals: tuple[str, ...]) -> None:
+def scan(
+    paths: tuple[Path, ...], as_json: bool, sarif_out: Path | None, fail_on: str, allow_globals: tuple[str, ...]
+) -> None:
     """List every pickle global and opcode without executing anything; judge safe, unknown or dangerous.
 
-    Exit 0 safe, 1 unknown or dangerous globals found, 3 unreadable or not a checkpoint.
+    PATHS are files, folders (walked recursively: each checkpoint or pickle in them is judged by its
+    content, a model folder as one model, other files skipped), URLs and prefixes (s3://bucket/models/).
+    One file or one model folder gives its full report; more give one summary.
 
-    Example: ckptool scan downloaded.pt --json
+    Exit 0 all safe, 1 unknown or dangerous globals found (dangerous only with --fail-on dangerous),
+    3 unreadable, not a checkpoint, nothing readable, or a path that does not exist.
+
+    Example: ckptool scan downloaded.pt --json; ckptool scan models/ --sarif ckptool.sarif
     """
+    from ckptool.ops import scan_tree
+
+    if len(paths) == 1 and scan_tree.single_model(paths[0]):
+        _scan_one(paths[0], as_json, sarif_out, fail_on, allow_globals)
+    report = scan_tree.scan_many(paths, allow_globals=allow_globals)
+    if len(paths) == 1 and not any(item.verdict != "skipped" for item in report.items):
+        _scan_one(paths[0], as_json, sarif_out, fail_on, allow_globals)  # a folder of no checkpoint: refused as ever
+    if sarif_out is not None:
+        from ckptool.ops import sarif
+
+        sarif.write(sarif_out, report.items, __version__)
+    if as_json:
+        click.echo(jsonout.dumps({"schema": "ckptool.scan/2", **report.to_json(fail_on)}))
+    else:
+        render.scan_tree(report, fail_on)
+    sys.exit(report.exit_code(fail_on))
+
+
+def _scan_one(path: Path, as_json: bool, sarif_out: Path | None, fail_on: str, allow_globals: tuple[str, ...]) -> None:
+    """scan of one file or one model folder: its full report, as scan always printed it."""
+    from ckptool.base.errors import CkptError
+    from ckptool.ops import sarif, scan_tree
     from ckptool.ops.scan import scan as scan_
 
-    report = scan_(ckpt, allow_globals=allow_globals)
+    try:
+        report = scan_(path, allow_globals=allow_globals)
+    except CkptError as e:
+        if sarif_out is not None:
+            unread = scan_tree.ItemResult(str(path), "unreadable", reason=e.message)
+            sarif.write(sarif_out, [unread], __version__)
+        raise
+    if sarif_out is not None:
+        sarif.write(sarif_out, [scan_tree.summarized(str(path), report)], __version__)
     if as_json:
         emit_json("scan", report.to_json())
     else:
         render.scan(report)
-    sys.exit(exitcodes.OK if report.safe else exitcodes.PROBLEM)
+    failed = bool(report.dangerous) if fail_on == "dangerous" else not report.safe
+    sys.exit(exitcodes.PROBLEM if failed else exitcodes.OK)
 
 
 # ------------------------------------------------------------------------------------------------ verify, diff

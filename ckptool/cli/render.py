@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ckptool.ops.inspect import Summary
     from ckptool.ops.rewrite import WriteReport
     from ckptool.ops.scan import ScanReport
+    from ckptool.ops.scan_tree import TreeReport
     from ckptool.verification.verify import VerifyReport
 
 
@@ -286,6 +287,53 @@ def scan(report: ScanReport) -> None:
         echo(
             f"  {len(report.dangerous)} dangerous global(s) (!!) known to run code or reach the system: "
             f"do not torch.load this file; {read}"
+        )
+
+
+SKIPPED_SHOWN = 10  # skipped files named in the text summary (--json lists them all)
+
+
+def scan_tree(report: TreeReport, fail_on: str = "unknown") -> None:
+    """scan's summary of many files: the counts by verdict, each dangerous, unknown and unreadable
+    item with its globals or reason, the first skipped files, and what the verdict means."""
+    counts = report.counts
+    judged = counts["safe"] + counts["unknown"] + counts["dangerous"]
+    echo(
+        f"scanned {len(report.roots)} path(s): {judged} judged ({counts['safe']} safe, {counts['unknown']} unknown, "
+        f"{counts['dangerous']} dangerous), {counts['unreadable']} unreadable, {counts['skipped']} skipped"
+    )
+    for verdict in ("dangerous", "unknown", "unreadable"):
+        for item in report.items:
+            if item.verdict != verdict:
+                continue
+            where = f"{item.path} ({item.format})" if item.format else item.path
+            if verdict == "unreadable":
+                echo(f"  UNREADABLE  {where}: {item.reason}")
+                continue
+            names = item.dangerous if verdict == "dangerous" else item.unknown
+            shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+            echo(f"  {verdict.upper():<10}  {where}: {shown}")
+            if verdict == "dangerous" and item.unknown:
+                echo(f"              and unknown: {', '.join(item.unknown[:6])}")
+    skipped = [item for item in report.items if item.verdict == "skipped"]
+    for item in skipped[:SKIPPED_SHOWN]:
+        echo(f"  skipped     {item.path}: {item.reason}")
+    if len(skipped) > SKIPPED_SHOWN:
+        echo(f"  skipped     ... {len(skipped) - SKIPPED_SHOWN} more (--json lists them all)")
+    if report.missing:
+        echo(f"  {len(report.missing)} path(s) do not exist — check them")
+    elif not judged:
+        echo("  nothing was judged: no checkpoint or pickle could be read")
+    if counts["dangerous"]:
+        echo(
+            "  dangerous files (DANGEROUS) name globals known to run code or reach the system: do not torch.load "
+            "them; delete them or get them from a trusted source"
+        )
+    if counts["unknown"]:
+        note = " (not failing: --fail-on dangerous)" if fail_on == "dangerous" else ""
+        echo(
+            "  unknown files (UNKNOWN) name globals outside the allowlist, none known to run code: loading them with "
+            f"torch runs that code, so trust their source first; ckptool scan FILE shows one in full{note}"
         )
 
 

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptool import formats, pickles
 from ckptool.base.errors import CkptError, InputError, UnsupportedFormatError
@@ -189,11 +189,30 @@ def scan(
         (True, [])
     """
     use_storage_options(storage_options)
+    judged = judge(path, allow_globals=allow_globals)
+    if judged.error is not None:
+        raise judged.error
+    return judged.report
+
+
+class Judged(NamedTuple):
+    """:func:`judge`'s answer: the report; the error of a load that failed although no global is
+    outside the allowlist (:func:`scan` raises it); and whether a dry run stopped before a pickle's end."""
+
+    report: ScanReport
+    error: CkptError | None = None
+    stopped: bool = False
+
+
+def judge(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) -> Judged:
+    """:func:`scan`'s report, and the error of a load that failed although no global is outside the
+    allowlist (which :func:`scan` raises: the input is no checkpoint ckptool reads). A tree scan
+    tells a plain pickle judged safe (no dry run stopped early) from an unreadable file with it."""
     path, allow_globals = located(path), tuple(allow_globals)
     is_dir = _is_folder(path)
     fmt = formats.sniff(None, path) if is_dir else None
     if is_dir and fmt is None:  # a folder of safetensors: nothing pickled
-        return _unpickled_folder(path, allow_globals)
+        return Judged(_unpickled_folder(path, allow_globals))
     cache = pickles.GuardCache()  # the pickles this scan walked: its load and dry runs walk none again
     fmt, found = _found_pickles(path, fmt, allow_globals, cache)
     blobs = found.blobs
@@ -233,12 +252,12 @@ def scan(
     report.problems += by_file
     report.readable = report.readable and not unread  # a folder's other file that a load never reads
     if unsafe:
-        return report
+        return Judged(report)
     if load_error is not None:
         # no dangerous global, but not a checkpoint ckptool can read: that is the answer
-        raise load_error
+        return Judged(report, load_error, bool(problems))
     report.format = format_name
-    return report
+    return Judged(report)
 
 
 def _is_folder(path: Path) -> bool:
@@ -374,3 +393,39 @@ def _load_pass(
         if dynamic_error and load_error is not None:
             problems.append(f"{blob.label}: {dynamic_error}")
     return format_name, globals_, problems, load_error
+
+
+def judge_blobs(path: Path, kind: str, blobs: list[formats.PickleBlob], allow_globals: tuple[str, ...]) -> Judged:
+    """The report on pickles no format reads (an ``.npz`` archive's object arrays, which ``numpy.load``
+    with ``allow_pickle`` unpickles): their static globals and a dry run's, judged as :func:`scan` judges."""
+    cache = pickles.GuardCache()
+    resolver = pickles.GlobalResolver(allow_globals)
+    opcodes, static_names = _static_pass(blobs, cache)
+    globals_: Counter = Counter()
+    problems: list[str] = []
+    for blob in blobs:
+        dynamic, error = dry_run_globals(blob.data, allow_globals, cache, resolver.called_on)
+        globals_.update(dynamic)
+        if error:
+            problems.append(f"{blob.label}: {error}")
+    for full_name in static_names:
+        if full_name not in globals_ and (problems or pickles.python3_name(full_name) != pickles.ATTRIBUTE_LOOKUP):
+            globals_[full_name] += 1
+    verdicts = {name: global_verdict(name, resolver) for name in sorted(globals_)}
+    unsafe = [name for name, verdict in verdicts.items() if verdict != ALLOWED]
+    dangerous = [name for name in unsafe if verdicts[name] == DANGEROUS]
+    report = ScanReport(
+        path=str(path),
+        format=kind,
+        safe=not unsafe,
+        unsafe=unsafe,
+        globals=dict(sorted(globals_.items())),
+        opcodes=dict(sorted(opcodes.items())),
+        pickles=[blob.label for blob in blobs],
+        problems=problems,
+        dangerous=dangerous,
+        verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
+        verdicts=verdicts,
+        readable=False,
+    )
+    return Judged(report, None, bool(problems))

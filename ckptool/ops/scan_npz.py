@@ -1,0 +1,43 @@
+"""scan of an ``.npz`` archive: its object arrays' pickles, which ``numpy.load`` runs.
+
+``numpy.load`` with ``allow_pickle`` unpickles an object array; an archive of plain arrays holds no
+pickle: safe, with nothing pickled."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from ckptool import formats
+from ckptool.files import inputs
+from ckptool.files.byteio import learnt_size
+from ckptool.formats import npy, pickle_stream, zipio
+from ckptool.ops import scan as scan_
+
+MEMBER_LIMIT = 256 << 20  # a compressed member is inflated whole to find its pickle; a larger one is refused
+
+
+def judge(path: Path, allow_globals: tuple[str, ...] = ()) -> scan_.Judged:
+    """The archive's object arrays' pickles judged as ``scan`` judges a checkpoint's."""
+    blobs: list[formats.PickleBlob] = []
+    with inputs.open_regular(path, size=learnt_size(path)) as handle:
+        members = zipio.read_members(path, handle)
+        for name, member in members.items():
+            if not name.endswith(".npy"):
+                continue
+            if member.compressed:
+                stream = io.BytesIO(zipio.read_member(path, handle, member, limit=MEMBER_LIMIT))
+                start = 0
+            else:
+                stream, start = handle, zipio.data_offset(handle, member)  # type: ignore[assignment]
+            stream.seek(start)
+            offset = npy.pickle_offset(stream.read(npy.HEAD_BYTES))
+            if offset is None:
+                continue
+            stream.seek(start + offset)
+            label = f"{name}: the array's objects (numpy.load with allow_pickle runs them)"
+            blobs += [
+                formats.PickleBlob(found, data, read_by_load=False, file=name)
+                for found, data in pickle_stream.split_pickles(stream, label, 1)
+            ]
+    return scan_.judge_blobs(path, "npz", blobs, tuple(allow_globals))

@@ -1,0 +1,356 @@
+"""scan of many inputs: files, folders walked recursively, URL prefixes, a hub cache; one summary.
+
+The scan is two pieces, so a pool of processes can run the second: :func:`walk` yields the
+items of the inputs lazily (a file, or a folder that is one model), holding one folder's listing
+at a time; :func:`scan_item` judges one item into a small :class:`ItemResult` (its verdict, the
+globals outside the allowlist, a one-line reason) — no report's opcode or global maps are kept.
+:func:`scan_many` runs them in order into a :class:`TreeReport`.
+
+What is an item:
+
+- a file is judged by its content (its first bytes: a format's signature, a pickle's first opcode,
+  the ``.npy`` magic, an ``.npz`` archive of arrays); a file of none of these is skipped and counted.
+  A text file is judged only under a checkpoint's suffix (:data:`SUFFIXES`): a protocol-0 pickle is text.
+- a folder that a folder format claims (DCP, a training folder, sharded weights, a model folder
+  such as a pipeline) is one item, judged as that model, when every file of it that holds a
+  checkpoint or a pickle is one of the model's own (its weights, shards and training files);
+  otherwise the folder is walked and its files and sub-folders are items.
+- links to folders are never followed; a file linked from inside an input folder must stay in it
+  (or, in a hub cache snapshot, in the repo's ``blobs/``). A hub repo's ``blobs/`` is not walked:
+  its files are judged through the snapshots' links, under their names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptool import formats
+from ckptool.base.errors import CkptError, UnsupportedFormatError
+from ckptool.files import inputs
+from ckptool.files.inputs import located
+from ckptool.ops import scan as scan_
+
+# the suffixes of files a library unpickles or reads as a checkpoint: judged even when their bytes look like text
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib", ".npy", ".npz", ".safetensors", ".tar")
+VERDICTS = ("safe", "unknown", "dangerous", "unreadable", "skipped")
+SKIPPED_FOLDERS = frozenset({".git", "__pycache__"})
+MAX_MODEL_CHECK_FILES = 10_000  # a claimed folder holding more files is walked as files, not checked as one model
+NPZ_MEMBER_LIMIT = 256 << 20  # an .npz member inflated to find its pickle
+_SHARD = re.compile(r".+-\d{5}-of-\d{5}\.(safetensors|bin)")
+_INDEX = re.compile(r".+\.(safetensors|bin)\.index(\.[\w-]+)?\.json")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing to judge: ``path`` (a file, or a folder that is one model), shown as ``shown``;
+    ``folder`` is the input folder it was found in (links inside it are bounded by it), None for an
+    input named itself; ``problem`` is why it cannot be judged (a missing input, a link refused)."""
+
+    path: Path
+    shown: str
+    folder: Path | None = None
+    model: bool = False
+    problem: str | None = None
+    missing: bool = False
+
+
+@dataclass
+class ItemResult:
+    """One item's verdict (``safe``, ``unknown``, ``dangerous``, ``unreadable`` or ``skipped``), its format,
+    the globals outside the allowlist (``dangerous`` ones also in ``dangerous``) and why it was skipped
+    or unreadable; ``notes`` are the scan's notes on a file judged unsafe."""
+
+    path: str
+    verdict: str
+    kind: str = "file"
+    format: str = ""
+    pickles: int = 0
+    dangerous: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+    missing: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"path": self.path, "verdict": self.verdict, "kind": self.kind}
+        if self.verdict == "skipped":
+            return {**found, "reason": self.reason}
+        found.update(format=self.format, pickles=self.pickles, dangerous=self.dangerous, unknown=self.unknown)
+        if self.reason:
+            found["reason"] = self.reason
+        if self.notes:
+            found["notes"] = self.notes
+        return found
+
+
+@dataclass
+class TreeReport:
+    """Every item's result (the skipped ones too), in the order walked."""
+
+    roots: list[str]
+    items: list[ItemResult] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        found = Counter(item.verdict for item in self.items)
+        return {verdict: found.get(verdict, 0) for verdict in VERDICTS}
+
+    @property
+    def missing(self) -> list[str]:
+        return [item.path for item in self.items if item.missing]
+
+    def exit_code(self, fail_on: str = "unknown") -> int:
+        """0 every judged item safe; 1 one dangerous (or, failing on ``unknown``, one unknown);
+        3 an input missing, or nothing judged at all."""
+        counts = self.counts
+        if self.missing or not (counts["safe"] or counts["unknown"] or counts["dangerous"]):
+            return 3
+        if counts["dangerous"] or (fail_on == "unknown" and counts["unknown"]):
+            return 1
+        return 0
+
+    def to_json(self, fail_on: str = "unknown") -> dict[str, Any]:
+        return {
+            "roots": self.roots,
+            "counts": self.counts,
+            "fail_on": fail_on,
+            "exit_code": self.exit_code(fail_on),
+            "items": [item.to_json() for item in self.items if item.verdict != "skipped"],
+            "skipped": [{"path": item.path, "reason": item.reason} for item in self.items if item.verdict == "skipped"],
+        }
+
+
+# ------------------------------------------------------------------------------------------ the walk
+
+
+def single_model(path: Path | str) -> bool:
+    """Whether ``path`` alone is scanned as one input (a file, a missing path, or a folder that is one
+    model), as ``scan`` always did; otherwise it is a tree of items."""
+    path = located(path)
+    remote = inputs.describe_remote(path)
+    if not (path.exists() if remote is None else remote.exists):
+        return True
+    if not (path.is_dir() if remote is None else remote.is_dir):
+        return True
+    return is_one_model(path)
+
+
+def walk(roots: Iterable[Path | str]) -> Iterator[Item]:
+    """The items of the inputs, lazily: each input file itself; each folder that is one model; the
+    files and model folders below each other folder (depth first, names in order)."""
+    for root in roots:
+        path = located(root)
+        shown = str(root)
+        remote = inputs.describe_remote(path)
+        if not (path.exists() if remote is None else remote.exists):
+            yield Item(path, shown, problem="does not exist — check the path", missing=True)
+        elif not (path.is_dir() if remote is None else remote.is_dir):
+            yield Item(path, shown)
+        elif is_one_model(path):
+            yield Item(path, shown, model=True)
+        else:
+            yield from _walk_folder(path, shown)
+
+
+def _walk_folder(top: Path, shown: str) -> Iterator[Item]:
+    pending = [(top, shown)]
+    while pending:
+        folder, folder_shown = pending.pop()
+        names = _listing(folder)
+        if "snapshots" in names and "blobs" in names:  # a hub repo: its blobs are the snapshots' files
+            names.pop("blobs")
+        below = []
+        for name, is_dir in sorted(names.items()):
+            path, item_shown = folder / name, f"{folder_shown.rstrip('/')}/{name}"
+            if is_dir is None:
+                yield Item(path, item_shown, top, problem="is a link to a folder — not followed")
+            elif is_dir:
+                if name not in SKIPPED_FOLDERS:
+                    below.append((path, item_shown))
+            else:
+                yield Item(path, item_shown, top)
+        for path, item_shown in reversed(below):
+            if is_one_model(path):
+                yield Item(path, item_shown, top, model=True)
+            else:
+                pending.append((path, item_shown))
+        # a claimed folder is yielded before its siblings' files would be: order stays by name within a folder
+
+
+def _listing(folder: Path) -> dict[str, bool | None]:
+    """A folder's names -> a folder (True), a file (False) or a link to a folder (None)."""
+    if inputs.is_remote(folder):
+        return {name: is_dir for name, is_dir in folder.listing().items()}  # type: ignore[attr-defined]
+    found: dict[str, bool | None] = {}
+    try:
+        with os.scandir(folder) as scanned:
+            for entry in scanned:
+                try:
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    found[entry.name] = None if (not is_dir and entry.is_symlink() and entry.is_dir()) else is_dir
+                except OSError:
+                    found[entry.name] = False  # judged (and refused) when opened
+    except OSError:
+        pass
+    return found
+
+
+def is_one_model(folder: Path) -> bool:
+    """Whether a folder format claims ``folder`` and every file in it that holds a checkpoint or a
+    pickle is one the model's reader reads (so judging the model judges them all)."""
+    fmt = formats.sniff(None, folder)
+    single = None if fmt is not None else formats.in_folder(folder)
+    if fmt is None and single is None:
+        return False
+    if fmt is not None and fmt.name in ("dcp", "training-folder"):
+        return True
+    owned = _owned(folder, fmt, single)
+    for count, rel in enumerate(_files_below(folder)):
+        if count >= MAX_MODEL_CHECK_FILES:
+            return False
+        if not owned(rel) and _holds_checkpoint(folder / rel, rel):
+            return False
+    return True
+
+
+def _owned(folder: Path, fmt: formats.Format | None, single: Path | None) -> Any:
+    """``owned(rel)``: whether the model reads the file ``rel`` (a path from ``folder``) as its own."""
+    if fmt is not None and fmt.name == "model-folder":
+        from ckptool.formats import model_folder
+
+        layout = model_folder.find(folder)
+        parts = layout.components if layout is not None else ()
+        files = {f"{p.directory}/{name}".lstrip("/") for p in parts for name in p.files.values()}
+        whole = tuple(f"{p.directory}/" for p in parts if p.directory and p.files == {"": ""})  # a DCP component
+        indexed = {p.directory for p in parts if any(_INDEX.fullmatch(name) for name in p.files.values())}
+
+        def owned(rel: str) -> bool:
+            directory, _, base = rel.rpartition("/")
+            return rel in files or rel.startswith(whole) or (directory in indexed and bool(_SHARD.fullmatch(base)))
+
+        return owned
+    name = single.name if single is not None else None
+    return lambda rel: "/" not in rel and (rel == name or bool(_INDEX.fullmatch(rel) or _SHARD.fullmatch(rel)))
+
+
+def _files_below(folder: Path) -> Iterator[str]:
+    """Every file below ``folder`` as a path from it (links to folders not followed)."""
+    pending = [""]
+    while pending:
+        prefix = pending.pop()
+        for name, is_dir in sorted(_listing(folder / prefix if prefix else folder).items()):
+            rel = f"{prefix}/{name}" if prefix else name
+            if is_dir:
+                if name not in SKIPPED_FOLDERS:
+                    pending.append(rel)
+            elif is_dir is False:
+                yield rel
+
+
+def _holds_checkpoint(path: Path, rel: str) -> bool:
+    if rel.lower().endswith(SUFFIXES):
+        return True
+    if inputs.is_remote(path):
+        return False  # a store's file is judged by its name here: one request a file is for the scan itself
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(64)
+    except OSError:
+        return False
+    return _claimed(head, rel) is not None
+
+
+def _claimed(head: bytes, name: str) -> str | None:
+    """What the first bytes make of a file: ``"checkpoint"``, ``"npy"``, or None for no checkpoint or pickle."""
+    if not head:
+        return None
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if formats.sniff(head, Path(name)) is None:
+        return None
+    if formats.looks_like_text(head) and not name.lower().endswith(SUFFIXES):
+        return None  # a text file that opens with a letter that is also an opcode
+    return "checkpoint"
+
+
+# ------------------------------------------------------------------------------------------ one item
+
+
+def scan_item(item: Item, allow_globals: tuple[str, ...] = ()) -> ItemResult:
+    """Judge one item: its verdict and what it rests on; a file that is no checkpoint is skipped,
+    one that cannot be read is unreadable (with the reason), never an exception."""
+    if item.problem is not None:
+        verdict = "skipped" if item.problem.startswith("is a link to a folder") else "unreadable"
+        return ItemResult(item.shown, verdict, reason=item.problem, missing=item.missing)
+    if item.model:
+        return _judged(item, allow_globals, "model")
+    try:
+        if item.folder is not None:
+            inputs.check_member(item.folder, item.path, what=item.shown, report=item.path)
+        with inputs.open_regular(item.path) as handle:
+            head = handle.read(64)
+    except CkptError as e:
+        return ItemResult(item.shown, "unreadable", reason=e.message)
+    name = item.path.name
+    if not head:
+        return ItemResult(item.shown, "skipped", reason="is empty (0 bytes)")
+    claimed = _claimed(head, name)
+    if claimed is None:
+        what = formats.describe(head) or ("a text file" if formats.looks_like_text(head) else "no checkpoint or pickle")
+        return ItemResult(item.shown, "skipped", reason=f"is {what}")
+    if head.startswith(b"PK") and name.lower().endswith(".npz"):
+        from ckptool.ops import scan_npz
+
+        try:
+            return _result(item, scan_npz.judge(item.path, allow_globals), "file")
+        except CkptError as e:
+            return ItemResult(item.shown, "unreadable", format="npz", reason=e.message)
+    return _judged(item, allow_globals, "file")
+
+
+def _judged(item: Item, allow_globals: tuple[str, ...], kind: str) -> ItemResult:
+    try:
+        judged = scan_.judge(item.path, allow_globals=allow_globals)
+    except UnsupportedFormatError as e:
+        verdict = "unreadable" if kind == "model" or item.path.name.lower().endswith(SUFFIXES) else "skipped"
+        return ItemResult(item.shown, verdict, kind, reason=e.message)
+    except CkptError as e:
+        return ItemResult(item.shown, "unreadable", kind, reason=e.message)
+    return _result(item, judged, kind)
+
+
+def _result(item: Item, judged: scan_.Judged, kind: str) -> ItemResult:
+    report = judged.report
+    plain_array = report.format == "npy" and not report.pickles  # an array of numbers: nothing is unpickled
+    if judged.error is not None and (judged.stopped or not (report.pickles or plain_array)):
+        return ItemResult(item.shown, "unreadable", kind, report.format, reason=judged.error.message)
+    # no global outside the allowlist, and every pickle read to its end: a plain pickle is safe to unpickle
+    found = summarized(item.shown, report, kind)
+    if judged.error is not None and not report.unsafe:
+        found.notes = [f"not a checkpoint ckptool loads, but safe to unpickle: {judged.error.message}"]
+    return found
+
+
+def summarized(shown: str, report: scan_.ScanReport, kind: str = "file") -> ItemResult:
+    """A scan report's verdict and the globals it rests on, without its opcode and global maps."""
+    dangerous = set(report.dangerous)
+    unknown = [name for name in report.unsafe if name not in dangerous]
+    notes = report.problems[:20] if report.unsafe else []
+    return ItemResult(
+        shown, report.verdict, kind, report.format, len(report.pickles), report.dangerous, unknown, "", notes
+    )
+
+
+def scan_many(roots: Iterable[Path | str], *, allow_globals: tuple[str, ...] = ()) -> TreeReport:
+    """Judge every item of the inputs (see the module's notes); an unreadable file never stops the scan."""
+    roots = list(roots)
+    report = TreeReport([str(root) for root in roots])
+    for item in walk(roots):
+        report.items.append(scan_item(item, allow_globals))
+    return report

@@ -308,7 +308,9 @@ def scan_item(item: Item, allow_globals: tuple[str, ...] = ()) -> ItemResult:
         from ckptool.ops import scan_npz
 
         try:
-            return _result(item, scan_npz.judge(item.path, allow_globals), "file")
+            found = _result(item, scan_npz.judge(item.path, allow_globals), "file")
+            found.notes.insert(0, "an archive of numpy arrays (no checkpoint ckptool loads): its object arrays judged")
+            return found
         except CkptError as e:
             return ItemResult(item.shown, "unreadable", format="npz", reason=e.message)
     return _judged(item, allow_globals, "file")
@@ -328,7 +330,8 @@ def _judged(item: Item, allow_globals: tuple[str, ...], kind: str) -> ItemResult
 def _result(item: Item, judged: scan_.Judged, kind: str) -> ItemResult:
     report = judged.report
     plain_array = report.format == "npy" and not report.pickles  # an array of numbers: nothing is unpickled
-    if judged.error is not None and (judged.stopped or not (report.pickles or plain_array)):
+    not_torch = isinstance(judged.error, UnsupportedFormatError)  # a plain pickle, an array: no torch checkpoint
+    if judged.error is not None and (judged.stopped or not not_torch or not (report.pickles or plain_array)):
         return ItemResult(item.shown, "unreadable", kind, report.format, reason=judged.error.message)
     # no global outside the allowlist, and every pickle read to its end: a plain pickle is safe to unpickle
     found = summarized(item.shown, report, kind)

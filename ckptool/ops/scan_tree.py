@@ -297,6 +297,8 @@ def scan_item(item: Item, allow_globals: tuple[str, ...] = ()) -> ItemResult:
             head = handle.read(64)
     except CkptError as e:
         return ItemResult(item.shown, "unreadable", reason=e.message)
+    except OSError as e:
+        return ItemResult(item.shown, "unreadable", reason=f"cannot be read ({e.strerror or e})")
     name = item.path.name
     if not head:
         return ItemResult(item.shown, "skipped", reason="is empty (0 bytes)")
@@ -324,6 +326,8 @@ def _judged(item: Item, allow_globals: tuple[str, ...], kind: str) -> ItemResult
         return ItemResult(item.shown, verdict, kind, reason=e.message)
     except CkptError as e:
         return ItemResult(item.shown, "unreadable", kind, reason=e.message)
+    except OSError as e:  # a file that vanished or a store that failed mid-walk: this item only
+        return ItemResult(item.shown, "unreadable", kind, reason=f"cannot be read ({e.strerror or e})")
     return _result(item, judged, kind)
 
 

@@ -134,6 +134,10 @@ class Format:
             the input is more than the rewrite writes back; None: it may.
         own_saver: a format ckptool's own writer does not write: torch's own saver writes it
             (DCP: ``ckptool.ops.dcp_write``), and what it wrote is checked as every write is.
+        owns: for a folder format, which files below a folder it claims its reader reads as its own:
+            ``owns(folder)(path from the folder)``; a claimed folder whose other files hold checkpoints
+            is no single model (a tree scan walks it). None: only the files named by the format's
+            index or single file (the sharded formats).
     """
 
     name: str
@@ -154,6 +158,7 @@ class Format:
     torch_load_refuses: str | None = None
     in_place_refused: str | None = None
     own_saver: bool = False
+    owns: Callable[[Path], Callable[[str], bool]] | None = None
 
     def scan_pickles(self, path: Path, options: ReadOptions) -> Pickles:
         """The pickles scan judges in ``path`` (none for a format without ``pickle_blobs``)."""

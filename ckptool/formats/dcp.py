@@ -383,4 +383,5 @@ FORMAT = Format(
     target="dcp",
     own_saver=True,
     torch_load_refuses="a torch.distributed.checkpoint directory: torch.load and single-file loaders cannot read it",
+    owns=lambda folder: lambda path: True,  # every file of the folder is its own
 )

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -321,6 +321,10 @@ def find(directory: Path, variant: str | None = None) -> FolderLayout | None:
     below = [part for part in parts if part.directory]
     others = [name for name, is_dir in top.items() if not is_dir and not _belongs_to_weights(name)]
     bare_bin = any(part.file_for(None)[0].endswith(".bin") and not part.directory for part in parts)
+    if "model_index.json" not in top and any(
+        name.lower().endswith((*PICKLE_SUFFIXES, ".safetensors")) for name in others
+    ):
+        return None  # checkpoints beside the weights (fixtures/, a download folder): a folder of models, not one
     named = stem(parts[0].file_for(None)[0]).split(".")[0] in KNOWN_STEMS[1:]  # a library's own name
     if not below and not others and not bare_bin and not parts[0].variants and not named:
         return None  # one model.safetensors or one index alone: read as that file
@@ -502,8 +506,25 @@ def pickle_blobs(path: Path, options: ReadOptions) -> Pickles:
     return Pickles(FORMAT.name, tree_pickles(path, options, loaded_paths(layout)))
 
 
+def owns(folder: Path) -> Callable[[str], bool]:
+    """Which files below ``folder`` its components' readers read: each variant's weights file, an index's
+    shards, a DCP component's files."""
+    layout = find(folder)
+    parts = layout.components if layout is not None else ()
+    files = {f"{part.directory}/{name}".lstrip("/") for part in parts for name in part.files.values()}
+    whole = tuple(f"{part.directory}/" for part in parts if part.directory and part.files == {"": ""})
+    indexed = {part.directory for part in parts if any(_INDEX.fullmatch(name) for name in part.files.values())}
+
+    def owned(path: str) -> bool:
+        directory, _, base = path.rpartition("/")
+        return path in files or path.startswith(whole) or (directory in indexed and bool(_SHARD.fullmatch(base)))
+
+    return owned
+
+
 FORMAT = Format(
     name="model-folder",
+    owns=owns,
     sniff=sniff,
     read=read,
     pickle_blobs=pickle_blobs,

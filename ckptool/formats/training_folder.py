@@ -186,4 +186,5 @@ FORMAT = Format(
     scan_resolver=scan_resolver,
     has_location_tags=False,
     in_place_refused="is a training folder: name the model file to rewrite in place, or write beside it",
+    owns=lambda folder: lambda path: True,  # every file of the folder is its own
 )

@@ -208,8 +208,6 @@ def is_one_model(folder: Path) -> bool:
     single = None if fmt is not None else formats.in_folder(folder)
     if fmt is None and single is None:
         return False
-    if fmt is not None and fmt.name in ("dcp", "training-folder"):
-        return True
     owned = _owned(folder, fmt, single)
     for count, rel in enumerate(_files_below(folder)):
         if count >= MAX_MODEL_CHECK_FILES:
@@ -221,20 +219,8 @@ def is_one_model(folder: Path) -> bool:
 
 def _owned(folder: Path, fmt: formats.Format | None, single: Path | None) -> Any:
     """``owned(rel)``: whether the model reads the file ``rel`` (a path from ``folder``) as its own."""
-    if fmt is not None and fmt.name == "model-folder":
-        from ckptool.formats import model_folder
-
-        layout = model_folder.find(folder)
-        parts = layout.components if layout is not None else ()
-        files = {f"{p.directory}/{name}".lstrip("/") for p in parts for name in p.files.values()}
-        whole = tuple(f"{p.directory}/" for p in parts if p.directory and p.files == {"": ""})  # a DCP component
-        indexed = {p.directory for p in parts if any(_INDEX.fullmatch(name) for name in p.files.values())}
-
-        def owned(rel: str) -> bool:
-            directory, _, base = rel.rpartition("/")
-            return rel in files or rel.startswith(whole) or (directory in indexed and bool(_SHARD.fullmatch(base)))
-
-        return owned
+    if fmt is not None and fmt.owns is not None:
+        return fmt.owns(folder)
     name = single.name if single is not None else None
     return lambda rel: "/" not in rel and (rel == name or bool(_INDEX.fullmatch(rel) or _SHARD.fullmatch(rel)))
 

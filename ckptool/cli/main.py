@@ -14,11 +14,13 @@ Text output escapes every control character that came from a file (see :mod:`ckp
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,10 +196,18 @@ def inspect(
     help="The verdict that makes the exit code 1: unknown (or dangerous) globals, or dangerous ones only.",
 )
 @allow_global_option
+@click.option(
+    "-q", "--quiet", is_flag=True, help="No progress bar (it shows only on a terminal, for work past a second)."
+)
 @storage_options
 @handle_errors
 def scan(
-    paths: tuple[Path, ...], as_json: bool, sarif_out: Path | None, fail_on: str, allow_globals: tuple[str, ...]
+    paths: tuple[Path, ...],
+    as_json: bool,
+    sarif_out: Path | None,
+    fail_on: str,
+    allow_globals: tuple[str, ...],
+    quiet: bool,
 ) -> None:
     """List every pickle global and opcode without executing anything; judge safe, unknown or dangerous.
 
@@ -214,8 +224,10 @@ def scan(
 
     if len(paths) == 1 and scan_tree.single_model(paths[0]):
         _scan_one(paths[0], as_json, sarif_out, fail_on, allow_globals)
-    report = scan_tree.scan_many(paths, allow_globals=allow_globals)
-    if len(paths) == 1 and not any(item.verdict != "skipped" for item in report.items):
+    with _files_bar(not quiet and not as_json) as counted:
+        report = scan_tree.scan_many(paths, allow_globals=allow_globals, keep_safe=as_json, on_item=counted)
+    counts = report.counts
+    if len(paths) == 1 and counts["skipped"] == sum(counts.values()):
         _scan_one(paths[0], as_json, sarif_out, fail_on, allow_globals)  # a folder of no checkpoint: refused as ever
     if sarif_out is not None:
         from ckptool.ops import sarif
@@ -226,6 +238,28 @@ def scan(
     else:
         render.scan_tree(report, fail_on)
     sys.exit(report.exit_code(fail_on))
+
+
+@contextlib.contextmanager
+def _files_bar(wanted: bool) -> Iterator[Callable[[Any], None] | None]:
+    """A count of the files scanned on stderr when it is a terminal (past about a second, removed at the end);
+    None (no count) elsewhere."""
+    stderr = sys.stderr
+    if not wanted or stderr is None or not stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
+
+    from ckptool.base import progress
+
+    shown_after = progress.delay()
+    bar = tqdm(desc="scanned", unit=" files", file=stderr, delay=shown_after, leave=False, dynamic_ncols=True)
+    try:
+        yield lambda _item: bar.update(1)
+    finally:
+        if bar.format_dict["elapsed"] >= shown_after:
+            bar.refresh()  # the final count, drawn once before the line is removed
+        bar.close()
 
 
 def _scan_one(path: Path, as_json: bool, sarif_out: Path | None, fail_on: str, allow_globals: tuple[str, ...]) -> None:

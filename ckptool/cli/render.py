@@ -290,7 +290,7 @@ def scan(report: ScanReport) -> None:
         )
 
 
-SKIPPED_SHOWN = 10  # skipped files named in the text summary (--json lists them all)
+SKIPPED_SHOWN = 10  # skipped files named in the text summary (--json lists more)
 
 
 def scan_tree(report: TreeReport, fail_on: str = "unknown") -> None:
@@ -302,6 +302,8 @@ def scan_tree(report: TreeReport, fail_on: str = "unknown") -> None:
         f"scanned {len(report.roots)} path(s): {judged} judged ({counts['safe']} safe, {counts['unknown']} unknown, "
         f"{counts['dangerous']} dangerous), {counts['unreadable']} unreadable, {counts['skipped']} skipped"
     )
+    from ckptool.ops.scan_tree import SKIPPED_KEPT
+
     for verdict in ("dangerous", "unknown", "unreadable"):
         for item in report.items:
             if item.verdict != verdict:
@@ -315,11 +317,11 @@ def scan_tree(report: TreeReport, fail_on: str = "unknown") -> None:
             echo(f"  {verdict.upper():<10}  {where}: {shown}")
             if verdict == "dangerous" and item.unknown:
                 echo(f"              and unknown: {', '.join(item.unknown[:6])}")
-    skipped = [item for item in report.items if item.verdict == "skipped"]
-    for item in skipped[:SKIPPED_SHOWN]:
+    for item in report.skipped[:SKIPPED_SHOWN]:
         echo(f"  skipped     {item.path}: {item.reason}")
-    if len(skipped) > SKIPPED_SHOWN:
-        echo(f"  skipped     ... {len(skipped) - SKIPPED_SHOWN} more (--json lists them all)")
+    if counts["skipped"] > SKIPPED_SHOWN:
+        listed = "lists them all" if counts["skipped"] <= SKIPPED_KEPT else f"lists the first {SKIPPED_KEPT}"
+        echo(f"  skipped     ... {counts['skipped'] - SKIPPED_SHOWN} more (--json {listed})")
     if report.missing:
         echo(f"  {len(report.missing)} path(s) do not exist — check them")
     elif not judged:

@@ -146,3 +146,38 @@ def test_a_tree_scan_counts_its_files_on_a_terminal_only(tmp_path: Path) -> None
         [sys.executable, "-m", "ckptool", "scan", tmp_path / "tree"], capture_output=True, env=_env(), check=False
     )
     assert piped.returncode == 1 and piped.stderr == b""
+
+
+def test_a_prefix_scan_reads_headers_and_pickles_not_tensor_data(tmp_path: Path) -> None:
+    """A store's prefix holding a 32 MiB safetensors file and a 32 MiB .pt: the scan reads the header and
+    the pickle of each (the store counts every byte), not the tensors' data."""
+    import json
+    import uuid
+
+    import fsspec
+    import torch
+    from click.testing import CliRunner
+    from jsonschema import validate
+    from safetensors.torch import save_file
+
+    from ckptool.cli.main import main
+
+    weights = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(8)}  # 32 MiB
+    save_file(weights, tmp_path / "model.safetensors")
+    torch.save({"model": weights, "step": 3}, tmp_path / "model.pt")
+    fs = fsspec.filesystem("memory")
+    base = f"/t{uuid.uuid4().hex[:12]}"
+    try:
+        for name in ("model.safetensors", "model.pt"):
+            fs.pipe(f"{base}/models/{name}", (tmp_path / name).read_bytes())
+        fs.pipe(f"{base}/models/notes/README.md", b"a note\n")
+        data_bytes = sum((tmp_path / name).stat().st_size for name in ("model.safetensors", "model.pt"))
+        result = CliRunner().invoke(main, ["scan", f"memory://{base}/models", "--json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        validate(data, json.loads((REPO / "ckptool/schemas/scan2.schema.json").read_text()))
+        assert data["counts"] == {"safe": 2, "unknown": 0, "dangerous": 0, "unreadable": 0, "skipped": 1}
+        # the header, the zip's directory and the pickle, in the reader's windows: ~1 MiB a file, whatever the data
+        assert 0 < data["io"]["bytes_read"] <= 4 << 20 and data["io"]["bytes_read"] < data_bytes / 16, data["io"]
+    finally:
+        fs.rm(base, recursive=True)

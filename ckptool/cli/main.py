@@ -234,7 +234,12 @@ def scan(
 
         sarif.write(sarif_out, report.items, __version__)
     if as_json:
-        click.echo(jsonout.dumps({"schema": "ckptool.scan/2", **report.to_json(fail_on)}))
+        document = {"schema": "ckptool.scan/2", **report.to_json(fail_on)}
+        remote = sys.modules.get("ckptool.files.remote")  # imported only when a URL is in play
+        if remote is not None:
+            counted = remote.STATS.as_dict()
+            document["io"] = {"bytes_read": counted["bytes_read"], "requests": counted["requests"]}
+        click.echo(jsonout.dumps(document))
     else:
         render.scan_tree(report, fail_on)
     sys.exit(report.exit_code(fail_on))

@@ -181,3 +181,19 @@ def test_a_prefix_scan_reads_headers_and_pickles_not_tensor_data(tmp_path: Path)
         assert 0 < data["io"]["bytes_read"] <= 4 << 20 and data["io"]["bytes_read"] < data_bytes / 16, data["io"]
     finally:
         fs.rm(base, recursive=True)
+
+
+def test_a_compressed_plain_array_is_judged_by_its_header_never_inflated(tmp_path: Path) -> None:
+    """A 128 MiB array of zeros deflates ~1000-fold: its header says it holds numbers, so it is not
+    inflated (nor refused as a bomb); the archive's object array is still found."""
+    import numpy as np
+
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("no checkpoint\n")
+    np.savez_compressed(
+        folder / "big.npz", zeros=np.zeros(32 << 20, dtype=np.float32), objects=np.array([os.system], dtype=object)
+    )
+    code, out, peak = peak_scan(folder)
+    assert code == 1 and out.startswith("scanned 1 path(s): 1 judged (0 safe, 0 unknown, 1 dangerous)"), out[:400]
+    assert peak < 100 * MIB, peak // MIB

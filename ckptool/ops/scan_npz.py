@@ -6,7 +6,10 @@ pickle: safe, with nothing pickled."""
 from __future__ import annotations
 
 import io
+import zipfile
+import zlib
 from pathlib import Path
+from typing import Any
 
 from ckptool import formats
 from ckptool.files import inputs
@@ -14,7 +17,8 @@ from ckptool.files.byteio import learnt_size
 from ckptool.formats import npy, pickle_stream, zipio
 from ckptool.ops import scan as scan_
 
-MEMBER_LIMIT = 256 << 20  # a compressed member is inflated whole to find its pickle; a larger one is refused
+MEMBER_LIMIT = 256 << 20  # a compressed member holding a pickle is inflated whole; a larger one is refused
+HEAD_STORED = 64 << 10  # a deflated member's first stored bytes, inflated to read its array header
 
 
 def judge(path: Path, allow_globals: tuple[str, ...] = ()) -> scan_.Judged:
@@ -26,6 +30,9 @@ def judge(path: Path, allow_globals: tuple[str, ...] = ()) -> scan_.Judged:
             if not name.endswith(".npy"):
                 continue
             if member.compressed:
+                head = _inflated_head(handle, member)
+                if head is not None and npy.pickle_offset(head) is None:
+                    continue  # a plain array: its header says so, and its data is never inflated
                 stream = io.BytesIO(zipio.read_member(path, handle, member, limit=MEMBER_LIMIT))
                 start = 0
             else:
@@ -41,3 +48,17 @@ def judge(path: Path, allow_globals: tuple[str, ...] = ()) -> scan_.Judged:
                 for found, data in pickle_stream.split_pickles(stream, label, 1)
             ]
     return scan_.judge_blobs(path, "npz", blobs, tuple(allow_globals))
+
+
+def _inflated_head(handle: Any, member: zipio.Member) -> bytes | None:
+    """The first :data:`npy.HEAD_BYTES` of a deflated member, inflated from its first stored bytes only;
+    None where that cannot tell (another method, a corrupt stream, a header past them): the whole member
+    is then read and checked as ever."""
+    if member.compression_method != zipfile.ZIP_DEFLATED:
+        return None
+    handle.seek(zipio.data_offset(handle, member))
+    try:
+        head = zlib.decompressobj(-15).decompress(handle.read(min(member.stored_size, HEAD_STORED)), npy.HEAD_BYTES)
+    except zlib.error:
+        return None
+    return head if len(head) == min(npy.HEAD_BYTES, member.size) else None

@@ -226,28 +226,16 @@ def judge(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) 
         f"while unpickling ({_CONVERTED_CODE.get(class_name.split('.')[0], 'its methods')})"
         for class_name, call in resolver.called_on.items()
     ]
-    for full_name in static_names:
-        # a getattr the reads judged by its calls (pickle's spelling of a nested name) is listed by
-        # what it named; only a read that stopped early leaves it to the static pass
-        if full_name not in globals_ and (problems or pickles.python3_name(full_name) != pickles.ATTRIBUTE_LOOKUP):
-            globals_[full_name] += 1
-    verdicts = {name: global_verdict(name, resolver) for name in sorted(globals_)}
-    unsafe = [name for name, verdict in verdicts.items() if verdict != ALLOWED]
-    dangerous = [name for name in unsafe if verdicts[name] == DANGEROUS]
-    report = ScanReport(
-        path=str(path),
-        format=found.kind,
-        safe=not unsafe,
-        unsafe=unsafe,
-        globals=dict(sorted(globals_.items())),
-        opcodes=dict(sorted(opcodes.items())),
-        pickles=[blob.label for blob in blobs],
+    report = _report(
+        path,
+        found.kind,
+        blobs,
+        _Passes(opcodes, static_names, globals_, bool(problems)),
+        resolver,
         problems=[*found.notes, *conversions, *problems],
-        dangerous=dangerous,
-        verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
-        verdicts=verdicts,
         readable=load_error is None,
     )
+    unsafe, verdicts = report.unsafe, report.verdicts
     by_file, unread = _by_file(blobs, verdicts, cache)
     report.problems += by_file
     report.readable = report.readable and not unread  # a folder's other file that a load never reads
@@ -408,24 +396,55 @@ def judge_blobs(path: Path, kind: str, blobs: list[formats.PickleBlob], allow_gl
         globals_.update(dynamic)
         if error:
             problems.append(f"{blob.label}: {error}")
-    for full_name in static_names:
-        if full_name not in globals_ and (problems or pickles.python3_name(full_name) != pickles.ATTRIBUTE_LOOKUP):
+    passes = _Passes(opcodes, static_names, globals_, bool(problems))
+    report = _report(path, kind, blobs, passes, resolver, problems=problems, readable=False)
+    return Judged(report, None, bool(problems))
+
+
+class _Passes(NamedTuple):
+    """What a scan's passes found: the opcodes and globals named statically, the globals the reads
+    resolved, and whether a read stopped before a pickle's end."""
+
+    opcodes: Counter
+    static_names: list[str]
+    globals: Counter
+    stopped: bool
+
+
+def _report(
+    path: Path,
+    kind: str,
+    blobs: list[formats.PickleBlob],
+    passes: _Passes,
+    resolver: pickles.GlobalResolver,
+    *,
+    problems: list[str],
+    readable: bool,
+) -> ScanReport:
+    """The report on ``blobs``: every global the reads resolved, and those only the static pass saw,
+    each judged (:func:`global_verdict`)."""
+    globals_ = passes.globals
+    for full_name in passes.static_names:
+        # a getattr the reads judged by its calls (pickle's spelling of a nested name) is listed by
+        # what it named; only a read that stopped early leaves it to the static pass
+        if full_name not in globals_ and (
+            passes.stopped or pickles.python3_name(full_name) != pickles.ATTRIBUTE_LOOKUP
+        ):
             globals_[full_name] += 1
     verdicts = {name: global_verdict(name, resolver) for name in sorted(globals_)}
     unsafe = [name for name, verdict in verdicts.items() if verdict != ALLOWED]
     dangerous = [name for name in unsafe if verdicts[name] == DANGEROUS]
-    report = ScanReport(
+    return ScanReport(
         path=str(path),
         format=kind,
         safe=not unsafe,
         unsafe=unsafe,
         globals=dict(sorted(globals_.items())),
-        opcodes=dict(sorted(opcodes.items())),
+        opcodes=dict(sorted(passes.opcodes.items())),
         pickles=[blob.label for blob in blobs],
         problems=problems,
         dangerous=dangerous,
         verdict=DANGEROUS if dangerous else UNKNOWN if unsafe else SAFE,
         verdicts=verdicts,
-        readable=False,
+        readable=readable,
     )
-    return Judged(report, None, bool(problems))

@@ -27,6 +27,7 @@ from ckptool.formats import (
     looks_like_text,
 )
 from ckptool.formats.pickle_stream import split_pickles
+from ckptool.formats.zip_storages import storage_fields
 from ckptool.tensors.refs import StorageRef
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -106,14 +107,7 @@ class _StorageLoader:
         if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
             raise InputError(f"unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path)
         _, storage_type, key, location, numel, view_metadata = pid
-        if (
-            not isinstance(storage_type, pickles.StorageTypeRef)
-            or not isinstance(key, str)
-            or not isinstance(location, str)
-            or type(numel) is not int
-            or numel < 0
-        ):
-            raise InputError(f"malformed storage record for key {pickles.brief(key)} — the file is corrupt", path=path)
+        storage_type, key, location, numel = storage_fields(storage_type, key, location, numel, "", path)
         cached = storages.get(key)
         if cached is None:
             cached = storages[key] = StorageRef(

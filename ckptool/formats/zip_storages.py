@@ -102,6 +102,14 @@ def _storage_record(pid: Any, context: str, path: Path) -> tuple[pickles.Storage
             f"{context}unexpected persistent record {pickles.brief(pid)} — not a weights checkpoint", path=path
         )
     _, storage_type, key, location, numel = pid
+    return storage_fields(storage_type, key, location, numel, context, path)
+
+
+def storage_fields(
+    storage_type: Any, key: Any, location: Any, numel: Any, context: str, path: Path
+) -> tuple[pickles.StorageTypeRef, str, str, int]:
+    """A storage record's fields as torch writes them (a storage class, a str key and location tag, a
+    count), in a zip archive's record or a legacy file's, or the file's refusal."""
     if (
         not isinstance(storage_type, pickles.StorageTypeRef)
         or not isinstance(key, str)

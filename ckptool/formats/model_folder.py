@@ -454,11 +454,12 @@ def loaded_paths(layout: FolderLayout, chosen: list[FolderFile] | None = None) -
         name = part.path(layout.variant) if part is not None else entry.name
         found.add(name)
         if name.endswith(".json"):
-            found |= _index_shards(layout.directory, name)
+            found |= index_shards(layout.directory, name)
     return found
 
 
-def _index_shards(directory: Path, name: str) -> set[str]:
+def index_shards(directory: Path, name: str) -> set[str]:
+    """The shards (paths from ``directory``) the index ``name`` names; none when it cannot be read."""
     folder, _, _ = name.rpartition("/")
     try:
         with inputs.open_member(directory, directory / name, what=name, report=directory) as handle:

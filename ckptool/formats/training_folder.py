@@ -82,9 +82,6 @@ _FIRST_MODEL = (
 )
 _NUMBERED_MODEL = re.compile(r"(?:model_(\d+)\.safetensors|pytorch_model_(\d+)\.bin|pytorch_model_fsdp_(\d+))")
 _ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")  # a PEFT adapter saved by the Trainer
-# files whose content may be a pickle (scan judges each); names a framework torch.loads
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".pickle", ".tar")
-MAX_FOLDER_ENTRIES = 100_000  # names looked at in one folder: far more than any training run writes
 
 
 def find(directory: Path) -> TrainingFolder | None:

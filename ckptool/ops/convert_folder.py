@@ -110,10 +110,7 @@ def weights_paths(layout: FolderLayout) -> set[str]:
             path = part.path(key or None)
             found.add(path)
             if path.endswith(".json"):
-                found |= model_folder.loaded_paths(
-                    FolderLayout(layout.directory, layout.kind, (), (), components=(part,), variant=key or None),
-                    None,
-                )
+                found |= model_folder.index_shards(layout.directory, path)
     dcp = [part.directory for part in tree_components(layout) if part.files == {"": ""}]
     return found | {f"{folder}/" for folder in dcp}
 

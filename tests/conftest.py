@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,6 +47,21 @@ def load_script(repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[s
 def fixtures_dir(repo_root: Path) -> Path:
     """The committed checkpoint fixtures (see fixtures/README.md)."""
     return repo_root / "fixtures"
+
+
+@pytest.fixture
+def memory() -> Iterator[str]:
+    """A fresh folder of fsspec's ``memory://`` store (``memory://<root>/...``), removed after the test."""
+    import uuid
+
+    fsspec = pytest.importorskip("fsspec", reason="URLs need the remote extra (fsspec)")
+    fs = fsspec.filesystem("memory")
+    root = f"/t{uuid.uuid4().hex[:12]}"
+    try:
+        yield root
+    finally:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
 
 
 @pytest.fixture(scope="session")

@@ -157,13 +157,18 @@ def test_a_folder_of_one_bin_and_no_index_is_read(tmp_path: Path, name: str) -> 
     assert code == 0, err
 
 
-def test_a_peft_adapter_folder(tmp_path: Path) -> None:
-    folder = tmp_path / "adapter"
+def adapter_config(folder: Path, base: str) -> None:
+    """A PEFT LoRA adapter's adapter_config.json, as save_pretrained writes its main fields."""
     write_json(
         folder / "adapter_config.json",
         {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
-         "base_model_name_or_path": "tiny-gpt2", "task_type": "CAUSAL_LM"},
+         "base_model_name_or_path": base, "task_type": "CAUSAL_LM"},
     )  # fmt: skip
+
+
+def test_a_peft_adapter_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "adapter"
+    adapter_config(folder, "tiny-gpt2")
     state = weights(
         4, ("base_model.model.h.0.attn.q_proj.lora_A.weight", "base_model.model.h.0.attn.q_proj.lora_B.weight")
     )
@@ -365,11 +370,7 @@ def test_inspect_lists_components_variants_and_configs(tmp_path: Path) -> None:
 
 def test_inspect_says_what_an_adapter_is(tmp_path: Path) -> None:
     folder = tmp_path / "adapter"
-    write_json(
-        folder / "adapter_config.json",
-        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
-         "base_model_name_or_path": "tiny-llama", "task_type": "CAUSAL_LM"},
-    )  # fmt: skip
+    adapter_config(folder, "tiny-llama")
     save_file(weights(4, ("base_model.model.q_proj.lora_A.weight",)), str(folder / "adapter_model.safetensors"))
     code, out, err = run("inspect", folder)
     assert code == 0, err
@@ -395,27 +396,21 @@ def test_a_variant_names_its_flag_and_reads_in_a_folder_side_only(tmp_path: Path
     assert code == 0, out + err
 
 
-def test_a_pipeline_in_object_storage_reads_as_on_disk(tmp_path: Path) -> None:
+def test_a_pipeline_in_object_storage_reads_as_on_disk(tmp_path: Path, memory: str) -> None:
     """A pipeline under a URL (fsspec's memory:// store): the same components, variants and verdict."""
-    import uuid
-
     import fsspec
 
     root = pipeline(tmp_path / "sd", fp16=True)
     fs = fsspec.filesystem("memory")
-    base = f"/t{uuid.uuid4().hex[:12]}/sd"
-    try:
-        for file in sorted(root.rglob("*")):
-            if file.is_file():
-                fs.pipe(f"{base}/{file.relative_to(root).as_posix()}", file.read_bytes())
-        url = f"memory://{base}"
-        assert_same(values(url), torch_values(root))
-        assert_same(values(url, weights="unet", variant="fp16"), values(root, weights="unet", variant="fp16"))
-        assert ckptool.scan(url).verdict == "safe"
-        parts = ckptool.inspect(url).training_folder.components
-        assert [part.file for part in parts] == [part.file for part in ckptool.inspect(root).training_folder.components]
-    finally:
-        fs.rm(base.rsplit("/", 1)[0], recursive=True)
+    for file in sorted(root.rglob("*")):
+        if file.is_file():
+            fs.pipe(f"{memory}/sd/{file.relative_to(root).as_posix()}", file.read_bytes())
+    url = f"memory://{memory}/sd"
+    assert_same(values(url), torch_values(root))
+    assert_same(values(url, weights="unet", variant="fp16"), values(root, weights="unet", variant="fp16"))
+    assert ckptool.scan(url).verdict == "safe"
+    parts = ckptool.inspect(url).training_folder.components
+    assert [part.file for part in parts] == [part.file for part in ckptool.inspect(root).training_folder.components]
 
 
 @pytest.mark.parametrize("command", [["strip"], ["add-prefix"], ["remap", "--to", "cpu"]])

@@ -136,18 +136,6 @@ def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[_Server, st
         server.server_close()
 
 
-@pytest.fixture
-def memory() -> Iterator[str]:
-    """A fresh ``memory://`` folder, removed after the test."""
-    fs = fsspec.filesystem("memory")
-    root = f"/t{uuid.uuid4().hex[:12]}"
-    try:
-        yield root
-    finally:
-        if fs.exists(root):
-            fs.rm(root, recursive=True)
-
-
 def put_memory(root: str, local: Path) -> str:
     """Copy a local file or folder into ``memory://<root>/``; its URL."""
     fs = fsspec.filesystem("memory")

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import uuid
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -336,17 +335,6 @@ def test_the_fixtures_tree_matches_each_file_scanned_alone(fixtures_dir: Path) -
 
 
 # ------------------------------------------------------------------------------------------ object stores
-
-
-@pytest.fixture
-def memory() -> Iterator[str]:
-    fs = fsspec.filesystem("memory")
-    root = f"/scan{uuid.uuid4().hex[:12]}"
-    try:
-        yield root
-    finally:
-        if fs.exists(root):
-            fs.rm(root, recursive=True)
 
 
 def test_a_store_prefix_is_walked(memory: str, fixtures_dir: Path) -> None:

@@ -441,3 +441,31 @@ def test_a_pipeline_saved_on_a_gpu_is_told_to_convert(tmp_path: Path) -> None:
     assert code == 0, err
     converted = Path(command[command.index("-o") + 1])
     assert_same(values(converted / "text_encoder" / "model.safetensors"), values(te))
+
+
+def test_convert_puts_every_file_of_the_tree_on_disk_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copied configs deep in the tree are fsynced too (not only the files at the output's top)."""
+    import os
+
+    from ckptool.files import atomic
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", recording)
+    root = pipeline(tmp_path / "sd")
+    code, _, err = run("convert", root, "-o", f"{tmp_path / 'out'}/")
+    assert code == 0, err
+    names = set()
+    for path in synced:  # written in a temp folder beside the output, renamed in after the fsyncs
+        parts = Path(path).parts
+        temp = [index for index, part in enumerate(parts) if part.startswith(atomic.TEMP_PREFIX)]
+        if temp and Path(path).is_relative_to(tmp_path):
+            names.add("/".join(parts[temp[0] + 1 :]))
+    assert {"unet/config.json", "tokenizer/vocab.json", "scheduler/scheduler_config.json", "unet"} <= names, names

@@ -258,8 +258,15 @@ def signals_deferred() -> Iterator[None]:
 
 
 def _fsync_files(directory: Path) -> None:
+    """Every file below ``directory`` on disk, and every sub-folder's entries (a folder output may be a
+    tree: a model folder's components); links are not followed."""
     for child in directory.iterdir():
-        if child.is_file() and not child.is_symlink():
+        if child.is_symlink():
+            continue
+        if child.is_dir():
+            _fsync_files(child)
+            fsync_dir(child)
+        elif child.is_file():
             with open(child, "rb+") as handle:
                 os.fsync(handle.fileno())
 

@@ -184,19 +184,25 @@ def stem(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ listing
 
 
-def entries(directory: Path) -> dict[str, bool]:
-    """The folder's names -> whether each is a directory (a link is judged when it is opened)."""
-    found: dict[str, bool] = {}
+Listing = dict[str, bool | None]  # a folder's names -> a folder, a file, or a link to a folder (None)
+
+
+def entries(directory: Path, *, limit: int | None = MAX_FOLDER_ENTRIES) -> Listing:
+    """The folder's names -> a folder (True), a file (False) or a link to a folder (None: falsy, so it is
+    never entered; a link is judged when it is opened); at most ``limit`` names (None: all)."""
     if is_remote(directory):  # a folder of a store: one listing says the same
-        return dict(list(directory.listing().items())[:MAX_FOLDER_ENTRIES])  # type: ignore[attr-defined]
+        listed = directory.listing().items()  # type: ignore[attr-defined]
+        return dict(listed if limit is None else list(listed)[:limit])
+    found: Listing = {}
     try:
         with os.scandir(directory) as listing:
             for entry in listing:
                 try:
-                    found[entry.name] = entry.is_dir(follow_symlinks=False)
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    found[entry.name] = None if (not is_dir and entry.is_symlink() and entry.is_dir()) else is_dir
                 except OSError:
-                    found[entry.name] = False
-                if len(found) >= MAX_FOLDER_ENTRIES:
+                    found[entry.name] = False  # judged (and refused) when opened
+                if limit is not None and len(found) >= limit:
                     break
     except OSError:
         return {}
@@ -217,12 +223,12 @@ def walk(directory: Path, *, depth: int = 8) -> Iterator[tuple[str, bool]]:
             if seen > MAX_TREE_ENTRIES:
                 return
             path = f"{relative}/{name}" if relative else name
-            yield path, listing[name]
+            yield path, bool(listing[name])
             if listing[name] and level + 1 < depth and name not in SKIPPED_FOLDERS:
                 stack.append((path, level + 1))
 
 
-def _weights_files(names: dict[str, bool]) -> dict[str, str]:
+def _weights_files(names: Listing) -> dict[str, str]:
     """The weights files of one folder by variant (``""``: the default), the preferred one of each
     variant; empty when the folder holds no model's weights."""
     files = [name for name, is_dir in names.items() if not is_dir]
@@ -262,7 +268,7 @@ def _rank(name: str, kind: str, *, sharded: bool) -> int:
     return (0 if kind == "safetensors" else 2) * 100 + (0 if sharded else 100) + order
 
 
-def _is_component_folder(names: dict[str, bool]) -> bool:
+def _is_component_folder(names: Listing) -> bool:
     return ".metadata" in names and not names[".metadata"]  # a DCP checkpoint (FSDP's weights)
 
 
@@ -301,7 +307,7 @@ def components(directory: Path, *, depth: int = COMPONENT_DEPTH) -> list[Compone
 # ------------------------------------------------------------------------------------------------ the format
 
 
-def kind_of(top: dict[str, bool], parts: list[Component]) -> str:
+def kind_of(top: Listing, parts: list[Component]) -> str:
     if "model_index.json" in top:
         return "diffusers pipeline"
     if "adapter_config.json" in top:

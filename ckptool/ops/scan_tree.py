@@ -23,7 +23,6 @@ What is an item:
 from __future__ import annotations
 
 import gc
-import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +34,7 @@ from ckptool import formats
 from ckptool.base.errors import CkptError, UnsupportedFormatError
 from ckptool.files import inputs
 from ckptool.files.inputs import located
+from ckptool.formats import model_folder
 from ckptool.ops import scan as scan_
 
 # the suffixes of files a library unpickles or reads as a checkpoint: judged even when their bytes look like text
@@ -200,21 +200,8 @@ def _walk_folder(top: Path, shown: str) -> Iterator[Item]:
 
 
 def _listing(folder: Path) -> dict[str, bool | None]:
-    """A folder's names -> a folder (True), a file (False) or a link to a folder (None)."""
-    if inputs.is_remote(folder):
-        return {name: is_dir for name, is_dir in folder.listing().items()}  # type: ignore[attr-defined]
-    found: dict[str, bool | None] = {}
-    try:
-        with os.scandir(folder) as scanned:
-            for entry in scanned:
-                try:
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                    found[entry.name] = None if (not is_dir and entry.is_symlink() and entry.is_dir()) else is_dir
-                except OSError:
-                    found[entry.name] = False  # judged (and refused) when opened
-    except OSError:
-        pass
-    return found
+    """A folder's names -> a folder (True), a file (False) or a link to a folder (None); every name."""
+    return model_folder.entries(folder, limit=None)
 
 
 def is_one_model(folder: Path) -> bool:

@@ -70,17 +70,23 @@ def start_two_agents(python: str, args: list[str], **popen) -> list[subprocess.P
 def finish_two_agents(agents: list[subprocess.Popen], restart) -> list[str]:
     """Wait for both agents; their stdouts. Both must exit 0.
 
-    Both agents must be told the port before either binds it: a free port can be taken by another
-    process in between, so a run that lost its port is retried on a fresh one (``restart()``).
+    Two failures of the launch, not of the run under test, start it again (``restart()``), up to
+    four times: a free port taken by another process before either agent bound it (both must be
+    told the port first), and gloo's teardown aborting a worker after its work is done
+    (``TEARDOWN_ABORT``): its agent then exits early and takes the rendezvous store with it, so
+    the other agent fails too, with a store error that names nothing of the run.
     """
+    retry_on = (*PORT_TAKEN, TEARDOWN_ABORT)
     for _attempt in range(5):
         outputs = [agent.communicate(timeout=900) for agent in agents]
         if all(agent.returncode == 0 for agent in agents) or \
-                not any(marker in stderr for _stdout, stderr in outputs for marker in PORT_TAKEN):
+                not any(marker in stderr for _stdout, stderr in outputs for marker in retry_on):
             break
         agents = restart()
-    for agent, (_stdout, stderr) in zip(agents, outputs):
-        assert agent.returncode == 0, f"two agents: {stderr[-4000:]}"
+    if any(agent.returncode != 0 for agent in agents):
+        tails = "\n".join(f"--- agent {rank} (exit {agent.returncode}):\n{stderr[-3000:]}"
+                          for rank, (agent, (_stdout, stderr)) in enumerate(zip(agents, outputs)))
+        pytest.fail(f"two agents:\n{tails}")
     return [stdout for stdout, _stderr in outputs]
 
 

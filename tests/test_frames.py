@@ -283,3 +283,39 @@ def test_a_pickles_end_is_found_as_its_opcodes_lie(drawn: tuple, tail: bytes) ->
         assert 0 < frames.pickle_end(data) <= len(data)
         return
     assert frames.pickle_end(data) == ends[0]
+
+
+# a text file is told from a protocol-0 pickle by its opcodes (frames.opens_as_pickle): scan's tree walk
+
+PLAIN_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text() | st.binary(),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(PLAIN_VALUES, st.integers(0, 5), st.integers(1, 400))
+def test_every_pickle_opens_as_one_and_so_does_any_prefix_of_it(value: object, protocol: int, cut: int) -> None:
+    data = pickle.dumps(value, protocol=protocol)
+    assert frames.opens_as_pickle(data, whole=True)
+    assert frames.opens_as_pickle(data[: min(cut, len(data))], whole=False)  # the first bytes of a larger file
+    if cut < len(data):
+        assert not frames.opens_as_pickle(data[:cut], whole=True)  # the whole file, but cut short
+
+
+def test_a_class_reference_and_a_call_open_as_a_pickle() -> None:
+    assert frames.opens_as_pickle(b"cposix\nsystem\np0\n(Vid\np1\ntp2\nRp3\n.", whole=True)
+    assert frames.opens_as_pickle(pickle.dumps(pickle.PickleError, protocol=0), whole=True)
+
+
+def test_text_that_opens_with_an_opcode_is_no_pickle() -> None:
+    """The repository's own texts (code, docs, configs: files not made for this test), and a few that open
+    with a letter that is also an opcode, read as text."""
+    root = Path(__file__).resolve().parent.parent
+    texts = [path.read_bytes() for pattern in ("*.md", "*.toml", "*.yaml", "Makefile", "ckptool/**/*.py", "tests/*.py")
+             for path in root.glob(pattern) if path.is_file()]
+    texts += [b"config: 1\n", b"import torch\n", b"layers:\n  - 1\n", b"(a) b.\n", b"}\n", b"]\n", b"lp0\n"]
+    assert len(texts) > 100
+    for text in texts:
+        assert not frames.opens_as_pickle(text[: frames.TEXT_PICKLE_PREFIX], whole=len(text) <= frames.TEXT_PICKLE_PREFIX), text[:80]

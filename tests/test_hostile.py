@@ -83,7 +83,14 @@ def test_the_hostile_suites_run_every_command() -> None:
     assert sorted(COMMANDS) == sorted(main.commands)
 
 
-def expected_exit(command: str, expect: str) -> int:
+# data of another kind than a checkpoint, every pickle in it plain: every command refuses it, but scan
+# judges it as it judges a plain pickle in a tree (safe, exit 0, a note saying what it is)
+SCAN_JUDGES_SAFE = {"raw_plain_pickle", "legacy_pickle_only", "numpy_file"}
+
+
+def expected_exit(command: str, expect: str, name: str = "") -> int:
+    if command == "scan" and name in SCAN_JUDGES_SAFE:
+        return 0
     return 1 if command == "scan" and expect == hostile.UNSAFE else 3
 
 
@@ -178,7 +185,7 @@ def test_the_mutated_checkpoints_start_out_real(tmp_path: Path) -> None:
 def test_every_hostile_case_is_refused(corpus: Corpus, command: str, clean_env: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    plan = [(case.name, case.path, {command: expected_exit(command, case.expect)}) for case in corpus.cases]
+    plan = [(case.name, case.path, {command: expected_exit(command, case.expect, case.name)}) for case in corpus.cases]
     runs, failures = run_matrix(plan, out, corpus.good, [corpus.canary_dir, clean_env])
     assert runs == len(corpus.cases)
     assert not failures, "\n".join(failures)
@@ -198,6 +205,9 @@ def test_library_raises_only_ckpt_errors(corpus: Corpus, clean_env: Path) -> Non
             # a payload is dangerous; a structural case (a TorchScript archive ckptool refuses) may be unknown
             assert not report.safe and report.verdict in ("dangerous", "unknown"), case.name
             assert report.verdict == "dangerous" or case.canary is None, (case.name, report.unsafe)
+        elif case.name in SCAN_JUDGES_SAFE:
+            report = ckptool.scan(case.path)
+            assert report.safe and "not a checkpoint ckptool loads, but safe to unpickle" in report.problems[0]
         else:
             with pytest.raises(CkptError) as raised:
                 ckptool.scan(case.path)
@@ -334,10 +344,15 @@ PICKLESCAN_BENIGN_CHECKPOINTS = {"pytorch_model.bin", "new_pytorch_model.bin"}
 # judged: scan reads every pickle member of a zip however it is named, and exits 1)
 PICKLESCAN_STRUCTURAL = {
     "bad_pytorch.pt",  # a PNG
-    "benign0_v0.pkl", "benign0_v3.pkl", "benign0_v4.pkl", "not_a_pickle.bin",  # plain data, not checkpoints
+    "not_a_pickle.bin",
     "benign_password_protected.zip",  # an encrypted member (malicious1_0x1.zip's is only flagged so: scanned, dangerous)
     "malicious1.7z",  # a 7z archive
-    "int_array.npy", "object_array.npy",  # numpy files (dns_exfiltration.npy's object array is scanned: dangerous)
+}
+# plain data, no checkpoint: every other command refuses it, scan judges it safe (exit 0) with a note saying what it is
+# (dns_exfiltration.npy's object array is scanned too: dangerous)
+PICKLESCAN_PLAIN_DATA = {
+    "benign0_v0.pkl", "benign0_v3.pkl", "benign0_v4.pkl",
+    "int_array.npy", "object_array.npy",
     "int_arrays.npz", "int_arrays_compressed.npz", "object_arrays.npz", "object_arrays_compressed.npz",
 }
 
@@ -358,7 +373,7 @@ def test_public_picklescan_corpus_is_refused_and_nothing_runs(corpus: Corpus, cl
     for path in files:
         if path.name in PICKLESCAN_BENIGN_CHECKPOINTS:
             continue
-        scan_exit = 3 if path.name in PICKLESCAN_STRUCTURAL else 1
+        scan_exit = 3 if path.name in PICKLESCAN_STRUCTURAL else 0 if path.name in PICKLESCAN_PLAIN_DATA else 1
         plan.append((path.name, path, {c: (scan_exit if c == "scan" else 3) for c in COMMANDS}))
     runs, failures = run_matrix(plan, out, corpus.good, [corpus.canary_dir, clean_env])
     assert runs == len(plan) * len(COMMANDS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shlex
 import shutil
@@ -38,6 +39,7 @@ SARIF_SCHEMA = json.loads((REPO / "tests" / "data" / "sarif-schema-2.1.0.json").
 BENIGN = {"pytorch_model.bin", "new_pytorch_model.bin"}  # the corpus's two benign checkpoints
 # a pickle that calls os.system("id"): never unpickled here, only judged
 EVIL_PICKLE = b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03."
+EVIL_TEXT_PICKLE = b"cposix\nsystem\np0\n(Vid\np1\ntp2\nRp3\n."  # the same call, protocol 0: text
 needs_corpus = pytest.mark.skipif(not PICKLESCAN.is_dir(), reason="the picklescan corpus is not on this machine")
 
 
@@ -75,6 +77,7 @@ def tree(tmp_path: Path, fixtures_dir: Path) -> Path:
     shutil.copytree(fixtures_dir / "frameworks" / "diffusers" / "pipeline-bin" / "pipeline_bin", root / "pipe")
     (root / "evil.pkl").write_bytes(EVIL_PICKLE)
     (root / "weights.dat").write_bytes(EVIL_PICKLE)  # no checkpoint suffix: found by its content
+    (root / "weights").write_bytes(EVIL_TEXT_PICKLE)  # text, and no suffix: still a pickle
     data = (fixtures_dir / "legacy_mlp.pt").read_bytes()
     (root / "models" / "broken.pt").write_bytes(data[: len(data) // 2])
     (root / "README.md").write_text("# models\n")
@@ -95,7 +98,7 @@ def test_a_tree_is_one_summary_with_every_file_judged(tree: Path) -> None:
         items[f"{tree}/evil.pkl"]["dangerous"] == ["posix.system"]
         or "system" in items[f"{tree}/evil.pkl"]["dangerous"][0]
     )
-    assert items[f"{tree}/weights.dat"]["verdict"] == "dangerous"
+    assert items[f"{tree}/weights.dat"]["verdict"] == items[f"{tree}/weights"]["verdict"] == "dangerous"
     assert items[f"{tree}/models/lenet.pt"]["verdict"] == "safe"
     assert items[f"{tree}/models/mlp.safetensors"]["verdict"] == "safe"
     whole = items[f"{tree}/models/deep/whole.pt"]
@@ -107,14 +110,14 @@ def test_a_tree_is_one_summary_with_every_file_judged(tree: Path) -> None:
     assert not [path for path in items if path.startswith(f"{tree}/pipe/")]
     skipped = {entry["path"]: entry["reason"] for entry in data["skipped"]}
     assert set(skipped) == {f"{tree}/README.md", f"{tree}/notes.txt", f"{tree}/empty.bin"}
-    assert data["counts"] == {"safe": 3, "unknown": 1, "dangerous": 2, "unreadable": 1, "skipped": 3}
+    assert data["counts"] == {"safe": 3, "unknown": 1, "dangerous": 3, "unreadable": 1, "skipped": 3}
 
 
 def test_the_text_summary_names_findings_and_skipped_files(tree: Path) -> None:
     code, out, _ = run(tree)
     assert code == 1
     assert out.splitlines()[0] == (
-        "scanned 1 path(s): 6 judged (3 safe, 1 unknown, 2 dangerous), 1 unreadable, 3 skipped"
+        "scanned 1 path(s): 7 judged (3 safe, 1 unknown, 3 dangerous), 1 unreadable, 3 skipped"
     )
     assert re.search(rf"DANGEROUS +{re.escape(str(tree))}/evil.pkl \(pickle\): .*system", out)
     assert re.search(rf"UNKNOWN +{re.escape(str(tree))}/models/deep/whole.pt \(torch-zip\): .*tinynet.TinyMLP", out)
@@ -125,6 +128,7 @@ def test_the_text_summary_names_findings_and_skipped_files(tree: Path) -> None:
 def test_fail_on_and_exit_codes(tree: Path, tmp_path: Path, fixtures_dir: Path) -> None:
     (tree / "evil.pkl").unlink()
     (tree / "weights.dat").unlink()
+    (tree / "weights").unlink()
     assert run(tree)[0] == 1  # the unknown whole model
     assert run(tree, "--fail-on", "unknown")[0] == 1
     assert run(tree, "--fail-on", "dangerous")[0] == 0  # unknown only: not failing
@@ -227,6 +231,34 @@ def test_npz_object_arrays_are_judged(tmp_path: Path) -> None:
     assert data["items"][0]["format"] == "npz" and data["items"][0]["pickles"] == 1
 
 
+def test_one_file_alone_is_judged_as_a_tree_judges_it(tmp_path: Path) -> None:
+    """A pre-commit hook passes one file as often as many: a plain pickle, an array or an archive of arrays
+    is judged alone as in a tree (safe, with a note of what it is), not refused as no checkpoint."""
+    import numpy as np
+
+    np.save(tmp_path / "plain.npy", np.arange(3))
+    np.savez(tmp_path / "arrays.npz", x=np.arange(3))
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"a": [1, 2]}, protocol=2))
+    (tmp_path / "text-pickle").write_bytes(pickle.dumps({"a": [1, 2]}, protocol=0))
+    for name, note in [
+        ("plain.npy", "is a NumPy .npy array"),
+        ("arrays.npz", "an archive of numpy arrays"),
+        ("plain.pkl", "is a plain pickle"),
+        ("text-pickle", "not a checkpoint ckptool loads, but safe to unpickle"),
+    ]:
+        code, out, _ = run(tmp_path / name)
+        assert code == 0 and out.startswith(f"{tmp_path / name}: safe (") and note in out, out
+        code, data = run_json(tmp_path / name)
+        assert code == 0 and data["schema"] == "ckptool.scan/1" and data["verdict"] == "safe"
+        assert any(note in problem for problem in data["problems"]), data["problems"]
+    (tmp_path / "evil").write_bytes(EVIL_TEXT_PICKLE)
+    code, out, _ = run(tmp_path / "evil")
+    assert code == 1 and "DANGEROUS" in out and "posix.system" in out
+    (tmp_path / "notes").write_text("config: 1\n")  # text that opens with an opcode: still refused alone
+    code, _, err = run(tmp_path / "notes")
+    assert code == 3 and "is a text file" in err
+
+
 # ------------------------------------------------------------------------------------------ SARIF
 
 
@@ -288,11 +320,8 @@ def _agrees(item: dict[str, Any], code: int, single: dict[str, Any]) -> str | No
         ) != sorted(single["unsafe"]):
             return "the globals differ"
         return None
-    # alone refused: the tree calls it unreadable or skips it, or a plain pickle (no torch checkpoint)
-    # read to its end with every global allowed
+    # alone refused: exactly where the tree calls it unreadable or skips it
     if item["verdict"] in ("unreadable", "skipped"):
-        return None
-    if item["verdict"] == "safe" and item.get("notes") and not item["dangerous"] and not item["unknown"]:
         return None
     return f"tree {item['verdict']}, alone refused ({single['error']['message']})"
 

@@ -86,6 +86,11 @@ class UnsupportedFormatError(InputError):
     """The file is readable but is not a checkpoint ckptool handles (TorchScript, archives, images...)."""
 
 
+class NotACheckpointError(UnsupportedFormatError):
+    """The file is data of another kind (a plain pickle, an array, text, an image), not a checkpoint of
+    any format: no broken one. scan still judges the pickles of such a file."""
+
+
 class OutputError(CkptError):
     """The output cannot be written: exists without --force, is the input, disk full, read-only."""
 

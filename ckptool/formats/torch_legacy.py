@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptool import pickles
-from ckptool.base.errors import InputError, UnsafeCheckpointError, UnsupportedFormatError
+from ckptool.base.errors import InputError, NotACheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ckptool.files.byteio import file_size as handle_size
 from ckptool.files.byteio import is_remote
 from ckptool.files.ranges import ByteRange
@@ -44,13 +44,13 @@ def read(path: Path, options: ReadOptions) -> Contents:
     with a byte that is also a pickle opcode), and name a text file as such."""
     what = describe(options.head)
     if what is not None:
-        raise UnsupportedFormatError(f"is {what}, not a PyTorch checkpoint", path=path)
+        raise NotACheckpointError(f"is {what}, not a PyTorch checkpoint", path=path)
     assert options.handle is not None
     try:
         container = _read(path, options.handle, options.resolver)
     except InputError as e:
         if looks_like_text(options.head) and not isinstance(e, UnsafeCheckpointError):
-            raise UnsupportedFormatError("is a text file, not a PyTorch checkpoint", path=path) from e
+            raise NotACheckpointError("is a text file, not a PyTorch checkpoint", path=path) from e
         raise
     return Contents(
         container=container,
@@ -77,7 +77,7 @@ def _check_preamble(path: Path, handle: BinaryIO, plain: pickles.GlobalResolver)
     """The three pickles before the object tree: torch's magic number, protocol version, system info."""
     magic = pickles.loads(handle, plain)
     if magic != MAGIC_NUMBER:
-        raise UnsupportedFormatError(
+        raise NotACheckpointError(
             "is a plain pickle, not a PyTorch checkpoint (no torch magic number) — ckptool reads torch.save files",
             path=path,
         )

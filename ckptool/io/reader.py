@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptool import formats, pickles
-from ckptool.base.errors import CkptError, InputError, UnsafeCheckpointError, UnsupportedFormatError
+from ckptool.base.errors import (
+    CkptError,
+    InputError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
 from ckptool.base.suggest import Metavar
 from ckptool.base.suggest import option as suggest_option
 from ckptool.files import inputs
@@ -146,10 +152,10 @@ def _load(
             return _checkpoint(path, fmt, fmt.read(path, formats.ReadOptions(handle, head, resolver)), resolver)
         what = formats.describe(head)
         if what is not None:
-            raise UnsupportedFormatError(f"is {what}, not a PyTorch checkpoint", path=path)
+            raise NotACheckpointError(f"is {what}, not a PyTorch checkpoint", path=path)
         if formats.looks_like_text(head):
-            raise UnsupportedFormatError("is a text file, not a PyTorch checkpoint", path=path)
-        raise UnsupportedFormatError(
+            raise NotACheckpointError("is a text file, not a PyTorch checkpoint", path=path)
+        raise NotACheckpointError(
             "is not a checkpoint ckptool recognizes (not torch zip, legacy torch, or safetensors)", path=path
         )
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckptool import formats, pickles
-from ckptool.base.errors import CkptError, InputError, UnsupportedFormatError
+from ckptool.base.errors import CkptError, InputError, NotACheckpointError, UnsupportedFormatError
 from ckptool.files import inputs
 from ckptool.files.byteio import learnt_size, use_storage_options
 from ckptool.files.inputs import located
@@ -40,6 +40,10 @@ _CONVERTED_CODE = {
     "registered: ${oc.env:...} reads the environment, an eval resolver runs any code"
 }
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+
+
+PLAIN_NOTE = "not a checkpoint ckptool loads, but safe to unpickle"
+NPZ_NOTE = "an archive of numpy arrays (no checkpoint ckptool loads): its object arrays judged"
 
 
 @dataclass
@@ -180,8 +184,11 @@ def scan(
 ) -> ScanReport:
     """List a checkpoint's pickle globals and opcodes and judge them, running nothing.
 
+    A file of another kind than a checkpoint whose pickles are plain (a pickle of data, a NumPy array or
+    archive of arrays) is judged too: safe, its first note saying what it is, as a tree scan judges it.
+
     Raises:
-        InputError: the file is missing, unreadable, or holds no pickle to judge.
+        InputError: the file is missing, unreadable, a broken checkpoint, or holds no pickle to judge.
 
     Example:
         >>> report = ckptool.scan("model.pt")      # doctest: +SKIP
@@ -189,7 +196,7 @@ def scan(
         (True, [])
     """
     use_storage_options(storage_options)
-    judged = judge(path, allow_globals=allow_globals)
+    judged = accepted(judge(path, allow_globals=allow_globals))
     if judged.error is not None:
         raise judged.error
     return judged.report
@@ -210,6 +217,12 @@ def judge(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) 
     tells a plain pickle judged safe (no dry run stopped early) from an unreadable file with it."""
     path, allow_globals = located(path), tuple(allow_globals)
     is_dir = _is_folder(path)
+    if not is_dir and _is_npz(path):
+        from ckptool.ops import scan_npz
+
+        judged = judge_blobs(path, "npz", scan_npz.pickles(path), allow_globals)
+        judged.report.problems.insert(0, NPZ_NOTE)
+        return judged
     fmt = formats.sniff(None, path) if is_dir else None
     if is_dir and fmt is None:  # a folder of safetensors: nothing pickled
         return Judged(_unpickled_folder(path, allow_globals))
@@ -246,6 +259,32 @@ def judge(path: Path | str, *, allow_globals: tuple[str, ...] | list[str] = ()) 
         return Judged(report, load_error, bool(problems))
     report.format = format_name
     return Judged(report)
+
+
+def accepted(judged: Judged) -> Judged:
+    """``judged`` as scan answers it: a file of another kind than a checkpoint (a plain pickle, an array),
+    whose pickles (or plain array) were read to their end with no global outside the allowlist, is safe
+    to unpickle, and its error becomes the report's first note; any other error is kept (a broken
+    checkpoint, an unreadable file, or no pickle at all)."""
+    error, report = judged.error, judged.report
+    if error is None:
+        return judged
+    plain_array = report.format == "npy" and not report.pickles
+    if judged.stopped or not isinstance(error, NotACheckpointError) or not (report.pickles or plain_array):
+        return judged
+    report.problems.insert(0, f"{PLAIN_NOTE}: {error.message}")
+    return Judged(report)
+
+
+def _is_npz(path: Path) -> bool:
+    """Whether ``path`` is an ``.npz`` archive of arrays (its name, and a zip's first bytes)."""
+    if not path.name.lower().endswith(".npz"):
+        return False
+    try:
+        with inputs.open_regular(path) as handle:
+            return handle.read(2) == b"PK"
+    except (OSError, CkptError):
+        return False  # the ordinary read names what is wrong
 
 
 def _is_folder(path: Path) -> bool:

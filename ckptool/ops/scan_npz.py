@@ -15,14 +15,13 @@ from ckptool import formats
 from ckptool.files import inputs
 from ckptool.files.byteio import learnt_size
 from ckptool.formats import npy, pickle_stream, zipio
-from ckptool.ops import scan as scan_
 
 MEMBER_LIMIT = 256 << 20  # a compressed member holding a pickle is inflated whole; a larger one is refused
 HEAD_STORED = 64 << 10  # a deflated member's first stored bytes, inflated to read its array header
 
 
-def judge(path: Path, allow_globals: tuple[str, ...] = ()) -> scan_.Judged:
-    """The archive's object arrays' pickles judged as ``scan`` judges a checkpoint's."""
+def pickles(path: Path) -> list[formats.PickleBlob]:
+    """The archive's object arrays' pickles, for ``scan`` to judge as it judges a checkpoint's."""
     blobs: list[formats.PickleBlob] = []
     with inputs.open_regular(path, size=learnt_size(path)) as handle:
         members = zipio.read_members(path, handle)
@@ -47,7 +46,7 @@ def judge(path: Path, allow_globals: tuple[str, ...] = ()) -> scan_.Judged:
                 formats.PickleBlob(found, data, read_by_load=False, file=name)
                 for found, data in pickle_stream.split_pickles(stream, label, 1)
             ]
-    return scan_.judge_blobs(path, "npz", blobs, tuple(allow_globals))
+    return blobs
 
 
 def _inflated_head(handle: Any, member: zipio.Member) -> bytes | None:

@@ -10,7 +10,8 @@ What is an item:
 
 - a file is judged by its content (its first bytes: a format's signature, a pickle's first opcode,
   the ``.npy`` magic, an ``.npz`` archive of arrays); a file of none of these is skipped and counted.
-  A text file is judged only under a checkpoint's suffix (:data:`SUFFIXES`): a protocol-0 pickle is text.
+  A text file is judged under a checkpoint's suffix (:data:`SUFFIXES`), or when its opcodes read as a
+  pickle (a protocol-0 pickle is text): other text that opens with a letter that is also an opcode is skipped.
 - a folder that a folder format claims (DCP, a training folder, sharded weights, a model folder
   such as a pipeline) is one item, judged as that model, when every file of it that holds a
   checkpoint or a pickle is one of the model's own (its weights, shards and training files);
@@ -28,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptool import formats
 from ckptool.base.errors import CkptError, UnsupportedFormatError
@@ -36,6 +37,7 @@ from ckptool.files import inputs
 from ckptool.files.inputs import located
 from ckptool.formats import model_folder
 from ckptool.ops import scan as scan_
+from ckptool.pickles.frames import TEXT_PICKLE_PREFIX, opens_as_pickle
 
 # the suffixes of files a library unpickles or reads as a checkpoint: judged even when their bytes look like text
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib", ".npy", ".npz", ".safetensors", ".tar")
@@ -249,14 +251,17 @@ def _holds_checkpoint(path: Path, rel: str) -> bool:
         return False  # a store's file is judged by its name here: one request a file is for the scan itself
     try:
         with open(path, "rb") as handle:
-            head = handle.read(64)
+            return _claimed(handle, handle.read(64), rel) is not None
     except OSError:
         return False
-    return _claimed(head, rel) is not None
 
 
-def _claimed(head: bytes, name: str) -> str | None:
-    """What the first bytes make of a file: ``"checkpoint"``, ``"npy"``, or None for no checkpoint or pickle."""
+def _claimed(handle: BinaryIO, head: bytes, name: str) -> str | None:
+    """What the first bytes make of a file: ``"checkpoint"``, ``"npy"``, or None for no checkpoint or pickle.
+
+    A text file under no checkpoint's suffix is a checkpoint when its opcodes read as a pickle (a
+    protocol-0 pickle is text, and ``torch.load`` or ``pickle.load`` takes any name); text that
+    merely opens with a letter that is also an opcode is not."""
     if not head:
         return None
     if head.startswith(b"\x93NUMPY"):
@@ -264,7 +269,11 @@ def _claimed(head: bytes, name: str) -> str | None:
     if formats.sniff(head, Path(name)) is None:
         return None
     if formats.looks_like_text(head) and not name.lower().endswith(SUFFIXES):
-        return None  # a text file that opens with a letter that is also an opcode
+        handle.seek(0)
+        prefix = handle.read(TEXT_PICKLE_PREFIX + 1)
+        whole = len(prefix) <= TEXT_PICKLE_PREFIX
+        if not opens_as_pickle(prefix[:TEXT_PICKLE_PREFIX], whole=whole):
+            return None
     return "checkpoint"
 
 
@@ -284,26 +293,16 @@ def scan_item(item: Item, allow_globals: tuple[str, ...] = ()) -> ItemResult:
             inputs.check_member(item.folder, item.path, what=item.shown, report=item.path)
         with inputs.open_regular(item.path) as handle:
             head = handle.read(64)
+            claimed = _claimed(handle, head, item.path.name)
     except CkptError as e:
         return ItemResult(item.shown, "unreadable", reason=e.message)
     except OSError as e:
         return ItemResult(item.shown, "unreadable", reason=f"cannot be read ({e.strerror or e})")
-    name = item.path.name
     if not head:
         return ItemResult(item.shown, "skipped", reason="is empty (0 bytes)")
-    claimed = _claimed(head, name)
     if claimed is None:
         what = formats.describe(head) or ("a text file" if formats.looks_like_text(head) else "no checkpoint or pickle")
         return ItemResult(item.shown, "skipped", reason=f"is {what}")
-    if head.startswith(b"PK") and name.lower().endswith(".npz"):
-        from ckptool.ops import scan_npz
-
-        try:
-            found = _result(item, scan_npz.judge(item.path, allow_globals), "file")
-            found.notes.insert(0, "an archive of numpy arrays (no checkpoint ckptool loads): its object arrays judged")
-            return found
-        except CkptError as e:
-            return ItemResult(item.shown, "unreadable", format="npz", reason=e.message)
     return _judged(item, allow_globals, "file")
 
 
@@ -322,14 +321,12 @@ def _judged(item: Item, allow_globals: tuple[str, ...], kind: str) -> ItemResult
 
 def _result(item: Item, judged: scan_.Judged, kind: str) -> ItemResult:
     report = judged.report
-    plain_array = report.format == "npy" and not report.pickles  # an array of numbers: nothing is unpickled
-    not_torch = isinstance(judged.error, UnsupportedFormatError)  # a plain pickle, an array: no torch checkpoint
-    if judged.error is not None and (judged.stopped or not not_torch or not (report.pickles or plain_array)):
-        return ItemResult(item.shown, "unreadable", kind, report.format, reason=judged.error.message)
-    # no global outside the allowlist, and every pickle read to its end: a plain pickle is safe to unpickle
+    error = scan_.accepted(judged).error
+    if error is not None:
+        return ItemResult(item.shown, "unreadable", kind, report.format, reason=error.message)
     found = summarized(item.shown, report, kind)
-    if judged.error is not None and not report.unsafe:
-        found.notes = [f"not a checkpoint ckptool loads, but safe to unpickle: {judged.error.message}"]
+    if not report.unsafe and report.problems and report.problems[0].startswith((scan_.PLAIN_NOTE, scan_.NPZ_NOTE)):
+        found.notes = report.problems[:1]  # what a safe file is, where it is no checkpoint ckptool loads
     return found
 
 

@@ -144,3 +144,42 @@ def file_reader_view(data: bytes) -> bytes | None:
     except _End:
         pass
     return bytes(out) if reader.dropped else None
+
+
+TEXT_PICKLE_PREFIX = 64 << 10  # the bytes of a text file read to tell a protocol-0 pickle from other text
+
+
+def opens_as_pickle(data: bytes, *, whole: bool) -> bool:
+    """Whether ``data`` (a file's first bytes; all of it when ``whole``) reads as a pickle: every
+    opcode known and its argument whole, no opcode taking from the stack what was not put there,
+    and, where it stops, one object left on the stack and no mark open. Text that merely opens with
+    a letter that is also an opcode (``config:``, ``import torch``) fails within a few opcodes.
+    A prefix that is not the whole file passes when the walk reaches its last bytes unrefuted. Only
+    the opcodes are read: nothing is decoded into objects, nothing is run."""
+    import io
+    import pickletools
+
+    mark = pickletools.markobject
+    depth, last = 0, 0
+    marks: list[int] = []
+    try:
+        for op, _argument, position in pickletools.genops(io.BytesIO(data)):
+            last = position or 0
+            before = op.stack_before
+            if mark in before:  # everything down to the last mark, and what lies below it
+                if not marks:
+                    return False
+                depth = marks.pop() - before.index(mark)
+            else:
+                depth -= len(before)
+            if depth < 0:
+                return False
+            if op.name == "MARK":
+                marks.append(depth)
+                continue
+            depth += len(op.stack_after)
+            if op.name == "STOP":
+                return depth == 0 and not marks
+    except Exception:  # an unknown opcode or an argument cut short  # noqa: BLE001  # genops raises several kinds
+        return not whole and last >= len(data) - 1024
+    return not whole and last >= len(data) - 1024

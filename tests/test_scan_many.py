@@ -231,6 +231,13 @@ def test_npz_object_arrays_are_judged(tmp_path: Path) -> None:
     assert data["items"][0]["format"] == "npz" and data["items"][0]["pickles"] == 1
 
 
+def test_overlapping_inputs_give_each_file_once(tree: Path) -> None:
+    _, alone = run_json(tree)
+    code, data = run_json(tree, tree / "models", tree / "evil.pkl", tree / "models" / ".." / "evil.pkl")
+    assert code == 1 and data["counts"] == alone["counts"]
+    assert sorted(by_path(data)) == sorted(by_path(alone))  # each under the name the first input gave it
+
+
 def test_one_file_alone_is_judged_as_a_tree_judges_it(tmp_path: Path) -> None:
     """A pre-commit hook passes one file as often as many: a plain pickle, an array or an archive of arrays
     is judged alone as in a tree (safe, with a note of what it is), not refused as no checkpoint."""

@@ -49,7 +49,7 @@ def read(path: Path, options: ReadOptions) -> Contents:
     try:
         container = _read(path, options.handle, options.resolver)
     except InputError as e:
-        if looks_like_text(options.head) and not isinstance(e, UnsafeCheckpointError):
+        if looks_like_text(options.head) and not isinstance(e, (UnsafeCheckpointError, NotACheckpointError)):
             raise NotACheckpointError("is a text file, not a PyTorch checkpoint", path=path) from e
         raise
     return Contents(

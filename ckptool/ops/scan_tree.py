@@ -24,6 +24,7 @@ What is an item:
 from __future__ import annotations
 
 import gc
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -161,7 +162,22 @@ def single_model(path: Path | str) -> bool:
 
 def walk(roots: Iterable[Path | str]) -> Iterator[Item]:
     """The items of the inputs, lazily: each input file itself; each folder that is one model; the
-    files and model folders below each other folder (depth first, names in order)."""
+    files and model folders below each other folder (depth first, names in order). Inputs that overlap
+    (``scan . models/``) give each item once, under the name it was first found by; the same file
+    under two link names stays two items."""
+    roots = list(roots)
+    if len(roots) < 2:
+        yield from _walk_roots(roots)
+        return
+    seen: set[str] = set()  # one string an item: the flat-memory walk of one input keeps none
+    for item in _walk_roots(roots):
+        key = str(item.path) if inputs.is_remote(item.path) else os.path.abspath(item.path)
+        if key not in seen:
+            seen.add(key)
+            yield item
+
+
+def _walk_roots(roots: list[Path | str]) -> Iterator[Item]:
     for root in roots:
         path = located(root)
         shown = str(root)

@@ -399,6 +399,38 @@ def test_a_store_prefix_is_walked(memory: str, fixtures_dir: Path) -> None:
         out.unlink(missing_ok=True)
 
 
+# ------------------------------------------------------------------------------------------ worker processes
+
+
+def test_worker_processes_give_the_same_report(
+    tree: Path, fixtures_dir: Path, memory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree judged by worker processes from its first item (not after half a second) gives the report the
+    command gives alone, item for item and in the same order: the fixtures, the hostile corpus, a tree of
+    findings, and a store prefix among them (its files judged by the command itself, between the workers')."""
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{memory}/models/evil.pkl", EVIL_PICKLE)
+    fs.pipe(f"{memory}/models/lenet.pt", (fixtures_dir / "single_lenet.pt").read_bytes())
+    roots = [tree, fixtures_dir, f"memory://{memory}/models/", tree / "missing.pt"]
+    if PICKLESCAN.is_dir():
+        roots.append(PICKLESCAN)
+    alone = scan_tree.scan_many(roots, jobs=1).to_json()
+    monkeypatch.setattr(scan_tree, "POOL_AFTER", 0.0)
+    monkeypatch.setattr(scan_tree, "IN_FLIGHT", 3)  # a window that fills and drains many times
+    seen: list[str] = []
+    pooled = scan_tree.scan_many(roots, jobs=2, on_item=lambda found: seen.append(found.path))
+    assert pooled.to_json() == alone
+    assert len(seen) == sum(alone["counts"].values()) and seen[0] == f"{tree}/README.md"
+    assert alone["counts"]["dangerous"] >= 3 and alone["counts"]["unreadable"] >= 2
+
+
+def test_the_jobs_option(tree: Path) -> None:
+    code, one = run_json(tree, "-j", "1")
+    assert code == 1 and run_json(tree, "--jobs", "2") == (code, one)
+    code, _, err = run(tree, "-j", "0")
+    assert code == 2 and "0 is not in the range x>=1" in err
+
+
 # ------------------------------------------------------------------------------------------ CI snippets
 
 

@@ -71,15 +71,25 @@ def make_tree(root: Path, files: int, pickle_every: int = 20) -> None:
     (root / "zz_bad.pkl").write_bytes(DANGEROUS)
 
 
-def test_a_tree_of_100000_files_peaks_where_10000_do(tmp_path: Path) -> None:
-    small, large = tmp_path / "small", tmp_path / "large"
-    make_tree(small, 10_000)
-    make_tree(large, 100_000)
-    code, out, small_peak = peak_scan(small)
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tree of 10,000 files and one of 100,000 (see make_tree), made once for both ways of scanning."""
+    root = tmp_path_factory.mktemp("trees")
+    make_tree(root / "small", 10_000)
+    make_tree(root / "large", 100_000)
+    return root / "small", root / "large"
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"], ids=["in-process", "worker-processes"])
+def test_a_tree_of_100000_files_peaks_where_10000_do(trees: tuple[Path, Path], jobs: str) -> None:
+    """The command's own peak: with -j 1 it judges every file itself; with -j 2 it walks, keeps a window
+    of items in flight and takes their results (the workers judge them)."""
+    small, large = trees
+    code, out, small_peak = peak_scan(small, "-j", jobs)
     assert code == 1 and out.startswith(
         "scanned 1 path(s): 501 judged (500 safe, 0 unknown, 1 dangerous), 0 unreadable, 9500 skipped"
     ), out[:300]
-    code, out, large_peak = peak_scan(large)
+    code, out, large_peak = peak_scan(large, "-j", jobs)
     assert code == 1 and out.startswith(
         "scanned 1 path(s): 5001 judged (5000 safe, 0 unknown, 1 dangerous), 0 unreadable, 95000 skipped"
     ), out[:300]

@@ -199,6 +199,14 @@ def inspect(
 @click.option(
     "-q", "--quiet", is_flag=True, help="No progress bar (it shows only on a terminal, for work past a second)."
 )
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Processes judging a tree's files once it takes over half a second [default: one a CPU; 1: this one].",
+)
 @storage_options
 @handle_errors
 def scan(
@@ -208,6 +216,7 @@ def scan(
     fail_on: str,
     allow_globals: tuple[str, ...],
     quiet: bool,
+    jobs: int | None,
 ) -> None:
     """List every pickle global and opcode without executing anything; judge safe, unknown or dangerous.
 
@@ -225,7 +234,7 @@ def scan(
     if len(paths) == 1 and scan_tree.single_model(paths[0]):
         _scan_one(paths[0], as_json, sarif_out, fail_on, allow_globals)
     with _files_bar(not quiet and not as_json) as counted:
-        report = scan_tree.scan_many(paths, allow_globals=allow_globals, keep_safe=as_json, on_item=counted)
+        report = scan_tree.scan_many(paths, allow_globals=allow_globals, keep_safe=as_json, on_item=counted, jobs=jobs)
     counts = report.counts
     if len(paths) == 1 and counts["skipped"] == sum(counts.values()):
         _scan_one(paths[0], as_json, sarif_out, fail_on, allow_globals)  # a folder of no checkpoint: refused as ever

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib", ".npy"
 VERDICTS = ("safe", "unknown", "dangerous", "unreadable", "skipped")
 SKIPPED_FOLDERS = frozenset({".git", "__pycache__"})
 COLLECT_EVERY = 200  # judged items between two collections of their cyclic garbage (see scan_many)
+POOL_AFTER = 0.5  # seconds of judging in this process after which the rest of a tree goes to worker processes
+BATCH_SECONDS = 0.02  # the work a batch sent to a worker process is sized to (see _pooled)
+MAX_BATCH = 256  # items a batch holds at most
+IN_FLIGHT = 64  # batches and items in flight at most: the window that keeps workers busy past a slow file
 SKIPPED_KEPT = 1000  # skipped items a tree report lists; the rest are only counted
 MAX_MODEL_CHECK_FILES = 10_000  # a claimed folder holding more files is walked as files, not checked as one model
 NPZ_MEMBER_LIMIT = 256 << 20  # an .npz member inflated to find its pickle
@@ -356,31 +361,132 @@ def summarized(shown: str, report: scan_.ScanReport, kind: str = "file") -> Item
     )
 
 
+def default_jobs() -> int:
+    """The processes a tree scan may use: the CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def scan_many(
     roots: Iterable[Path | str],
     *,
     allow_globals: tuple[str, ...] = (),
     keep_safe: bool = True,
     on_item: Callable[[ItemResult], None] | None = None,
+    jobs: int | None = None,
 ) -> TreeReport:
     """Judge every item of the inputs (see the module's notes); an unreadable file never stops the scan.
 
     The walk and the report hold what the summary names, never every file: the memory is flat in the
     number of files walked (``keep_safe=False`` drops the safe items too). ``on_item`` is called with
-    each item's result as it is judged (a progress bar's count)."""
+    each item's result as it is judged (a progress bar's count), in the walk's order.
+
+    Items are judged in this process; a tree that takes longer than :data:`POOL_AFTER` seconds has the
+    rest judged by ``jobs`` worker processes (default: one a CPU; 1: none), a bounded window of items
+    at a time, their results taken in the walk's order: the report is the same either way."""
     roots = list(roots)
     report = TreeReport([str(root) for root in roots], keep_safe=keep_safe)
-    judged = 0
-    for item in walk(roots):
-        found = scan_item(item, allow_globals)
+    jobs = default_jobs() if jobs is None else max(1, jobs)
+    collected = _Collector()
+
+    def take(found: ItemResult) -> None:
         report.add(found)
-        judged += found.verdict != "skipped"
-        if found.verdict != "skipped" and judged % COLLECT_EVERY == 0:
+        collected.count(found)
+        if on_item is not None:
+            on_item(found)
+
+    items = walk(roots)
+    started = time.perf_counter()
+    for item in items:
+        take(scan_item(item, allow_globals))
+        if jobs > 1 and time.perf_counter() - started >= POOL_AFTER:
+            _pooled(items, allow_globals, jobs, take)
+            break
+    return report
+
+
+class _Collector:
+    """Collects this process's cyclic garbage every :data:`COLLECT_EVERY` judged items."""
+
+    def __init__(self) -> None:
+        self.judged = 0
+
+    def count(self, found: ItemResult) -> None:
+        if found.verdict == "skipped":
+            return
+        self.judged += 1
+        if self.judged % COLLECT_EVERY == 0:
             # A command hands what each read builds to the collector's permanent generation (gcpause.freeze_results),
             # its cyclic garbage too (~25 KB a pickle): over thousands of files that held every file's garbage to
             # the end (10,000 pickles: 370 MB). Handing it back and collecting keeps the memory flat.
             gc.unfreeze()
             gc.collect()
-        if on_item is not None:
-            on_item(found)
-    return report
+
+
+def _pooled(
+    items: Iterator[Item], allow_globals: tuple[str, ...], jobs: int, take: Callable[[ItemResult], None]
+) -> None:
+    """The rest of the walk judged by ``jobs`` worker processes, in batches sized to take about
+    :data:`BATCH_SECONDS` each by what the batches so far took (most files are skipped in tens of
+    microseconds, where one message an item would cost more than the item; a pickle can take tens of
+    milliseconds, where a large batch would leave a worker idle), at most :data:`IN_FLIGHT` batches in
+    flight (a slow file holds back the results behind it, not the workers), each result taken in the
+    walk's order. An item of a store, or one that cannot be judged, is judged here when its turn comes
+    (a store's session lives in this process). Workers are forked from a server process that imports
+    this module once (not from this process: a command's threads and open stores are not copied into
+    them); where no pool can be made, the rest is judged here."""
+    import collections
+    import multiprocessing
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    window: collections.deque[Future[tuple[list[ItemResult], float]] | Item] = collections.deque()
+    batch: list[Item] = []
+    size, item_seconds = 4, 0.0
+
+    def turn() -> None:
+        nonlocal size, item_seconds
+        entry = window.popleft()
+        if isinstance(entry, Item):
+            take(scan_item(entry, allow_globals))
+            return
+        found, seconds = entry.result()
+        item_seconds = seconds / len(found) if not item_seconds else 0.8 * item_seconds + 0.2 * seconds / len(found)
+        size = max(1, min(MAX_BATCH, int(BATCH_SECONDS / max(item_seconds, 1e-6))))
+        for one in found:
+            take(one)
+
+    try:
+        pool = ProcessPoolExecutor(jobs, mp_context=context)
+    except (OSError, NotImplementedError):  # no semaphores here (a container without /dev/shm): judged here
+        for item in items:
+            take(scan_item(item, allow_globals))
+        return
+    try:
+        for item in items:
+            here = item.problem is not None or inputs.is_remote(item.path)
+            if batch and (here or len(batch) >= size):
+                window.append(pool.submit(_judge_all, batch, allow_globals))
+                batch = []
+            if here:
+                window.append(item)
+            else:
+                batch.append(item)
+            while len(window) >= IN_FLIGHT:
+                turn()
+        if batch:
+            window.append(pool.submit(_judge_all, batch, allow_globals))
+        while window:
+            turn()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # an interrupt or an error: no worker left running
+
+
+def _judge_all(items: list[Item], allow_globals: tuple[str, ...]) -> tuple[list[ItemResult], float]:
+    """A worker's batch: each item judged, in order, and the seconds it took."""
+    started = time.perf_counter()
+    found = [scan_item(item, allow_globals) for item in items]
+    return found, time.perf_counter() - started

@@ -223,6 +223,15 @@ def test_synthetic_data_is_deterministic_and_splits_differ() -> None:
     assert len(load_dataset("synthetic", data_dir=None, train=True, seed=0)) == 6000
 
 
+def test_a_torchrun_worker_ends_with_its_code_and_its_output_flushed(subprocess_env, repo_root, python_executable) -> None:
+    """training/__main__.exit_worker skips the interpreter's teardown (os._exit): what the worker printed,
+    buffered into a pipe, still arrives, and the exit code is the run's."""
+    script = "import sys; from training.__main__ import exit_worker; print('saved'); print('note', file=sys.stderr); exit_worker(3)"
+    done = subprocess.run([python_executable, "-c", script], cwd=repo_root, env=subprocess_env, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "saved\n", "note\n")
+
+
 def test_process_info_reads_torchrun_and_refuses_mismatches() -> None:
     assert process_info("single", {}) == ProcessInfo(rank=0, local_rank=0, world_size=1)
     assert process_info("ddp", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == ProcessInfo(3, 1, 4)

@@ -58,6 +58,7 @@ failure (e.g. a --resume checkpoint that does not fit). Errors are one line on s
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -176,5 +177,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_worker(code: int) -> NoReturn:
+    """End a torchrun worker now, skipping the C++ teardown of interpreter exit.
+
+    After a distributed run is over (its checkpoint renamed into place after an fsync, its process
+    group destroyed), torch's static destructors at interpreter exit sometimes abort the process
+    (SIGABRT, "terminate called without an active exception", with no Python frame left), and
+    torchrun reports the finished run as failed. Measured on 2 CPUs, a 2-process DDP run launched two at
+    a time: 3 aborted of 37 launches; 0 of 60 since workers end here. Nothing is left to finalize, so
+    the worker flushes its output and exits with its code, without that teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if "LOCAL_RANK" in os.environ:  # a torchrun worker (set by the launcher, never by a user's shell)
+        exit_worker(exit_code)
+    sys.exit(exit_code)

@@ -52,7 +52,6 @@ MAX_BATCH = 256  # items a batch holds at most
 IN_FLIGHT = 64  # batches and items in flight at most: the window that keeps workers busy past a slow file
 SKIPPED_KEPT = 1000  # skipped items a tree report lists; the rest are only counted
 MAX_MODEL_CHECK_FILES = 10_000  # a claimed folder holding more files is walked as files, not checked as one model
-NPZ_MEMBER_LIMIT = 256 << 20  # an .npz member inflated to find its pickle
 _SHARD = re.compile(r".+-\d{5}-of-\d{5}\.(safetensors|bin)")
 _INDEX = re.compile(r".+\.(safetensors|bin)\.index(\.[\w-]+)?\.json")
 
@@ -389,11 +388,18 @@ def scan_many(
     roots = list(roots)
     report = TreeReport([str(root) for root in roots], keep_safe=keep_safe)
     jobs = default_jobs() if jobs is None else max(1, jobs)
-    collected = _Collector()
+    judged = 0
 
     def take(found: ItemResult) -> None:
+        nonlocal judged
         report.add(found)
-        collected.count(found)
+        judged += found.verdict != "skipped"
+        if found.verdict != "skipped" and judged % COLLECT_EVERY == 0:
+            # A command hands what each read builds to the collector's permanent generation (gcpause.freeze_results),
+            # its cyclic garbage too (~25 KB a pickle): over thousands of files that held every file's garbage to
+            # the end (10,000 pickles: 370 MB). Handing it back and collecting keeps the memory flat.
+            gc.unfreeze()
+            gc.collect()
         if on_item is not None:
             on_item(found)
 
@@ -405,24 +411,6 @@ def scan_many(
             _pooled(items, allow_globals, jobs, take)
             break
     return report
-
-
-class _Collector:
-    """Collects this process's cyclic garbage every :data:`COLLECT_EVERY` judged items."""
-
-    def __init__(self) -> None:
-        self.judged = 0
-
-    def count(self, found: ItemResult) -> None:
-        if found.verdict == "skipped":
-            return
-        self.judged += 1
-        if self.judged % COLLECT_EVERY == 0:
-            # A command hands what each read builds to the collector's permanent generation (gcpause.freeze_results),
-            # its cyclic garbage too (~25 KB a pickle): over thousands of files that held every file's garbage to
-            # the end (10,000 pickles: 370 MB). Handing it back and collecting keeps the memory flat.
-            gc.unfreeze()
-            gc.collect()
 
 
 def _pooled(

@@ -229,6 +229,21 @@ def test_npz_object_arrays_are_judged(tmp_path: Path) -> None:
     assert code == 1
     assert [item["verdict"] for item in data["items"]] == ["dangerous", "dangerous"]
     assert data["items"][0]["format"] == "npz" and data["items"][0]["pickles"] == 1
+    # numpy.load(...)["weights.dat"] reads any member with the .npy magic as an array, whatever its name
+    import numpy as np
+
+    plain = tmp_path / "plain.npy"
+    np.save(plain, np.arange(3))
+    for compression in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        hidden = tmp_path / f"hidden-{compression}.npz"
+        with zipfile.ZipFile(hidden, "w", compression=compression) as archive:
+            archive.writestr("x.npy", plain.read_bytes())
+            archive.writestr("weights.dat", array)
+            archive.writestr("notes.txt", b"not an array")
+        assert sorted(np.load(hidden).keys()) == ["notes.txt", "weights.dat", "x"]
+        code, report = run_json(hidden)
+        assert code == 1 and report["verdict"] == "dangerous" and report["dangerous"] == ["os.system"]
+        assert [label.split(":")[0] for label in report["pickles"]] == ["weights.dat"]
 
 
 def test_overlapping_inputs_give_each_file_once(tree: Path) -> None:

@@ -21,13 +21,15 @@ HEAD_STORED = 64 << 10  # a deflated member's first stored bytes, inflated to re
 
 
 def pickles(path: Path) -> list[formats.PickleBlob]:
-    """The archive's object arrays' pickles, for ``scan`` to judge as it judges a checkpoint's."""
+    """The archive's object arrays' pickles, for ``scan`` to judge as it judges a checkpoint's.
+
+    Every member is looked at, whatever its name: ``numpy.load(...)[key]`` reads any member that opens
+    with the ``.npy`` magic as an array (``arr_0.npy`` is ``"arr_0"``, ``weights.dat`` is
+    ``"weights.dat"``), and unpickles it when it is an object array."""
     blobs: list[formats.PickleBlob] = []
     with inputs.open_regular(path, size=learnt_size(path)) as handle:
         members = zipio.read_members(path, handle)
         for name, member in members.items():
-            if not name.endswith(".npy"):
-                continue
             if member.compressed:
                 head = _inflated_head(handle, member)
                 if head is not None and npy.pickle_offset(head) is None:
